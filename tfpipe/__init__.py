@@ -1,0 +1,13 @@
+"""tfpipe: pipelined model-parallel training of Keras models on TensorFlow."""
+
+from tfpipe import optimizers
+from tfpipe.baselines import DataParallel, Single, create
+from tfpipe.devices import create_logical_cpus, default_devices
+from tfpipe.pipeline import Pipeline
+from tfpipe.policies import PIPELINE_METHODS
+
+METHODS = ("single", "dataparallel") + PIPELINE_METHODS
+
+__all__ = ["Pipeline", "Single", "DataParallel", "create", "create_logical_cpus",
+           "default_devices", "optimizers", "METHODS", "PIPELINE_METHODS"]
+__version__ = "0.1.0"

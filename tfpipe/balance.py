@@ -1,0 +1,84 @@
+"""Balancing: where to cut a chain of n layers into K stages (pure Python).
+
+n: layers, K: stages. A cut list `cuts` has K+1 entries, cuts[0] = 0 and
+cuts[K] = n; stage j holds layers cuts[j] .. cuts[j+1]-1.
+"""
+
+import functools
+
+__all__ = ["uniform", "min_max", "stage_costs"]
+
+
+def _check(n, K):
+  if not isinstance(K, int) or K < 1:
+    raise ValueError(f"the number of stages must be a positive integer. Received: {K!r}")
+  if K > n:
+    raise ValueError(f"cannot cut {n} layers into {K} stages: more stages than cuttable layers")
+
+
+def uniform(n, K):
+  """Cuts giving every stage n // K layers, the first n % K stages one more."""
+  _check(n, K)
+  base, extra = divmod(n, K)
+  cuts = [0]
+  for j in range(K):
+    cuts.append(cuts[-1] + base + (1 if j < extra else 0))
+  return cuts
+
+
+def stage_costs(costs, cuts, boundary_costs=None, last_costs=None):
+  """The cost of each stage: its layers' costs plus the transfer out of it."""
+  out = []
+  n = len(costs)
+  for a, b in zip(cuts[:-1], cuts[1:]):
+    if b == n:
+      out.append(sum((last_costs if last_costs is not None else costs)[a:b]))
+    else:
+      out.append(sum(costs[a:b]) + (boundary_costs[b - 1] if boundary_costs is not None else 0.0))
+  return out
+
+
+def min_max(costs, K, boundary_costs=None, last_costs=None):
+  """PipeDream's dynamic program: the cuts that minimise the slowest stage.
+
+  Args:
+    costs: per-layer cost (time or parameters), in layer order.
+    K: number of stages.
+    boundary_costs: optional per-layer cost of a cut right after that layer
+      (the transfer time of what crosses it), charged to the stage before it.
+    last_costs: optional per-layer cost when the layer sits in the last stage
+      (methods that recompute the forward everywhere but in the last stage).
+
+  Returns:
+    K+1 cut positions. Among optimal cuts, ties go to the one whose earlier
+    stages are shortest (deterministic).
+  """
+  n = len(costs)
+  _check(n, K)
+  if any(c < 0 for c in costs):
+    raise ValueError(f"layer costs must be >= 0. Received: {list(costs)}")
+  prefix, last_prefix = [0.0], [0.0]
+  for c, l in zip(costs, last_costs if last_costs is not None else costs):
+    prefix.append(prefix[-1] + c)
+    last_prefix.append(last_prefix[-1] + l)
+
+  def cost(a, b):
+    if b == n:
+      return last_prefix[b] - last_prefix[a]
+    transfer = boundary_costs[b - 1] if boundary_costs is not None else 0.0
+    return prefix[b] - prefix[a] + transfer
+
+  @functools.lru_cache(maxsize=None)
+  def best(start, stages):
+    # Lowest achievable max stage cost for layers start..n-1 in `stages` stages.
+    if stages == 1:
+      return cost(start, n), (n,)
+    choice = None
+    for end in range(start + 1, n - stages + 2):
+      rest, rest_cuts = best(end, stages - 1)
+      value = max(cost(start, end), rest)
+      if choice is None or value < choice[0] - 1e-12:
+        choice = (value, (end,) + rest_cuts)
+    return choice
+
+  return [0] + list(best(0, K)[1])

@@ -1,0 +1,137 @@
+"""Baselines with the Pipeline's API: one device, and MirroredStrategy data parallelism."""
+
+import time
+
+import keras
+import tensorflow as tf
+
+from tfpipe import compile_utils, devices as devices_lib, names
+
+__all__ = ["Single", "DataParallel", "create"]
+
+
+class _KerasRunner:
+  """Compile/fit/evaluate/predict of a Keras model, trained weights left in `model`."""
+
+  def __init__(self, model):
+    if not isinstance(model, keras.Model):
+      raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
+    self.model = model
+    self._trained = model
+
+  def summary(self):
+    return f"tfpipe.{type(self).__name__}: {self.describe()}"
+
+  def compile(self, optimizer, loss, metrics=None):
+    self.optimizer = compile_utils.resolve_optimizer(optimizer)
+    self._trained.compile(optimizer=self.optimizer, loss=loss, metrics=metrics)
+
+  def _sync_back(self):
+    if self._trained is not self.model:
+      self.model.set_weights(self._trained.get_weights())
+
+  def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+          validation_data=None, shuffle=True, steps_per_epoch=None, seed=None):
+    self._check_batch(x, batch_size)
+    history = _ThroughputHistory(_samples_per_epoch(x, batch_size, steps_per_epoch))
+    history_cbs = list(callbacks or []) + [history]
+    result = self._trained.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                               callbacks=history_cbs, validation_data=validation_data,
+                               shuffle=shuffle, steps_per_epoch=steps_per_epoch)
+    self._sync_back()
+    return result
+
+  def evaluate(self, x=None, y=None, batch_size=None, steps=None, return_dict=False, verbose=0):
+    return self._trained.evaluate(x, y, batch_size=batch_size, steps=steps,
+                                  return_dict=return_dict, verbose=verbose)
+
+  def predict(self, x, batch_size=None, steps=None):
+    return self._trained.predict(x, batch_size=batch_size, steps=steps, verbose=0)
+
+  def _check_batch(self, x, batch_size):
+    pass
+
+
+def _samples_per_epoch(x, batch_size, steps):
+  if isinstance(x, tf.data.Dataset):
+    dim = tf.nest.flatten(x.element_spec)[0].shape[0]
+    if dim is not None and steps is not None:
+      return dim * steps
+    return sum(int(tf.shape(tf.nest.flatten(b)[0])[0]) for b in x.take(steps or -1))
+  n = len(x[0]) if isinstance(x, (tuple, list)) else len(x)
+  return n if steps is None else min(n, steps * (batch_size or 32))
+
+
+class _ThroughputHistory(keras.callbacks.Callback):
+  """Adds `samples_per_second` to each epoch's logs, as the Pipeline reports it."""
+
+  def __init__(self, samples_per_epoch):
+    super().__init__()
+    self.samples_per_epoch = samples_per_epoch
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._start = time.perf_counter()
+
+  def on_epoch_end(self, epoch, logs=None):
+    seconds = time.perf_counter() - self._start
+    if logs is not None and seconds > 0:
+      logs["samples_per_second"] = self.samples_per_epoch / seconds
+
+
+class Single(_KerasRunner):
+  """Plain Keras training on one device: the reference every method is measured against."""
+
+  def __init__(self, model, device=None):
+    super().__init__(model)
+    self.device = device or devices_lib.default_devices()[0]
+
+  def describe(self):
+    return f"one device ({self.device})"
+
+  def fit(self, *args, **kwargs):
+    with tf.device(self.device):
+      return super().fit(*args, **kwargs)
+
+
+class DataParallel(_KerasRunner):
+  """`tf.distribute.MirroredStrategy` over `devices`: the global batch split over R replicas."""
+
+  def __init__(self, model, devices=None, num_replicas=None):
+    super().__init__(model)
+    self.devices = devices_lib.resolve_devices(devices, num_replicas)
+    self.strategy = tf.distribute.MirroredStrategy(
+        self.devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with self.strategy.scope():
+      self._trained = keras.models.clone_model(model)
+      self._trained.set_weights(model.get_weights())
+
+  def describe(self):
+    return f"MirroredStrategy over {len(self.devices)} devices {self.devices}"
+
+  def compile(self, optimizer, loss, metrics=None):
+    with self.strategy.scope():
+      optimizer = compile_utils.resolve_optimizer(optimizer)
+      self.optimizer = compile_utils.clone_optimizer(optimizer)
+      self._trained.compile(optimizer=self.optimizer, loss=loss, metrics=metrics)
+
+  def _check_batch(self, x, batch_size):
+    replicas = len(self.devices)
+    size = batch_size
+    if isinstance(x, tf.data.Dataset):
+      dim = tf.nest.flatten(x.element_spec)[0].shape[0]
+      size = dim if dim is not None else None
+    if size is not None and size % replicas:
+      raise ValueError(
+          f"the global batch must split evenly over the replicas: batch size {size} is not "
+          f"divisible by {replicas} replicas")
+
+
+def create(model, method, devices=None, num_stages=None, **kwargs):
+  """The trainer for `method`: a `Pipeline`, or the `single` / `dataparallel` baseline."""
+  import tfpipe
+  method = names.lookup("method", method, tfpipe.METHODS)
+  if method == "single":
+    return Single(model, device=devices[0] if devices else None)
+  if method == "dataparallel":
+    return DataParallel(model, devices=devices, num_replicas=num_stages)
+  return tfpipe.Pipeline(model, devices=devices, num_stages=num_stages, method=method, **kwargs)

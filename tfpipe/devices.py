@@ -1,0 +1,78 @@
+"""Devices: GPUs when present, else logical CPU devices split from the one CPU."""
+
+import tensorflow as tf
+
+__all__ = ["create_logical_cpus", "default_devices", "resolve_devices"]
+
+
+def create_logical_cpus(n, intra_op_threads=1):
+  """Splits the CPU into `n` logical devices; call before TensorFlow initialises.
+
+  With `intra_op_threads=1`, ops on two logical devices run in parallel on two
+  cores. Returns the device names. Calling it again with the same `n` after
+  initialisation is a no-op; any other call after initialisation raises.
+  """
+  if not isinstance(n, int) or n < 1:
+    raise ValueError(f"the number of logical CPU devices must be a positive integer. Received: {n!r}")
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  current = tf.config.get_logical_device_configuration(cpu)
+  if current is not None and len(current) == n:
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+  try:
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    if intra_op_threads is not None:
+      tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+  except RuntimeError as e:
+    have = len(tf.config.list_logical_devices("CPU"))
+    raise RuntimeError(
+        f"cannot create {n} logical CPU devices: TensorFlow is already initialised with "
+        f"{have}. Call tfpipe.create_logical_cpus({n}) at the start of the program, before "
+        "any TensorFlow op runs") from e
+  return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def default_devices():
+  """The local GPUs if any, else the logical CPU devices."""
+  gpus = tf.config.list_logical_devices("GPU")
+  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def resolve_devices(devices, num_stages):
+  """The device of every stage, from a device list and/or a stage count.
+
+  Device strings are kept as given, so remote devices
+  (`/job:worker/task:1/device:CPU:0`) work once connected to a cluster.
+  """
+  if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+    raise ValueError(f"`num_stages` must be a positive integer. Received: num_stages={num_stages!r}")
+  if devices is None:
+    if num_stages is None:
+      raise ValueError("give `devices` (one per stage) or `num_stages`")
+    available = default_devices()
+    if num_stages > len(available):
+      raise ValueError(
+          f"too few devices for {num_stages} stages (devices: {len(available)}: {available}); "
+          f"on CPU call tfpipe.create_logical_cpus({num_stages}) before TensorFlow initialises")
+    return available[:num_stages]
+  if isinstance(devices, str) or not all(isinstance(d, str) for d in devices):
+    raise ValueError(f"`devices` must be a list of device strings. Received: devices={devices!r}")
+  devices = list(devices)
+  if not devices:
+    raise ValueError("`devices` must not be empty")
+  if num_stages is not None and num_stages != len(devices):
+    raise ValueError(
+        f"`num_stages` must equal the number of devices. Received: num_stages={num_stages}, "
+        f"devices={devices}")
+  for d in devices:
+    try:
+      tf.DeviceSpec.from_string(d)
+    except ValueError as e:
+      raise ValueError(f"not a device string: {d!r}") from e
+  local = {tf.DeviceSpec.from_string(x.name).to_string() for x in tf.config.list_logical_devices()}
+  for d in devices:
+    spec = tf.DeviceSpec.from_string(d)
+    if spec.job in (None, "localhost") and spec.device_type is not None:
+      full = spec.make_merged_spec(tf.DeviceSpec(job="localhost", replica=0, task=0)).to_string()
+      if full not in local:
+        raise ValueError(f"no such local device: {d!r} (local devices: {sorted(local)})")
+  return devices

@@ -1,0 +1,200 @@
+"""Pipeline: train one Keras model split into stages over several devices, Keras-style.
+
+K: stages. `Pipeline(model, ...)` cuts the model, `compile` gives every stage
+its own optimizer (built from the user's config) on its device, and
+`fit`/`evaluate`/`predict` run the schedule of the chosen method. After
+`fit` the trained weights are in the user's model.
+"""
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import compile_utils, data, devices as devices_lib, layer_profile
+from tfpipe import partition as partition_lib, policies, runtime, schedules, stage
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+  """A Keras model trained with pipelined model parallelism.
+
+  Args:
+    model: a built Sequential or functional Keras model.
+    devices: one device string per stage (local or remote); or None with
+      `num_stages` to take the first K local GPUs (else logical CPUs).
+    num_stages: K, when `devices` is None.
+    method: "sequential", "vanilla", "pipedream" or "spectrain" (DESIGN.md
+      section 3).
+    partition: "uniform", "params" or "profile" (see `tfpipe.partition`).
+    spectrain_backward: "reuse" (the backward reads the forward's predicted
+      weights, no recomputation) or "repredict" (a new prediction with the
+      backward's version difference; in TensorFlow this recomputes the
+      stage from its saved input: one extra forward per backward).
+    version_difference: "paper" (seed 000 eq. 5-6) or "exact" (counted from
+      the schedule).
+    profile_batch_size: the batch size at which "profile" measures layers.
+    record: keep a `TaskRecord` of every task in `self.records`.
+  """
+
+  def __init__(self, model, devices=None, num_stages=None, method="spectrain",
+               partition="uniform", spectrain_backward="reuse", version_difference="paper",
+               profile_batch_size=32, record=False):
+    if not isinstance(model, keras.Model):
+      raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
+    self.model = model
+    self.policy = policies.policy_for(method, spectrain_backward)
+    self.method = self.policy.method
+    self.version_difference = policies.names.lookup(
+        "version_difference", version_difference, policies.VERSION_DIFFERENCES)
+    self.devices = devices_lib.resolve_devices(devices, num_stages)
+    self.num_stages = len(self.devices)
+    profiler = None
+    if partition == "profile":
+      profiler = layer_profile.Profiler(profile_batch_size, self.devices[0])
+    self.partition = partition_lib.partition(
+        model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
+    self.record = record
+    self.runtime = None
+    self.stop_training = False
+
+  @property
+  def stage_models(self):
+    return self.partition.stages
+
+  @property
+  def records(self):
+    return self.runtime.records if self.runtime else []
+
+  def summary(self):
+    """One line per stage: its device and layers."""
+    lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages"]
+    for k, (device, layers) in enumerate(zip(self.devices, self.partition.layer_names)):
+      lines.append(f"  stage {k} on {device}: {', '.join(layers)}")
+    return "\n".join(lines)
+
+  def compile(self, optimizer, loss, metrics=None):
+    """Gives each stage its own copy of `optimizer` (same config) and the last stage the loss."""
+    optimizer = compile_utils.resolve_optimizer(optimizer)
+    self.optimizer = optimizer
+    self.loss = compile_utils.resolve_loss(loss)
+    if len(self.model.outputs) != 1:
+      raise ValueError(
+          f"tfpipe trains models with one output; {self.model.name!r} has {len(self.model.outputs)}")
+    self.metrics = compile_utils.resolve_metrics(metrics, self.loss)
+    self.loss_tracker = keras.metrics.Mean(name="loss")
+    programs = []
+    for k, (sub, device) in enumerate(zip(self.partition.stages, self.devices)):
+      last = k == self.num_stages - 1
+      programs.append(stage.StageProgram(
+          k, self.num_stages, sub, device, compile_utils.clone_optimizer(optimizer), self.policy,
+          loss=self.loss if last else None, metrics=self.metrics if last else (),
+          loss_tracker=self.loss_tracker if last else None))
+    self.programs = programs
+    self.runtime = runtime.Runtime(programs, record=self.record)
+    self.compiled = True
+
+  def _check_compiled(self):
+    if self.runtime is None:
+      raise RuntimeError("call `compile(optimizer, loss, metrics)` before fit/evaluate/predict")
+
+  def _reset_metrics(self):
+    self.loss_tracker.reset_state()
+    for m in self.metrics:
+      m.reset_state()
+
+  def _metric_logs(self, prefix=""):
+    logs = {prefix + "loss": float(self.loss_tracker.result())}
+    for m in self.metrics:
+      logs[prefix + m.name] = float(m.result())
+    return logs
+
+  def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+          validation_data=None, shuffle=True, steps_per_epoch=None, seed=None):
+    """Trains for `epochs` epochs; returns a `keras.callbacks.History`.
+
+    Each epoch runs the method's schedule over its batches and drains at the
+    end, so every batch's update lands in the epoch that drew it.
+    """
+    self._check_compiled()
+    if not isinstance(epochs, int) or epochs < 1:
+      raise ValueError(f"`epochs` must be a positive integer. Received: epochs={epochs!r}")
+    dataset, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed)
+    schedule = schedules.build(self.policy.schedule, self.num_stages, num_batches)
+    diffs = policies.version_differences(self.policy, schedule, self.version_difference)
+    verbose = 1 if verbose == "auto" else verbose
+    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+                                       model=self.model, verbose=verbose, epochs=epochs,
+                                       steps=num_batches)
+    for p in self.programs:
+      p.load_from_model()
+    self.model.stop_training = False
+    cbs.on_train_begin()
+    logs = {}
+    iterator = None
+    for epoch in range(epochs):
+      if steps_per_epoch is None or iterator is None:
+        iterator = iter(dataset)
+      self._reset_metrics()
+      cbs.on_epoch_begin(epoch)
+      start = time.perf_counter()
+      losses = []
+
+      def on_result(b, loss):
+        losses.append(float(loss))
+        cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
+
+      try:
+        self.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result)
+      except StopIteration:
+        raise ValueError(
+            f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
+            "`steps_per_epoch` the data can fill, or repeat the dataset") from None
+      seconds = time.perf_counter() - start
+      logs = self._metric_logs()
+      samples = float(self.loss_tracker.count.numpy()) if hasattr(self.loss_tracker, "count") else 0.0
+      logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
+      for p in self.programs:
+        p.write_to_model()
+      if validation_data is not None:
+        val_x, val_y = (validation_data if isinstance(validation_data, (tuple, list))
+                        else (validation_data, None))
+        logs.update(self._evaluate(val_x, val_y, batch_size, None, prefix="val_"))
+      cbs.on_epoch_end(epoch, logs)
+      if self.model.stop_training:
+        break
+    cbs.on_train_end(logs)
+    return self.model.history
+
+  def _evaluate(self, x, y, batch_size, steps, prefix=""):
+    dataset, num_batches = data.as_dataset(x, y, batch_size, steps)
+    self._reset_metrics()
+    self.runtime.infer_epoch(iter(dataset), num_batches, lambda b, loss: None, with_labels=True)
+    return self._metric_logs(prefix)
+
+  def evaluate(self, x=None, y=None, batch_size=None, steps=None, return_dict=False, verbose=0):
+    """Loss and metrics over the data with the current weights, pipelined forward only."""
+    self._check_compiled()
+    for p in self.programs:
+      p.load_from_model()
+    logs = self._evaluate(x, y, batch_size, steps)
+    if verbose:
+      print(" - ".join(f"{k}: {v:.4f}" for k, v in logs.items()))
+    return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
+
+  def predict(self, x, batch_size=None, steps=None):
+    """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array."""
+    self._check_compiled()
+    for p in self.programs:
+      p.load_from_model()
+    if isinstance(x, tf.data.Dataset):
+      spec = x.element_spec
+      if isinstance(spec, tuple) and len(spec) == 2:
+        x = x.map(lambda a, b: a)
+    dataset, num_batches = data.as_dataset(x, None, batch_size, steps, labels=False)
+    outputs = {}
+    self.runtime.infer_epoch(iter(dataset), num_batches,
+                             lambda b, ys: outputs.__setitem__(b, ys[0].numpy()), with_labels=False)
+    return np.concatenate([outputs[b] for b in range(num_batches)], axis=0)

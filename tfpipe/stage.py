@@ -1,0 +1,176 @@
+"""Stage programs: one stage's weights, optimizer and compiled task functions.
+
+k: stage index, K: stages, s: version difference. Each stage owns copies of
+its sub-model's variables placed on its device, and its own optimizer. Task
+functions read the weights explicitly through `keras.Model.stateless_call`,
+so current, stashed and predicted weights all run the same compiled code.
+"""
+
+import keras
+import tensorflow as tf
+
+__all__ = ["StageProgram"]
+
+_ZERO = tf.UnconnectedGradients.ZERO
+
+
+def _is_float(t):
+  return tf.as_dtype(t.dtype).is_floating
+
+
+class StageProgram:
+  """Stage k of a pipeline: its variables on `device` and its task functions.
+
+  Forward tasks whose backward reads the same weights (`policy.backward ==
+  "forward"`) run under a gradient tape kept until the backward: the
+  backward recomputes nothing and reads the forward's weights exactly (the
+  stash). Other backwards recompute the stage from its saved input.
+  """
+
+  def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
+               metrics=(), loss_tracker=None):
+    self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
+    self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
+    self.loss_tracker = loss_tracker
+    self.is_first, self.is_last = index == 0, index == num_stages - 1
+    if policy.predicts and not hasattr(optimizer, "predict"):
+      raise ValueError(
+          f"method {policy.method!r} predicts weights and needs an optimizer with "
+          f"`predict(variable, s)`, such as tfpipe.optimizers.SpecTrain. Received: "
+          f"{type(optimizer).__name__}")
+    if self.is_last and loss is None:
+      raise ValueError("the last stage needs a loss")
+    self._float_in = [_is_float(t) for t in model.inputs]
+    self._float_out = [_is_float(t) for t in model.outputs]
+    with tf.device(device):
+      self.trainable = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_{v.name}")
+                        for v in model.trainable_variables]
+      self.non_trainable = [keras.Variable(v.numpy(), trainable=False, name=f"s{index}_{v.name}")
+                            for v in model.non_trainable_variables]
+      optimizer.build(self.trainable)
+    self._sources = [v.value for v in self.trainable]
+    self.forward = tf.function(self._forward, reduce_retracing=True)
+    self.backward_recompute = tf.function(self._backward_recompute, reduce_retracing=True)
+    self.apply = tf.function(self._apply, reduce_retracing=True)
+    self.last_step = tf.function(self._last_step, reduce_retracing=True)
+    self.infer = tf.function(self._infer, reduce_retracing=True)
+    self.evaluate_last = tf.function(self._evaluate_last, reduce_retracing=True)
+
+  # Weights and the stage call.
+
+  def weights(self, s, predicted):
+    """The weights a task reads: current, or predicted `s` updates ahead."""
+    if predicted:
+      return [self.optimizer.predict(v, s) for v in self.trainable]
+    return [tf.convert_to_tensor(v) for v in self.trainable]
+
+  def _call(self, weights, xs, training, update_state=True):
+    state = [tf.convert_to_tensor(v) for v in self.non_trainable]
+    inputs = xs[0] if len(xs) == 1 else list(xs)
+    ys, new_state, losses = self.model.stateless_call(
+        weights, state, inputs, training=training, return_losses=True)
+    if training and update_state:
+      for v, value in zip(self.non_trainable, new_state):
+        v.assign(value)
+    reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
+    return tf.nest.flatten(ys), reg
+
+  def _float_inputs(self, xs):
+    return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
+
+  def _input_grads(self, xs, grads):
+    """Gradients for every stage input (None for integer inputs)."""
+    grads = iter(grads)
+    return [next(grads) if f else None for f in self._float_in]
+
+  def _targets(self, ys, dys, reg):
+    pairs = [(y, dy if dy is not None else tf.zeros_like(y))
+             for y, dy, f in zip(ys, dys, self._float_out) if f]
+    return [y for y, _ in pairs] + [reg], [dy for _, dy in pairs] + [tf.ones_like(reg)]
+
+  # Task functions (compiled).
+
+  def _forward(self, xs, s):
+    with tf.device(self.device):
+      return self._call(self.weights(s, self.policy.forward == "predicted"), xs, training=True)
+
+  def _apply(self, grads):
+    with tf.device(self.device):
+      self.optimizer.apply(grads, self.trainable)
+
+  def _backward_recompute(self, xs, dys, s):
+    with tf.device(self.device):
+      weights = self.weights(s, self.policy.backward == "predicted")
+      float_xs = self._float_inputs(xs)
+      with tf.GradientTape() as tape:
+        tape.watch(weights + float_xs)
+        ys, reg = self._call(weights, xs, training=True, update_state=False)
+        targets, out_grads = self._targets(ys, dys, reg)
+      grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
+                            unconnected_gradients=_ZERO)
+      self.optimizer.apply(grads[:len(weights)], self.trainable)
+      return self._input_grads(xs, grads[len(weights):]) if not self.is_first else []
+
+  def _last_step(self, xs, y, s):
+    with tf.device(self.device):
+      weights = self.weights(s, self.policy.forward == "predicted")
+      float_xs = self._float_inputs(xs)
+      with tf.GradientTape() as tape:
+        tape.watch(weights + float_xs)
+        ys, reg = self._call(weights, xs, training=True)
+        loss = self.loss(y, ys[0])
+        total = loss + tf.cast(reg, loss.dtype)
+      grads = tape.gradient(total, weights + float_xs, unconnected_gradients=_ZERO)
+      self.optimizer.apply(grads[:len(weights)], self.trainable)
+      self._update_metrics(y, ys[0], total)
+      return total, (self._input_grads(xs, grads[len(weights):]) if not self.is_first else [])
+
+  def _infer(self, xs):
+    with tf.device(self.device):
+      return self._call(self.weights(0, False), xs, training=False)[0]
+
+  def _evaluate_last(self, xs, y):
+    with tf.device(self.device):
+      ys, reg = self._call(self.weights(0, False), xs, training=False)
+      loss = self.loss(y, ys[0]) + reg
+      self._update_metrics(y, ys[0], loss)
+      return loss
+
+  def _update_metrics(self, y, y_pred, loss):
+    if self.loss_tracker is not None:
+      self.loss_tracker.update_state(loss, sample_weight=tf.shape(y_pred)[0])
+    for metric in self.metrics:
+      metric.update_state(y, y_pred)
+
+  # Eager task wrappers.
+
+  def forward_saved(self, xs, s):
+    """Forward under a tape kept for the backward: returns (ys, state)."""
+    with tf.device(self.device), tf.GradientTape() as tape:
+      float_xs = self._float_inputs(xs)
+      tape.watch(float_xs)
+      ys, reg = self.forward(xs, tf.constant(s, tf.float32))
+    return ys, (tape, xs, ys, reg)
+
+  def backward_saved(self, state, dys):
+    """Backward through the kept tape with the forward's own weights, then the update."""
+    tape, xs, ys, reg = state
+    with tf.device(self.device):
+      float_xs = self._float_inputs(xs)
+      targets, out_grads = self._targets(ys, dys, reg)
+      grads = tape.gradient(targets, self._sources + float_xs, output_gradients=out_grads,
+                            unconnected_gradients=_ZERO)
+      self.apply(grads[:len(self._sources)])
+      return self._input_grads(xs, grads[len(self._sources):]) if not self.is_first else []
+
+  # Moving weights between the stage and the user's model.
+
+  def load_from_model(self):
+    for own, src in zip(self.trainable + self.non_trainable,
+                        self.model.trainable_variables + self.model.non_trainable_variables):
+      own.assign(src.numpy())
+
+  def write_to_model(self):
+    for own, dst in zip(self.trainable + self.non_trainable,
+                        self.model.trainable_variables + self.model.non_trainable_variables):
+      dst.assign(own.numpy())
