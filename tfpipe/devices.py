@@ -68,11 +68,14 @@ def resolve_devices(devices, num_stages):
       tf.DeviceSpec.from_string(d)
     except ValueError as e:
       raise ValueError(f"not a device string: {d!r}") from e
-  local = {tf.DeviceSpec.from_string(x.name).to_string() for x in tf.config.list_logical_devices()}
+  local = set()
+  for x in tf.config.list_logical_devices():
+    spec = tf.DeviceSpec.from_string(x.name)
+    local.add((spec.device_type, spec.device_index))
   for d in devices:
     spec = tf.DeviceSpec.from_string(d)
     if spec.job in (None, "localhost") and spec.device_type is not None:
-      full = spec.make_merged_spec(tf.DeviceSpec(job="localhost", replica=0, task=0)).to_string()
-      if full not in local:
-        raise ValueError(f"no such local device: {d!r} (local devices: {sorted(local)})")
+      if (spec.device_type.upper(), spec.device_index or 0) not in local:
+        names = sorted(f"/device:{t}:{i}" for t, i in local)
+        raise ValueError(f"no such local device: {d!r} (local devices: {names})")
   return devices

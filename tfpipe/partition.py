@@ -92,7 +92,9 @@ def split(model, cuts):
       if any(out is x for x in stage_inputs):  # pass-through of a skip connection
         out = keras.layers.Identity(name=f"stage{j}_pass{len(stage_outputs)}")(out)
       stage_outputs.append(out)
-    stages.append(keras.Model(stage_inputs, stage_outputs, name=f"{model.name}_stage{j}"))
+    stages.append(keras.Model(stage_inputs[0] if len(stage_inputs) == 1 else stage_inputs,
+                              stage_outputs[0] if len(stage_outputs) == 1 else stage_outputs,
+                              name=f"{model.name}_stage{j}"))
   return stages
 
 

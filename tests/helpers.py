@@ -1,0 +1,48 @@
+"""Small models and batches shared by the tests."""
+
+import keras
+import numpy as np
+
+
+def mlp(width=16, depth=4, inputs=8, classes=3, seed=0):
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((inputs,))
+  h = x
+  for i in range(depth):
+    h = keras.layers.Dense(width, activation="selu", name=f"dense{i}")(h)
+  return keras.Model(x, keras.layers.Dense(classes, name="logits")(h), name="mlp")
+
+
+def sequential_mlp(width=16, depth=4, inputs=8, classes=3, seed=0):
+  keras.utils.set_random_seed(seed)
+  layers = [keras.Input((inputs,))]
+  layers += [keras.layers.Dense(width, activation="selu") for _ in range(depth)]
+  layers += [keras.layers.Dense(classes)]
+  return keras.Sequential(layers, name="seq_mlp")
+
+
+def skip_model(seed=0):
+  """dense0 -> dense1 -> dense2 -> add(dense2, dense0) -> logits; the skip crosses cuts."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((8,))
+  a = keras.layers.Dense(16, activation="tanh", name="dense0")(x)
+  b = keras.layers.Dense(16, activation="tanh", name="dense1")(a)
+  c = keras.layers.Dense(16, activation="tanh", name="dense2")(b)
+  d = keras.layers.Add(name="add")([c, a])
+  return keras.Model(x, keras.layers.Dense(3, name="logits")(d), name="skip")
+
+
+def batches(n=20, batch_size=16, inputs=8, classes=3, seed=1):
+  rng = np.random.default_rng(seed)
+  return [(rng.standard_normal((batch_size, inputs)).astype("float32"),
+           rng.integers(0, classes, batch_size)) for _ in range(n)]
+
+
+def as_arrays(bs):
+  return np.concatenate([b[0] for b in bs]), np.concatenate([b[1] for b in bs])
+
+
+def assert_weights_close(actual, expected, rtol=1e-5, atol=1e-6):
+  assert len(actual) == len(expected)
+  for a, e in zip(actual, expected):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)

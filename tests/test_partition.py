@@ -1,0 +1,97 @@
+"""Partitioning: stage sub-models compose to the model; skip connections; profile balance."""
+
+import keras
+import numpy as np
+import pytest
+
+from tests import helpers
+from tfpipe import layer_profile, partition
+
+
+def _compose(stages, x):
+  xs = [x]
+  for stage in stages:
+    out = stage(xs[0] if len(xs) == 1 else xs)
+    xs = out if isinstance(out, (list, tuple)) else [out]
+  return xs[0]
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5])
+@pytest.mark.parametrize("build", [helpers.mlp, helpers.sequential_mlp, helpers.skip_model])
+def test_stages_compose_to_the_model(build, K):
+  model = build()
+  result = partition.partition(model, K)
+  assert len(result.stages) == K
+  x = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+  np.testing.assert_allclose(_compose(result.stages, x), model(x), rtol=1e-6, atol=1e-6)
+  names = [n for stage in result.layer_names for n in stage]
+  assert len(names) == len(set(names)) == len(partition.graph_nodes(model)[2])
+
+
+def test_skip_connection_crossing_a_cut_carries_two_tensors():
+  model = helpers.skip_model()
+  result = partition.partition(model, 2)  # dense0, dense1, dense2 | add, logits
+  assert result.layer_names == [["dense0", "dense1", "dense2"], ["add", "logits"]]
+  assert len(result.stages[0].outputs) == 2 and len(result.stages[1].inputs) == 2
+  # Three stages: the skip passes through the middle stage.
+  three = partition.split(model, [0, 1, 2, 5])
+  assert [len(s.inputs) for s in three] == [1, 1, 2]
+  assert [len(s.outputs) for s in three] == [1, 2, 1]  # stage 1 passes dense0's output on
+
+
+def test_stages_share_the_model_variables():
+  model = helpers.mlp()
+  result = partition.partition(model, 2)
+  ids = {id(v) for s in result.stages for v in s.trainable_variables}
+  assert ids == {id(v) for v in model.trainable_variables}
+
+
+def test_params_balance():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((64,))
+  h = keras.layers.Dense(256)(x)   # 16,640 parameters
+  for _ in range(4):
+    h = keras.layers.Dense(8)(h)   # small
+  model = keras.Model(x, h)
+  assert partition.partition(model, 2, "params").cuts == [0, 1, 5]
+
+
+def test_profile_moves_the_cut_toward_cheap_layers():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((1024,))
+  h = keras.layers.Dense(1024, name="big0")(x)
+  h = keras.layers.Dense(1024, name="big1")(h)
+  for i in range(6):
+    h = keras.layers.Dense(16, name=f"small{i}")(h)
+  model = keras.Model(x, h)
+  # Costs differ >10x between the 1024x1024 layers and the others.
+  profiler = layer_profile.Profiler(batch_size=256, device="/device:CPU:0", repeats=5)
+  forward, backward = profiler(partition.graph_nodes(model)[2])
+  total = [f + b for f, b in zip(forward, backward)]
+  assert min(total[:2]) > 3 * max(total[2:])
+  result = partition.partition(model, 2, "profile", profile=lambda nodes: (forward, backward))
+  uniform = partition.partition(model, 2, "uniform")
+  assert uniform.cuts == [0, 4, 8]
+  # The two big layers must be split: the first cut moves toward the cheap end.
+  assert result.cuts[1] < uniform.cuts[1]
+  assert result.layer_names[0][0] == "big0" and "big1" not in result.layer_names[0]
+
+
+def test_errors():
+  model = helpers.mlp(depth=2)  # 3 layers
+  with pytest.raises(ValueError, match="cannot cut model 'mlp' into 4 stages: it has 3 cuttable layers"):
+    partition.partition(model, 4)
+  with pytest.raises(ValueError, match="did you mean 'profile'"):
+    partition.partition(model, 2, "profil")
+
+  class Sub(keras.Model):
+    def call(self, x):
+      return x
+  with pytest.raises(ValueError, match="subclassed"):
+    partition.partition(Sub(), 2)
+  with pytest.raises(ValueError, match="no input shape"):
+    partition.partition(keras.Sequential([keras.layers.Dense(2)]), 1)
+  x = keras.Input((4,))
+  shared = keras.layers.Dense(4, name="shared")
+  with pytest.raises(ValueError, match="layer 'shared' is called 2 times"):
+    partition.partition(keras.Model(x, shared(shared(x))), 2)

@@ -1,0 +1,170 @@
+"""Pipeline: staleness-free methods equal Keras; every method equals its reference rule."""
+
+import keras
+import numpy as np
+import pytest
+
+from tests import helpers
+from tests.conftest import DEVICES
+from tfpipe import optimizers, reference
+import tfpipe
+
+LR, MOMENTUM = 0.05, 0.9
+
+
+def _stage_weights(pipe):
+  return [[v.numpy() for v in p.trainable] for p in pipe.programs]
+
+
+@pytest.mark.parametrize("K", [2, 3])
+@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
+def test_sequential_equals_keras(build, K):
+  bs = helpers.batches(20)
+  x, y = helpers.as_arrays(bs)
+  expected = build()
+  expected.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM), "sparse_categorical_crossentropy")
+  expected.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+
+  model = build()
+  pipe = tfpipe.Pipeline(model, num_stages=K, method="sequential")
+  pipe.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM), "sparse_categorical_crossentropy")
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  helpers.assert_weights_close(model.get_weights(), expected.get_weights())
+
+
+CASES = [
+    ("sequential", {}),
+    ("vanilla", {}),
+    ("pipedream", {}),
+    ("spectrain", {"spectrain_backward": "reuse", "version_difference": "paper"}),
+    ("spectrain", {"spectrain_backward": "reuse", "version_difference": "exact"}),
+    ("spectrain", {"spectrain_backward": "repredict", "version_difference": "paper"}),
+    ("spectrain", {"spectrain_backward": "repredict", "version_difference": "exact"}),
+]
+
+
+def _run_both(method, options, K=3, n=20, epochs=1):
+  bs = helpers.batches(n)
+  x, y = helpers.as_arrays(bs)
+  model = helpers.mlp()
+  pipe = tfpipe.Pipeline(model, num_stages=K, method=method, record=True, **options)
+  loss = keras.losses.SparseCategoricalCrossentropy()
+  expected, log = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
+                                            epochs=epochs, **options)
+  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), loss)
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=epochs)
+  return pipe, expected, log
+
+
+@pytest.mark.parametrize("method,options", CASES)
+def test_method_equals_reference_rule(method, options):
+  pipe, expected, log = _run_both(method, options)
+  for actual, ref in zip(_stage_weights(pipe), expected):
+    helpers.assert_weights_close(actual, ref)
+  # Every task read the weight version the rule says.
+  seen = {}
+  for r in pipe.records:
+    for kind in (("F", "B") if r.kind == "FB" else (r.kind,)):
+      seen[(r.stage, kind, r.batch)] = r.version
+  assert seen == {(k, kind, b): v for k, kind, b, v in log}
+
+
+def test_two_epochs_drain_and_continue():
+  pipe, expected, _ = _run_both("spectrain", {}, K=2, n=6, epochs=2)
+  for actual, ref in zip(_stage_weights(pipe), expected):
+    helpers.assert_weights_close(actual, ref)
+
+
+def test_methods_differ_from_each_other():
+  # The reference rules are not all the same rule: a check that the equivalences above bite.
+  finals = {}
+  for method in ("sequential", "vanilla", "pipedream", "spectrain"):
+    finals[method] = _run_both(method, {}, n=8)[1][0][0]
+  for a in finals:
+    for b in finals:
+      if a < b:
+        assert not np.allclose(finals[a], finals[b], rtol=1e-6), (a, b)
+
+
+def test_pipedream_forward_and_backward_read_the_same_version():
+  pipe, _, _ = _run_both("pipedream", {}, K=3, n=12)
+  forward = {(r.stage, r.batch): r.version for r in pipe.records if r.kind in ("F", "FB")}
+  backward = {(r.stage, r.batch): r.version for r in pipe.records if r.kind in ("B", "FB")}
+  assert forward == backward
+  # Forwards at stage k are stale by K-1-k in steady state.
+  assert forward[(0, 10)] == 10 - 2 and forward[(1, 10)] == 10 - 1 and forward[(2, 10)] == 10
+  # Stage k keeps at most K-k weight versions (and reaches it in steady state).
+  assert pipe.runtime.peak_versions == [3, 2, 0]
+  assert all(v <= 3 - k for k, v in enumerate(pipe.runtime.peak_versions))
+
+
+def test_vanilla_backward_reads_current_weights():
+  pipe, _, _ = _run_both("vanilla", {}, K=3, n=12)
+  for r in pipe.records:
+    if r.kind == "B":  # version = updates before it: every earlier batch's backward at k
+      assert r.version == r.batch
+  assert pipe.runtime.peak_versions == [0, 0, 0]  # inputs only
+  assert pipe.runtime.peak_saved == [3, 2, 0]
+
+
+def test_spectrain_copies():
+  # repredict: no weight copy outlives a task; the prediction is made inside it.
+  pipe, _, _ = _run_both("spectrain", {"spectrain_backward": "repredict"}, K=3, n=12)
+  assert pipe.runtime.peak_versions == [0, 0, 0]
+  # reuse: the backward reads the forward's prediction, kept with its saved forward.
+  pipe, _, _ = _run_both("spectrain", {"spectrain_backward": "reuse"}, K=3, n=12)
+  assert all(v <= 3 - k for k, v in enumerate(pipe.runtime.peak_versions))
+
+
+def test_weights_land_in_the_user_model_and_evaluate_matches_keras():
+  bs = helpers.batches(8)
+  x, y = helpers.as_arrays(bs)
+  model = helpers.mlp()
+  pipe = tfpipe.Pipeline(model, devices=DEVICES[:2], method="spectrain")
+  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), "sparse_categorical_crossentropy", ["accuracy"])
+  history = pipe.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x, y))
+  assert set(history.history) >= {"loss", "accuracy", "val_loss", "val_accuracy",
+                                  "samples_per_second"}
+  assert len(history.history["loss"]) == 2
+  for w, p in zip(model.get_weights(), [v.numpy() for prog in pipe.programs for v in prog.trainable]):
+    np.testing.assert_array_equal(w, p)
+  model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+  keras_loss, keras_acc = model.evaluate(x, y, batch_size=16, verbose=0)
+  loss, acc = pipe.evaluate(x, y, batch_size=16)
+  assert loss == pytest.approx(keras_loss, rel=1e-5) and acc == pytest.approx(keras_acc)
+  np.testing.assert_allclose(pipe.predict(x, batch_size=32), model.predict(x, verbose=0),
+                             rtol=1e-5, atol=1e-6)
+  assert history.history["val_loss"][-1] == pytest.approx(keras_loss, rel=1e-5)
+
+
+def test_callbacks_early_stopping():
+  x, y = helpers.as_arrays(helpers.batches(4))
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="pipedream")
+  pipe.compile(optimizers.SpecTrain(0.0, MOMENTUM), "sparse_categorical_crossentropy")
+  stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1.0)
+  history = pipe.fit(x, y, batch_size=16, epochs=10, verbose=0, callbacks=[stop])
+  assert len(history.history["loss"]) == 2  # no improvement with learning rate 0
+
+
+def test_bad_input_errors():
+  model = helpers.mlp(depth=1)
+  with pytest.raises(ValueError, match="unknown method 'spectrian'; did you mean 'spectrain'"):
+    tfpipe.Pipeline(model, num_stages=2, method="spectrian")
+  with pytest.raises(ValueError, match="too few devices for 5 stages"):
+    tfpipe.Pipeline(model, num_stages=5)
+  with pytest.raises(ValueError, match="cannot cut model 'mlp' into 3 stages: it has 2 cuttable layers"):
+    tfpipe.Pipeline(model, num_stages=3)
+  with pytest.raises(ValueError, match="`num_stages` must equal the number of devices"):
+    tfpipe.Pipeline(model, devices=DEVICES[:2], num_stages=3)
+  with pytest.raises(ValueError, match="no such local device"):
+    tfpipe.Pipeline(model, devices=["/device:CPU:0", "/device:CPU:7"])
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="spectrain")
+  with pytest.raises(ValueError, match="needs an optimizer with `predict"):
+    pipe.compile(keras.optimizers.SGD(0.1), "mse")
+  with pytest.raises(RuntimeError, match="call `compile"):
+    pipe.fit(np.zeros((4, 8)), np.zeros(4))
+  pipe.compile(optimizers.SpecTrain(0.1), "sparse_categorical_crossentropy")
+  with pytest.raises(ValueError, match="`epochs` must be a positive integer. Received: epochs=0"):
+    pipe.fit(np.zeros((4, 8)), np.zeros(4), epochs=0)
+  with pytest.raises(ValueError, match="`x` and `y` must have the same length"):
+    pipe.fit(np.zeros((4, 8)), np.zeros(3))
