@@ -1,0 +1,37 @@
+"""Baselines: MirroredStrategy data parallelism equals single-device training."""
+
+import keras
+import numpy as np
+import pytest
+
+from tests import helpers
+from tests.conftest import DEVICES
+from tfpipe import optimizers
+import tfpipe
+
+
+def test_dataparallel_equals_single_at_the_same_global_batch():
+  x, y = helpers.as_arrays(helpers.batches(10))
+  single_model, dp_model = helpers.mlp(), helpers.mlp()
+  single = tfpipe.create(single_model, "single")
+  single.compile(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+  single.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  dp = tfpipe.create(dp_model, "dataparallel", devices=DEVICES[:2])
+  dp.compile(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+  history = dp.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  assert "samples_per_second" in history.history
+  helpers.assert_weights_close(dp_model.get_weights(), single_model.get_weights(), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_dataparallel_refuses_a_batch_that_does_not_split():
+  dp = tfpipe.create(helpers.mlp(), "dataparallel", devices=DEVICES[:2])
+  dp.compile(optimizers.SpecTrain(0.05), "sparse_categorical_crossentropy")
+  with pytest.raises(ValueError, match="batch size 15 is not divisible by 2 replicas"):
+    dp.fit(np.zeros((30, 8)), np.zeros(30), batch_size=15, verbose=0)
+
+
+def test_create_names_methods():
+  assert isinstance(tfpipe.create(helpers.mlp(), "vanilla", num_stages=2), tfpipe.Pipeline)
+  with pytest.raises(ValueError, match="did you mean 'dataparallel'"):
+    tfpipe.create(helpers.mlp(), "dataparalel")

@@ -1,0 +1,1 @@
+"""tfpipe trainers: `python -m trainers.main --flagfile=configs/<workload>_<method>.cfg`."""

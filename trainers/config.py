@@ -1,0 +1,38 @@
+"""The trainer's configuration: what the flags say, as one object passed to the library."""
+
+import dataclasses
+from typing import Optional, Sequence
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  model: str = "snn"
+  dataset: str = "digits"
+  method: str = "spectrain"
+  num_stages: int = 2
+  devices: Optional[Sequence[str]] = None
+  partition: str = "uniform"
+  spectrain_backward: str = "reuse"
+  version_difference: str = "paper"
+  batch_size: int = 64
+  learning_rate: float = 0.01
+  momentum: float = 0.9
+  epochs: int = 1
+  steps: Optional[int] = None
+  seed: int = 0
+  logdir: Optional[str] = None
+  data_dir: Optional[str] = None
+  snn_width: int = 2048
+  snn_depth: int = 32
+  model_scale: float = 1.0
+  synthetic_samples: int = 2048
+  synthetic_shape: Sequence[int] = (32, 32, 3)
+  sequence_length: int = 20
+  intra_op_threads: int = 1
+  verbose: int = 2
+
+  @classmethod
+  def from_flags(cls, flag_values):
+    values = {f.name: getattr(flag_values, f.name) for f in dataclasses.fields(cls)}
+    values["synthetic_shape"] = tuple(int(d) for d in values["synthetic_shape"])
+    return cls(**values)

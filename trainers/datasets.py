@@ -1,0 +1,94 @@
+"""Datasets: tfds (cifar10, mnist, imdb_reviews), scikit-learn's digits, synthetic."""
+
+import collections
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import names
+
+__all__ = ["DATASETS", "DataUnavailableError", "Data", "load"]
+
+DATASETS = ("digits", "synthetic", "cifar10", "mnist", "imdb_reviews")
+
+Data = collections.namedtuple(
+    "Data", ["train", "validation", "input_shape", "num_classes", "train_size"])
+
+
+class DataUnavailableError(RuntimeError):
+  """The dataset is not on this machine and cannot be downloaded here."""
+
+
+def _from_arrays(x_train, y_train, x_val, y_val, batch_size, seed, num_classes):
+  train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
+           .shuffle(len(x_train), seed=seed, reshuffle_each_iteration=True)
+           .batch(batch_size, drop_remainder=True).prefetch(4))
+  val = tf.data.Dataset.from_tensor_slices((x_val, y_val)).batch(batch_size).prefetch(4)
+  return Data(train, val, tuple(x_train.shape[1:]), num_classes, len(x_train))
+
+
+def _digits(config):
+  from sklearn.datasets import load_digits
+  digits = load_digits()
+  x = (digits.data / 16.0).astype("float32")
+  y = digits.target.astype("int64")
+  order = np.random.default_rng(config.seed).permutation(len(x))
+  x, y = x[order], y[order]
+  split = int(0.8 * len(x))
+  return _from_arrays(x[:split], y[:split], x[split:], y[split:], config.batch_size, config.seed, 10)
+
+
+def _synthetic(config):
+  """Random inputs labelled by a fixed random linear map: learnable, for throughput."""
+  rng = np.random.default_rng(config.seed)
+  shape, classes = tuple(config.synthetic_shape), 10
+  n_val = max(config.batch_size, config.synthetic_samples // 8)
+  x = rng.standard_normal((config.synthetic_samples + n_val,) + shape).astype("float32")
+  projection = rng.standard_normal((int(np.prod(shape)), classes)).astype("float32")
+  y = np.argmax(x.reshape(len(x), -1) @ projection, axis=1).astype("int64")
+  n = config.synthetic_samples
+  return _from_arrays(x[:n], y[:n], x[n:], y[n:], config.batch_size, config.seed, classes)
+
+
+def _tfds(config, name):
+  import tensorflow_datasets as tfds
+  data_dir = config.data_dir or os.environ.get("TFDS_DATA_DIR")
+  try:
+    splits, info = tfds.load(name, split=["train", "test"], data_dir=data_dir, download=False,
+                             as_supervised=True, with_info=True)
+  except Exception as e:  # tfds raises assertion or not-found errors of several kinds
+    where = data_dir or "the default tfds directory (~/tensorflow_datasets)"
+    raise DataUnavailableError(
+        f"dataset {name!r} is not in {where} and cannot be downloaded from this machine.\n"
+        f"Prepare it on a machine with internet access:\n"
+        f"  python -c \"import tensorflow_datasets as tfds; tfds.load('{name}', data_dir='DIR')\"\n"
+        f"then copy DIR here and pass --data_dir=DIR (or set TFDS_DATA_DIR=DIR).\n"
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+  train, val = splits
+  classes = info.features["label"].num_classes
+  if name == "imdb_reviews":
+    vectorize = tf.keras.layers.TextVectorization(
+        max_tokens=20000, output_sequence_length=config.sequence_length)
+    vectorize.adapt(train.map(lambda text, label: text).batch(1024))
+    to_ids = lambda text, label: (vectorize(text), label)
+    train, val = train.batch(1024).map(to_ids).unbatch(), val.batch(1024).map(to_ids).unbatch()
+    shape = (config.sequence_length,)
+  else:
+    scale = lambda image, label: (tf.cast(image, tf.float32) / 255.0, label)
+    train, val = train.map(scale), val.map(scale)
+    shape = tuple(info.features["image"].shape)
+  size = info.splits["train"].num_examples
+  train = (train.shuffle(10000, seed=config.seed, reshuffle_each_iteration=True)
+           .batch(config.batch_size, drop_remainder=True).prefetch(4))
+  return Data(train, val.batch(config.batch_size).prefetch(4), shape, classes, size)
+
+
+def load(config):
+  """The training and validation data of `config.dataset`, batched by `config.batch_size`."""
+  name = names.lookup("dataset", config.dataset, DATASETS)
+  if name == "digits":
+    return _digits(config)
+  if name == "synthetic":
+    return _synthetic(config)
+  return _tfds(config, name)

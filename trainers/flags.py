@@ -1,0 +1,46 @@
+"""The one place that defines the trainer's flags."""
+
+from absl import flags
+
+import tfpipe
+from trainers import datasets, models
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string("model", "snn", f"model: {', '.join(models.MODELS)}")
+  flags.DEFINE_string("dataset", "digits", f"dataset: {', '.join(datasets.DATASETS)}")
+  flags.DEFINE_string("method", "spectrain", f"method: {', '.join(tfpipe.METHODS)}")
+  flags.DEFINE_integer("num_stages", 2, "pipeline stages (replicas for dataparallel)")
+  flags.DEFINE_list("devices", None, "device per stage; default: GPUs, else logical CPUs")
+  flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
+  flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
+  flags.DEFINE_string("version_difference", "paper", "spectrain version difference: paper, exact")
+  flags.DEFINE_integer("batch_size", 64, "global batch size")
+  flags.DEFINE_float("learning_rate", 0.01, "learning rate eta")
+  flags.DEFINE_float("momentum", 0.9, "momentum / smoothing factor gamma")
+  flags.DEFINE_integer("epochs", 1, "epochs")
+  flags.DEFINE_integer("steps", None, "batches per epoch (default: the whole training set)")
+  flags.DEFINE_integer("seed", 0, "random seed (weights, shuffling, synthetic data)")
+  flags.DEFINE_string("logdir", None, "TensorBoard directory (scalars per epoch)")
+  flags.DEFINE_string("data_dir", None, "tfds data directory (default: $TFDS_DATA_DIR)")
+  flags.DEFINE_integer("snn_width", 2048, "snn: units per layer")
+  flags.DEFINE_integer("snn_depth", 32, "snn: hidden layers")
+  flags.DEFINE_float("model_scale", 1.0, "vgg16: multiplier on the filter counts")
+  flags.DEFINE_integer("synthetic_samples", 2048, "synthetic: training samples")
+  flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "synthetic: input shape")
+  flags.DEFINE_integer("sequence_length", 20, "imdb_reviews: words kept per review")
+  flags.DEFINE_integer("intra_op_threads", 1, "threads per op (1: one core per logical CPU)")
+  flags.DEFINE_integer("verbose", 2, "0: silent, 1: progress bar, 2: one line per epoch")
+
+  flags.register_validator("num_stages", lambda v: v >= 1, "--num_stages must be >= 1")
+  flags.register_validator("batch_size", lambda v: v >= 1, "--batch_size must be >= 1")
+  flags.register_validator("epochs", lambda v: v >= 1, "--epochs must be >= 1")
+  flags.register_validator("steps", lambda v: v is None or v >= 1, "--steps must be >= 1")
+  flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")
+  flags.register_validator("momentum", lambda v: 0 <= v < 1, "--momentum must be in [0, 1)")
+  flags.register_multi_flags_validator(
+      ["devices", "num_stages"],
+      lambda f: f["devices"] is None or len(f["devices"]) == f["num_stages"],
+      "--devices must list one device per stage (--num_stages)")

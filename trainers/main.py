@@ -1,0 +1,118 @@
+"""Trains a workload with a tfpipe method: `python -m trainers.main --flagfile=configs/X.cfg`.
+
+Prints one line per epoch (loss, accuracy, samples/s), a summary table at the
+end, and writes every epoch's numbers as TensorBoard scalars under --logdir.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # noqa: E402
+
+from trainers import flags as trainer_flags  # noqa: E402
+from trainers.config import TrainConfig  # noqa: E402
+
+
+def setup_devices(config):
+  """GPUs when present; otherwise one logical CPU per stage, before TensorFlow initialises."""
+  import tensorflow as tf
+  import tfpipe
+  if tf.config.list_physical_devices("GPU"):
+    return
+  wanted = config.num_stages
+  if config.devices:
+    indices = [tf.DeviceSpec.from_string(d).device_index or 0 for d in config.devices
+               if (tf.DeviceSpec.from_string(d).device_type or "").upper() == "CPU"]
+    wanted = max([wanted] + [i + 1 for i in indices])
+  tfpipe.create_logical_cpus(wanted, intra_op_threads=config.intra_op_threads)
+
+
+class EpochReport:
+  """A Keras callback: a line per epoch and TensorBoard scalars (made lazily, one writer)."""
+
+  def __new__(cls, config):
+    import keras
+    import tensorflow as tf
+
+    class _Report(keras.callbacks.Callback):
+      def __init__(self):
+        super().__init__()
+        self.writer = (tf.summary.create_file_writer(os.path.join(config.logdir, config.method))
+                       if config.logdir else None)
+
+      def on_epoch_end(self, epoch, logs=None):
+        logs = dict(logs or {})
+        if config.verbose >= 2:
+          print(f"epoch {epoch + 1}/{config.epochs}: " +
+                "  ".join(f"{k}={v:.4f}" if k != "samples_per_second" else f"samples/s={v:.1f}"
+                          for k, v in sorted(logs.items())), flush=True)
+        if self.writer is not None:
+          with self.writer.as_default():
+            for key, value in logs.items():
+              tf.summary.scalar(key, value, step=epoch)
+          self.writer.flush()
+
+    return _Report()
+
+
+def run(config):
+  """Trains `config`'s workload; returns (history dict, trainer). Never reads FLAGS."""
+  import keras
+  import tfpipe
+  from trainers import datasets, models
+
+  setup_devices(config)
+  keras.utils.set_random_seed(config.seed)
+  data = datasets.load(config)
+  model = models.build_model(config, data.input_shape, data.num_classes)
+  trainer = tfpipe.create(
+      model, config.method, devices=config.devices,
+      num_stages=None if config.devices else (1 if config.method == "single" else config.num_stages),
+      **({} if config.method in ("single", "dataparallel") else dict(
+          partition=config.partition, spectrain_backward=config.spectrain_backward,
+          version_difference=config.version_difference, profile_batch_size=config.batch_size)))
+  if config.verbose:
+    print(trainer.summary(), flush=True)
+  trainer.compile(
+      optimizer=tfpipe.optimizers.SpecTrain(config.learning_rate, config.momentum),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+  train = data.train.repeat() if config.steps else data.train
+  history = trainer.fit(train, epochs=config.epochs, steps_per_epoch=config.steps,
+                        validation_data=data.validation, callbacks=[EpochReport(config)],
+                        verbose=1 if config.verbose == 1 else 0)
+  return history.history, trainer
+
+
+def format_table(config, history):
+  rows = [("method", config.method), ("model", config.model), ("dataset", config.dataset),
+          ("stages", str(config.num_stages))]
+  for key in ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_second"):
+    if key in history:
+      rows.append((key, f"{history[key][-1]:.4f}"))
+  width = max(len(k) for k, _ in rows)
+  return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = TrainConfig.from_flags(trainer_flags.FLAGS)
+  from trainers import datasets
+  try:
+    history, _ = run(config)
+  except (datasets.DataUnavailableError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(format_table(config, history))
+  return 0
+
+
+def entry():
+  trainer_flags.define_flags()
+  app.run(main)
+
+
+if __name__ == "__main__":
+  entry()
