@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-__all__ = ["create_logical_cpus", "default_devices", "resolve_devices"]
+__all__ = ["create_logical_cpus", "ensure_logical_cpus", "default_devices", "resolve_devices"]
 
 
 def create_logical_cpus(n, intra_op_threads=1):
@@ -29,6 +29,14 @@ def create_logical_cpus(n, intra_op_threads=1):
         f"{have}. Call tfpipe.create_logical_cpus({n}) at the start of the program, before "
         "any TensorFlow op runs") from e
   return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def ensure_logical_cpus(n, intra_op_threads=1):
+  """At least `n` logical CPU devices: creates them, or accepts enough made earlier."""
+  have = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
+  if have is not None and len(have) >= n:
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+  return create_logical_cpus(n, intra_op_threads)
 
 
 def default_devices():

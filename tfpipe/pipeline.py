@@ -37,11 +37,14 @@ class Pipeline:
       the schedule).
     profile_batch_size: the batch size at which "profile" measures layers.
     record: keep a `TaskRecord` of every task in `self.records`.
+    jit_compile: compile each stage task with XLA. One XLA call runs on one
+      thread (with 1 intra-op thread), so stages on logical CPU devices never
+      compete for the shared inter-op pool.
   """
 
   def __init__(self, model, devices=None, num_stages=None, method="spectrain",
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
-               profile_batch_size=32, record=False):
+               profile_batch_size=32, record=False, jit_compile=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
@@ -57,6 +60,7 @@ class Pipeline:
     self.partition = partition_lib.partition(
         model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
     self.record = record
+    self.jit_compile = jit_compile
     self.runtime = None
     self.stop_training = False
 
@@ -83,15 +87,18 @@ class Pipeline:
     if len(self.model.outputs) != 1:
       raise ValueError(
           f"tfpipe trains models with one output; {self.model.name!r} has {len(self.model.outputs)}")
-    self.metrics = compile_utils.resolve_metrics(metrics, self.loss)
-    self.loss_tracker = keras.metrics.Mean(name="loss")
+    with tf.device(self.devices[-1]):  # metric state lives with the last stage
+      self.metrics = compile_utils.resolve_metrics(metrics, self.loss)
+      self.loss_tracker = keras.metrics.Mean(name="loss")
     programs = []
     for k, (sub, device) in enumerate(zip(self.partition.stages, self.devices)):
       last = k == self.num_stages - 1
+      with tf.device(device):  # the optimizer's step counter and slots live with the stage
+        stage_optimizer = compile_utils.clone_optimizer(optimizer)
       programs.append(stage.StageProgram(
-          k, self.num_stages, sub, device, compile_utils.clone_optimizer(optimizer), self.policy,
+          k, self.num_stages, sub, device, stage_optimizer, self.policy,
           loss=self.loss if last else None, metrics=self.metrics if last else (),
-          loss_tracker=self.loss_tracker if last else None))
+          loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile))
     self.programs = programs
     self.runtime = runtime.Runtime(programs, record=self.record)
     self.compiled = True

@@ -145,8 +145,9 @@ class Runtime:
           continue  # ran with its forward
         if kind == "F":
           xs, y = inputs(k)
+          start = time.perf_counter()
           if last:
-            loss, dxs = program.last_step(xs, y, tf.constant(s, tf.float32))
+            loss, dxs = program.last_step(xs, y, s)
             self.updates[k] += 1
             self._log(k, "FB", b, self.updates[k] - 1, s, start)
             if k > 0:
@@ -154,7 +155,7 @@ class Runtime:
             results.put((b, loss))
             continue
           if policy.recompute:
-            ys, _ = program.forward(xs, tf.constant(s, tf.float32))
+            ys, _ = program.forward(xs, s)
             saved[b] = (xs, None, self.updates[k])
           else:
             ys, state = program.forward_saved(xs, s)
@@ -169,7 +170,7 @@ class Runtime:
           if state is not None:
             dxs = program.backward_saved(state, dys)
           else:
-            dxs = program.backward_recompute(xs, dys, tf.constant(s, tf.float32))
+            dxs = program.backward_recompute(xs, dys, s)
             version = self.updates[k]
           self.updates[k] += 1
           self._log(k, "B", b, version, s, start)

@@ -28,7 +28,7 @@ class StageProgram:
   """
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
-               metrics=(), loss_tracker=None):
+               metrics=(), loss_tracker=None, jit_compile=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
     self.loss_tracker = loss_tracker
@@ -49,18 +49,26 @@ class StageProgram:
                             for v in model.non_trainable_variables]
       optimizer.build(self.trainable)
     self._sources = [v.value for v in self.trainable]
-    self.forward = tf.function(self._forward, reduce_retracing=True)
-    self.backward_recompute = tf.function(self._backward_recompute, reduce_retracing=True)
-    self.apply = tf.function(self._apply, reduce_retracing=True)
-    self.last_step = tf.function(self._last_step, reduce_retracing=True)
-    self.infer = tf.function(self._infer, reduce_retracing=True)
-    self.evaluate_last = tf.function(self._evaluate_last, reduce_retracing=True)
+    for name in ("forward", "backward_recompute", "apply", "last_step", "infer", "evaluate_last"):
+      compiled = tf.function(getattr(self, "_" + name), reduce_retracing=True,
+                             jit_compile=jit_compile)
+      setattr(self, name, self._placed(compiled) if jit_compile else compiled)
+
+  def _placed(self, fn):
+    """Calls `fn` from within the stage's device scope (XLA places a call by its call site)."""
+    def call(*args):
+      with tf.device(self.device):
+        return fn(*args)
+    return call
 
   # Weights and the stage call.
 
   def weights(self, s, predicted):
-    """The weights a task reads: current, or predicted `s` updates ahead."""
-    if predicted:
+    """The weights a task reads: current, or predicted `s` updates ahead.
+
+    `s` is a Python number, so each value traces once and s = 0 costs nothing.
+    """
+    if predicted and s:
       return [self.optimizer.predict(v, s) for v in self.trainable]
     return [tf.convert_to_tensor(v) for v in self.trainable]
 
@@ -149,7 +157,7 @@ class StageProgram:
     with tf.device(self.device), tf.GradientTape() as tape:
       float_xs = self._float_inputs(xs)
       tape.watch(float_xs)
-      ys, reg = self.forward(xs, tf.constant(s, tf.float32))
+      ys, reg = self.forward(xs, s)
     return ys, (tape, xs, ys, reg)
 
   def backward_saved(self, state, dys):

@@ -26,7 +26,7 @@ def setup_devices(config):
     indices = [tf.DeviceSpec.from_string(d).device_index or 0 for d in config.devices
                if (tf.DeviceSpec.from_string(d).device_type or "").upper() == "CPU"]
     wanted = max([wanted] + [i + 1 for i in indices])
-  tfpipe.create_logical_cpus(wanted, intra_op_threads=config.intra_op_threads)
+  tfpipe.devices.ensure_logical_cpus(wanted, intra_op_threads=config.intra_op_threads)
 
 
 class EpochReport:

@@ -1,0 +1,64 @@
+"""Trainer: the quickstart config end to end, every method, clear errors for bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tfpipe
+from trainers import config as config_lib, datasets, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args):
+  env = dict(os.environ, TFDS_DATA_DIR=os.path.join(ROOT, "tests", "no_such_data_dir"))
+  return subprocess.run([sys.executable, "-m", "trainers.main", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_quickstart_config_runs_end_to_end(tmp_path):
+  result = _cli("--flagfile=configs/quickstart.cfg", "--epochs=1", "--steps=3",
+                f"--logdir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "epoch 1/1:" in result.stdout and "val_accuracy" in result.stdout
+  assert "samples/s=" in result.stdout
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "spectrain"))
+
+
+def test_missing_dataset_offline_is_a_clear_message():
+  result = _cli("--flagfile=configs/vgg16_spectrain.cfg", "--epochs=1", "--steps=1",
+                "--logdir=")
+  assert result.returncode == 2
+  assert "dataset 'cifar10' is not in" in result.stderr
+  assert "--data_dir=DIR" in result.stderr and "TFDS_DATA_DIR" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_typo_in_method_gets_did_you_mean():
+  result = _cli("--method=spectrian", "--steps=1", "--snn_depth=2", "--snn_width=8")
+  assert result.returncode == 2
+  assert "unknown method 'spectrian'; did you mean 'spectrain'" in result.stderr
+
+
+def test_flag_validators_refuse_bad_values():
+  result = _cli("--momentum=1.5")
+  assert result.returncode != 0 and "--momentum must be in [0, 1)" in result.stderr
+
+
+@pytest.mark.parametrize("method", tfpipe.METHODS)
+def test_every_method_trains_a_few_steps(method):
+  config = config_lib.TrainConfig(method=method, snn_width=32, snn_depth=4, batch_size=16,
+                                  steps=3, epochs=1, verbose=0, num_stages=2,
+                                  partition="params")
+  history, trainer = main.run(config)
+  assert len(history["loss"]) == 1 and history["val_accuracy"][0] >= 0.0
+  assert history["samples_per_second"][0] > 0
+
+
+def test_unknown_dataset_and_model():
+  with pytest.raises(ValueError, match="did you mean 'digits'"):
+    datasets.load(config_lib.TrainConfig(dataset="digit"))
+  with pytest.raises(ValueError, match="vgg16 needs images of at least 32x32"):
+    main.run(config_lib.TrainConfig(model="vgg16", dataset="digits", verbose=0, steps=1))
