@@ -6,7 +6,7 @@ import pytest
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import optimizers, reference
+from tfpipe import optimizers, reference, schedules
 import tfpipe
 
 LR, MOMENTUM = 0.05, 0.9
@@ -84,6 +84,25 @@ def test_methods_differ_from_each_other():
     for b in finals:
       if a < b:
         assert not np.allclose(finals[a], finals[b], rtol=1e-6), (a, b)
+
+
+def test_exact_version_differences_equal_the_counts_observed_in_a_run():
+  # For each forward, count the updates its stage really applied for earlier batches after
+  # the forward started; `exact` must have predicted exactly that many.
+  pipe, _, _ = _run_both("spectrain", {"version_difference": "exact"}, K=3, n=10)
+  updates = [r for r in pipe.records if r.kind in ("B", "FB")]
+  for r in pipe.records:
+    if r.kind in ("F", "FB"):
+      observed = sum(1 for u in updates
+                     if u.stage == r.stage and u.batch < r.batch and u.start >= r.start)
+      assert r.s == observed, r
+
+
+def test_paper_version_differences_are_the_ones_used():
+  pipe, _, _ = _run_both("spectrain", {"version_difference": "paper"}, K=3, n=6)
+  for r in pipe.records:
+    kind = "B" if r.kind == "B" else "F"
+    assert r.s == schedules.paper_version_difference(r.stage, 3, kind)
 
 
 def test_pipedream_forward_and_backward_read_the_same_version():

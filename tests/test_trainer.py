@@ -57,6 +57,14 @@ def test_every_method_trains_a_few_steps(method):
   assert history["samples_per_second"][0] > 0
 
 
+def test_vgg16_trains_in_a_pipeline_at_small_scale():
+  config = config_lib.TrainConfig(model="vgg16", dataset="synthetic", model_scale=1 / 16,
+                                  synthetic_samples=64, batch_size=16, steps=2, epochs=1,
+                                  verbose=0, method="spectrain", num_stages=3)
+  history, trainer = main.run(config)
+  assert len(trainer.stage_models) == 3 and history["loss"][0] > 0
+
+
 def test_unknown_dataset_and_model():
   with pytest.raises(ValueError, match="did you mean 'digits'"):
     datasets.load(config_lib.TrainConfig(dataset="digit"))

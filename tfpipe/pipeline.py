@@ -62,7 +62,6 @@ class Pipeline:
     self.record = record
     self.jit_compile = jit_compile
     self.runtime = None
-    self.stop_training = False
 
   @property
   def stage_models(self):
@@ -101,7 +100,6 @@ class Pipeline:
           loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile))
     self.programs = programs
     self.runtime = runtime.Runtime(programs, record=self.record)
-    self.compiled = True
 
   def _check_compiled(self):
     if self.runtime is None:

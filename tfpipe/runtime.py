@@ -57,14 +57,14 @@ class Channel:
 
 @contextlib.contextmanager
 def spawn(stop):
-  """Starts threads with `start(fn, name)`; always joins them; re-raises the first error.
+  """Starts threads with `launch(fn, name)`; always joins them; re-raises the first error.
 
   The body runs in the caller's thread (it may consume results); an exception
   there also stops the threads.
   """
   threads, errors = [], []
 
-  def start(fn, name):
+  def launch(fn, name):
     def run():
       try:
         fn()
@@ -78,7 +78,7 @@ def spawn(stop):
     thread.start()
 
   try:
-    yield start
+    yield launch
   except Stopped:
     pass
   except BaseException:
@@ -181,14 +181,14 @@ class Runtime:
       for _ in range(num_batches):
         dst.put(_copy_to(device, src.get()))
 
-    with spawn(stop) as start:
+    with spawn(stop) as launch:
       for k in range(K):
-        start(lambda k=k: worker(k), f"tfpipe-stage{k}")
+        launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
       for k in range(K - 1):
-        start(lambda k=k: transfer(fwd[k][0], fwd[k][1], self.programs[k + 1].device),
-              f"tfpipe-fwd{k}")
-        start(lambda k=k: transfer(bwd[k][0], bwd[k][1], self.programs[k].device),
-              f"tfpipe-bwd{k}")
+        launch(lambda k=k: transfer(fwd[k][0], fwd[k][1], self.programs[k + 1].device),
+               f"tfpipe-fwd{k}")
+        launch(lambda k=k: transfer(bwd[k][0], bwd[k][1], self.programs[k].device),
+               f"tfpipe-bwd{k}")
       for _ in range(num_batches):
         b, loss = results.get()
         on_result(b, loss)
@@ -240,11 +240,11 @@ class Runtime:
       for _ in range(num_batches):
         dst.put(_copy_to(device, src.get()))
 
-    with spawn(stop) as start:
+    with spawn(stop) as launch:
       for k in range(K):
-        start(lambda k=k: worker(k), f"tfpipe-stage{k}")
+        launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
       for k in range(K - 1):
-        start(lambda k=k: transfer(fwd[k][0], fwd[k][1], self.programs[k + 1].device),
-              f"tfpipe-fwd{k}")
+        launch(lambda k=k: transfer(fwd[k][0], fwd[k][1], self.programs[k + 1].device),
+               f"tfpipe-fwd{k}")
       for _ in range(num_batches):
         on_result(*results.get())

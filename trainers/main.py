@@ -29,39 +29,11 @@ def setup_devices(config):
   tfpipe.devices.ensure_logical_cpus(wanted, intra_op_threads=config.intra_op_threads)
 
 
-class EpochReport:
-  """A Keras callback: a line per epoch and TensorBoard scalars (made lazily, one writer)."""
-
-  def __new__(cls, config):
-    import keras
-    import tensorflow as tf
-
-    class _Report(keras.callbacks.Callback):
-      def __init__(self):
-        super().__init__()
-        self.writer = (tf.summary.create_file_writer(os.path.join(config.logdir, config.method))
-                       if config.logdir else None)
-
-      def on_epoch_end(self, epoch, logs=None):
-        logs = dict(logs or {})
-        if config.verbose >= 2:
-          print(f"epoch {epoch + 1}/{config.epochs}: " +
-                "  ".join(f"{k}={v:.4f}" if k != "samples_per_second" else f"samples/s={v:.1f}"
-                          for k, v in sorted(logs.items())), flush=True)
-        if self.writer is not None:
-          with self.writer.as_default():
-            for key, value in logs.items():
-              tf.summary.scalar(key, value, step=epoch)
-          self.writer.flush()
-
-    return _Report()
-
-
 def run(config):
   """Trains `config`'s workload; returns (history dict, trainer). Never reads FLAGS."""
   import keras
   import tfpipe
-  from trainers import datasets, models
+  from trainers import datasets, models, report
 
   setup_devices(config)
   keras.utils.set_random_seed(config.seed)
@@ -80,19 +52,9 @@ def run(config):
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
   train = data.train.repeat() if config.steps else data.train
   history = trainer.fit(train, epochs=config.epochs, steps_per_epoch=config.steps,
-                        validation_data=data.validation, callbacks=[EpochReport(config)],
+                        validation_data=data.validation, callbacks=[report.EpochReport(config)],
                         verbose=1 if config.verbose == 1 else 0)
   return history.history, trainer
-
-
-def format_table(config, history):
-  rows = [("method", config.method), ("model", config.model), ("dataset", config.dataset),
-          ("stages", str(config.num_stages))]
-  for key in ("loss", "accuracy", "val_loss", "val_accuracy", "samples_per_second"):
-    if key in history:
-      rows.append((key, f"{history[key][-1]:.4f}"))
-  width = max(len(k) for k, _ in rows)
-  return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def main(argv):
@@ -105,7 +67,8 @@ def main(argv):
   except (datasets.DataUnavailableError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(format_table(config, history))
+  from trainers import report
+  print(report.format_table(config, history))
   return 0
 
 
