@@ -6,6 +6,11 @@ interleave the runners; the median epoch counts), and the ratios:
   pipeline K=2 / pipeline K=1  (the pipeline's speedup; the limit is 2.0 on 2 cores)
   pipeline K=1 / Keras fit     (the runtime's own overhead, same thread budget)
   pipeline K=2 / MirroredStrategy over the same 2 devices
+and, per runner, the cores kept busy (process CPU time / wall time of its fit call).
+With 1 intra-op thread TensorFlow still runs independent ops of one step (e.g. the
+weight and input gradients of a layer) on its 2 inter-op threads, so one stage
+alone already keeps more than one core busy; the speedup of 2 stages is bounded
+by the cores left over.
 
   python bench/pipeline_speedup.py [--width=1024 --depth=8 --batch_size=128 --rounds=5]
 """
@@ -15,7 +20,9 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # 1.5-1.8x faster Dense on this CPU
 
+import resource  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +41,11 @@ flags.DEFINE_string("partition", "profile", "pipeline balancing")
 flags.DEFINE_list("methods", ["vanilla", "spectrain"], "pipelined methods to measure")
 flags.DEFINE_integer("inter_op_threads", None, "TensorFlow inter-op threads (default: TF's)")
 FLAGS = flags.FLAGS
+
+
+def _cpu_seconds():
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
 
 
 def main(argv):
@@ -69,20 +81,24 @@ def main(argv):
     if isinstance(runner, tfpipe.Pipeline):
       print(runner.summary())
   rates = {name: [] for name in runners}
+  cores = {name: [] for name in runners}
   for r in range(FLAGS.rounds + 1):  # round 0 traces and warms up
     for name, runner in runners.items():
+      cpu, wall = _cpu_seconds(), time.perf_counter()
       history = runner.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=0, shuffle=False)
+      cpu, wall = _cpu_seconds() - cpu, time.perf_counter() - wall
       if r:
         rates[name].append(history.history["samples_per_second"][-1])
+        cores[name].append(cpu / wall)
     if r:
       print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()), flush=True)
   median = {name: float(np.median(v)) for name, v in rates.items()}
   print(f"\nsnn {FLAGS.depth} x {FLAGS.width}, batch {FLAGS.batch_size}, 2 logical CPU devices, "
         f"1 intra-op thread, {tf.config.threading.get_inter_op_parallelism_threads() or 'default'} "
         f"inter-op threads, oneDNN={os.environ['TF_ENABLE_ONEDNN_OPTS']}")
-  print(f"{'runner':<20}{'samples/s':>12}")
+  print(f"{'runner':<20}{'samples/s':>12}{'cores busy':>12}")
   for name, value in median.items():
-    print(f"{name:<20}{value:>12.1f}")
+    print(f"{name:<20}{value:>12.1f}{float(np.median(cores[name])):>12.2f}")
   print()
   for method in FLAGS.methods:
     two, one = median[f"{method} K=2"], median[f"{method} K=1"]

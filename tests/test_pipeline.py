@@ -145,6 +145,10 @@ def test_weights_land_in_the_user_model_and_evaluate_matches_keras():
   assert set(history.history) >= {"loss", "accuracy", "val_loss", "val_accuracy",
                                   "samples_per_second"}
   assert len(history.history["loss"]) == 2
+  # Each stage has its own optimizer (own step counter and slots) from the user's config.
+  assert len({id(p.optimizer) for p in pipe.programs}) == 2
+  assert [int(p.optimizer.iterations.numpy()) for p in pipe.programs] == [16, 16]
+  assert all(p.optimizer.get_config()["momentum"] == MOMENTUM for p in pipe.programs)
   for w, p in zip(model.get_weights(), [v.numpy() for prog in pipe.programs for v in prog.trainable]):
     np.testing.assert_array_equal(w, p)
   model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
