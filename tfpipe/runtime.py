@@ -97,6 +97,29 @@ def _copy_to(device, tensors):
     return [tf.identity(t) if t is not None else None for t in tensors]
 
 
+class _Links:
+  """The channels of one epoch: per cut a (sender, receiver) pair each way, labels, results."""
+
+  def __init__(self, K, poll):
+    self.K, self.stop = K, threading.Event()
+    pair = lambda: (Channel(self.stop, K, poll), Channel(self.stop, K, poll))
+    self.forward = [pair() for _ in range(K - 1)]
+    self.backward = [pair() for _ in range(K - 1)]
+    self.labels = Channel(self.stop, 0, poll)   # stage 0 -> last stage
+    self.results = Channel(self.stop, 0, poll)  # last stage -> caller
+
+  def inputs(self, k, batches, labelled):
+    """Stage k's next inputs (and labels at the last stage): from the data or the cut before."""
+    if k == 0:
+      item = next(batches)
+      x, y = item if labelled else (item, None)
+      if labelled and self.K > 1:
+        self.labels.put(y)
+      return (list(x) if isinstance(x, (tuple, list)) else [x]), y
+    y = self.labels.get() if labelled and k == self.K - 1 else None
+    return self.forward[k - 1][1].get(), y
+
+
 class Runtime:
   """Runs schedules on stage programs (see stage.py) placed on their devices."""
 
@@ -120,31 +143,18 @@ class Runtime:
     `diffs[k][(kind, b)]` is the version difference of each task; `on_result(b,
     loss)` is called in the caller's thread for every finished batch, in order.
     """
-    K, stop = self.K, threading.Event()
-    fwd = [(Channel(stop, K, self.poll), Channel(stop, K, self.poll)) for _ in range(K - 1)]
-    bwd = [(Channel(stop, K, self.poll), Channel(stop, K, self.poll)) for _ in range(K - 1)]
-    labels = Channel(stop, 0, self.poll)
-    results = Channel(stop, 0, self.poll)
-
-    def inputs(k):
-      if k == 0:
-        x, y = next(batches)
-        xs = list(x) if isinstance(x, (tuple, list)) else [x]
-        if K > 1:
-          labels.put(y)
-        return xs, y
-      return fwd[k - 1][1].get(), (labels.get() if k == K - 1 else None)
+    K, links = self.K, _Links(self.K, self.poll)
+    fwd, bwd, results = links.forward, links.backward, links.results
 
     def worker(k):
       program, saved, last = self.programs[k], {}, k == K - 1
       policy = program.policy
       for kind, b in schedule[k]:
-        start = time.perf_counter()
-        s = diffs[k][(kind, b)]
         if last and kind == "B":
           continue  # ran with its forward
+        s = diffs[k][(kind, b)]
         if kind == "F":
-          xs, y = inputs(k)
+          xs, y = links.inputs(k, batches, labelled=True)
           start = time.perf_counter()
           if last:
             loss, dxs = program.last_step(xs, y, s)
@@ -177,21 +187,7 @@ class Runtime:
           if k > 0:
             bwd[k - 1][0].put(dxs)
 
-    def transfer(src, dst, device):
-      for _ in range(num_batches):
-        dst.put(_copy_to(device, src.get()))
-
-    with spawn(stop) as launch:
-      for k in range(K):
-        launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
-      for k in range(K - 1):
-        launch(lambda k=k: transfer(fwd[k][0], fwd[k][1], self.programs[k + 1].device),
-               f"tfpipe-fwd{k}")
-        launch(lambda k=k: transfer(bwd[k][0], bwd[k][1], self.programs[k].device),
-               f"tfpipe-bwd{k}")
-      for _ in range(num_batches):
-        b, loss = results.get()
-        on_result(b, loss)
+    self._execute(links, worker, num_batches, on_result, backward=True)
 
   def _note_saved(self, k, saved, diffs):
     """Tracks the peak count of kept forward states and of weight versions they hold.
@@ -210,25 +206,13 @@ class Runtime:
     With labels, the last stage updates the loss and metrics and `on_result`
     gets (b, loss); without, it gets (b, outputs).
     """
-    K, stop = self.K, threading.Event()
-    fwd = [(Channel(stop, K, self.poll), Channel(stop, K, self.poll)) for _ in range(K - 1)]
-    labels = Channel(stop, 0, self.poll)
-    results = Channel(stop, 0, self.poll)
+    K, links = self.K, _Links(self.K, self.poll)
+    fwd, results = links.forward, links.results
 
     def worker(k):
       program = self.programs[k]
       for b in range(num_batches):
-        y = None
-        if k == 0:
-          item = next(batches)
-          x, y = item if with_labels else (item, None)
-          xs = list(x) if isinstance(x, (tuple, list)) else [x]
-          if K > 1 and with_labels:
-            labels.put(y)
-        else:
-          xs = fwd[k - 1][1].get()
-          if k == K - 1 and with_labels:
-            y = labels.get()
+        xs, y = links.inputs(k, batches, labelled=with_labels)
         if k < K - 1:
           fwd[k][0].put(program.infer(xs))
         elif with_labels:
@@ -236,15 +220,22 @@ class Runtime:
         else:
           results.put((b, program.infer(xs)))
 
+    self._execute(links, worker, num_batches, on_result, backward=False)
+
+  def _execute(self, links, worker, num_batches, on_result, backward):
+    """Runs the stage workers and the transfer threads; hands results to `on_result`."""
     def transfer(src, dst, device):
       for _ in range(num_batches):
         dst.put(_copy_to(device, src.get()))
 
-    with spawn(stop) as launch:
-      for k in range(K):
+    with spawn(links.stop) as launch:
+      for k in range(self.K):
         launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
-      for k in range(K - 1):
-        launch(lambda k=k: transfer(fwd[k][0], fwd[k][1], self.programs[k + 1].device),
+      for k in range(self.K - 1):
+        launch(lambda k=k: transfer(*links.forward[k], self.programs[k + 1].device),
                f"tfpipe-fwd{k}")
+        if backward:
+          launch(lambda k=k: transfer(*links.backward[k], self.programs[k].device),
+                 f"tfpipe-bwd{k}")
       for _ in range(num_batches):
-        on_result(*results.get())
+        on_result(*links.results.get())
