@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
@@ -191,3 +192,8 @@ def test_bad_input_errors():
     pipe.fit(np.zeros((4, 8)), np.zeros(4), epochs=0)
   with pytest.raises(ValueError, match="`x` and `y` must have the same length"):
     pipe.fit(np.zeros((4, 8)), np.zeros(3))
+  data = tf.data.Dataset.from_tensor_slices((np.zeros((32, 8), "float32"), np.zeros(32))).batch(16)
+  with pytest.raises(ValueError, match="the data ran out before 5 batches in epoch 0"):
+    pipe.fit(data, steps_per_epoch=5, verbose=0)
+  with pytest.raises(ValueError, match="size is unknown or infinite"):
+    pipe.fit(data.repeat(), verbose=0)

@@ -153,7 +153,7 @@ class Pipeline:
 
       try:
         self.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result)
-      except StopIteration:
+      except runtime.OutOfData:
         raise ValueError(
             f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
             "`steps_per_epoch` the data can fill, or repeat the dataset") from None

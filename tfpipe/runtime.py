@@ -20,7 +20,7 @@ import time
 
 import tensorflow as tf
 
-__all__ = ["Channel", "Stopped", "spawn", "Runtime", "TaskRecord"]
+__all__ = ["Channel", "OutOfData", "Stopped", "spawn", "Runtime", "TaskRecord"]
 
 TaskRecord = collections.namedtuple(
     "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end"])
@@ -28,6 +28,10 @@ TaskRecord = collections.namedtuple(
 
 class Stopped(Exception):
   """Raised in a thread when another thread failed and the pipeline stops."""
+
+
+class OutOfData(Exception):
+  """The input iterator ended before the epoch's batch count."""
 
 
 class Channel:
@@ -111,7 +115,10 @@ class _Links:
   def inputs(self, k, batches, labelled):
     """Stage k's next inputs (and labels at the last stage): from the data or the cut before."""
     if k == 0:
-      item = next(batches)
+      try:
+        item = next(batches)
+      except StopIteration:
+        raise OutOfData() from None
       x, y = item if labelled else (item, None)
       if labelled and self.K > 1:
         self.labels.put(y)
