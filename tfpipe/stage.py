@@ -55,7 +55,11 @@ class StageProgram:
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
 
   def _placed(self, fn):
-    """Calls `fn` from within the stage's device scope (XLA places a call by its call site)."""
+    """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
+
+    Only for XLA: without it, the ops inside already carry the stage's device, and a
+    call-site scope made TensorFlow run the stages' calls one at a time (measured).
+    """
     def call(*args):
       with tf.device(self.device):
         return fn(*args)
