@@ -72,7 +72,9 @@ def _tfds(config, name):
         max_tokens=20000, output_sequence_length=config.sequence_length)
     vectorize.adapt(train.map(lambda text, label: text).batch(1024))
     to_ids = lambda text, label: (vectorize(text), label)
-    train, val = train.batch(1024).map(to_ids).unbatch(), val.batch(1024).map(to_ids).unbatch()
+    sized = lambda ds, split: ds.batch(1024).map(to_ids).unbatch().apply(
+        tf.data.experimental.assert_cardinality(info.splits[split].num_examples))
+    train, val = sized(train, "train"), sized(val, "test")
     shape = (config.sequence_length,)
   else:
     scale = lambda image, label: (tf.cast(image, tf.float32) / 255.0, label)
