@@ -53,10 +53,12 @@ class _KerasRunner:
 
 
 def _samples_per_epoch(x, batch_size, steps):
+  """Samples one epoch trains on; reads the data only when sizes are not static."""
   if isinstance(x, tf.data.Dataset):
     dim = tf.nest.flatten(x.element_spec)[0].shape[0]
-    if dim is not None and steps is not None:
-      return dim * steps
+    batches = steps if steps is not None else int(x.cardinality())
+    if dim is not None and batches >= 0:
+      return dim * batches
     return sum(int(tf.shape(tf.nest.flatten(b)[0])[0]) for b in x.take(steps or -1))
   n = len(x[0]) if isinstance(x, (tuple, list)) else len(x)
   return n if steps is None else min(n, steps * (batch_size or 32))

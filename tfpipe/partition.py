@@ -8,6 +8,7 @@ original variables.
 """
 
 import collections
+import math
 
 import keras
 
@@ -99,7 +100,7 @@ def split(model, cuts):
 
 
 def _param_costs(nodes):
-  return [float(sum(int(v.numpy().size) for v in node.operation.weights)) for node in nodes]
+  return [float(sum(math.prod(v.shape) for v in node.operation.weights)) for node in nodes]
 
 
 def partition(model, num_stages, strategy="uniform", profile=None, recompute=False):

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import compile_utils, data, devices as devices_lib, layer_profile
+from tfpipe import compile_utils, data, devices as devices_lib, layer_profile, names
 from tfpipe import partition as partition_lib, policies, runtime, schedules, stage
 
 __all__ = ["Pipeline"]
@@ -50,7 +50,7 @@ class Pipeline:
     self.model = model
     self.policy = policies.policy_for(method, spectrain_backward)
     self.method = self.policy.method
-    self.version_difference = policies.names.lookup(
+    self.version_difference = names.lookup(
         "version_difference", version_difference, policies.VERSION_DIFFERENCES)
     self.devices = devices_lib.resolve_devices(devices, num_stages)
     self.num_stages = len(self.devices)
@@ -105,6 +105,11 @@ class Pipeline:
     if self.runtime is None:
       raise RuntimeError("call `compile(optimizer, loss, metrics)` before fit/evaluate/predict")
 
+  def _load_weights(self):
+    """Takes the user model's current weights (it may have changed since the last call)."""
+    for p in self.programs:
+      p.load_from_model()
+
   def _reset_metrics(self):
     self.loss_tracker.reset_state()
     for m in self.metrics:
@@ -133,8 +138,7 @@ class Pipeline:
     cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                        model=self.model, verbose=verbose, epochs=epochs,
                                        steps=num_batches)
-    for p in self.programs:
-      p.load_from_model()
+    self._load_weights()
     self.model.stop_training = False
     cbs.on_train_begin()
     logs = {}
@@ -159,7 +163,7 @@ class Pipeline:
             "`steps_per_epoch` the data can fill, or repeat the dataset") from None
       seconds = time.perf_counter() - start
       logs = self._metric_logs()
-      samples = float(self.loss_tracker.count.numpy()) if hasattr(self.loss_tracker, "count") else 0.0
+      samples = float(self.loss_tracker.count.numpy())
       logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
       for p in self.programs:
         p.write_to_model()
@@ -182,8 +186,7 @@ class Pipeline:
   def evaluate(self, x=None, y=None, batch_size=None, steps=None, return_dict=False, verbose=0):
     """Loss and metrics over the data with the current weights, pipelined forward only."""
     self._check_compiled()
-    for p in self.programs:
-      p.load_from_model()
+    self._load_weights()
     logs = self._evaluate(x, y, batch_size, steps)
     if verbose:
       print(" - ".join(f"{k}: {v:.4f}" for k, v in logs.items()))
@@ -192,8 +195,7 @@ class Pipeline:
   def predict(self, x, batch_size=None, steps=None):
     """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array."""
     self._check_compiled()
-    for p in self.programs:
-      p.load_from_model()
+    self._load_weights()
     if isinstance(x, tf.data.Dataset):
       spec = x.element_spec
       if isinstance(spec, tuple) and len(spec) == 2:

@@ -90,8 +90,10 @@ class StageProgram:
   def _float_inputs(self, xs):
     return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
 
-  def _input_grads(self, xs, grads):
-    """Gradients for every stage input (None for integer inputs)."""
+  def _input_grads(self, grads):
+    """Gradients for every stage input (None for integer inputs); none for stage 0."""
+    if self.is_first:
+      return []
     grads = iter(grads)
     return [next(grads) if f else None for f in self._float_in]
 
@@ -121,7 +123,7 @@ class StageProgram:
       grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
                             unconnected_gradients=_ZERO)
       self.optimizer.apply(grads[:len(weights)], self.trainable)
-      return self._input_grads(xs, grads[len(weights):]) if not self.is_first else []
+      return self._input_grads(grads[len(weights):])
 
   def _last_step(self, xs, y, s):
     with tf.device(self.device):
@@ -135,7 +137,7 @@ class StageProgram:
       grads = tape.gradient(total, weights + float_xs, unconnected_gradients=_ZERO)
       self.optimizer.apply(grads[:len(weights)], self.trainable)
       self._update_metrics(y, ys[0], total)
-      return total, (self._input_grads(xs, grads[len(weights):]) if not self.is_first else [])
+      return total, self._input_grads(grads[len(weights):])
 
   def _infer(self, xs):
     with tf.device(self.device):
@@ -173,7 +175,7 @@ class StageProgram:
       grads = tape.gradient(targets, self._sources + float_xs, output_gradients=out_grads,
                             unconnected_gradients=_ZERO)
       self.apply(grads[:len(self._sources)])
-      return self._input_grads(xs, grads[len(self._sources):]) if not self.is_first else []
+      return self._input_grads(grads[len(self._sources):])
 
   # Moving weights between the stage and the user's model.
 
