@@ -13,23 +13,23 @@ def mlp(width=16, depth=4, inputs=8, classes=3, seed=0):
   return keras.Model(x, keras.layers.Dense(classes, name="logits")(h), name="mlp")
 
 
-def sequential_mlp(width=16, depth=4, inputs=8, classes=3, seed=0):
+def sequential_mlp(width=16, depth=4, inputs=8, classes=3, seed=0, dtype=None):
   keras.utils.set_random_seed(seed)
-  layers = [keras.Input((inputs,))]
-  layers += [keras.layers.Dense(width, activation="selu") for _ in range(depth)]
-  layers += [keras.layers.Dense(classes)]
+  layers = [keras.Input((inputs,), dtype=dtype)]
+  layers += [keras.layers.Dense(width, activation="selu", dtype=dtype) for _ in range(depth)]
+  layers += [keras.layers.Dense(classes, dtype=dtype)]
   return keras.Sequential(layers, name="seq_mlp")
 
 
-def skip_model(seed=0):
+def skip_model(seed=0, dtype=None):
   """dense0 -> dense1 -> dense2 -> add(dense2, dense0) -> logits; the skip crosses cuts."""
   keras.utils.set_random_seed(seed)
-  x = keras.Input((8,))
-  a = keras.layers.Dense(16, activation="tanh", name="dense0")(x)
-  b = keras.layers.Dense(16, activation="tanh", name="dense1")(a)
-  c = keras.layers.Dense(16, activation="tanh", name="dense2")(b)
-  d = keras.layers.Add(name="add")([c, a])
-  return keras.Model(x, keras.layers.Dense(3, name="logits")(d), name="skip")
+  x = keras.Input((8,), dtype=dtype)
+  a = keras.layers.Dense(16, activation="tanh", name="dense0", dtype=dtype)(x)
+  b = keras.layers.Dense(16, activation="tanh", name="dense1", dtype=dtype)(a)
+  c = keras.layers.Dense(16, activation="tanh", name="dense2", dtype=dtype)(b)
+  d = keras.layers.Add(name="add", dtype=dtype)([c, a])
+  return keras.Model(x, keras.layers.Dense(3, name="logits", dtype=dtype)(d), name="skip")
 
 
 def batches(n=20, batch_size=16, inputs=8, classes=3, seed=1):

@@ -26,8 +26,9 @@ class Pipeline:
     devices: one device string per stage (local or remote); or None with
       `num_stages` to take the first K local GPUs (else logical CPUs).
     num_stages: K, when `devices` is None.
-    method: "sequential", "vanilla", "pipedream" or "spectrain" (DESIGN.md
-      section 3).
+    method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe",
+      "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
+      "timeprest" (DESIGN.md section 3).
     partition: "uniform", "params" or "profile" (see `tfpipe.partition`).
     spectrain_backward: "reuse" (the backward reads the forward's predicted
       weights, no recomputation) or "repredict" (a new prediction with the
@@ -35,6 +36,12 @@ class Pipeline:
       stage from its saved input: one extra forward per backward).
     version_difference: "paper" (seed 000 eq. 5-6) or "exact" (counted from
       the schedule).
+    micro_batches: M, micro-batches per mini-batch: for "gpipe" and
+      "timeprest" (default 4), and for "vanilla", "pipedream" and
+      "spectrain" (default 1), whose stages then accumulate the M gradients
+      and update once per mini-batch (SpecTrain needs version_difference="exact").
+    recompute: keep only stage inputs and recompute the forward before the
+      backward ("sequential", "gpipe"); None takes the method's rule.
     profile_batch_size: the batch size at which "profile" measures layers.
     record: keep a `TaskRecord` of every task in `self.records`.
     jit_compile: compile each stage task with XLA. One XLA call runs on one
@@ -44,14 +51,20 @@ class Pipeline:
 
   def __init__(self, model, devices=None, num_stages=None, method="spectrain",
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
-               profile_batch_size=32, record=False, jit_compile=None):
+               micro_batches=None, recompute=None, profile_batch_size=32, record=False,
+               jit_compile=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
-    self.policy = policies.policy_for(method, spectrain_backward)
+    self.policy = policies.policy_for(method, spectrain_backward, recompute)
     self.method = self.policy.method
+    self.micro_batches = policies.micro_batches_for(self.policy, micro_batches)
     self.version_difference = names.lookup(
         "version_difference", version_difference, policies.VERSION_DIFFERENCES)
+    if self.policy.predicts and self.micro_batches > 1 and self.version_difference == "paper":
+      raise ValueError(
+          "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
+          f"micro_batches={self.micro_batches} use version_difference='exact'")
     self.devices = devices_lib.resolve_devices(devices, num_stages)
     self.num_stages = len(self.devices)
     profiler = None
@@ -68,12 +81,18 @@ class Pipeline:
     return self.partition.stages
 
   @property
+  def schedule_report(self):
+    """The verifier's report on the last schedule run (`tfpipe.verify.Report`), or None."""
+    return self.runtime.report if self.runtime else None
+
+  @property
   def records(self):
     return self.runtime.records if self.runtime else []
 
   def summary(self):
     """One line per stage: its device and layers."""
-    lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages"]
+    micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+    lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages{micro}"]
     for k, (device, layers) in enumerate(zip(self.devices, self.partition.layer_names)):
       lines.append(f"  stage {k} on {device}: {', '.join(layers)}")
     return "\n".join(lines)
@@ -99,7 +118,8 @@ class Pipeline:
           loss=self.loss if last else None, metrics=self.metrics if last else (),
           loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile))
     self.programs = programs
-    self.runtime = runtime.Runtime(programs, record=self.record)
+    self.runtime = runtime.Runtime(programs, record=self.record,
+                                   maxsize=max(self.num_stages, self.micro_batches))
 
   def _check_compiled(self):
     if self.runtime is None:
@@ -131,8 +151,13 @@ class Pipeline:
     self._check_compiled()
     if not isinstance(epochs, int) or epochs < 1:
       raise ValueError(f"`epochs` must be a positive integer. Received: epochs={epochs!r}")
+    if isinstance(batch_size, int) and batch_size < self.micro_batches:
+      raise ValueError(
+          f"`batch_size` must be at least micro_batches={self.micro_batches}. Received: "
+          f"batch_size={batch_size}")
     dataset, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed)
-    schedule = schedules.build(self.policy.schedule, self.num_stages, num_batches)
+    schedule = schedules.build(self.policy.schedule, self.num_stages, num_batches,
+                               self.micro_batches)
     diffs = policies.version_differences(self.policy, schedule, self.version_difference)
     verbose = 1 if verbose == "auto" else verbose
     cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,

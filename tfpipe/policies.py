@@ -15,18 +15,33 @@ import dataclasses
 
 from tfpipe import names, schedules
 
-__all__ = ["WeightPolicy", "policy_for", "version_differences", "PIPELINE_METHODS",
-           "SPECTRAIN_BACKWARDS", "VERSION_DIFFERENCES"]
+__all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
+           "PIPELINE_METHODS", "MICRO_BATCH_METHODS", "SPECTRAIN_BACKWARDS",
+           "VERSION_DIFFERENCES"]
 
-PIPELINE_METHODS = ("sequential", "vanilla", "pipedream", "spectrain")
+PIPELINE_METHODS = ("sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
+                    "feature_replay", "timeprest")
+MICRO_BATCH_METHODS = ("gpipe", "timeprest", "vanilla", "pipedream", "spectrain")
+DEFAULT_MICRO_BATCHES = {"gpipe": 4, "timeprest": 4}
 SPECTRAIN_BACKWARDS = ("reuse", "repredict")
 VERSION_DIFFERENCES = ("paper", "exact")
+
+# method: (schedule, the weights its forward reads, the weights its backward reads)
+_RULES = {
+    "sequential": ("sequential", "current", "forward"),
+    "gpipe": ("gpipe", "current", "forward"),
+    "vanilla": ("1f1b", "current", "current"),
+    "pipedream": ("1f1b", "current", "forward"),
+    "ddg": ("ddg", "current", "forward"),
+    "feature_replay": ("ddg", "current", "current"),
+    "timeprest": ("timeprest", "current", "current"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightPolicy:
   method: str
-  schedule: str   # "sequential" | "1f1b"
+  schedule: str   # a name in tfpipe.schedules.SCHEDULES
   forward: str    # "current" | "predicted"
   backward: str   # "forward" | "current" | "predicted"
 
@@ -40,32 +55,69 @@ class WeightPolicy:
     return "predicted" in (self.forward, self.backward)
 
 
-def policy_for(method, spectrain_backward="reuse"):
-  """The weight policy of a pipeline method (DESIGN.md section 3)."""
+def policy_for(method, spectrain_backward="reuse", recompute=None):
+  """The weight policy of a pipeline method (DESIGN.md section 3).
+
+  `recompute=True` keeps only stage inputs and recomputes the forward before
+  the backward: allowed where the recomputed forward reads the same weights
+  as the original one (sequential, gpipe: no update comes between them).
+  Methods whose backward reads other weights than the forward (vanilla,
+  feature_replay, timeprest, spectrain "repredict") always recompute.
+  """
   method = names.lookup("method", method, PIPELINE_METHODS)
   spectrain_backward = names.lookup("spectrain_backward", spectrain_backward, SPECTRAIN_BACKWARDS)
-  if method == "sequential":
-    return WeightPolicy(method, "sequential", "current", "forward")
-  if method == "vanilla":
-    return WeightPolicy(method, "1f1b", "current", "current")
-  if method == "pipedream":
-    return WeightPolicy(method, "1f1b", "current", "forward")
-  backward = "forward" if spectrain_backward == "reuse" else "predicted"
-  return WeightPolicy(method, "1f1b", "predicted", backward)
+  if recompute not in (None, True, False):
+    raise ValueError(f"`recompute` must be None, True or False. Received: recompute={recompute!r}")
+  if method == "spectrain":
+    backward = "forward" if spectrain_backward == "reuse" else "predicted"
+    policy = WeightPolicy(method, "1f1b", "predicted", backward)
+  else:
+    policy = WeightPolicy(method, *_RULES[method])
+  if recompute is None or recompute == policy.recompute:
+    return policy
+  if recompute and method in ("sequential", "gpipe"):
+    return dataclasses.replace(policy, backward="current")
+  if recompute:
+    raise ValueError(
+        f"method {method!r} cannot recompute: its backward reads the weights its forward read "
+        "(a stash), which a recomputation from the stage input would not see. Received: "
+        "recompute=True")
+  raise ValueError(
+      f"method {method!r} always recomputes: its backward reads other weights than its forward. "
+      "Received: recompute=False")
+
+
+def micro_batches_for(policy, micro_batches=None):
+  """M for `policy`: the method's default when None; checked against what the method supports."""
+  if micro_batches is None:
+    return DEFAULT_MICRO_BATCHES.get(policy.method, 1)
+  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+    raise ValueError(
+        f"`micro_batches` must be a positive integer. Received: micro_batches={micro_batches!r}")
+  if micro_batches > 1 and policy.method not in MICRO_BATCH_METHODS:
+    raise ValueError(
+        f"method {policy.method!r} has no micro-batched schedule (micro-batches work with "
+        f"{', '.join(MICRO_BATCH_METHODS)}). Received: micro_batches={micro_batches}")
+  return micro_batches
 
 
 def version_differences(policy, schedule, mode="paper"):
-  """Per stage, a dict (kind, batch) -> s, the version difference of each task.
+  """Per stage, a dict task -> s, the version difference of each task.
 
   Zero for every task of a policy that does not predict. For SpecTrain:
-  `paper` uses seed 000 eq. 5-6 with k the stage index; `exact` counts the
-  updates the schedule really applies between the task and its batch's turn.
+  `paper` uses seed 000 eq. 5-6 with k the stage index (one batch per
+  update, so not with micro-batches); `exact` counts the updates the
+  schedule really applies between the task and its batch's turn.
   """
   mode = names.lookup("version_difference", mode, VERSION_DIFFERENCES)
   K = len(schedule)
   if not policy.predicts:
-    return [{tuple(t): 0 for t in tasks} for tasks in schedule]
+    return [{t: 0 for t in tasks} for tasks in schedule]
   if mode == "exact":
     return schedules.exact_version_differences(schedule)
-  return [{tuple(t): schedules.paper_version_difference(k, K, t.kind) for t in tasks}
-          for k, tasks in enumerate(schedule)]
+  if schedules.micro_batches(schedule) > 1:
+    raise ValueError(
+        "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
+        "micro-batches use version_difference='exact'")
+  return [{t: (schedules.paper_version_difference(k, K, t.kind) if t.kind in "FB" else 0)
+           for t in tasks} for k, tasks in enumerate(schedule)]

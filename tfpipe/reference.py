@@ -1,16 +1,29 @@
 """The slow reference: each method's DESIGN.md weight rule, one task at a time, on one device.
 
-K: stages, k: stage index, b: batch, s: version difference, W: weights, V:
-smoothed gradients. No threads, no compiled functions, no optimizer
-objects: weights are numpy arrays and the SpecTrain / momentum rule
-(`v = gamma*v + (1-gamma)*g; W -= eta*v`) is written out, in the model's dtype. The tests hold
-the runtime to these results.
+K: stages, k: stage index, b: mini-batch, i: micro-batch, s: version
+difference, W: weights, V: smoothed gradients, A: accumulated gradients. No
+threads, no compiled functions, no optimizer objects: weights are numpy
+arrays and the SpecTrain / momentum rule (`v = gamma*v + (1-gamma)*g;
+W -= eta*v`) is written out, in the model's dtype. The tests hold the
+runtime to these results.
+
+The rules, per task of stage k:
+  F   reads the policy's forward weights (current, or predicted s ahead);
+      at the last stage it only takes its input: the last stage's forward
+      runs with its backward;
+  B   reads the forward's own weights ("forward": stash or reused
+      prediction) or the weights at backward time ("current", "predicted"),
+      on the inputs of the forwards it covers (concatenated for a
+      TiMePReSt mini-batch); a micro-batch's loss is weighted by its share
+      of the mini-batch; a micro-batch backward adds to A, a whole one updates;
+  U   updates with A and clears it;
+  R   (receiving a gradient early) changes no weights.
 """
 
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import optimizers, policies, schedules
+from tfpipe import optimizers, policies, schedules, verify
 
 __all__ = ["reference_train"]
 
@@ -18,34 +31,48 @@ __all__ = ["reference_train"]
 def _run(model, weights, xs, training=True):
   state = [tf.convert_to_tensor(v) for v in model.non_trainable_variables]
   inputs = xs[0] if len(xs) == 1 else list(xs)
-  ys, _ = model.stateless_call([tf.constant(w) for w in weights] if isinstance(weights[0], np.ndarray)
-                               else weights, state, inputs, training=training)
+  ys, _ = model.stateless_call(weights, state, inputs, training=training)
   return tf.nest.flatten(ys)
 
 
+def _pieces(x, y, M):
+  """A mini-batch split as the runtime splits it: [(xs, y, share)] per micro-batch."""
+  xs = list(x) if isinstance(x, (tuple, list)) else [x]
+  if M == 1:
+    return [(xs, y, 1.0)]
+  n = len(xs[0])
+  sizes = schedules.micro_sizes(n, M)
+  bounds = np.cumsum([0] + sizes)
+  return [([a[lo:hi] for a in xs], y[lo:hi], (hi - lo) / n)
+          for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def reference_train(stage_models, loss_fn, batches, method, learning_rate, momentum,
-                    spectrain_backward="reuse", version_difference="paper", epochs=1):
+                    spectrain_backward="reuse", version_difference="paper", epochs=1,
+                    micro_batches=None, recompute=None):
   """Trains the stages by the rule of `method`; returns the final weights of every stage.
 
   Args:
     stage_models: the K stage sub-models (their variables give the initial weights).
     loss_fn: loss(y_true, y_pred) -> scalar, applied at the last stage.
-    batches: a list of (x, y) numpy batches, one epoch.
-    method: a pipeline method ("sequential", "vanilla", "pipedream", "spectrain").
+    batches: a list of (x, y) numpy mini-batches, one epoch.
+    method: a pipeline method (`tfpipe.PIPELINE_METHODS`).
     learning_rate, momentum: eta and gamma of the SpecTrain rule.
+    micro_batches, recompute: as in `tfpipe.Pipeline`.
 
   Returns:
     (weights, log): weights[k] is a list of numpy arrays; log lists
-    (k, kind, b, version) with `version` the update count of stage k whose
+    (k, kind, b, i, version) with `version` the update count of stage k whose
     weights the task read (for a prediction: the count it was made at).
   """
-  policy = policies.policy_for(method, spectrain_backward)
+  policy = policies.policy_for(method, spectrain_backward, recompute)
+  M = policies.micro_batches_for(policy, micro_batches)
   K, N = len(stage_models), len(batches)
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   V = [[np.zeros_like(w) for w in ws] for ws in W]
+  A = [[np.zeros_like(w) for w in ws] for ws in W]
   updates = [0] * K
   log = []
-  dtype = [[v.numpy().dtype for v in m.trainable_variables] for m in stage_models]
 
   def read(k, source, s):
     if source == "current":
@@ -53,47 +80,68 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     return [optimizers.predict_weights(w, v, learning_rate, s).astype(w.dtype)
             for w, v in zip(W[k], V[k])]
 
+  def update(k, grads):
+    for j, g in enumerate(grads):
+      V[k][j] = (momentum * V[k][j] + (1.0 - momentum) * g).astype(W[k][j].dtype)
+      W[k][j] = (W[k][j] - learning_rate * V[k][j]).astype(W[k][j].dtype)
+    updates[k] += 1
+
   for _ in range(epochs):
-    schedule = schedules.build(policy.schedule, K, N)
+    schedule = schedules.build(policy.schedule, K, N, M)
     diffs = policies.version_differences(policy, schedule, version_difference)
+    covers = [verify.covered_units(tasks) for tasks in schedule]
+    pieces = {b: _pieces(x, y, M) for b, (x, y) in enumerate(batches)}
     outputs, inputs, used, grads_out = {}, {}, {}, {}
-    for k, (kind, b) in schedules.global_order(schedule):
-      s = diffs[k][(kind, b)]
-      model = stage_models[k]
-      cast = lambda ws, k=k: [w.astype(d) for w, d in zip(ws, dtype[k])]
+    for k, task in verify.verify(schedule).order:
+      kind, b, i = task
+      unit, s, model = (b, i), diffs[k][task], stage_models[k]
       if kind == "F":
-        x = batches[b][0]
-        xs = (list(x) if isinstance(x, (tuple, list)) else [x]) if k == 0 else outputs.pop((k - 1, b))
+        xs = pieces[b][i or 0][0] if k == 0 else outputs.pop((k - 1, unit))
         w = read(k, policy.forward, s)
-        used[(k, b)] = (w, updates[k])
-        inputs[(k, b)] = xs
-        log.append((k, "F", b, updates[k]))
+        used[(k, unit)] = (w, updates[k], s)
+        inputs[(k, unit)] = xs
         if k < K - 1:
-          outputs[(k, b)] = [y.numpy() for y in _run(model, cast(w), xs)]
+          log.append((k, "F", b, i, updates[k]))
+          outputs[(k, unit)] = [y.numpy() for y in _run(model, [tf.constant(a) for a in w], xs)]
         continue
-      xs = inputs.pop((k, b))
-      forward_w, forward_version = used.pop((k, b))
-      if policy.backward == "forward":
+      if kind == "R":
+        continue
+      if kind == "U":
+        update(k, A[k])
+        A[k] = [np.zeros_like(a) for a in A[k]]
+        continue
+      units = covers[k][task]
+      xs = [np.concatenate(parts) for parts in zip(*[inputs.pop((k, u)) for u in units])]
+      share = sum(pieces[b][u[1] or 0][2] for u in units)
+      forward_w, forward_version, forward_s = used.pop((k, units[0]))
+      for u in units[1:]:
+        used.pop((k, u))
+      if k == K - 1:  # forward and backward as one step, with the forward's weights
+        w, version = read(k, policy.forward, forward_s), updates[k]
+        log.append((k, "F", b, i, version))
+      elif policy.backward == "forward":
         w, version = forward_w, forward_version
       else:
         w, version = read(k, policy.backward, s), updates[k]
-      log.append((k, "B", b, version))
-      w_t = [tf.constant(a) for a in cast(w)]
+      log.append((k, "B", b, i, version))
+      w_t = [tf.constant(a) for a in w]
       xs_t = [tf.constant(x) for x in xs]
       floats = [x for x in xs_t if x.dtype.is_floating] if k > 0 else []
       with tf.GradientTape() as tape:
         tape.watch(w_t + floats)
         ys = _run(model, w_t, xs_t)
         if k == K - 1:
-          target = loss_fn(tf.constant(batches[b][1]), ys[0])
+          y_true = np.concatenate([pieces[b][u[1] or 0][1] for u in units])
+          target = loss_fn(tf.constant(y_true), ys[0]) * tf.constant(share, ys[0].dtype)
         else:
           target = tf.add_n([tf.reduce_sum(y * tf.constant(g, y.dtype))
-                             for y, g in zip(ys, grads_out.pop((k, b)))])
+                             for y, g in zip(ys, grads_out.pop((k, unit)))])
       grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      for i, g in enumerate(grads[:len(w_t)]):
-        V[k][i] = (momentum * V[k][i] + (1.0 - momentum) * g.numpy()).astype(W[k][i].dtype)
-        W[k][i] = (W[k][i] - learning_rate * V[k][i]).astype(W[k][i].dtype)
-      updates[k] += 1
+      weight_grads = [g.numpy() for g in grads[:len(w_t)]]
+      if i is None:
+        update(k, weight_grads)
+      else:
+        A[k] = [a + g for a, g in zip(A[k], weight_grads)]
       if k > 0:
-        grads_out[(k - 1, b)] = [g.numpy() for g in grads[len(w_t):]]
+        grads_out[(k - 1, unit)] = [g.numpy() for g in grads[len(w_t):]]
   return W, log

@@ -1,12 +1,14 @@
 """Runtime: worker threads run each stage's task list; transfer threads move tensors.
 
-K: stages, k: stage index, b: batch index, s: version difference.
+K: stages, k: stage index, b: mini-batch index, s: version difference.
 
-Stage k's worker runs its schedule in order. Forward outputs go into a
+Stage k's worker runs its (verified) schedule in order. Stage 0 splits a
+mini-batch into micro-batches when the schedule has them, each carrying its
+share of the mini-batch (the `scale` of its loss). Forward outputs go into a
 bounded channel; a transfer thread copies them onto stage k+1's device and
-hands them on; gradients flow back the same way. At the last stage the
-forward and backward of a batch are adjacent in every schedule and run as
-one compiled step. The first exception in any thread sets a shared stop
+hands them on; gradients flow back the same way. At the last stage a
+backward follows the forwards it covers and runs with them as one compiled
+step (on their concatenation, for a TiMePReSt mini-batch). The first exception in any thread sets a shared stop
 event: every blocked thread wakes within `poll` seconds and exits, and the
 caller re-raises that first exception with its traceback.
 """
@@ -20,10 +22,13 @@ import time
 
 import tensorflow as tf
 
+from tfpipe import schedules, verify
+
 __all__ = ["Channel", "OutOfData", "Stopped", "spawn", "Runtime", "TaskRecord"]
 
 TaskRecord = collections.namedtuple(
-    "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end"])
+    "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end", "micro"],
+    defaults=(None,))
 
 
 class Stopped(Exception):
@@ -96,105 +101,187 @@ def spawn(stop):
     raise error.with_traceback(traceback)
 
 
-def _copy_to(device, tensors):
+def _copy_to(device, item):
+  """Copies an item's tensors onto `device`; an item is a tensor list or (tensor list, scale)."""
+  tensors, meta = item if isinstance(item, tuple) else (item, None)
   with tf.device(device):
-    return [tf.identity(t) if t is not None else None for t in tensors]
+    copied = [tf.identity(t) if t is not None else None for t in tensors]
+  return copied if meta is None else (copied, meta)
+
+
+def _split(value, sizes):
+  """Splits a tensor (or a list of tensors) along the batch axis into pieces of `sizes`."""
+  if isinstance(value, (list, tuple)):
+    parts = [tf.split(v, sizes) for v in value]
+    return [list(p) for p in zip(*parts)]
+  return tf.split(value, sizes)
+
+
+def _concat(values):
+  """The inverse of `_split`: pieces (tensors or tensor lists) joined along the batch axis."""
+  if isinstance(values[0], (list, tuple)):
+    return [None if parts[0] is None else tf.concat(parts, 0) for parts in zip(*values)]
+  return tf.concat(values, 0)
 
 
 class _Links:
   """The channels of one epoch: per cut a (sender, receiver) pair each way, labels, results."""
 
-  def __init__(self, K, poll):
-    self.K, self.stop = K, threading.Event()
-    pair = lambda: (Channel(self.stop, K, poll), Channel(self.stop, K, poll))
+  def __init__(self, K, poll, maxsize, micro_batches=1):
+    self.K, self.stop, self.micro_batches = K, threading.Event(), micro_batches
+    pair = lambda: (Channel(self.stop, maxsize, poll), Channel(self.stop, maxsize, poll))
     self.forward = [pair() for _ in range(K - 1)]
     self.backward = [pair() for _ in range(K - 1)]
     self.labels = Channel(self.stop, 0, poll)   # stage 0 -> last stage
     self.results = Channel(self.stop, 0, poll)  # last stage -> caller
+    self._pieces = collections.deque()          # stage 0: the current mini-batch's micro-batches
 
-  def inputs(self, k, batches, labelled):
-    """Stage k's next inputs (and labels at the last stage): from the data or the cut before."""
-    if k == 0:
+  def inputs(self, k, batches, labelled, micro=None):
+    """Stage k's next inputs, their share of the mini-batch, and labels at the last stage.
+
+    Stage 0 reads a mini-batch at its first micro-batch and splits it.
+    """
+    if k > 0:
+      xs, scale = self.forward[k - 1][1].get()
+      y = self.labels.get() if labelled and k == self.K - 1 else None
+      return xs, y, scale
+    if not self._pieces:
       try:
         item = next(batches)
       except StopIteration:
         raise OutOfData() from None
       x, y = item if labelled else (item, None)
-      if labelled and self.K > 1:
-        self.labels.put(y)
-      return (list(x) if isinstance(x, (tuple, list)) else [x]), y
-    y = self.labels.get() if labelled and k == self.K - 1 else None
-    return self.forward[k - 1][1].get(), y
+      xs = list(x) if isinstance(x, (tuple, list)) else [x]
+      if micro is None:
+        self._pieces.append((xs, y, 1.0))
+      else:
+        n = int(tf.shape(xs[0])[0])
+        sizes = schedules.micro_sizes(n, self.micro_batches)
+        ys = _split(y, sizes) if labelled else [None] * len(sizes)
+        self._pieces.extend((x_i, y_i, size / n)
+                            for x_i, y_i, size in zip(_split(xs, sizes), ys, sizes))
+    xs, y, scale = self._pieces.popleft()
+    if labelled and self.K > 1:
+      self.labels.put(y)
+    return xs, y, scale
 
 
 class Runtime:
-  """Runs schedules on stage programs (see stage.py) placed on their devices."""
+  """Runs schedules on stage programs (see stage.py) placed on their devices.
 
-  def __init__(self, programs, record=False, poll=0.05):
+  `maxsize`: each link holds at most 2 * maxsize + 1 items in flight (a
+  sender queue, the transfer thread, a receiver queue): `link_capacity`.
+  """
+
+  def __init__(self, programs, record=False, poll=0.05, maxsize=None):
     self.programs = programs
     self.K = len(programs)
     self.record = record
     self.poll = poll
+    self.maxsize = maxsize or self.K
     self.records = []
+    self.report = None                   # the verifier's report on the last schedule run
     self.updates = [0] * self.K          # updates applied per stage so far
     self.peak_saved = [0] * self.K       # most forward states kept at once, per stage
     self.peak_versions = [0] * self.K    # most weight versions kept at once, per stage
 
-  def _log(self, k, kind, b, version, s, start):
+  @property
+  def link_capacity(self):
+    return 2 * self.maxsize + 1
+
+  def _log(self, k, kind, task, version, s, start):
     if self.record:
-      self.records.append(TaskRecord(k, kind, b, version, s, start, time.perf_counter()))
+      self.records.append(TaskRecord(k, kind, task.batch, version, s, start, time.perf_counter(),
+                                     task.micro))
+
+  def _scale(self, k, value):
+    with tf.device(self.programs[k].device):
+      return tf.constant(value, tf.float64)
 
   def train_epoch(self, schedule, diffs, batches, num_batches, on_result):
-    """Runs one epoch of `schedule` over `num_batches` batches from the iterator `batches`.
+    """Runs one epoch of `schedule` (verified) over `num_batches` mini-batches from `batches`.
 
-    `diffs[k][(kind, b)]` is the version difference of each task; `on_result(b,
-    loss)` is called in the caller's thread for every finished batch, in order.
+    `diffs[k][task]` is the version difference of each task; `on_result(b,
+    loss)` is called in the caller's thread for every finished mini-batch, in order.
     """
-    K, links = self.K, _Links(self.K, self.poll)
+    self.report = verify.verify(schedule, self.link_capacity)  # refuses a broken schedule
+    K = self.K
+    links = _Links(K, self.poll, self.maxsize, schedules.micro_batches(schedule))
     fwd, bwd, results = links.forward, links.backward, links.results
+    if any(t.kind == "U" for tasks in schedule for t in tasks):
+      for program in self.programs:
+        program.build_accumulators()
 
     def worker(k):
-      program, saved, last = self.programs[k], {}, k == K - 1
-      policy = program.policy
-      for kind, b in schedule[k]:
-        if last and kind == "B":
-          continue  # ran with its forward
-        s = diffs[k][(kind, b)]
+      program, last = self.programs[k], k == K - 1
+      cover = verify.covered_units(schedule[k])
+      saved, grads_in, batch_loss = {}, {}, collections.defaultdict(float)
+      for task in schedule[k]:
+        kind, b, micro = task
+        unit, s = (b, micro), diffs[k].get(task, 0)
+        start = time.perf_counter()
         if kind == "F":
-          xs, y = links.inputs(k, batches, labelled=True)
+          xs, y, scale = links.inputs(k, batches, labelled=True, micro=micro)
           start = time.perf_counter()
           if last:
-            loss, dxs = program.last_step(xs, y, s)
-            self.updates[k] += 1
-            self._log(k, "FB", b, self.updates[k] - 1, s, start)
-            if k > 0:
-              bwd[k - 1][0].put(dxs)
-            results.put((b, loss))
-            continue
-          if policy.recompute:
+            saved[unit] = (xs, y, scale, s)
+            continue  # the last stage runs its forward with the backward
+          if self.programs[k].policy.recompute:
             ys, _ = program.forward(xs, s)
-            saved[b] = (xs, None, self.updates[k])
+            saved[unit] = (xs, None, self.updates[k], scale)
           else:
             ys, state = program.forward_saved(xs, s)
-            saved[b] = (xs, state, self.updates[k])
+            saved[unit] = (xs, state, self.updates[k], scale)
           self._note_saved(k, saved, diffs[k])
-          self._log(k, "F", b, self.updates[k], s, start)
-          fwd[k][0].put(ys)
-        else:
-          dys = bwd[k][1].get()
-          start = time.perf_counter()
-          xs, state, version = saved.pop(b)
-          if state is not None:
-            dxs = program.backward_saved(state, dys)
-          else:
-            dxs = program.backward_recompute(xs, dys, s)
-            version = self.updates[k]
+          self._log(k, "F", task, self.updates[k], s, start)
+          fwd[k][0].put((ys, scale))
+        elif kind == "R":
+          grads_in[unit] = bwd[k][1].get()
+          self._log(k, "R", task, self.updates[k], s, start)
+        elif kind == "U":
+          program.apply_accumulated()
           self.updates[k] += 1
-          self._log(k, "B", b, version, s, start)
+          self._log(k, "U", task, self.updates[k] - 1, s, start)
+          if last:
+            results.put((b, batch_loss.pop(b)))
+        elif last:
+          parts = [saved.pop(u) for u in cover[task]]
+          xs, y = (parts[0][0], parts[0][1]) if len(parts) == 1 else (
+              _concat([p[0] for p in parts]), _concat([p[1] for p in parts]))
+          scale = sum(p[2] for p in parts)
+          loss, dxs = program.last_step(xs, y, parts[0][3], self._scale(k, scale),
+                                        micro is not None)
+          self._log(k, "FB", task, self.updates[k], parts[0][3], start)
+          if micro is None:
+            self.updates[k] += 1
+          if k > 0:
+            bwd[k - 1][0].put(dxs)
+          if micro is None:
+            results.put((b, loss))
+          else:
+            batch_loss[b] += scale * float(loss)
+        else:
+          dys = grads_in.pop(unit) if unit in grads_in else bwd[k][1].get()
+          start = time.perf_counter()
+          parts = [saved.pop(u) for u in cover[task]]
+          accumulate = micro is not None
+          if len(parts) == 1 and parts[0][1] is not None:
+            xs, state, version, scale = parts[0]
+            dxs = program.backward_saved(state, dys, self._scale(k, scale), accumulate)
+          else:
+            xs = parts[0][0] if len(parts) == 1 else _concat([p[0] for p in parts])
+            scale = sum(p[3] for p in parts)
+            dxs = program.backward_recompute(xs, dys, s, self._scale(k, scale), accumulate)
+            version = self.updates[k]
+          if not accumulate:
+            self.updates[k] += 1
+          self._log(k, "B", task, version, s, start)
           if k > 0:
             bwd[k - 1][0].put(dxs)
 
-    self._execute(links, worker, num_batches, on_result, backward=True)
+    counts = [(sum(t.kind == "F" for t in schedule[k]), sum(t.kind == "B" for t in schedule[k + 1]))
+              for k in range(K - 1)]
+    self._execute(links, worker, num_batches, on_result, counts)
 
   def _note_saved(self, k, saved, diffs):
     """Tracks the peak count of kept forward states and of weight versions they hold.
@@ -203,8 +290,8 @@ class Runtime:
     the prediction (v, s) of that forward; inputs-only states hold none.
     """
     self.peak_saved[k] = max(self.peak_saved[k], len(saved))
-    versions = {(version, diffs[("F", b)]) for b, (_, state, version) in saved.items()
-                if state is not None}
+    versions = {(version, diffs.get(schedules.Task("F", *unit), 0))
+                for unit, (_, state, version, _) in saved.items() if state is not None}
     self.peak_versions[k] = max(self.peak_versions[k], len(versions))
 
   def infer_epoch(self, batches, num_batches, on_result, with_labels):
@@ -213,36 +300,39 @@ class Runtime:
     With labels, the last stage updates the loss and metrics and `on_result`
     gets (b, loss); without, it gets (b, outputs).
     """
-    K, links = self.K, _Links(self.K, self.poll)
+    K, links = self.K, _Links(self.K, self.poll, self.maxsize)
     fwd, results = links.forward, links.results
 
     def worker(k):
       program = self.programs[k]
       for b in range(num_batches):
-        xs, y = links.inputs(k, batches, labelled=with_labels)
+        xs, y, _ = links.inputs(k, batches, labelled=with_labels)
         if k < K - 1:
-          fwd[k][0].put(program.infer(xs))
+          fwd[k][0].put((program.infer(xs), 1.0))
         elif with_labels:
           results.put((b, program.evaluate_last(xs, y)))
         else:
           results.put((b, program.infer(xs)))
 
-    self._execute(links, worker, num_batches, on_result, backward=False)
+    self._execute(links, worker, num_batches, on_result, [(num_batches, 0)] * (K - 1))
 
-  def _execute(self, links, worker, num_batches, on_result, backward):
-    """Runs the stage workers and the transfer threads; hands results to `on_result`."""
-    def transfer(src, dst, device):
-      for _ in range(num_batches):
+  def _execute(self, links, worker, num_batches, on_result, counts):
+    """Runs the stage workers and the transfer threads; hands results to `on_result`.
+
+    `counts[k]`: how many items cross cut k forward and backward this epoch.
+    """
+    def transfer(src, dst, device, count):
+      for _ in range(count):
         dst.put(_copy_to(device, src.get()))
 
     with spawn(links.stop) as launch:
       for k in range(self.K):
         launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
       for k in range(self.K - 1):
-        launch(lambda k=k: transfer(*links.forward[k], self.programs[k + 1].device),
-               f"tfpipe-fwd{k}")
-        if backward:
-          launch(lambda k=k: transfer(*links.backward[k], self.programs[k].device),
+        launch(lambda k=k: transfer(*links.forward[k], self.programs[k + 1].device,
+                                    counts[k][0]), f"tfpipe-fwd{k}")
+        if counts[k][1]:
+          launch(lambda k=k: transfer(*links.backward[k], self.programs[k].device, counts[k][1]),
                  f"tfpipe-bwd{k}")
       for _ in range(num_batches):
         on_result(*links.results.get())

@@ -1,21 +1,52 @@
 """Pipeline schedules: each stage's ordered task list, in pure Python (no TensorFlow).
 
-K: stages, k: stage index (0 holds the input), N: batches in an epoch, b: batch index.
+K: stages, k: stage index (0 holds the input), N: mini-batches in an epoch,
+b: mini-batch index, M: micro-batches per mini-batch, i: micro-batch index,
+d = K-1-k: the depth of the pipeline below stage k.
 
 A schedule is a list of K task lists. Stage k runs its list in order; a task
-waits only for its data: the forward of b at k needs the forward of b at k-1,
-the backward of b at k needs the backward of b at k+1 (at the last stage, its
-own forward). Every stage owns its weights and is the only one to update them,
-so the weight version a task reads depends on its stage's order alone, never
-on thread timing: the runtime and the slow reference loop agree exactly.
+waits only for its data (see `tfpipe.verify`). Task kinds:
+
+  F(b[, i])  forward of a mini-batch (or of one of its micro-batches);
+  B(b, i)    backward of micro-batch i: its weight gradient is accumulated;
+  B(b)       backward of the whole mini-batch b (all its micro-batches, if
+             any), followed by the stage's update;
+  U(b)       the update with the gradients accumulated over b's micro-batches;
+  R(b[, i])  receive b's output gradient now, ahead of its backward (DDG).
+
+At the last stage a forward only receives its input: the stage's forward and
+backward run as one step at its B task, which follows the forwards it covers.
+Every stage owns its weights and is the only one to update them, so the
+weight version a task reads depends on its stage's order alone, never on
+thread timing: the runtime and the slow reference loop agree exactly.
 """
 
 import collections
 
-__all__ = ["Task", "sequential", "one_f_one_b", "build", "global_order",
-           "exact_version_differences", "paper_version_difference", "SCHEDULES"]
+__all__ = ["Task", "sequential", "one_f_one_b", "gpipe", "ddg", "timeprest", "build",
+           "SCHEDULES", "MICRO_BATCHED", "is_update", "exact_version_differences",
+           "paper_version_difference", "timeprest_version_difference", "micro_batches",
+           "micro_sizes"]
 
-Task = collections.namedtuple("Task", ["kind", "batch"])  # kind: "F" or "B"
+
+class Task(collections.namedtuple("Task", ["kind", "batch", "micro"], defaults=(None,))):
+  """One task of one stage: kind "F", "B", "U" or "R", a mini-batch, and a micro-batch or None."""
+
+  __slots__ = ()
+
+  def __str__(self):
+    return f"{self.kind}{self.batch}" + ("" if self.micro is None else f".{self.micro}")
+
+
+def is_update(task):
+  """True for the tasks that apply an update: U(b), and B(b) of a whole mini-batch."""
+  return task.kind == "U" or (task.kind == "B" and task.micro is None)
+
+
+def _check(K, N, M=1):
+  for label, value in (("K", K), ("N", N), ("M", M)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"`{label}` must be a positive integer. Received: {label}={value!r}")
 
 
 def sequential(K, N):
@@ -24,107 +55,199 @@ def sequential(K, N):
   K = 3, N = 2 (time runs left to right; Fb / Bb = forward / backward of b):
 
   ```
-  stage 0: F0 .  .  .  .  B0 F1 .  .  .  .  B1
-  stage 1: .  F0 .  .  B0 .  .  F1 .  .  B1 .
-  stage 2: .  .  F0 B0 .  .  .  .  F1 B1 .  .
+  stage 0: F0 .  .  .  B0 F1 .  .  .  B1
+  stage 1: .  F0 .  B0 .  .  F1 .  B1 .
+  stage 2: .  .  F0B0 .  .  .  F1B1 .  .
   ```
   """
   _check(K, N)
   return [[t for b in range(N) for t in (Task("F", b), Task("B", b))] for _ in range(K)]
 
 
-def one_f_one_b(K, N):
+def _units(N, M):
+  """Forward units in order: mini-batches, or (b, i) micro-batches when M > 1."""
+  if M == 1:
+    return [(b, None) for b in range(N)]
+  return [(b, i) for b in range(N) for i in range(M)]
+
+
+def _backward(b, i, M, tasks):
+  """B of a unit; with micro-batches, the update U(b) follows the last one."""
+  tasks.append(Task("B", b, i))
+  if i is not None and i == M - 1:
+    tasks.append(Task("U", b))
+
+
+def one_f_one_b(K, N, M=1):
   """Asynchronous 1F1B (PipeDream's steady state), drained at the end.
 
-  Stage k starts with K-1-k forwards, then alternates one forward, one
+  Stage k starts with d = K-1-k forwards, then alternates one forward, one
   backward. K = 3, N = 4:
 
   ```
   stage 0: F0 F1 .  .  F2 .  B0 F3 .  B1 .  .  B2 .  B3
   stage 1: .  F0 F1 .  B0 F2 .  B1 F3 .  B2 .  B3 .  .
-  stage 2: .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .  .  .  .
+  stage 2: .  .  F0B0 F1B1 F2B2 F3B3 .  .  .  .  .  .  .
   ```
-  The forward of b at stage k runs after the backwards of b-(K-1-k) earlier
-  batches: its weights are stale by K-1-k updates.
+  The forward of b at stage k runs after the backwards of b-d earlier
+  batches: its weights are stale by d updates. With M > 1 the units are
+  micro-batches; each stage accumulates their gradients and updates once
+  per mini-batch, after the backward of its last micro-batch.
+  """
+  _check(K, N, M)
+  units = _units(N, M)
+  stages = []
+  for k in range(K):
+    warm = min(K - 1 - k, len(units))
+    tasks = [Task("F", *u) for u in units[:warm]]
+    for n, (b, i) in enumerate(units):
+      if n + warm < len(units):
+        tasks.append(Task("F", *units[n + warm]))
+      _backward(b, i, M, tasks)
+    stages.append(tasks)
+  return stages
+
+
+def gpipe(K, N, M):
+  """GPipe: per mini-batch, all M micro-batch forwards, then all backwards, then one update.
+
+  K = 2, N = 1, M = 3 (the last stage runs each micro-batch's forward and
+  backward as one step, in micro-batch order, so backwards flow in that order):
+
+  ```
+  stage 0: F0.0 F0.1 F0.2 .    B0.0 B0.1 B0.2 U0
+  stage 1: .    F0.0B0.0 F0.1B0.1 F0.2B0.2  U0
+  ```
+  No update happens inside a mini-batch: every micro-batch reads the same
+  weights, and the result equals training on whole mini-batches.
+  """
+  _check(K, N, M)
+  stages = []
+  for k in range(K):
+    tasks = []
+    for b in range(N):
+      if k == K - 1:
+        tasks += [t for i in range(M) for t in (Task("F", b, i), Task("B", b, i))]
+      else:
+        tasks += [Task("F", b, i) for i in range(M)] + [Task("B", b, i) for i in range(M)]
+      tasks.append(Task("U", b))
+    stages.append(tasks)
+  return stages
+
+
+def ddg(K, N):
+  """Decoupled backpropagation with delayed gradients (DDG, EPFL report table 3).
+
+  Step t of stage k: forward of t, backward of t-d with the gradient it
+  already holds, then receive (R) the gradient for its next backward. The
+  per-stage order of forwards and backwards is 1F1B's; the early receive
+  makes the forward run as in `sequential` while the backwards overlap:
+  a step takes T_F + T_B/K. K = 3, N = 3:
+
+  ```
+  stage 0: F0 F1 R0 F2 B0 R1 B1 R2 B2
+  stage 1: F0 R0 F1 B0 R1 F2 B1 R2 B2
+  stage 2: F0 B0 F1 B1 F2 B2
+  ```
+  Stage 0 cannot start F2 before stage 1 has run F1 and B0 (it receives
+  B0's gradient first), so each forward waits for the previous step.
   """
   _check(K, N)
   stages = []
   for k in range(K):
-    warm = min(K - 1 - k, N)
-    tasks = [Task("F", b) for b in range(warm)]
-    for b in range(N):
-      if b + warm < N:
-        tasks.append(Task("F", b + warm))
+    d, tasks, received = K - 1 - k, [], set()
+    for t in range(N):
+      tasks.append(Task("F", t))
+      if t - d >= 0:
+        tasks.append(Task("B", t - d))
+      if k < K - 1 and 0 <= t - d + 1 < N:
+        tasks.append(Task("R", t - d + 1))
+        received.add(t - d + 1)
+    for b in range(max(0, N - d), N):
+      if k < K - 1 and b not in received:
+        tasks.append(Task("R", b))
       tasks.append(Task("B", b))
     stages.append(tasks)
   return stages
 
 
-SCHEDULES = {"sequential": sequential, "1f1b": one_f_one_b}
+def timeprest(K, N, M):
+  """TiMePReSt: pipelined micro-batch forwards, one backward per mini-batch on the latest weights.
 
+  Stage k runs the micro-batch forwards in order and the backward of
+  mini-batch b right after the forward of micro-batch number b*M + M-1 + d
+  (counting micro-batches over the epoch), the 1F1B offset in micro-batch
+  units: stage k+1 computes b's gradient while stage k runs one more
+  forward. K = 2, N = 2, M = 2:
 
-def build(name, K, N):
-  """The schedule called `name` for K stages and N batches."""
-  from tfpipe import names
-  return SCHEDULES[names.lookup("schedule", name, SCHEDULES)](K, N)
-
-
-def _check(K, N):
-  for label, value in (("K", K), ("N", N)):
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"`{label}` must be a positive integer. Received: {label}={value!r}")
-
-
-def _ready(schedule, done, k, task):
-  K = len(schedule)
-  if task.kind == "F":
-    return k == 0 or ("F", task.batch) in done[k - 1]
-  if k == K - 1:
-    return ("F", task.batch) in done[k]
-  return ("B", task.batch) in done[k + 1]
-
-
-def global_order(schedule):
-  """One single-threaded order that runs every task with its inputs ready.
-
-  Round-robin over stages, each running its next task when its inputs are
-  ready. Raises ValueError naming the stuck stages when no stage can go on.
+  ```
+  stage 0: F0.0 F0.1 F1.0 B0 F1.1 B1
+  stage 1: .    F0.0 F0.1B0 F1.0 F1.1B1
+  ```
   """
-  K = len(schedule)
-  position = [0] * K
-  done = [set() for _ in range(K)]
-  order = []
-  total = sum(len(tasks) for tasks in schedule)
-  while len(order) < total:
-    progressed = False
-    for k in range(K):
-      if position[k] < len(schedule[k]):
-        task = schedule[k][position[k]]
-        if _ready(schedule, done, k, task):
-          done[k].add(tuple(task))
-          order.append((k, task))
-          position[k] += 1
-          progressed = True
-    if not progressed:
-      stuck = ", ".join(f"stage {k} at {schedule[k][position[k]].kind}{schedule[k][position[k]].batch}"
-                        for k in range(K) if position[k] < len(schedule[k]))
-      raise ValueError(f"schedule deadlocks: no stage can run its next task ({stuck})")
-  return order
+  _check(K, N, M)
+  units = _units(N, M) if M > 1 else [(b, 0) for b in range(N)]
+  stages = []
+  for k in range(K):
+    d, tasks, done = K - 1 - k, [], 0
+    for n, (b, i) in enumerate(units):
+      tasks.append(Task("F", b, i))
+      while done < N and done * M + M - 1 + d == n:
+        tasks.append(Task("B", done))
+        done += 1
+    tasks += [Task("B", b) for b in range(done, N)]
+    stages.append(tasks)
+  return stages
+
+
+SCHEDULES = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe, "ddg": ddg,
+             "timeprest": timeprest}
+MICRO_BATCHED = ("1f1b", "gpipe", "timeprest")  # the schedules that take M
+
+
+def build(name, K, N, M=1):
+  """The schedule called `name` for K stages, N mini-batches and M micro-batches each."""
+  from tfpipe import names
+  name = names.lookup("schedule", name, SCHEDULES)
+  _check(K, N, M)
+  if name in ("gpipe", "timeprest"):
+    return SCHEDULES[name](K, N, M)
+  if name == "1f1b":
+    return one_f_one_b(K, N, M)
+  if M != 1:
+    raise ValueError(f"the {name!r} schedule has no micro-batches. Received: M={M}")
+  return SCHEDULES[name](K, N)
+
+
+def micro_batches(schedule):
+  """M: the most micro-batches of one mini-batch in the schedule (1 without micro-batches)."""
+  micros = [t.micro for tasks in schedule for t in tasks if t.micro is not None]
+  return max(micros) + 1 if micros else 1
+
+
+def micro_sizes(n, M):
+  """Sizes of the M micro-batches of a mini-batch of n samples (the first n % M get one more)."""
+  if n < M:
+    raise ValueError(
+        f"a mini-batch of {n} samples cannot be split into {M} micro-batches; use a batch size "
+        f"of at least {M} (and no smaller last batch), or fewer micro-batches")
+  return [n // M + (1 if i < n % M else 0) for i in range(M)]
 
 
 def exact_version_differences(schedule):
   """For every stage and task, the `exact` version difference s.
 
-  s = the number of updates stage k applies, for batches earlier than b,
-  after this task starts (DESIGN.md section 3). Returns K dicts mapping
-  (kind, batch) -> s.
+  s = the number of updates stage k applies, for mini-batches earlier than
+  b, after this task starts (DESIGN.md section 3). Returns K dicts mapping
+  each task to s.
   """
   result = []
   for tasks in schedule:
-    diffs = {}
-    for i, task in enumerate(tasks):
-      diffs[tuple(task)] = sum(1 for later in tasks[i + 1:]
-                               if later.kind == "B" and later.batch < task.batch)
+    diffs, later = {}, collections.Counter()
+    for task in reversed(tasks):
+      diffs[task] = sum(n for batch, n in later.items() if batch < task.batch)
+      if is_update(task):
+        later[task.batch] += 1
     result.append(diffs)
   return result
 
@@ -138,3 +261,18 @@ def paper_version_difference(k, K, kind):
   if kind == "B":
     return k // 2
   raise ValueError(f"task kind must be 'F' or 'B'. Received: {kind!r}")
+
+
+def timeprest_version_difference(k, K, M, i):
+  """Updates between the forward of micro-batch i at stage k and its mini-batch's backward.
+
+  TiMePReSt (seed 002) relates the version difference to the number of
+  micro-batches M and workers K; for the schedule above it is
+  floor((M-1-i + K-1-k) / M) in steady state: the first micro-batches of a
+  mini-batch may read weights older than the last ones ("multiple
+  sequences") when K-1-k > 0, and when M >= K no micro-batch is more than
+  one update behind. The backward itself reads the latest weights (s = 0).
+  """
+  if not 0 <= k < K or not 0 <= i < M:
+    raise ValueError(f"need 0 <= k < K and 0 <= i < M. Received: k={k}, K={K}, i={i}, M={M}")
+  return (M - 1 - i + K - 1 - k) // M

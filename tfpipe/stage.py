@@ -25,6 +25,11 @@ class StageProgram:
   "forward"`) run under a gradient tape kept until the backward: the
   backward recomputes nothing and reads the forward's weights exactly (the
   stash). Other backwards recompute the stage from its saved input.
+
+  Backwards of micro-batches add their weight gradients into accumulators
+  (`accumulate=True`); `apply_accumulated` then updates once. `scale` (a
+  scalar tensor) weights a micro-batch's loss and regularisation by its share
+  of the mini-batch, so the accumulated gradient is the mini-batch's.
   """
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
@@ -49,7 +54,9 @@ class StageProgram:
                             for v in model.non_trainable_variables]
       optimizer.build(self.trainable)
     self._sources = [v.value for v in self.trainable]
-    for name in ("forward", "backward_recompute", "apply", "last_step", "infer", "evaluate_last"):
+    self.accumulators = None
+    for name in ("forward", "backward_recompute", "update", "apply_accumulated", "last_step",
+                 "infer", "evaluate_last"):
       compiled = tf.function(getattr(self, "_" + name), reduce_retracing=True,
                              jit_compile=jit_compile)
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
@@ -97,10 +104,19 @@ class StageProgram:
     grads = iter(grads)
     return [next(grads) if f else None for f in self._float_in]
 
-  def _targets(self, ys, dys, reg):
+  def _targets(self, ys, dys, reg, scale):
     pairs = [(y, dy if dy is not None else tf.zeros_like(y))
              for y, dy, f in zip(ys, dys, self._float_out) if f]
-    return [y for y, _ in pairs] + [reg], [dy for _, dy in pairs] + [tf.ones_like(reg)]
+    return ([y for y, _ in pairs] + [reg],
+            [dy for _, dy in pairs] + [tf.ones_like(reg) * tf.cast(scale, reg.dtype)])
+
+  def build_accumulators(self):
+    """Creates the gradient accumulators (once) for schedules with micro-batch backwards."""
+    if self.accumulators is None:
+      with tf.device(self.device):
+        self.accumulators = [tf.Variable(tf.zeros_like(v), trainable=False,
+                                         name=f"s{self.index}_accumulator{j}")
+                             for j, v in enumerate(self._sources)]
 
   # Task functions (compiled).
 
@@ -108,24 +124,34 @@ class StageProgram:
     with tf.device(self.device):
       return self._call(self.weights(s, self.policy.forward == "predicted"), xs, training=True)
 
-  def _apply(self, grads):
+  def _update(self, grads, accumulate):
     with tf.device(self.device):
-      self.optimizer.apply(grads, self.trainable)
+      if accumulate:
+        for a, g in zip(self.accumulators, grads):
+          a.assign_add(tf.cast(g, a.dtype))
+      else:
+        self.optimizer.apply(grads, self.trainable)
 
-  def _backward_recompute(self, xs, dys, s):
+  def _apply_accumulated(self):
+    with tf.device(self.device):
+      self.optimizer.apply([tf.convert_to_tensor(a) for a in self.accumulators], self.trainable)
+      for a in self.accumulators:
+        a.assign(tf.zeros_like(a))
+
+  def _backward_recompute(self, xs, dys, s, scale, accumulate):
     with tf.device(self.device):
       weights = self.weights(s, self.policy.backward == "predicted")
       float_xs = self._float_inputs(xs)
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
         ys, reg = self._call(weights, xs, training=True, update_state=False)
-        targets, out_grads = self._targets(ys, dys, reg)
+        targets, out_grads = self._targets(ys, dys, reg, scale)
       grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
                             unconnected_gradients=_ZERO)
-      self.optimizer.apply(grads[:len(weights)], self.trainable)
+      self._update(grads[:len(weights)], accumulate)
       return self._input_grads(grads[len(weights):])
 
-  def _last_step(self, xs, y, s):
+  def _last_step(self, xs, y, s, scale, accumulate):
     with tf.device(self.device):
       weights = self.weights(s, self.policy.forward == "predicted")
       float_xs = self._float_inputs(xs)
@@ -134,8 +160,9 @@ class StageProgram:
         ys, reg = self._call(weights, xs, training=True)
         loss = self.loss(y, ys[0])
         total = loss + tf.cast(reg, loss.dtype)
-      grads = tape.gradient(total, weights + float_xs, unconnected_gradients=_ZERO)
-      self.optimizer.apply(grads[:len(weights)], self.trainable)
+        scaled = total * tf.cast(scale, total.dtype)
+      grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
+      self._update(grads[:len(weights)], accumulate)
       self._update_metrics(y, ys[0], total)
       return total, self._input_grads(grads[len(weights):])
 
@@ -166,15 +193,15 @@ class StageProgram:
       ys, reg = self.forward(xs, s)
     return ys, (tape, xs, ys, reg)
 
-  def backward_saved(self, state, dys):
+  def backward_saved(self, state, dys, scale, accumulate):
     """Backward through the kept tape with the forward's own weights, then the update."""
     tape, xs, ys, reg = state
     with tf.device(self.device):
       float_xs = self._float_inputs(xs)
-      targets, out_grads = self._targets(ys, dys, reg)
+      targets, out_grads = self._targets(ys, dys, reg, scale)
       grads = tape.gradient(targets, self._sources + float_xs, output_gradients=out_grads,
                             unconnected_gradients=_ZERO)
-      self.apply(grads[:len(self._sources)])
+      self.update(grads[:len(self._sources)], accumulate)
       return self._input_grads(grads[len(self._sources):])
 
   # Moving weights between the stage and the user's model.

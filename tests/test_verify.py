@@ -1,0 +1,120 @@
+"""Schedule verifier: every method for K = 1..16 and M = 1..64, peaks, broken schedules."""
+
+import pytest
+
+from tfpipe import policies, schedules, verify
+from tfpipe.schedules import Task
+
+
+def _check_dependencies(schedule, order):
+  """An independent check of an order: per-stage order kept and every input ready in time."""
+  K = len(schedule)
+  assert sorted(order, key=repr) == sorted(((k, t) for k in range(K) for t in schedule[k]), key=repr)
+  for k in range(K):
+    assert [t for j, t in order if j == k] == list(schedule[k])
+  position = {item: n for n, item in enumerate(order)}
+  for (k, t), n in position.items():
+    needs = []
+    if t.kind == "F" and k > 0:
+      needs.append((k - 1, t))
+    if t.kind == "R" or (t.kind == "B" and k < K - 1 and (k, Task("R", *t[1:])) not in position):
+      needs.append((k + 1, Task("B", t.batch, t.micro)))
+    if t.kind == "B":
+      needs += [(k, f) for f in schedule[k] if f.kind == "F" and f.batch == t.batch
+                and (t.micro is None or f.micro == t.micro)]
+    if t.kind == "U":
+      needs += [(k, o) for o in schedule[k] if o.kind == "B" and o.batch == t.batch]
+    for need in needs:
+      assert position[need] < n, (k, str(t), need)
+
+
+def _capacity(K, M):
+  # The runtime's links: maxsize max(K, M), so 2 * maxsize + 1 items in flight.
+  return 2 * max(K, M) + 1
+
+
+@pytest.mark.parametrize("K", range(1, 17))
+def test_every_method_verifies_for_k_up_to_16_and_m_up_to_64(K):
+  for name in ("sequential", "ddg", "1f1b"):
+    schedule = schedules.build(name, K, K + 3)
+    _check_dependencies(schedule, verify.verify(schedule, _capacity(K, 1)).order)
+  for M in range(1, 65):
+    N = max(2, -(-(K + 2) // M))  # enough micro-batches to reach the steady state
+    for name in ("gpipe", "timeprest", "1f1b"):
+      schedule = schedules.build(name, K, N, M)
+      report = verify.verify(schedule, _capacity(K, M))
+      assert len(report.order) == sum(len(tasks) for tasks in schedule)
+      if M in (1, 7, 64) or K in (1, 16):
+        _check_dependencies(schedule, report.order)
+
+
+def test_memory_table_matches_the_epfl_report_and_design():
+  # EPFL report table 1 (devices counted from 1 there: K-k+1 is K-k here, k from 0):
+  # sequential 1 mini-batch; DDG and PipeDream K-k states; FR inputs only.
+  K, M = 5, 4
+  table = verify.memory_table(K, M)
+  down = [K - k for k in range(K)]
+  assert table["sequential"] == ("activations", [1] * K, [1] * K)
+  assert table["ddg"] == ("activations", down, down)
+  assert table["pipedream"] == ("activations", down, down)
+  assert table["feature_replay"] == ("inputs", down, [0] * K)
+  assert table["vanilla"] == ("inputs", down, [0] * K)
+  # DESIGN.md: gpipe keeps M activation sets (the last stage runs each micro-batch's forward
+  # and backward as one step, so it keeps one); timeprest keeps inputs of M micro-batches,
+  # plus the K-1-k it runs ahead; no weight versions.
+  assert table["gpipe"] == ("activations", [M] * (K - 1) + [1], [1] * K)
+  assert table["timeprest"] == ("inputs", [M + K - 1 - k for k in range(K)], [0] * K)
+  text = verify.format_memory_table(table)
+  assert "feature_replay" in text and "5/0" in text
+
+
+def test_gpipe_with_recompute_keeps_inputs():
+  assert policies.policy_for("gpipe", recompute=True).recompute
+  with pytest.raises(ValueError, match="method 'pipedream' cannot recompute"):
+    policies.policy_for("pipedream", recompute=True)
+  with pytest.raises(ValueError, match="method 'vanilla' always recomputes"):
+    policies.policy_for("vanilla", recompute=False)
+
+
+def _broken(text):
+  return [[Task(w[0], int(w[1:].split(".")[0]), int(w.split(".")[1]) if "." in w else None)
+           for w in line.split()] for line in text]
+
+
+def test_rejects_a_missing_backward():
+  schedule = _broken(["F0 B0 F1 B1 F2 B2", "F0 B0 F1 B1 F2"])
+  with pytest.raises(verify.ScheduleError, match="stage 1: forward F2 has no backward"):
+    verify.verify(schedule)
+
+
+def test_rejects_a_cycle_naming_the_stuck_tasks():
+  # Stage 0 waits for a gradient that needs its own later forward.
+  schedule = _broken(["R0 F0 B0", "F0 B0"])
+  with pytest.raises(verify.ScheduleError,
+                     match=r"deadlocks.*stage 0 at R0 \(waits for stage 1's B0\).*"
+                           r"stage 1 at F0 \(waits for stage 0's F0\)"):
+    verify.verify(schedule)
+  with pytest.raises(verify.ScheduleError, match=r"stage 0 at B0 \(waits for its own F0\)"):
+    verify.verify(_broken(["B0 F0", "F0 B0"]))
+
+
+def test_rejects_out_of_order_links_and_other_defects():
+  with pytest.raises(verify.ScheduleError, match="stage 1 expects F1 but stage 0 sent F0 first"):
+    verify.verify(_broken(["F0 F1 B0 B1", "F1 B1 F0 B0"]))
+  with pytest.raises(verify.ScheduleError, match="stage 0 runs F0 twice"):
+    verify.verify(_broken(["F0 F0 B0", "F0 B0"]))
+  with pytest.raises(verify.ScheduleError, match="B0.0 accumulates a gradient that no U0 applies"):
+    verify.verify(_broken(["F0.0 B0.0", "F0.0 B0.0"]))
+  with pytest.raises(verify.ScheduleError, match="last stage: B0 must come right after its forwards"):
+    verify.verify(_broken(["F0 F1 B0 B1", "F0 F1 B0 B1"]))
+  with pytest.raises(verify.ScheduleError, match="stage 1 has no forward F1 that stage 0 runs"):
+    verify.verify(_broken(["F0 B0 F1 B1", "F0 B0"]))
+
+
+def test_bounded_links_can_deadlock_and_the_verifier_says_so():
+  # GPipe with 8 micro-batches: the last stage's gradients pile up while stage 0 still runs
+  # forwards. Two items per link are too few; the runtime's capacity is enough.
+  schedule = schedules.gpipe(2, 1, 8)
+  with pytest.raises(verify.ScheduleError, match="stage 1 at B0.2 \\(its output link to stage 0 is full\\)"):
+    verify.verify(schedule, capacity=2)
+  verify.verify(schedule, capacity=_capacity(2, 8))

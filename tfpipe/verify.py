@@ -1,0 +1,256 @@
+"""Schedule verifier: runs a schedule on paper under the runtime's queue rules (pure Python).
+
+K: stages, k: stage index, b: mini-batch, i: micro-batch. A schedule passes when
+  - every stage runs the same forwards, each exactly once; each forward is
+    covered by exactly one backward; micro-batch backwards are applied by an
+    update U of their mini-batch; an early receive R is followed by its B;
+  - at the last stage, each B comes right after the forwards it covers (the
+    stage runs them as one step);
+  - played out with the runtime's semantics it finishes: a task waits for its
+    data (the forward of its unit at k-1; the output gradient from k+1, or its
+    own R; its own forwards), items on a link arrive in the order sent (FIFO),
+    and a task that sends waits while `capacity` items are in flight on its link.
+It returns the order it ran and, per stage, the peaks the schedule implies:
+forward states kept at once, distinct weight versions among them (what a
+stash holds), and the staleness between a forward and its backward. A
+schedule that fails is refused with a `ScheduleError` naming stage and task.
+"""
+
+import collections
+import dataclasses
+
+from tfpipe import policies, schedules
+
+__all__ = ["ScheduleError", "Report", "verify", "covered_units", "memory_table",
+           "format_memory_table"]
+
+
+class ScheduleError(ValueError):
+  """A schedule that cannot run correctly, with the stage and task that show why."""
+
+
+@dataclasses.dataclass
+class Report:
+  order: list            # (k, task) in an order that respects every dependency
+  peak_states: list      # per stage: most forward states (activations or inputs) kept at once
+  peak_versions: list    # per stage: most distinct weight versions among the kept states
+  staleness: list        # per stage: most updates between a forward and its backward
+  peak_in_flight: list   # per cut k -> k+1: most items in flight (forward, backward)
+
+
+def covered_units(tasks):
+  """For each B task of one stage, the forward units (batch, micro) it covers."""
+  forwards = collections.defaultdict(list)
+  for t in tasks:
+    if t.kind == "F":
+      forwards[t.batch].append((t.batch, t.micro))
+  return {t: ([(t.batch, t.micro)] if t.micro is not None else forwards[t.batch])
+          for t in tasks if t.kind == "B"}
+
+
+def _micro_backwards(tasks):
+  """Mini-batch -> its micro-batch B tasks, in one stage's list."""
+  result = collections.defaultdict(list)
+  for t in tasks:
+    if t.kind == "B" and t.micro is not None:
+      result[t.batch].append(t)
+  return result
+
+
+def _structure(schedule):
+  """Checks what a schedule must contain, before it is played out."""
+  if not schedule or any(not isinstance(tasks, (list, tuple)) for tasks in schedule):
+    raise ScheduleError("a schedule is a non-empty list of per-stage task lists")
+  K = len(schedule)
+  units0 = [(t.batch, t.micro) for t in schedule[0] if t.kind == "F"]
+  for k, tasks in enumerate(schedule):
+    seen = set()
+    for t in tasks:
+      if t.kind not in "FBUR" or len(t.kind) != 1:
+        raise ScheduleError(f"stage {k}: unknown task kind {t.kind!r} in {t}")
+      if t in seen:
+        raise ScheduleError(f"stage {k} runs {t} twice")
+      seen.add(t)
+    units = [(t.batch, t.micro) for t in tasks if t.kind == "F"]
+    if sorted(units, key=repr) != sorted(units0, key=repr):
+      missing = sorted(set(units0) - set(units), key=repr)
+      extra = sorted(set(units) - set(units0), key=repr)
+      what = (f"has no forward {schedules.Task('F', *missing[0])} that stage 0 runs" if missing
+              else f"runs forward {schedules.Task('F', *extra[0])} that stage 0 does not")
+      raise ScheduleError(f"stage {k} {what}")
+    cover = covered_units(tasks)
+    unit_set, owner = set(units), {}
+    for b_task, units_ in cover.items():
+      if not units_:
+        raise ScheduleError(f"stage {k}: {b_task} covers no forward")
+      for u in units_:
+        if u not in unit_set:
+          raise ScheduleError(f"stage {k}: {b_task} has no forward {schedules.Task('F', *u)}")
+        if u in owner:
+          raise ScheduleError(f"stage {k}: forward {schedules.Task('F', *u)} has two backwards, "
+                              f"{owner[u]} and {b_task}")
+        owner[u] = b_task
+    for u in units:
+      if u not in owner:
+        raise ScheduleError(f"stage {k}: forward {schedules.Task('F', *u)} has no backward")
+    updates = {t.batch for t in tasks if t.kind == "U"}
+    micro_backwards = _micro_backwards(tasks)
+    for t in tasks:
+      if t.kind == "B" and t.micro is not None and t.batch not in updates:
+        raise ScheduleError(f"stage {k}: {t} accumulates a gradient that no U{t.batch} applies")
+      if t.kind == "U" and not micro_backwards[t.batch]:
+        raise ScheduleError(f"stage {k}: {t} has no micro-batch backward to apply")
+      if t.kind == "R":
+        if k == K - 1:
+          raise ScheduleError(f"stage {k} is the last stage: it has no gradient to receive ({t})")
+        if schedules.Task("B", t.batch, t.micro) not in seen:
+          raise ScheduleError(f"stage {k}: {t} receives for a backward the stage does not run")
+  last = schedule[-1]
+  where = {t: j for j, t in enumerate(last)}
+  for b_task, units_ in covered_units(last).items():
+    j = where[b_task]
+    between = last[max(0, j - len(units_)):j]
+    if [(t.kind, t.batch, t.micro) for t in between] != [("F",) + u for u in units_]:
+      raise ScheduleError(
+          f"stage {K - 1} is the last stage: {b_task} must come right after its forwards "
+          f"({', '.join(str(schedules.Task('F', *u)) for u in units_)})")
+
+
+def verify(schedule, capacity=None):
+  """Checks `schedule` (see the module docstring); returns its `Report`.
+
+  `capacity`: the most items a link holds in flight (None: unbounded).
+  """
+  _structure(schedule)
+  K = len(schedule)
+  capacity = float("inf") if capacity is None else capacity
+  if capacity < 1:
+    raise ScheduleError(f"link capacity must be at least 1. Received: {capacity}")
+  fwd = [collections.deque() for _ in range(K - 1)]   # items sent k -> k+1
+  bwd = [collections.deque() for _ in range(K - 1)]   # items sent k+1 -> k
+  cover = [covered_units(tasks) for tasks in schedule]
+  micro_backwards = [_micro_backwards(tasks) for tasks in schedule]
+  done = [set() for _ in range(K)]
+  received = [set() for _ in range(K)]
+  pos = [0] * K
+  held = [dict() for _ in range(K)]       # unit -> update count when its forward ran
+  updates = [0] * K
+  peaks = dict(states=[0] * K, versions=[0] * K, stale=[0] * K)
+  in_flight = [[0, 0] for _ in range(K - 1)]
+  order = []
+
+  def blocked(k, t):
+    """Why task t of stage k cannot run now (None when it can)."""
+    unit = (t.batch, t.micro)
+    if t.kind == "F":
+      if k > 0:
+        if not fwd[k - 1]:
+          return f"waits for stage {k - 1}'s {t}"
+        if fwd[k - 1][0] != unit:
+          raise ScheduleError(
+              f"stage {k} expects {t} but stage {k - 1} sent "
+              f"{schedules.Task('F', *fwd[k - 1][0])} first (the links are FIFO)")
+      if k < K - 1 and len(fwd[k]) >= capacity:
+        return f"its output link to stage {k + 1} is full"
+      return None
+    if t.kind == "B":
+      for u in cover[k][t]:
+        if schedules.Task("F", *u) not in done[k]:
+          return f"waits for its own {schedules.Task('F', *u)}"
+    if t.kind == "R" or (t.kind == "B" and k < K - 1 and unit not in received[k]):
+      if not bwd[k]:
+        return f"waits for stage {k + 1}'s B{t.batch}" + ("" if t.micro is None else f".{t.micro}")
+      if bwd[k][0] != unit:
+        raise ScheduleError(
+            f"stage {k} expects the gradient of {schedules.Task('B', *unit)} but stage {k + 1} "
+            f"sent {schedules.Task('B', *bwd[k][0])} first (the links are FIFO)")
+    if t.kind == "B":
+      if k > 0 and len(bwd[k - 1]) >= capacity:
+        return f"its output link to stage {k - 1} is full"
+    if t.kind == "U":
+      for o in micro_backwards[k][t.batch]:
+        if o not in done[k]:
+          return f"waits for its own {o}"
+    return None
+
+  def run(k, t):
+    unit = (t.batch, t.micro)
+    if t.kind == "F":
+      if k > 0:
+        fwd[k - 1].popleft()
+      if k < K - 1:
+        fwd[k].append(unit)
+        in_flight[k][0] = max(in_flight[k][0], len(fwd[k]))
+      held[k][unit] = updates[k]
+      peaks["states"][k] = max(peaks["states"][k], len(held[k]))
+      peaks["versions"][k] = max(peaks["versions"][k], len(set(held[k].values())))
+    elif t.kind == "R":
+      bwd[k].popleft()
+      received[k].add(unit)
+    elif t.kind == "B":
+      if k < K - 1 and unit not in received[k]:
+        bwd[k].popleft()
+      if k > 0:
+        bwd[k - 1].append(unit)
+        in_flight[k - 1][1] = max(in_flight[k - 1][1], len(bwd[k - 1]))
+      for u in cover[k][t]:
+        peaks["stale"][k] = max(peaks["stale"][k], updates[k] - held[k].pop(u))
+    if schedules.is_update(t):
+      updates[k] += 1
+    done[k].add(t)
+    order.append((k, t))
+
+  pending, queued = collections.deque(range(K)), set(range(K))
+  while pending:
+    k = pending.popleft()
+    queued.discard(k)
+    progressed = False
+    while pos[k] < len(schedule[k]) and blocked(k, schedule[k][pos[k]]) is None:
+      run(k, schedule[k][pos[k]])
+      pos[k] += 1
+      progressed = True
+    if progressed:
+      for j in (k - 1, k + 1):
+        if 0 <= j < K and j not in queued:
+          pending.append(j)
+          queued.add(j)
+  if any(pos[k] < len(schedule[k]) for k in range(K)):
+    stuck = "; ".join(f"stage {k} at {schedule[k][pos[k]]} ({blocked(k, schedule[k][pos[k]])})"
+                      for k in range(K) if pos[k] < len(schedule[k]))
+    raise ScheduleError(f"schedule deadlocks: no stage can run its next task: {stuck}")
+  return Report(order, peaks["states"], peaks["versions"], peaks["stale"],
+                [tuple(p) for p in in_flight])
+
+
+
+def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
+  """Per method, what each stage keeps at its peak, from the verified schedule.
+
+  Returns {method: (kept, states, versions)}: `kept` is "activations" (a
+  forward's whole state, kept for its backward) or "inputs" (stage inputs,
+  recomputed before the backward); states[k] the most kept at once at stage
+  k; versions[k] the most distinct weight versions they were computed with,
+  which a method whose backward reads its forward's weights must keep (0
+  where the backward reads the current or a new predicted version).
+  """
+  N = N or 2 * K + 2
+  table = {}
+  for method in methods:
+    policy = policies.policy_for(method)
+    m = policies.micro_batches_for(policy, M if method in ("gpipe", "timeprest") else None)
+    report = verify(schedules.build(policy.schedule, K, N, m))
+    versions = report.peak_versions if policy.backward == "forward" else [0] * K
+    table[method] = ("inputs" if policy.recompute else "activations", report.peak_states,
+                     versions)
+  return table
+
+
+def format_memory_table(table):
+  """The memory table as text, one row per method."""
+  K = len(next(iter(table.values()))[1])
+  head = f"{'method':<16}{'keeps':<13}" + "".join(f"{'stage ' + str(k):>16}" for k in range(K))
+  rows = [head, f"{'':<29}" + "".join(f"{'states/versions':>16}" for _ in range(K))]
+  for method, (kept, states, versions) in table.items():
+    rows.append(f"{method:<16}{kept:<13}" +
+                "".join(f"{f'{s}/{v}':>16}" for s, v in zip(states, versions)))
+  return "\n".join(rows)
