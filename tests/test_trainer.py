@@ -57,6 +57,25 @@ def test_every_method_trains_a_few_steps(method):
   assert history["samples_per_second"][0] > 0
 
 
+@pytest.mark.parametrize("method,micro", [("gpipe", 2), ("timeprest", 2), ("ddg", None),
+                                          ("feature_replay", None)])
+def test_new_methods_run_from_the_command_line(method, micro):
+  args = [f"--method={method}", "--snn_width=32", "--snn_depth=4", "--batch_size=16",
+          "--steps=3", "--epochs=1", "--logdir=", "--verbose=2"]
+  result = _cli(*args, *([f"--micro_batches={micro}"] if micro else []))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"method={method}" in result.stdout and "epoch 1/1:" in result.stdout
+  if micro:
+    assert f"{micro} micro-batches" in result.stdout
+
+
+def test_micro_batches_for_a_method_without_them_is_refused():
+  result = _cli("--method=ddg", "--micro_batches=4", "--steps=1", "--snn_depth=2", "--snn_width=8")
+  assert result.returncode == 2
+  assert "method 'ddg' has no micro-batched schedule" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
 def test_vgg16_trains_in_a_pipeline_at_small_scale():
   config = config_lib.TrainConfig(model="vgg16", dataset="synthetic", model_scale=1 / 16,
                                   synthetic_samples=64, batch_size=16, steps=2, epochs=1,

@@ -14,6 +14,8 @@ class TrainConfig:
   partition: str = "uniform"
   spectrain_backward: str = "reuse"
   version_difference: str = "paper"
+  micro_batches: Optional[int] = None
+  recompute: str = "auto"
   batch_size: int = 64
   learning_rate: float = 0.01
   momentum: float = 0.9

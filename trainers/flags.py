@@ -17,6 +17,11 @@ def define_flags():
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", "paper", "spectrain version difference: paper, exact")
+  flags.DEFINE_integer("micro_batches", None,
+                       "micro-batches per mini-batch (gpipe, timeprest: default 4; vanilla, "
+                       "pipedream, spectrain: default 1)")
+  flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
+                    "recompute stage forwards before backwards (auto: the method's rule)")
   flags.DEFINE_integer("batch_size", 64, "global batch size")
   flags.DEFINE_float("learning_rate", 0.01, "learning rate eta")
   flags.DEFINE_float("momentum", 0.9, "momentum / smoothing factor gamma")
@@ -36,6 +41,8 @@ def define_flags():
 
   flags.register_validator("num_stages", lambda v: v >= 1, "--num_stages must be >= 1")
   flags.register_validator("batch_size", lambda v: v >= 1, "--batch_size must be >= 1")
+  flags.register_validator("micro_batches", lambda v: v is None or v >= 1,
+                           "--micro_batches must be >= 1")
   flags.register_validator("epochs", lambda v: v >= 1, "--epochs must be >= 1")
   flags.register_validator("steps", lambda v: v is None or v >= 1, "--steps must be >= 1")
   flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")

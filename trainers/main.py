@@ -44,7 +44,9 @@ def run(config):
       num_stages=None if config.devices else (1 if config.method == "single" else config.num_stages),
       **({} if config.method in ("single", "dataparallel") else dict(
           partition=config.partition, spectrain_backward=config.spectrain_backward,
-          version_difference=config.version_difference, profile_batch_size=config.batch_size)))
+          version_difference=config.version_difference, micro_batches=config.micro_batches,
+          recompute={"auto": None, "true": True, "false": False}[config.recompute],
+          profile_batch_size=config.batch_size)))
   if config.verbose:
     print(trainer.summary(), flush=True)
   trainer.compile(
