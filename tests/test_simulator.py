@@ -1,0 +1,78 @@
+"""Simulator: the textbook bubble, the EPFL report's table 1, seed 001's eq. 8."""
+
+import pytest
+
+from tfpipe import analytic, schedules, simulator
+from tfpipe.simulator import Costs
+
+
+def _uniform(K, T_F=1.0, T_B=2.0, transfer=0.0):
+  return Costs([T_F / K] * K, [T_B / K] * K, [transfer] * (K - 1))
+
+
+@pytest.mark.parametrize("K,M", [(2, 1), (2, 4), (4, 4), (4, 16), (8, 3), (3, 32)])
+def test_gpipe_bubble_is_the_textbook_one(K, M):
+  timeline = simulator.simulate_method("gpipe", _uniform(K), num_batches=1, micro_batches=M)
+  assert timeline.bubble == pytest.approx(analytic.gpipe_bubble(K, M))
+  # One mini-batch takes (M + K - 1) micro-batch slots of (T_F + T_B) / (K M).
+  assert timeline.makespan == pytest.approx((M + K - 1) * 3.0 / (K * M))
+
+
+@pytest.mark.parametrize("K", [2, 3, 4, 6])
+def test_step_times_match_the_epfl_report_table_1(K):
+  T_F, T_B, N = 1.0, 2.0, 400
+  costs = _uniform(K, T_F, T_B)
+
+  def steady(method, **options):
+    # Time per mini-batch in steady state: the slope between two long runs.
+    a = simulator.simulate_method(method, costs, N, **options).makespan
+    b = simulator.simulate_method(method, costs, 2 * N, **options).makespan
+    return (b - a) / N
+
+  assert steady("sequential") == pytest.approx(analytic.step_time("sequential", T_F, T_B, K))
+  assert steady("pipedream") == pytest.approx(analytic.step_time("pipedream", T_F, T_B, K))
+  # DDG and Features Replay as tfpipe runs them: only data dependencies, no step barrier.
+  for method in ("ddg", "feature_replay"):
+    assert steady(method) == pytest.approx(analytic.step_time(method, T_F, T_B, K, lockstep=False))
+    # The report's T_F + T_B/K assumes lock-step steps: equal for K = 2, an upper bound beyond.
+    table = analytic.step_time(method, T_F, T_B, K)
+    if K == 2:
+      assert steady(method) == pytest.approx(table)
+    assert steady(method) <= table + 1e-9
+  assert steady("sequential") > steady("ddg") > steady("pipedream")
+
+
+def test_transfers_and_imbalance_show_as_idle_time():
+  costs = Costs([1.0, 3.0], [2.0, 6.0], [0.5])
+  timeline = simulator.simulate_method("pipedream", costs, 50)
+  # The slow stage sets the pace; the fast one idles about two thirds of the time.
+  assert timeline.step_time == pytest.approx(9.0, rel=0.02)
+  assert timeline.idle[0] / timeline.makespan == pytest.approx(2 / 3, rel=0.05)
+  assert timeline.samples_per_second(32) == pytest.approx(50 * 32 / timeline.makespan)
+  with_link = simulator.simulate_method("sequential", costs, 10).makespan
+  without = simulator.simulate_method("sequential", Costs([1.0, 3.0], [2.0, 6.0]), 10).makespan
+  assert with_link - without == pytest.approx(10 * 2 * 0.5)
+
+
+@pytest.mark.parametrize("P,t_calc,t_comm", [(4, 149.3, 23.7), (8, 149.3, 23.7), (2, 10.0, 1.0),
+                                             (4, 10.0, 1.25)])
+def test_data_parallel_matches_seed_001_eq_8(P, t_calc, t_comm):
+  _, speedup = simulator.simulate_data_parallel(P, t_calc, t_comm, iterations=2000)
+  assert speedup == pytest.approx(analytic.data_parallel_speedup(P, t_calc, t_comm), rel=0.01)
+
+
+def test_seed_001_worked_example():
+  # Section 4.3: T_calc 149.3 ms, T_comm 23.7 ms -> S = T_calc / (2 T_comm) ~ 3.1 once 2P T_comm
+  # exceeds T_calc; eq. 9 balances at P ~ 3.15.
+  assert analytic.data_parallel_speedup(8, 149.3, 23.7) == pytest.approx(3.15, abs=0.01)
+  assert analytic.balanced_workers(149.3, 23.7) == pytest.approx(3.15, abs=0.01)
+  assert analytic.data_parallel_efficiency(2, 149.3, 23.7) == 1.0
+
+
+def test_bad_costs_are_refused():
+  with pytest.raises(ValueError, match="need one backward time per stage"):
+    Costs([1.0, 1.0], [1.0])
+  with pytest.raises(ValueError, match="need one transfer time per cut"):
+    Costs([1.0, 1.0], [1.0, 1.0], [0.1, 0.1])
+  with pytest.raises(ValueError, match="the costs are for 2 stages, the schedule has 3"):
+    simulator.simulate(schedules.one_f_one_b(3, 4), Costs([1.0, 1.0], [1.0, 1.0]))

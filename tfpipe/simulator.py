@@ -1,0 +1,150 @@
+"""Simulator: a schedule's timeline and throughput from per-stage times (pure Python).
+
+K: stages, k: stage index, N: mini-batches, M: micro-batches per mini-batch.
+Given each stage's forward and backward time for one mini-batch and each
+cut's transfer time, `simulate` plays the verified schedule out: a task
+starts when its stage is free and its inputs have arrived; each link moves
+one item at a time (a transfer thread per direction). Times scale with the
+share of the mini-batch a task covers (1/M for a micro-batch). At the last
+stage a forward only receives; its backward runs forward and backward as
+one step. A backward that recomputes (vanilla, feature_replay, timeprest,
+recompute=True) costs its stage's forward time more.
+
+`simulate_data_parallel` models seed 001's synchronous data parallelism
+through a parameter host (P workers, gradients out and weights back over one
+link, overlapped with the next iteration's computation).
+"""
+
+import dataclasses
+
+from tfpipe import policies, schedules, verify
+
+__all__ = ["Costs", "Timeline", "simulate", "simulate_method", "simulate_data_parallel"]
+
+
+@dataclasses.dataclass
+class Costs:
+  """Seconds per mini-batch: forward[k], backward[k] (without recomputation), transfer[k] across
+  cut k -> k+1 (the gradient back takes the same), update: one optimizer update."""
+  forward: list
+  backward: list
+  transfer: list = None
+  update: float = 0.0
+
+  def __post_init__(self):
+    K = len(self.forward)
+    if len(self.backward) != K:
+      raise ValueError(f"need one backward time per stage: {K} forward times, "
+                       f"{len(self.backward)} backward times")
+    self.transfer = [0.0] * (K - 1) if self.transfer is None else list(self.transfer)
+    if len(self.transfer) != K - 1:
+      raise ValueError(f"need one transfer time per cut ({K - 1}). Received: {self.transfer}")
+    if min(list(self.forward) + list(self.backward) + self.transfer + [self.update]) < 0:
+      raise ValueError("times must be >= 0")
+
+
+@dataclasses.dataclass
+class Timeline:
+  tasks: list      # (k, task, start, end)
+  makespan: float
+  busy: list       # per stage: seconds computing
+  batches: int     # N
+
+  @property
+  def idle(self):
+    """Per stage: seconds not computing between 0 and the end of the schedule."""
+    return [self.makespan - b for b in self.busy]
+
+  @property
+  def bubble(self):
+    """The share of stage time idle: 1 - busy / (K * makespan)."""
+    return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+
+  @property
+  def step_time(self):
+    return self.makespan / self.batches
+
+  def samples_per_second(self, batch_size):
+    return self.batches * batch_size / self.makespan if self.makespan else float("inf")
+
+
+def _share(units, M):
+  return sum(1.0 / M if i is not None else 1.0 for _, i in units)
+
+
+def simulate(schedule, costs, recompute=False):
+  """Plays `schedule` out with `costs` (a `Costs`); returns its `Timeline`."""
+  K = len(schedule)
+  if len(costs.forward) != K:
+    raise ValueError(f"the costs are for {len(costs.forward)} stages, the schedule has {K}")
+  M = schedules.micro_batches(schedule)
+  order = verify.verify(schedule).order
+  covers = [verify.covered_units(tasks) for tasks in schedule]
+  free, busy = [0.0] * K, [0.0] * K
+  fwd_link, bwd_link = [0.0] * (K - 1), [0.0] * (K - 1)
+  arrived_fwd, arrived_bwd, ended = {}, {}, {}
+  tasks = []
+
+  def send(link, k, ready, seconds):
+    link[k] = max(ready, link[k]) + seconds
+    return link[k]
+
+  for k, task in order:
+    unit = (task.batch, task.micro)
+    start, seconds = free[k], 0.0
+    if task.kind == "F":
+      if k > 0:
+        start = max(start, arrived_fwd.pop((k - 1, unit)))
+      if k < K - 1:
+        seconds = costs.forward[k] * _share([unit], M)
+    elif task.kind == "R":
+      start = max(start, arrived_bwd.pop((k, unit)))
+    elif task.kind == "B":
+      share = _share(covers[k][task], M)
+      if k == K - 1:
+        seconds = (costs.forward[k] + costs.backward[k]) * share
+      else:
+        if (k, unit) in arrived_bwd:
+          start = max(start, arrived_bwd.pop((k, unit)))
+        seconds = (costs.backward[k] + (costs.forward[k] if recompute else 0.0)) * share
+    elif task.kind == "U":
+      seconds = costs.update
+    end = start + seconds
+    free[k], busy[k] = end, busy[k] + seconds
+    ended[(k, task)] = end
+    tasks.append((k, task, start, end))
+    if task.kind == "F" and k < K - 1:
+      arrived_fwd[(k, unit)] = send(fwd_link, k, end, costs.transfer[k] * _share([unit], M))
+    if task.kind == "B" and k > 0:
+      arrived_bwd[(k - 1, unit)] = send(bwd_link, k - 1, end,
+                                        costs.transfer[k - 1] * _share(covers[k][task], M))
+  N = len({t.batch for t in schedule[0]})
+  return Timeline(tasks, max(free), busy, N)
+
+
+def simulate_method(method, costs, num_batches, micro_batches=None, recompute=None,
+                    spectrain_backward="reuse"):
+  """The timeline of `method` (its schedule and recomputation) over `num_batches` mini-batches."""
+  policy = policies.policy_for(method, spectrain_backward, recompute)
+  M = policies.micro_batches_for(policy, micro_batches)
+  schedule = schedules.build(policy.schedule, len(costs.forward), num_batches, M)
+  return simulate(schedule, costs, recompute=policy.recompute)
+
+
+def simulate_data_parallel(P, t_calc, t_comm, iterations):
+  """Seed 001 fig. 4b: P workers compute a batch each (t_calc) while the host link moves the
+  previous iteration's P gradients and P weight copies (t_comm each, one at a time).
+
+  Returns (makespan, speedup over one worker running the same P * iterations batches).
+  """
+  if P < 1 or iterations < 1 or t_calc < 0 or t_comm < 0:
+    raise ValueError(f"need P >= 1, iterations >= 1 and times >= 0. Received: P={P}, "
+                     f"iterations={iterations}, t_calc={t_calc}, t_comm={t_comm}")
+  compute_end, link, comm_end = 0.0, 0.0, [0.0]
+  for _ in range(iterations):
+    start = max(compute_end, comm_end[-2] if len(comm_end) > 1 else 0.0)  # one update behind
+    compute_end = start + t_calc
+    link = max(link, compute_end) + 2 * P * t_comm
+    comm_end.append(link)
+  makespan = max(compute_end, link)
+  return makespan, P * iterations * t_calc / makespan if makespan else float("inf")
