@@ -68,8 +68,13 @@ def test_memory_table_matches_the_epfl_report_and_design():
   assert "feature_replay" in text and "5/0" in text
 
 
-def test_gpipe_with_recompute_keeps_inputs():
-  assert policies.policy_for("gpipe", recompute=True).recompute
+def test_recompute_only_where_it_reads_the_forwards_weights():
+  # gpipe and sequential apply no update between a forward and its backward, so recomputing
+  # from the stage input reads the same weights; a stash cannot be recomputed.
+  for method in ("gpipe", "sequential"):
+    policy = policies.policy_for(method, recompute=True)
+    assert policy.recompute and policy.backward == "current"
+    assert not policies.policy_for(method).recompute
   with pytest.raises(ValueError, match="method 'pipedream' cannot recompute"):
     policies.policy_for("pipedream", recompute=True)
   with pytest.raises(ValueError, match="method 'vanilla' always recomputes"):

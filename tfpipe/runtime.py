@@ -226,7 +226,7 @@ class Runtime:
           if last:
             saved[unit] = (xs, y, scale, s)
             continue  # the last stage runs its forward with the backward
-          if self.programs[k].policy.recompute:
+          if program.policy.recompute:
             ys, _ = program.forward(xs, s)
             saved[unit] = (xs, None, self.updates[k], scale)
           else:
