@@ -95,6 +95,8 @@ CASES = [
     ("gpipe", {"micro_batches": 3, "recompute": True}),
     ("ddg", {}),
     ("feature_replay", {}),
+    ("ddg", {"lockstep": True}),
+    ("feature_replay", {"lockstep": True}),
     ("timeprest", {"micro_batches": 2}),
     ("timeprest", {"micro_batches": 4}),
     ("vanilla", {"micro_batches": 2}),

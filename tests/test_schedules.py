@@ -50,6 +50,17 @@ def test_ddg_golden_k4():
   ]
 
 
+def test_ddg_lockstep_golden_k3():
+  # The DDG paper's lock-step steps: every stage ends step t at the barrier S(t).
+  assert _table(schedules.ddg(3, 3, lockstep=True)) == [
+      "F0 S0 F1 R0 S1 F2 B0 R1 S2 B1 R2 B2",
+      "F0 R0 S0 F1 B0 R1 S1 F2 B1 R2 S2 B2",
+      "F0 B0 S0 F1 B1 S1 F2 B2 S2",
+  ]
+  without = [[t for t in tasks if t.kind != "S"] for tasks in schedules.ddg_lockstep(4, 7)]
+  assert without == schedules.ddg(4, 7)
+
+
 def test_ddg_orders_forwards_and_backwards_as_one_f_one_b():
   # DDG differs from PipeDream in when gradients are received, not in the per-stage order.
   for K, N in [(2, 5), (4, 9)]:

@@ -39,6 +39,8 @@ def test_step_times_match_the_epfl_report_table_1(K):
     if K == 2:
       assert steady(method) == pytest.approx(table)
     assert steady(method) <= table + 1e-9
+    # Lock-step, as the DDG paper runs it: exactly the table's T_F + T_B/K for every K.
+    assert steady(method, lockstep=True) == pytest.approx(table)
   assert steady("sequential") > steady("ddg") > steady("pipedream")
 
 

@@ -69,6 +69,18 @@ def test_new_methods_run_from_the_command_line(method, micro):
     assert f"{micro} micro-batches" in result.stdout
 
 
+def test_lockstep_ddg_from_the_command_line_and_refused_elsewhere():
+  args = ["--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=3", "--logdir=",
+          "--verbose=2"]
+  result = _cli("--method=ddg", "--lockstep", *args)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "epoch 1/1:" in result.stdout
+  result = _cli("--method=pipedream", "--lockstep", *args)
+  assert result.returncode == 2
+  assert "method 'pipedream' has no lock-step schedule" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
 def test_micro_batches_for_a_method_without_them_is_refused():
   result = _cli("--method=ddg", "--micro_batches=4", "--steps=1", "--snn_depth=2", "--snn_width=8")
   assert result.returncode == 2

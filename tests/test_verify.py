@@ -116,6 +116,20 @@ def test_rejects_out_of_order_links_and_other_defects():
     verify.verify(_broken(["F0 B0 F1 B1", "F0 B0"]))
 
 
+def test_rejects_barriers_that_not_every_stage_passes():
+  with pytest.raises(verify.ScheduleError,
+                     match="stage 1's barriers differ from stage 0's: stage 1 has none where "
+                           "stage 0 has S1"):
+    verify.verify(_broken(["F0 B0 S0 F1 B1 S1", "F0 B0 S0 F1 B1"]))
+  # A barrier before a forward the next stage needs to reach it: a deadlock, named.
+  with pytest.raises(verify.ScheduleError,
+                     match=r"stage 0 at S0 \(waits for stage 1 to reach the barrier\); "
+                           r"stage 1 at F0 \(waits for stage 0's F0\)"):
+    verify.verify(_broken(["S0 F0 B0", "F0 B0 S0"]))
+  report = verify.verify(schedules.ddg_lockstep(4, 6))
+  assert sum(t.kind == "S" for _, t in report.order) == 4 * 6
+
+
 def test_bounded_links_can_deadlock_and_the_verifier_says_so():
   # GPipe with 8 micro-batches: the last stage's gradients pile up while stage 0 still runs
   # forwards. Two items per link are too few; the runtime's capacity is enough.

@@ -25,8 +25,9 @@ def step_time(method, T_F, T_B, K, lockstep=True):
   backwards (DDG paper fig. 3): sequential T_F + T_B; ddg and feature_replay
   T_F + T_B/K; pipedream (1F1B) (T_F + T_B)/K.
 
+  tfpipe runs them so with `lockstep=True` (a barrier closes every step).
   lockstep=False: the same schedules with only their data dependencies, as
-  tfpipe runs them (EPFL table 3's message order: a stage receives the next
+  tfpipe runs them by default (EPFL table 3's message order: a stage receives the next
   gradient after its backward). Stage k's next forward then waits only for
   stage k+1's backward: ddg takes (2 T_F + T_B)/K for K >= 2;
   feature_replay too for K = 2, and (3 T_F + T_B)/K for K >= 3, where the

@@ -42,6 +42,8 @@ class Pipeline:
       and update once per mini-batch (SpecTrain needs version_difference="exact").
     recompute: keep only stage inputs and recompute the forward before the
       backward ("sequential", "gpipe"); None takes the method's rule.
+    lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
+      on all stages, as the DDG paper runs them (same weights, other timing).
     profile_batch_size: the batch size at which "profile" measures layers.
     record: keep a `TaskRecord` of every task in `self.records`.
     jit_compile: compile each stage task with XLA. One XLA call runs on one
@@ -51,12 +53,13 @@ class Pipeline:
 
   def __init__(self, model, devices=None, num_stages=None, method="spectrain",
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
-               micro_batches=None, recompute=None, profile_batch_size=32, record=False,
+               micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
+               record=False,
                jit_compile=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
-    self.policy = policies.policy_for(method, spectrain_backward, recompute)
+    self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
     self.method = self.policy.method
     self.micro_batches = policies.micro_batches_for(self.policy, micro_batches)
     self.version_difference = names.lookup(

@@ -16,7 +16,7 @@ import dataclasses
 from tfpipe import names, schedules
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
-           "PIPELINE_METHODS", "MICRO_BATCH_METHODS", "SPECTRAIN_BACKWARDS",
+           "PIPELINE_METHODS", "MICRO_BATCH_METHODS", "LOCKSTEP_METHODS", "SPECTRAIN_BACKWARDS",
            "VERSION_DIFFERENCES"]
 
 PIPELINE_METHODS = ("sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
@@ -55,7 +55,10 @@ class WeightPolicy:
     return "predicted" in (self.forward, self.backward)
 
 
-def policy_for(method, spectrain_backward="reuse", recompute=None):
+LOCKSTEP_METHODS = ("ddg", "feature_replay")
+
+
+def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=False):
   """The weight policy of a pipeline method (DESIGN.md section 3).
 
   `recompute=True` keeps only stage inputs and recomputes the forward before
@@ -63,8 +66,17 @@ def policy_for(method, spectrain_backward="reuse", recompute=None):
   as the original one (sequential, gpipe: no update comes between them).
   Methods whose backward reads other weights than the forward (vanilla,
   feature_replay, timeprest, spectrain "repredict") always recompute.
+
+  `lockstep=True` (ddg, feature_replay) closes every step with a barrier on
+  all stages, as the DDG paper runs it; the weights read do not change.
   """
   method = names.lookup("method", method, PIPELINE_METHODS)
+  if lockstep not in (True, False):
+    raise ValueError(f"`lockstep` must be True or False. Received: lockstep={lockstep!r}")
+  if lockstep and method not in LOCKSTEP_METHODS:
+    raise ValueError(
+        f"method {method!r} has no lock-step schedule (lockstep works with "
+        f"{', '.join(LOCKSTEP_METHODS)}). Received: lockstep=True")
   spectrain_backward = names.lookup("spectrain_backward", spectrain_backward, SPECTRAIN_BACKWARDS)
   if recompute not in (None, True, False):
     raise ValueError(f"`recompute` must be None, True or False. Received: recompute={recompute!r}")
@@ -73,6 +85,8 @@ def policy_for(method, spectrain_backward="reuse", recompute=None):
     policy = WeightPolicy(method, "1f1b", "predicted", backward)
   else:
     policy = WeightPolicy(method, *_RULES[method])
+  if lockstep:
+    policy = dataclasses.replace(policy, schedule="ddg_lockstep")
   if recompute is None or recompute == policy.recompute:
     return policy
   if recompute and method in ("sequential", "gpipe"):

@@ -17,7 +17,7 @@ The rules, per task of stage k:
       TiMePReSt mini-batch); a micro-batch's loss is weighted by its share
       of the mini-batch; a micro-batch backward adds to A, a whole one updates;
   U   updates with A and clears it;
-  R   (receiving a gradient early) changes no weights.
+  R   (receiving a gradient early) and S (a barrier) change no weights.
 """
 
 import numpy as np
@@ -49,7 +49,7 @@ def _pieces(x, y, M):
 
 def reference_train(stage_models, loss_fn, batches, method, learning_rate, momentum,
                     spectrain_backward="reuse", version_difference="paper", epochs=1,
-                    micro_batches=None, recompute=None):
+                    micro_batches=None, recompute=None, lockstep=False):
   """Trains the stages by the rule of `method`; returns the final weights of every stage.
 
   Args:
@@ -58,14 +58,14 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     batches: a list of (x, y) numpy mini-batches, one epoch.
     method: a pipeline method (`tfpipe.PIPELINE_METHODS`).
     learning_rate, momentum: eta and gamma of the SpecTrain rule.
-    micro_batches, recompute: as in `tfpipe.Pipeline`.
+    micro_batches, recompute, lockstep: as in `tfpipe.Pipeline`.
 
   Returns:
     (weights, log): weights[k] is a list of numpy arrays; log lists
     (k, kind, b, i, version) with `version` the update count of stage k whose
     weights the task read (for a prediction: the count it was made at).
   """
-  policy = policies.policy_for(method, spectrain_backward, recompute)
+  policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
   M = policies.micro_batches_for(policy, micro_batches)
   K, N = len(stage_models), len(batches)
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
@@ -104,7 +104,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
           log.append((k, "F", b, i, updates[k]))
           outputs[(k, unit)] = [y.numpy() for y in _run(model, [tf.constant(a) for a in w], xs)]
         continue
-      if kind == "R":
+      if kind in ("R", "S"):
         continue
       if kind == "U":
         update(k, A[k])

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfpipe import schedules, verify
 
-__all__ = ["Channel", "OutOfData", "Stopped", "spawn", "Runtime", "TaskRecord"]
+__all__ = ["Barrier", "Channel", "OutOfData", "Stopped", "spawn", "Runtime", "TaskRecord"]
 
 TaskRecord = collections.namedtuple(
     "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end", "micro"],
@@ -124,6 +124,28 @@ def _concat(values):
   return tf.concat(values, 0)
 
 
+class Barrier:
+  """All `parties` threads wait in `wait()` until the last arrives; gives up when `stop` is set."""
+
+  def __init__(self, parties, stop, poll=0.05):
+    self._parties, self._stop, self._poll = parties, stop, poll
+    self._cond = threading.Condition()
+    self._arrived, self._generation = 0, 0
+
+  def wait(self):
+    with self._cond:
+      generation = self._generation
+      self._arrived += 1
+      if self._arrived == self._parties:
+        self._arrived, self._generation = 0, generation + 1
+        self._cond.notify_all()
+        return
+      while self._generation == generation:
+        if self._stop.is_set():
+          raise Stopped()
+        self._cond.wait(self._poll)
+
+
 class _Links:
   """The channels of one epoch: per cut a (sender, receiver) pair each way, labels, results."""
 
@@ -132,6 +154,7 @@ class _Links:
     pair = lambda: (Channel(self.stop, maxsize, poll), Channel(self.stop, maxsize, poll))
     self.forward = [pair() for _ in range(K - 1)]
     self.backward = [pair() for _ in range(K - 1)]
+    self.barrier = Barrier(K, self.stop, poll)  # S tasks (lock-step steps)
     self.labels = Channel(self.stop, 0, poll)   # stage 0 -> last stage
     self.results = Channel(self.stop, 0, poll)  # last stage -> caller
     self._pieces = collections.deque()          # stage 0: the current mini-batch's micro-batches
@@ -238,6 +261,9 @@ class Runtime:
         elif kind == "R":
           grads_in[unit] = bwd[k][1].get()
           self._log(k, "R", task, self.updates[k], s, start)
+        elif kind == "S":
+          links.barrier.wait()
+          self._log(k, "S", task, self.updates[k], s, start)
         elif kind == "U":
           program.apply_accumulated()
           self.updates[k] += 1

@@ -12,7 +12,9 @@ waits only for its data (see `tfpipe.verify`). Task kinds:
   B(b)       backward of the whole mini-batch b (all its micro-batches, if
              any), followed by the stage's update;
   U(b)       the update with the gradients accumulated over b's micro-batches;
-  R(b[, i])  receive b's output gradient now, ahead of its backward (DDG).
+  R(b[, i])  receive b's output gradient now, ahead of its backward (DDG);
+  S(t)       a barrier: every stage waits at S(t) until all stages reach it
+             (lock-step DDG).
 
 At the last stage a forward only receives its input: the stage's forward and
 backward run as one step at its B task, which follows the forwards it covers.
@@ -23,14 +25,15 @@ thread timing: the runtime and the slow reference loop agree exactly.
 
 import collections
 
-__all__ = ["Task", "sequential", "one_f_one_b", "gpipe", "ddg", "timeprest", "build",
+__all__ = ["Task", "sequential", "one_f_one_b", "gpipe", "ddg", "ddg_lockstep", "timeprest", "build",
            "SCHEDULES", "MICRO_BATCHED", "is_update", "exact_version_differences",
            "paper_version_difference", "timeprest_version_difference", "micro_batches",
            "micro_sizes"]
 
 
 class Task(collections.namedtuple("Task", ["kind", "batch", "micro"], defaults=(None,))):
-  """One task of one stage: kind "F", "B", "U" or "R", a mini-batch, and a micro-batch or None."""
+  """One task of one stage: kind "F", "B", "U", "R" or "S", a mini-batch (S: a step), and a
+  micro-batch or None."""
 
   __slots__ = ()
 
@@ -135,7 +138,7 @@ def gpipe(K, N, M):
   return stages
 
 
-def ddg(K, N):
+def ddg(K, N, lockstep=False):
   """Decoupled backpropagation with delayed gradients (DDG, EPFL report table 3).
 
   Step t of stage k: forward of t, backward of t-d with the gradient it
@@ -150,7 +153,13 @@ def ddg(K, N):
   stage 2: F0 B0 F1 B1 F2 B2
   ```
   Stage 0 cannot start F2 before stage 1 has run F1 and B0 (it receives
-  B0's gradient first), so each forward waits for the previous step.
+  B0's gradient first), so each forward waits for the previous step of
+  stage 1, but not of the stages below: a step takes (2 T_F + T_B)/K.
+
+  lockstep=True ends every step t with a barrier S(t) on all stages, as in
+  the DDG paper (fig. 3) and the EPFL report's table 1: the next forward
+  starts when the slowest stage ends its step, T_F + T_B/K. The weights each
+  task reads are the same either way.
   """
   _check(K, N)
   stages = []
@@ -163,12 +172,19 @@ def ddg(K, N):
       if k < K - 1 and 0 <= t - d + 1 < N:
         tasks.append(Task("R", t - d + 1))
         received.add(t - d + 1)
+      if lockstep:
+        tasks.append(Task("S", t))
     for b in range(max(0, N - d), N):
       if k < K - 1 and b not in received:
         tasks.append(Task("R", b))
       tasks.append(Task("B", b))
     stages.append(tasks)
   return stages
+
+
+def ddg_lockstep(K, N):
+  """`ddg` with a barrier S(t) closing every step (see `ddg`)."""
+  return ddg(K, N, lockstep=True)
 
 
 def timeprest(K, N, M):
@@ -201,7 +217,7 @@ def timeprest(K, N, M):
 
 
 SCHEDULES = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe, "ddg": ddg,
-             "timeprest": timeprest}
+             "ddg_lockstep": ddg_lockstep, "timeprest": timeprest}
 MICRO_BATCHED = ("1f1b", "gpipe", "timeprest")  # the schedules that take M
 
 

@@ -8,7 +8,8 @@ one item at a time (a transfer thread per direction). Times scale with the
 share of the mini-batch a task covers (1/M for a micro-batch). At the last
 stage a forward only receives; its backward runs forward and backward as
 one step. A backward that recomputes (vanilla, feature_replay, timeprest,
-recompute=True) costs its stage's forward time more.
+recompute=True) costs its stage's forward time more. A barrier S(t) (lock-step
+DDG) ends when the last stage reaches it.
 
 `simulate_data_parallel` models seed 001's synchronous data parallelism
 through a parameter host (P workers, gradients out and weights back over one
@@ -82,7 +83,7 @@ def simulate(schedule, costs, recompute=False):
   covers = [verify.covered_units(tasks) for tasks in schedule]
   free, busy = [0.0] * K, [0.0] * K
   fwd_link, bwd_link = [0.0] * (K - 1), [0.0] * (K - 1)
-  arrived_fwd, arrived_bwd, ended = {}, {}, {}
+  arrived_fwd, arrived_bwd, ended, barrier = {}, {}, {}, {}
   tasks = []
 
   def send(link, k, ready, seconds):
@@ -109,6 +110,8 @@ def simulate(schedule, costs, recompute=False):
         seconds = (costs.backward[k] + (costs.forward[k] if recompute else 0.0)) * share
     elif task.kind == "U":
       seconds = costs.update
+    elif task.kind == "S":  # every stage has run its tasks before S(t) when the first one passes
+      start = barrier.setdefault(task, max(free))
     end = start + seconds
     free[k], busy[k] = end, busy[k] + seconds
     ended[(k, task)] = end
@@ -123,9 +126,9 @@ def simulate(schedule, costs, recompute=False):
 
 
 def simulate_method(method, costs, num_batches, micro_batches=None, recompute=None,
-                    spectrain_backward="reuse"):
+                    spectrain_backward="reuse", lockstep=False):
   """The timeline of `method` (its schedule and recomputation) over `num_batches` mini-batches."""
-  policy = policies.policy_for(method, spectrain_backward, recompute)
+  policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
   M = policies.micro_batches_for(policy, micro_batches)
   schedule = schedules.build(policy.schedule, len(costs.forward), num_batches, M)
   return simulate(schedule, costs, recompute=policy.recompute)

@@ -9,7 +9,8 @@ K: stages, k: stage index, b: mini-batch, i: micro-batch. A schedule passes when
   - played out with the runtime's semantics it finishes: a task waits for its
     data (the forward of its unit at k-1; the output gradient from k+1, or its
     own R; its own forwards), items on a link arrive in the order sent (FIFO),
-    and a task that sends waits while `capacity` items are in flight on its link.
+    a task that sends waits while `capacity` items are in flight on its link,
+    and a barrier S(t) waits until every stage has reached it.
 It returns the order it ran and, per stage, the peaks the schedule implies:
 forward states kept at once, distinct weight versions among them (what a
 stash holds), and the staleness between a forward and its backward. A
@@ -66,7 +67,7 @@ def _structure(schedule):
   for k, tasks in enumerate(schedule):
     seen = set()
     for t in tasks:
-      if t.kind not in "FBUR" or len(t.kind) != 1:
+      if t.kind not in "FBURS" or len(t.kind) != 1:
         raise ScheduleError(f"stage {k}: unknown task kind {t.kind!r} in {t}")
       if t in seen:
         raise ScheduleError(f"stage {k} runs {t} twice")
@@ -93,6 +94,14 @@ def _structure(schedule):
     for u in units:
       if u not in owner:
         raise ScheduleError(f"stage {k}: forward {schedules.Task('F', *u)} has no backward")
+    barriers = [t for t in tasks if t.kind == "S"]
+    barriers0 = [t for t in schedule[0] if t.kind == "S"]
+    if barriers != barriers0:
+      diff = next((a, b) for a, b in zip(barriers + [None] * len(barriers0),
+                                         barriers0 + [None] * len(barriers)) if a != b)
+      raise ScheduleError(
+          f"stage {k}'s barriers differ from stage 0's: stage {k} has {diff[0] or 'none'} where "
+          f"stage 0 has {diff[1] or 'none'} (every stage must pass the same barriers in order)")
     updates = {t.batch for t in tasks if t.kind == "U"}
     micro_backwards = _micro_backwards(tasks)
     for t in tasks:
@@ -142,6 +151,11 @@ def verify(schedule, capacity=None):
   def blocked(k, t):
     """Why task t of stage k cannot run now (None when it can)."""
     unit = (t.batch, t.micro)
+    if t.kind == "S":
+      for j in range(K):
+        if t not in done[j] and (pos[j] >= len(schedule[j]) or schedule[j][pos[j]] != t):
+          return f"waits for stage {j} to reach the barrier"
+      return None
     if t.kind == "F":
       if k > 0:
         if not fwd[k - 1]:
@@ -204,13 +218,14 @@ def verify(schedule, capacity=None):
   while pending:
     k = pending.popleft()
     queued.discard(k)
-    progressed = False
+    progressed, barrier = False, False
     while pos[k] < len(schedule[k]) and blocked(k, schedule[k][pos[k]]) is None:
+      barrier = barrier or schedule[k][pos[k]].kind == "S"
       run(k, schedule[k][pos[k]])
       pos[k] += 1
       progressed = True
     if progressed:
-      for j in (k - 1, k + 1):
+      for j in (range(K) if barrier else (k - 1, k + 1)):
         if 0 <= j < K and j not in queued:
           pending.append(j)
           queued.add(j)

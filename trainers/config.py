@@ -16,6 +16,7 @@ class TrainConfig:
   version_difference: str = "paper"
   micro_batches: Optional[int] = None
   recompute: str = "auto"
+  lockstep: bool = False
   batch_size: int = 64
   learning_rate: float = 0.01
   momentum: float = 0.9

@@ -22,6 +22,8 @@ def define_flags():
                        "pipedream, spectrain: default 1)")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")
+  flags.DEFINE_bool("lockstep", False,
+                    "ddg, feature_replay: end every step with a barrier on all stages")
   flags.DEFINE_integer("batch_size", 64, "global batch size")
   flags.DEFINE_float("learning_rate", 0.01, "learning rate eta")
   flags.DEFINE_float("momentum", 0.9, "momentum / smoothing factor gamma")

@@ -46,6 +46,7 @@ def run(config):
           partition=config.partition, spectrain_backward=config.spectrain_backward,
           version_difference=config.version_difference, micro_batches=config.micro_batches,
           recompute={"auto": None, "true": True, "false": False}[config.recompute],
+          lockstep=config.lockstep,
           profile_batch_size=config.batch_size)))
   if config.verbose:
     print(trainer.summary(), flush=True)
