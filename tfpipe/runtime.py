@@ -27,8 +27,15 @@ from tfpipe import schedules, verify
 __all__ = ["Barrier", "Channel", "OutOfData", "Stopped", "spawn", "Runtime", "TaskRecord"]
 
 TaskRecord = collections.namedtuple(
-    "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end", "micro"],
-    defaults=(None,))
+    "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end", "micro", "epoch"],
+    defaults=(None, 0))
+TaskRecord.__doc__ = """One task as it ran: `stage` k, `kind`, mini-batch `batch` (its index in
+`epoch`), micro-batch `micro` or None, `version` (updates of stage k whose weights it read), `s`
+(version difference), `start` and `end` (time.perf_counter seconds). Kinds: F (forward), B
+(backward and update), FB (the last stage's forward and backward as one step), U (apply
+accumulated gradients), R (early receive of a gradient), S (barrier), and the transfer threads'
+XF (stage k's output to k+1) and XB (stage k's input gradient to k-1), each recorded under the
+sending stage k, with version and s None."""
 
 
 class Stopped(Exception):
@@ -101,9 +108,9 @@ def spawn(stop):
     raise error.with_traceback(traceback)
 
 
-def _copy_to(device, item):
-  """Copies an item's tensors onto `device`; an item is a tensor list or (tensor list, scale)."""
-  tensors, meta = item if isinstance(item, tuple) else (item, None)
+def _copy_to(device, payload):
+  """Copies a payload's tensors onto `device`: a tensor list or (tensor list, scale)."""
+  tensors, meta = payload if isinstance(payload, tuple) else (payload, None)
   with tf.device(device):
     copied = [tf.identity(t) if t is not None else None for t in tensors]
   return copied if meta is None else (copied, meta)
@@ -165,7 +172,7 @@ class _Links:
     Stage 0 reads a mini-batch at its first micro-batch and splits it.
     """
     if k > 0:
-      xs, scale = self.forward[k - 1][1].get()
+      _, (xs, scale) = self.forward[k - 1][1].get()
       y = self.labels.get() if labelled and k == self.K - 1 else None
       return xs, y, scale
     if not self._pieces:
@@ -198,6 +205,8 @@ class Runtime:
 
   def __init__(self, programs, record=False, poll=0.05, maxsize=None):
     self.programs = programs
+    self.epoch = -1                      # epochs trained so far, minus one
+    self.update_hooks = []               # hook(k, program) after every update of stage k
     self.K = len(programs)
     self.record = record
     self.poll = poll
@@ -215,7 +224,12 @@ class Runtime:
   def _log(self, k, kind, task, version, s, start):
     if self.record:
       self.records.append(TaskRecord(k, kind, task.batch, version, s, start, time.perf_counter(),
-                                     task.micro))
+                                     task.micro, self.epoch))
+
+  def _updated(self, k):
+    self.updates[k] += 1
+    for hook in self.update_hooks:
+      hook(k, self.programs[k])
 
   def _scale(self, k, value):
     with tf.device(self.programs[k].device):
@@ -228,6 +242,7 @@ class Runtime:
     loss)` is called in the caller's thread for every finished mini-batch, in order.
     """
     self.report = verify.verify(schedule, self.link_capacity)  # refuses a broken schedule
+    self.epoch += 1
     K = self.K
     links = _Links(K, self.poll, self.maxsize, schedules.micro_batches(schedule))
     fwd, bwd, results = links.forward, links.backward, links.results
@@ -257,17 +272,17 @@ class Runtime:
             saved[unit] = (xs, state, self.updates[k], scale)
           self._note_saved(k, saved, diffs[k])
           self._log(k, "F", task, self.updates[k], s, start)
-          fwd[k][0].put((ys, scale))
+          fwd[k][0].put((unit, (ys, scale)))
         elif kind == "R":
-          grads_in[unit] = bwd[k][1].get()
+          grads_in[unit] = bwd[k][1].get()[1]
           self._log(k, "R", task, self.updates[k], s, start)
         elif kind == "S":
           links.barrier.wait()
           self._log(k, "S", task, self.updates[k], s, start)
         elif kind == "U":
           program.apply_accumulated()
-          self.updates[k] += 1
-          self._log(k, "U", task, self.updates[k] - 1, s, start)
+          self._log(k, "U", task, self.updates[k], s, start)
+          self._updated(k)
           if last:
             results.put((b, batch_loss.pop(b)))
         elif last:
@@ -279,15 +294,15 @@ class Runtime:
                                         micro is not None)
           self._log(k, "FB", task, self.updates[k], parts[0][3], start)
           if micro is None:
-            self.updates[k] += 1
+            self._updated(k)
           if k > 0:
-            bwd[k - 1][0].put(dxs)
+            bwd[k - 1][0].put((unit, dxs))
           if micro is None:
             results.put((b, loss))
           else:
             batch_loss[b] += scale * float(loss)
         else:
-          dys = grads_in.pop(unit) if unit in grads_in else bwd[k][1].get()
+          dys = grads_in.pop(unit) if unit in grads_in else bwd[k][1].get()[1]
           start = time.perf_counter()
           parts = [saved.pop(u) for u in cover[task]]
           accumulate = micro is not None
@@ -299,15 +314,15 @@ class Runtime:
             scale = sum(p[3] for p in parts)
             dxs = program.backward_recompute(xs, dys, s, self._scale(k, scale), accumulate)
             version = self.updates[k]
-          if not accumulate:
-            self.updates[k] += 1
           self._log(k, "B", task, version, s, start)
+          if not accumulate:
+            self._updated(k)
           if k > 0:
-            bwd[k - 1][0].put(dxs)
+            bwd[k - 1][0].put((unit, dxs))
 
     counts = [(sum(t.kind == "F" for t in schedule[k]), sum(t.kind == "B" for t in schedule[k + 1]))
               for k in range(K - 1)]
-    self._execute(links, worker, num_batches, on_result, counts)
+    self._execute(links, worker, num_batches, on_result, counts, record=True)
 
   def _note_saved(self, k, saved, diffs):
     """Tracks the peak count of kept forward states and of weight versions they hold.
@@ -334,7 +349,7 @@ class Runtime:
       for b in range(num_batches):
         xs, y, _ = links.inputs(k, batches, labelled=with_labels)
         if k < K - 1:
-          fwd[k][0].put((program.infer(xs), 1.0))
+          fwd[k][0].put(((b, None), (program.infer(xs), 1.0)))
         elif with_labels:
           results.put((b, program.evaluate_last(xs, y)))
         else:
@@ -342,23 +357,30 @@ class Runtime:
 
     self._execute(links, worker, num_batches, on_result, [(num_batches, 0)] * (K - 1))
 
-  def _execute(self, links, worker, num_batches, on_result, counts):
+  def _execute(self, links, worker, num_batches, on_result, counts, record=False):
     """Runs the stage workers and the transfer threads; hands results to `on_result`.
 
-    `counts[k]`: how many items cross cut k forward and backward this epoch.
+    `counts[k]`: how many items cross cut k forward and backward this epoch; `record`: log
+    the transfers (when the runtime records).
     """
-    def transfer(src, dst, device, count):
+    def transfer(src, dst, device, count, k, kind):
       for _ in range(count):
-        dst.put(_copy_to(device, src.get()))
+        unit, payload = src.get()
+        start = time.perf_counter()
+        payload = _copy_to(device, payload)
+        if self.record and record:
+          self.records.append(TaskRecord(k, kind, unit[0], None, None, start, time.perf_counter(),
+                                         unit[1], self.epoch))
+        dst.put((unit, payload))
 
     with spawn(links.stop) as launch:
       for k in range(self.K):
         launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
       for k in range(self.K - 1):
         launch(lambda k=k: transfer(*links.forward[k], self.programs[k + 1].device,
-                                    counts[k][0]), f"tfpipe-fwd{k}")
+                                    counts[k][0], k, "XF"), f"tfpipe-fwd{k}")
         if counts[k][1]:
-          launch(lambda k=k: transfer(*links.backward[k], self.programs[k].device, counts[k][1]),
-                 f"tfpipe-bwd{k}")
+          launch(lambda k=k: transfer(*links.backward[k], self.programs[k].device, counts[k][1],
+                                      k + 1, "XB"), f"tfpipe-bwd{k}")
       for _ in range(num_batches):
         on_result(*links.results.get())
