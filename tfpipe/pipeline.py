@@ -6,14 +6,16 @@ its own optimizer (built from the user's config) on its device, and
 `fit` the trained weights are in the user's model.
 """
 
+import os
 import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import compile_utils, data, devices as devices_lib, layer_profile, names
-from tfpipe import partition as partition_lib, policies, runtime, schedules, stage
+from tfpipe import breakdown as breakdown_lib, compile_utils, data, devices as devices_lib
+from tfpipe import layer_profile, names, partition as partition_lib, policies, runtime, schedules
+from tfpipe import prediction_error as prediction_error_lib, stage, trace
 
 __all__ = ["Pipeline"]
 
@@ -45,7 +47,17 @@ class Pipeline:
     lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
       on all stages, as the DDG paper runs them (same weights, other timing).
     profile_batch_size: the batch size at which "profile" measures layers.
-    record: keep a `TaskRecord` of every task in `self.records`.
+    record: keep a `TaskRecord` of every task and transfer in `self.records`
+      (what `breakdown()` reads).
+    trace_steps: (first, last) or "first,last": steps of each `fit` (counted
+      from 0 over its epochs) to trace into `trace_dir`: a TensorBoard profile
+      of the device ops (`tf.profiler`) and `tfpipe_trace.json`, the
+      runtime's tasks as Chrome trace events (Perfetto). Turns `record` on.
+    prediction_error: a `tfpipe.prediction_error.PredictionError` (or True
+      for one with s = 1, 2, 3) fed after every stage update: the RMSE of the
+      predicted and of the stale weights to the weights reached s updates
+      later (SpecTrain fig. 8). Needs the SpecTrain optimizer; costs a copy of
+      the stage's weights per update. Kept in `self.prediction_error`.
     jit_compile: compile each stage task with XLA. One XLA call runs on one
       thread (with 1 intra-op thread), so stages on logical CPU devices never
       compete for the shared inter-op pool.
@@ -54,7 +66,7 @@ class Pipeline:
   def __init__(self, model, devices=None, num_stages=None, method="spectrain",
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
                micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
-               record=False,
+               record=False, trace_steps=None, trace_dir=None, prediction_error=None,
                jit_compile=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
@@ -75,8 +87,20 @@ class Pipeline:
       profiler = layer_profile.Profiler(profile_batch_size, self.devices[0])
     self.partition = partition_lib.partition(
         model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
-    self.record = record
+    self.trace_steps = trace.parse_steps(trace_steps)
+    if self.trace_steps is not None and not trace_dir:
+      raise ValueError(f"`trace_steps={trace_steps!r}` needs a `trace_dir` to write the trace to")
+    self.trace_dir = trace_dir
+    self.record = bool(record) or self.trace_steps is not None
     self.jit_compile = jit_compile
+    if prediction_error is True:
+      prediction_error = prediction_error_lib.PredictionError()
+    if prediction_error not in (None, False) and not isinstance(
+        prediction_error, prediction_error_lib.PredictionError):
+      raise ValueError("`prediction_error` must be True or a tfpipe.prediction_error."
+                       f"PredictionError. Received: {prediction_error!r}")
+    self.prediction_error = prediction_error or None
+    self._fit_epochs = None   # (first runtime epoch, batches per epoch) of the last fit
     self.runtime = None
 
   @property
@@ -91,6 +115,29 @@ class Pipeline:
   @property
   def records(self):
     return self.runtime.records if self.runtime else []
+
+  def _fit_records(self, steps=None):
+    """Records of the last fit, their epoch counted from its start, within `steps` if given."""
+    if self._fit_epochs is None:
+      raise RuntimeError("no timeline yet: call `fit` first")
+    first, per_epoch = self._fit_epochs
+    chosen = [r._replace(epoch=r.epoch - first) for r in self.records if r.epoch >= first]
+    if steps is not None:
+      chosen = [r for r in chosen if steps[0] <= r.epoch * per_epoch + r.batch <= steps[1]]
+    return chosen
+
+  def breakdown(self, steps=None):
+    """Per-stage shares of wall time over the last `fit` (or its `steps`, "first,last"):
+    compute, transfer, idle_transfer, idle_imbalance (`tfpipe.breakdown`). Needs record=True."""
+    if not self.record:
+      raise RuntimeError("the breakdown reads the recorded timeline: build the Pipeline with "
+                         "record=True")
+    steps = trace.parse_steps(steps)
+    chosen = self._fit_records(steps)
+    if not chosen:
+      raise ValueError(f"no recorded task in steps {steps}")
+    window = (min(r.start for r in chosen), max(r.end for r in chosen))
+    return breakdown_lib.breakdown(self._fit_records(), self.num_stages, window)
 
   def summary(self):
     """One line per stage: its device and layers."""
@@ -123,6 +170,15 @@ class Pipeline:
     self.programs = programs
     self.runtime = runtime.Runtime(programs, record=self.record,
                                    maxsize=max(self.num_stages, self.micro_batches))
+    if self.prediction_error is not None:
+      for p in programs:
+        if not hasattr(p.optimizer, "smoothed_gradient"):
+          raise ValueError(
+              "`prediction_error` needs the SpecTrain optimizer (tfpipe.optimizers.SpecTrain). "
+              f"Received: {type(optimizer).__name__}")
+      recorder = self.prediction_error
+      self.runtime.update_hooks.append(
+          lambda k, program: recorder.observe_optimizer(k, program.trainable, program.optimizer))
 
   def _check_compiled(self):
     if self.runtime is None:
@@ -168,40 +224,54 @@ class Pipeline:
                                        steps=num_batches)
     self._load_weights()
     self.model.stop_training = False
+    self._fit_epochs = (self.runtime.epoch + 1, num_batches)
+    tracer = (trace.StepTracer(self.trace_dir, self.trace_steps)
+              if self.trace_steps is not None else None)
+    if tracer:
+      tracer.begin(0)
     cbs.on_train_begin()
     logs = {}
-    iterator = None
-    for epoch in range(epochs):
-      if steps_per_epoch is None or iterator is None:
-        iterator = iter(dataset)
-      self._reset_metrics()
-      cbs.on_epoch_begin(epoch)
-      start = time.perf_counter()
-      losses = []
+    try:
+      iterator = None
+      for epoch in range(epochs):
+        if steps_per_epoch is None or iterator is None:
+          iterator = iter(dataset)
+        self._reset_metrics()
+        cbs.on_epoch_begin(epoch)
+        start = time.perf_counter()
+        losses = []
 
-      def on_result(b, loss):
-        losses.append(float(loss))
-        cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
+        def on_result(b, loss, epoch=epoch):
+          losses.append(float(loss))
+          cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
+          if tracer:
+            tracer.on_step_end(epoch * num_batches + b)
 
-      try:
-        self.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result)
-      except runtime.OutOfData:
-        raise ValueError(
-            f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
-            "`steps_per_epoch` the data can fill, or repeat the dataset") from None
-      seconds = time.perf_counter() - start
-      logs = self._metric_logs()
-      samples = float(self.loss_tracker.count.numpy())
-      logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
-      for p in self.programs:
-        p.write_to_model()
-      if validation_data is not None:
-        val_x, val_y = (validation_data if isinstance(validation_data, (tuple, list))
-                        else (validation_data, None))
-        logs.update(self._evaluate(val_x, val_y, batch_size, None, prefix="val_"))
-      cbs.on_epoch_end(epoch, logs)
-      if self.model.stop_training:
-        break
+        try:
+          self.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result)
+        except runtime.OutOfData:
+          raise ValueError(
+              f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
+              "`steps_per_epoch` the data can fill, or repeat the dataset") from None
+        seconds = time.perf_counter() - start
+        logs = self._metric_logs()
+        samples = float(self.loss_tracker.count.numpy())
+        logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
+        for p in self.programs:
+          p.write_to_model()
+        if validation_data is not None:
+          val_x, val_y = (validation_data if isinstance(validation_data, (tuple, list))
+                          else (validation_data, None))
+          logs.update(self._evaluate(val_x, val_y, batch_size, None, prefix="val_"))
+        cbs.on_epoch_end(epoch, logs)
+        if self.model.stop_training:
+          break
+    finally:
+      if tracer:
+        tracer.end()
+    if tracer:
+      trace.write_chrome_trace(os.path.join(self.trace_dir, trace.TRACE_FILE),
+                               self._fit_records(), self.devices, num_batches, self.trace_steps)
     cbs.on_train_end(logs)
     return self.model.history
 

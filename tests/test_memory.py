@@ -1,0 +1,45 @@
+"""Memory per stage: weight versions, activations, optimizer slots, from a run."""
+
+import keras
+import pytest
+
+import tfpipe
+from tfpipe import memory, optimizers
+from tests import helpers
+
+
+def _memory(method, **options):
+  x, y = helpers.as_arrays(helpers.batches(8))
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=3, method=method, **options)
+  pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy())
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  return pipe, memory.stage_memory(pipe, 16)
+
+
+def test_memory_follows_each_methods_rule():
+  pipe, stash = _memory("pipedream")
+  weight_bytes = [sum(int(v.numpy().nbytes) for v in p.trainable) for p in pipe.programs]
+  # helpers.mlp: dense0..3 (16 units) and logits; 3 stages of (2, 2, 1) layers.
+  assert [row["weights"] for row in stash] == weight_bytes
+  assert [row["optimizer"] >= w for row, w in zip(stash, weight_bytes)] == [True] * 3  # v slot
+  # PipeDream keeps K-k versions and K-k activation sets at stage k (0 at the last stage,
+  # which runs forward and backward as one step).
+  assert [row["versions"] for row in stash] == [3 * weight_bytes[0], 2 * weight_bytes[1], 0]
+  per_sample_0 = 4 * (8 + 16 + 16)  # float32 inputs + two dense outputs
+  assert stash[0]["activations"] == 3 * per_sample_0 * 16
+  _, vanilla = _memory("vanilla")
+  assert [row["versions"] for row in vanilla] == [0, 0, 0]
+  assert vanilla[0]["activations"] == 3 * 4 * 8 * 16            # inputs only
+  _, gpipe = _memory("gpipe", micro_batches=4)
+  assert gpipe[0]["accumulators"] == weight_bytes[0]
+  assert gpipe[0]["activations"] == 4 * per_sample_0 * 4          # M micro-batches of 4
+  for rows in (stash, vanilla, gpipe):
+    assert all(row["total"] == sum(row[f] for f in memory.FIELDS) for row in rows)
+  text = memory.format_memory({"pipedream": stash, "vanilla": vanilla})
+  assert "pipedream" in text and "versions" in text
+
+
+def test_memory_needs_a_run():
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2)
+  with pytest.raises(RuntimeError, match="compile and fit"):
+    memory.stage_memory(pipe, 16)

@@ -1,0 +1,58 @@
+"""Weight-prediction error: zero without learning, prediction beats staleness on a quadratic."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tfpipe import optimizers, prediction_error
+from tests import helpers
+
+
+def _quadratic_fit(learning_rate, steps=60):
+  # Least squares: a smooth quadratic loss, one batch repeated, so the smoothed gradient
+  # changes slowly and extrapolating it should land near where the weights go.
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 6)).astype("float32")
+  y = (x @ rng.normal(size=(6, 2))).astype("float32")
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+  model.compile(optimizers.SpecTrain(learning_rate, 0.9), "mse")
+  recorder = prediction_error.PredictionError()
+  model.fit(x, y, batch_size=64, epochs=steps, shuffle=False, verbose=0,
+            callbacks=[prediction_error.PredictionErrorCallback(recorder)])
+  return recorder
+
+
+def test_learning_rate_zero_gives_rmse_zero():
+  recorder = _quadratic_fit(0.0, steps=8)
+  summary = recorder.summary()
+  assert set(summary) == {1, 2, 3}
+  for predicted, stale in summary.values():
+    assert predicted == 0.0 and stale == 0.0
+  assert len(recorder.series[("model", 3)]) == 8 - 3
+
+
+def test_prediction_beats_staleness_on_a_smooth_quadratic(tmp_path):
+  recorder = _quadratic_fit(0.05)
+  for s, (predicted, stale) in recorder.summary().items():
+    assert 0 < predicted < 0.5 * stale, s
+  path = recorder.plot(str(tmp_path / "prediction_error.png"))
+  assert (tmp_path / "prediction_error.png").stat().st_size > 1000 and path.endswith(".png")
+  recorder.write_summaries(str(tmp_path / "tb"))
+  assert list((tmp_path / "tb").iterdir())
+
+
+def test_pipeline_records_per_stage_errors():
+  x, y = helpers.as_arrays(helpers.batches(12))
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=3, method="spectrain", prediction_error=True)
+  pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy())
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  series = pipe.prediction_error.series
+  assert {key for key, _ in series} == {0, 1, 2}
+  assert all(len(series[(k, 1)]) == 12 - 1 for k in range(3))   # one per update after the first
+  with pytest.raises(ValueError, match="needs the SpecTrain optimizer"):
+    other = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="vanilla", prediction_error=True)
+    other.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
+  with pytest.raises(ValueError, match="horizons"):
+    prediction_error.PredictionError(horizons=(0,))

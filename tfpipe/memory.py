@@ -1,0 +1,90 @@
+"""Per-stage memory of a trained pipeline: weights, weight versions, activations, optimizer.
+
+k: stage index, M: micro-batches. Bytes are counted from what the run held:
+  weights:      the stage's variables;
+  versions:     weight versions kept for backwards at the peak the runtime
+                measured (PipeDream's stash, SpecTrain's reused predictions),
+                each the size of the trainable weights; the newest may share
+                the current weights' buffer, so this is an upper bound;
+  activations:  the peak count of kept forward states the runtime measured,
+                times one state: the outputs of every layer of the stage
+                (a gradient tape's saved tensors) or, for methods that
+                recompute, the stage's inputs; one unit is a micro-batch;
+  optimizer:    the optimizer's slots (SpecTrain's smoothed gradient,
+                momentum) and counters;
+  accumulators: gradient accumulators of micro-batched methods.
+The per-sample sizes come from the layers' static output shapes.
+"""
+
+import keras
+import numpy as np
+
+__all__ = ["FIELDS", "stage_memory", "format_memory"]
+
+FIELDS = ("weights", "versions", "activations", "optimizer", "accumulators")
+
+
+def _itemsize(dtype):
+  return np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).itemsize  # numpy, Keras or tf dtypes
+
+
+def _bytes(variables):
+  return sum(int(np.prod(v.shape)) * _itemsize(v.dtype) for v in variables)
+
+
+def _per_sample(tensors):
+  """Bytes per sample of symbolic tensors (the batch axis left out)."""
+  total = 0
+  for t in tensors:
+    shape = [d if d is not None else 1 for d in t.shape[1:]]
+    total += int(np.prod(shape)) * _itemsize(t.dtype)
+  return total
+
+
+def _layer_outputs(model):
+  """The outputs of every layer of a stage but its inputs (what a tape keeps, at most)."""
+  outputs = []
+  for layer in model.layers:
+    if isinstance(layer, keras.layers.InputLayer):
+      continue
+    try:
+      outputs += keras.tree.flatten(layer.output)
+    except (AttributeError, ValueError):  # a layer used more than once or without a node
+      continue
+  return outputs
+
+
+def stage_memory(pipeline, batch_size):
+  """Per stage, {field: bytes} and "total", after `pipeline.fit` at `batch_size`."""
+  if pipeline.runtime is None:
+    raise RuntimeError("compile and fit the pipeline first: the peaks are measured by the run")
+  unit = -(-batch_size // pipeline.micro_batches)
+  result = []
+  for k, program in enumerate(pipeline.programs):
+    weights = _bytes(program.trainable) + _bytes(program.non_trainable)
+    trainable = _bytes(program.trainable)
+    if pipeline.policy.recompute:
+      state = _per_sample(program.model.inputs)
+    else:
+      state = _per_sample(program.model.inputs) + _per_sample(_layer_outputs(program.model))
+    row = {
+        "weights": weights,
+        "versions": pipeline.runtime.peak_versions[k] * trainable,
+        "activations": pipeline.runtime.peak_saved[k] * state * unit,
+        "optimizer": _bytes(program.optimizer.variables),
+        "accumulators": _bytes(program.accumulators or []),
+    }
+    row["total"] = sum(row.values())
+    result.append(row)
+  return result
+
+
+def format_memory(rows_by_method, unit=1024.0, label="KiB"):
+  """A table: one row per method and stage, one column per field, in `label`."""
+  head = f"{'method':<16}{'stage':>6}" + "".join(f"{f:>14}" for f in FIELDS + ("total",))
+  lines = [f"per-stage memory ({label})", head]
+  for method, rows in rows_by_method.items():
+    for k, row in enumerate(rows):
+      lines.append(f"{method:<16}{k:>6}" +
+                   "".join(f"{row[f] / unit:>14.1f}" for f in FIELDS + ("total",)))
+  return "\n".join(lines)

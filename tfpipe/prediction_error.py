@@ -1,0 +1,124 @@
+"""Weight-prediction error (SpecTrain paper fig. 8): how close SpecTrain's prediction comes.
+
+s: updates ahead, W_t: a stage's weights after its t-th update, v_t: its
+smoothed gradient then, eta: the learning rate. After every update t the
+recorder compares, for each s in `horizons`,
+  predicted: RMSE(W_{t-s} - s * eta * v_{t-s}, W_t)   (seed 000 eq. 4)
+  stale:     RMSE(W_{t-s}, W_t)                        (what vanilla reads)
+over all of the stage's weights. Works in a `Pipeline(prediction_error=...)`
+(per stage, after each of its updates) and in plain `model.fit` through
+`PredictionErrorCallback` (key "model").
+"""
+
+import collections
+import threading
+
+import keras
+import numpy as np
+
+__all__ = ["PredictionError", "PredictionErrorCallback"]
+
+
+def _rmse(a, b):
+  squares = sum(float(np.sum(np.square(x.astype(np.float64) - y))) for x, y in zip(a, b))
+  count = sum(x.size for x in a)
+  return float(np.sqrt(squares / count)) if count else 0.0
+
+
+class PredictionError:
+  """Records predicted and stale RMSE for each key (a stage index) and horizon s."""
+
+  def __init__(self, horizons=(1, 2, 3)):
+    horizons = tuple(horizons)
+    if not horizons or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
+                           for s in horizons):
+      raise ValueError(f"`horizons` must be positive integers. Received: {horizons!r}")
+    self.horizons = horizons
+    self._history = collections.defaultdict(lambda: collections.deque(maxlen=max(horizons) + 1))
+    self._updates = collections.Counter()
+    self.series = collections.defaultdict(list)   # (key, s) -> [(t, predicted, stale)]
+    self._lock = threading.Lock()                  # stages observe from their own threads
+
+  def observe(self, key, weights, smoothed, learning_rate):
+    """After update t of `key`: its weights, smoothed gradients (numpy lists) and eta."""
+    weights = [np.array(w, copy=True) for w in weights]
+    smoothed = [np.array(v, copy=True) for v in smoothed]
+    with self._lock:
+      self._observe(key, weights, smoothed, learning_rate)
+
+  def _observe(self, key, weights, smoothed, learning_rate):
+    history = self._history[key]
+    self._updates[key] += 1
+    t = self._updates[key]
+    for s in self.horizons:
+      if len(history) >= s:
+        old_w, old_v, old_lr = history[-s]
+        predicted = [w - s * old_lr * v for w, v in zip(old_w, old_v)]
+        self.series[(key, s)].append((t, _rmse(predicted, weights), _rmse(old_w, weights)))
+    history.append((weights, smoothed, float(learning_rate)))
+
+  def observe_optimizer(self, key, variables, optimizer):
+    """`observe` from Keras variables and their SpecTrain optimizer."""
+    if not hasattr(optimizer, "smoothed_gradient"):
+      raise ValueError(
+          "the prediction error needs the SpecTrain optimizer (tfpipe.optimizers.SpecTrain). "
+          f"Received: {type(optimizer).__name__}")
+    self.observe(key, [v.numpy() for v in variables],
+                 [optimizer.smoothed_gradient(v).numpy() for v in variables],
+                 float(keras.ops.convert_to_numpy(optimizer.learning_rate)))
+
+  def summary(self):
+    """{s: (mean predicted RMSE, mean stale RMSE)} over every key and update."""
+    result = {}
+    for s in self.horizons:
+      rows = [r for (key, h), rs in self.series.items() if h == s for r in rs]
+      if rows:
+        result[s] = (float(np.mean([r[1] for r in rows])), float(np.mean([r[2] for r in rows])))
+    return result
+
+  def write_summaries(self, logdir):
+    """TensorBoard scalars prediction_error/{key}/s{s}/{predicted,stale} per update."""
+    import tensorflow as tf
+    with tf.summary.create_file_writer(logdir).as_default():
+      for (key, s), rows in sorted(self.series.items(), key=str):
+        for t, predicted, stale in rows:
+          tf.summary.scalar(f"prediction_error/{key}/s{s}/predicted", predicted, step=t)
+          tf.summary.scalar(f"prediction_error/{key}/s{s}/stale", stale, step=t)
+
+  def plot(self, path, title="weight prediction error (SpecTrain fig. 8)"):
+    """A PNG: RMSE per update, predicted (solid) and stale (dashed), per horizon s."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    keys = sorted({key for key, _ in self.series}, key=str)
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4.5 * max(1, len(keys)), 3.5),
+                             squeeze=False)
+    for ax, key in zip(axes[0], keys):
+      for s in self.horizons:
+        rows = self.series.get((key, s), [])
+        if rows:
+          t = [r[0] for r in rows]
+          line, = ax.plot(t, [r[1] for r in rows], label=f"predicted, s={s}")
+          ax.plot(t, [r[2] for r in rows], "--", color=line.get_color(), label=f"stale, s={s}")
+      ax.set_title(f"stage {key}" if isinstance(key, int) else str(key))
+      ax.set_xlabel("update")
+      ax.set_ylabel("RMSE to the weights reached")
+      ax.set_yscale("log")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class PredictionErrorCallback(keras.callbacks.Callback):
+  """Feeds a `PredictionError` after each batch of `model.fit` with a SpecTrain optimizer."""
+
+  def __init__(self, recorder):
+    super().__init__()
+    self.recorder = recorder
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.recorder.observe_optimizer("model", self.model.trainable_variables,
+                                    self.model.optimizer)
