@@ -88,7 +88,7 @@ def main(argv):
         model="snn", snn_width=512, snn_depth=8, dataset="digits", method=method, num_stages=2,
         batch_size=32, learning_rate=0.01, momentum=0.9, epochs=FLAGS.epochs, seed=0, verbose=0,
         micro_batches=micro)
-    history, trainer = trainer_main.run(config)
+    history, trainer, _ = trainer_main.run(config)
     measured = statistics.median(history["samples_per_second"][1:] or
                                  history["samples_per_second"])
     row = [method, max(history["val_accuracy"]), measured, None]

@@ -52,3 +52,14 @@ def test_queued_transfer_and_early_receive_and_window():
 def test_empty_timeline_is_refused():
   with pytest.raises(ValueError, match="no records to break down"):
     breakdown.breakdown([], 2)
+
+
+def test_combine_weights_windows_by_their_time():
+  a = breakdown.Breakdown(1.0, [dict(compute=1.0, transfer=0.0, idle_transfer=0.0,
+                                     idle_imbalance=0.0)])
+  b = breakdown.Breakdown(3.0, [dict(compute=0.0, transfer=0.0, idle_transfer=0.0,
+                                     idle_imbalance=1.0)])
+  both = breakdown.combine([a, b])
+  assert both.seconds == 4.0
+  assert both.shares[0] == pytest.approx(
+      {"compute": 0.25, "transfer": 0.0, "idle_transfer": 0.0, "idle_imbalance": 0.75})

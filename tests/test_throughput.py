@@ -1,5 +1,7 @@
 """Throughput over a window of steps, with Keras fit and with a Pipeline."""
 
+import time
+
 import keras
 import pytest
 
@@ -27,3 +29,20 @@ def test_window_throughput_in_keras_fit_and_in_a_pipeline():
     meter.samples_per_second((2, 12))
   with pytest.raises(ValueError, match="0 <= first < last"):
     ThroughputMeter(16, window=(5, 5))
+
+
+class _SlowEpochEnd(keras.callbacks.Callback):
+  def on_epoch_end(self, epoch, logs=None):
+    time.sleep(0.5)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_time_between_epochs_is_left_out(pipelined):
+  x, y = helpers.as_arrays(helpers.batches(4))
+  model = helpers.mlp()
+  if pipelined:
+    model = tfpipe.Pipeline(model, num_stages=2, method="pipedream")
+  model.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy())
+  meter = ThroughputMeter(16, window=(0, 7))
+  model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[_SlowEpochEnd(), meter])
+  assert meter.ends[4] - meter.ends[3] < 0.4   # the half-second pause is not training time

@@ -52,7 +52,7 @@ def test_every_method_trains_a_few_steps(method):
   config = config_lib.TrainConfig(method=method, snn_width=32, snn_depth=4, batch_size=16,
                                   steps=3, epochs=1, verbose=0, num_stages=2,
                                   partition="params")
-  history, trainer = main.run(config)
+  history, trainer, _ = main.run(config)
   assert len(history["loss"]) == 1 and history["val_accuracy"][0] >= 0.0
   assert history["samples_per_second"][0] > 0
 
@@ -92,7 +92,7 @@ def test_vgg16_trains_in_a_pipeline_at_small_scale():
   config = config_lib.TrainConfig(model="vgg16", dataset="synthetic", model_scale=1 / 16,
                                   synthetic_samples=64, batch_size=16, steps=2, epochs=1,
                                   verbose=0, method="spectrain", num_stages=3)
-  history, trainer = main.run(config)
+  history, trainer, _ = main.run(config)
   assert len(trainer.stage_models) == 3 and history["loss"][0] > 0
 
 
@@ -101,3 +101,35 @@ def test_unknown_dataset_and_model():
     datasets.load(config_lib.TrainConfig(dataset="digit"))
   with pytest.raises(ValueError, match="vgg16 needs images of at least 32x32"):
     main.run(config_lib.TrainConfig(model="vgg16", dataset="digits", verbose=0, steps=1))
+
+
+def test_instruments_from_the_command_line(tmp_path):
+  result = _cli("--method=spectrain", "--snn_width=16", "--snn_depth=4", "--batch_size=16",
+                "--steps=8", "--epochs=1", f"--logdir={tmp_path}", "--trace_steps=2,4",
+                "--throughput_window=1,6", "--prediction_error")
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert "throughput over steps 1..6:" in out and "samples/s" in out
+  assert "time breakdown" in out and "idle_imbalance" in out
+  assert "s=3: predicted" in out
+  trace_dir = tmp_path / "spectrain" / "trace"
+  assert (trace_dir / "tfpipe_trace.json").exists() and (trace_dir / "plugins").exists()
+  assert (tmp_path / "spectrain" / "prediction_error.png").exists()
+
+
+def test_baseline_trace_and_too_short_window(tmp_path):
+  config = config_lib.TrainConfig(method="single", snn_width=16, snn_depth=2, batch_size=16,
+                                  steps=6, verbose=0, logdir=str(tmp_path), trace_steps="2,3")
+  _, _, lines = main.run(config)
+  # Keras's TensorBoard callback profiles the baselines, under its "train" run.
+  assert list((tmp_path / "single" / "trace" / "train" / "plugins" / "profile").glob("*/*.pb"))
+  assert any("not measured (the throughput window 50..250 needs 251 steps; the run had 6" in l
+             for l in lines)
+
+
+def test_instrument_flags_are_checked():
+  result = _cli("--method=vanilla", "--prediction_error", "--steps=1", "--snn_depth=2",
+                "--snn_width=8")
+  assert result.returncode == 2 and "use it with --method=spectrain" in result.stderr
+  result = _cli("--trace_steps=9,3", "--steps=1", "--snn_depth=2", "--snn_width=8", "--logdir=x")
+  assert result.returncode == 2 and "need 0 <= FIRST <= LAST. Received: '9,3'" in result.stderr

@@ -19,7 +19,7 @@ with the same fields; pure Python.
 
 import dataclasses
 
-__all__ = ["CATEGORIES", "Breakdown", "breakdown", "format_breakdown"]
+__all__ = ["CATEGORIES", "Breakdown", "breakdown", "combine", "format_breakdown"]
 
 CATEGORIES = ("compute", "transfer", "idle_transfer", "idle_imbalance")
 _COMPUTE = ("F", "B", "FB", "U")
@@ -111,6 +111,16 @@ def breakdown(records, num_stages, window=None):
     totals["idle_imbalance"] += max(0.0, t1 - max(cursor, t0))
     shares.append({c: v / (t1 - t0) for c, v in totals.items()})
   return Breakdown(t1 - t0, shares)
+
+
+def combine(results):
+  """One `Breakdown` of several windows (e.g. the epochs of a fit), weighted by their time."""
+  results = list(results)
+  seconds = sum(r.seconds for r in results)
+  K = len(results[0].shares)
+  shares = [{c: sum(r.shares[k][c] * r.seconds for r in results) / seconds for c in CATEGORIES}
+            for k in range(K)]
+  return Breakdown(seconds, shares)
 
 
 def format_breakdown(result, title="time breakdown (share of wall time)"):

@@ -127,17 +127,23 @@ class Pipeline:
     return chosen
 
   def breakdown(self, steps=None):
-    """Per-stage shares of wall time over the last `fit` (or its `steps`, "first,last"):
-    compute, transfer, idle_transfer, idle_imbalance (`tfpipe.breakdown`). Needs record=True."""
+    """Per-stage shares of wall time training the last `fit`'s epochs (validation left out), or
+    its `steps` ("first,last"): compute, transfer, idle_transfer, idle_imbalance
+    (`tfpipe.breakdown`). Needs record=True."""
     if not self.record:
       raise RuntimeError("the breakdown reads the recorded timeline: build the Pipeline with "
                          "record=True")
     steps = trace.parse_steps(steps)
+    records = self._fit_records()
     chosen = self._fit_records(steps)
     if not chosen:
       raise ValueError(f"no recorded task in steps {steps}")
-    window = (min(r.start for r in chosen), max(r.end for r in chosen))
-    return breakdown_lib.breakdown(self._fit_records(), self.num_stages, window)
+    windows = {}
+    for r in chosen:
+      lo, hi = windows.get(r.epoch, (r.start, r.end))
+      windows[r.epoch] = (min(lo, r.start), max(hi, r.end))
+    return breakdown_lib.combine(breakdown_lib.breakdown(records, self.num_stages, w)
+                                 for w in windows.values())
 
   def summary(self):
     """One line per stage: its device and layers."""

@@ -2,7 +2,9 @@
 
 A Keras callback: it works with `model.fit` (the `single` and `dataparallel`
 baselines) and with `tfpipe.Pipeline.fit`, which reports every finished
-mini-batch in order. Steps are counted over the whole `fit`, from 0.
+mini-batch in order. Steps are counted over the whole `fit`, from 0; the
+time between an epoch's last step and the next epoch's start (validation,
+epoch-end callbacks) is left out, the next epoch's pipeline fill is not.
 """
 
 import time
@@ -20,7 +22,9 @@ class ThroughputMeter(keras.callbacks.Callback):
     if not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f"`batch_size` must be a positive integer. Received: {batch_size!r}")
     self.batch_size, self.window = batch_size, self._check(window)
-    self.ends = []
+    self.ends = []        # per step: its end on the training clock (pauses left out)
+    self._paused = 0.0
+    self._last = None
 
   @staticmethod
   def _check(window):
@@ -30,10 +34,15 @@ class ThroughputMeter(keras.callbacks.Callback):
     return a, b
 
   def on_train_begin(self, logs=None):
-    self.ends = []
+    self.ends, self._paused, self._last = [], 0.0, None
+
+  def on_epoch_begin(self, epoch, logs=None):
+    if self._last is not None:
+      self._paused += time.perf_counter() - self._last
 
   def on_train_batch_end(self, batch, logs=None):
-    self.ends.append(time.perf_counter())
+    self._last = time.perf_counter()
+    self.ends.append(self._last - self._paused)
 
   def samples_per_second(self, window=None):
     """Samples per second between the end of step a and the end of step b."""

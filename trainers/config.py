@@ -31,6 +31,11 @@ class TrainConfig:
   synthetic_samples: int = 2048
   synthetic_shape: Sequence[int] = (32, 32, 3)
   sequence_length: int = 20
+  trace_steps: Optional[str] = None
+  trace_dir: Optional[str] = None
+  breakdown: bool = True
+  throughput_window: Optional[str] = "50,250"
+  prediction_error: bool = False
   intra_op_threads: int = 1
   verbose: int = 2
 

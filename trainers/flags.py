@@ -38,6 +38,16 @@ def define_flags():
   flags.DEFINE_integer("synthetic_samples", 2048, "synthetic: training samples")
   flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "synthetic: input shape")
   flags.DEFINE_integer("sequence_length", 20, "imdb_reviews: words kept per review")
+  flags.DEFINE_string("trace_steps", None,
+                      "FIRST,LAST: trace these steps (TensorBoard profile, and for pipelines "
+                      "tfpipe_trace.json for Perfetto) into --trace_dir")
+  flags.DEFINE_string("trace_dir", None, "where traces go (default: LOGDIR/METHOD/trace)")
+  flags.DEFINE_bool("breakdown", True,
+                    "pipelines: print and log each stage's compute / transfer / idle shares")
+  flags.DEFINE_string("throughput_window", "50,250",
+                      "FIRST,LAST: report samples/s between these steps (empty: off)")
+  flags.DEFINE_bool("prediction_error", False,
+                    "spectrain: record the RMSE of predicted and stale weights (s = 1, 2, 3)")
   flags.DEFINE_integer("intra_op_threads", 1, "threads per op (1: one core per logical CPU)")
   flags.DEFINE_integer("verbose", 2, "0: silent, 1: progress bar, 2: one line per epoch")
 

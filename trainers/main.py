@@ -30,11 +30,13 @@ def setup_devices(config):
 
 
 def run(config):
-  """Trains `config`'s workload; returns (history dict, trainer). Never reads FLAGS."""
+  """Trains `config`'s workload; returns (history dict, trainer, the instruments' report
+  lines). Never reads FLAGS."""
   import keras
   import tfpipe
-  from trainers import datasets, models, report
+  from trainers import datasets, instruments, models, report
 
+  tools = instruments.Instruments(config)
   setup_devices(config)
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
@@ -47,7 +49,7 @@ def run(config):
           version_difference=config.version_difference, micro_batches=config.micro_batches,
           recompute={"auto": None, "true": True, "false": False}[config.recompute],
           lockstep=config.lockstep,
-          profile_batch_size=config.batch_size)))
+          profile_batch_size=config.batch_size, **tools.pipeline_options())))
   if config.verbose:
     print(trainer.summary(), flush=True)
   trainer.compile(
@@ -55,9 +57,10 @@ def run(config):
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
   train = data.train.repeat() if config.steps else data.train
   history = trainer.fit(train, epochs=config.epochs, steps_per_epoch=config.steps,
-                        validation_data=data.validation, callbacks=[report.EpochReport(config)],
+                        validation_data=data.validation,
+                        callbacks=[report.EpochReport(config)] + tools.callbacks(),
                         verbose=1 if config.verbose == 1 else 0)
-  return history.history, trainer
+  return history.history, trainer, tools.finish(trainer)
 
 
 def main(argv):
@@ -66,12 +69,14 @@ def main(argv):
   config = TrainConfig.from_flags(trainer_flags.FLAGS)
   from trainers import datasets
   try:
-    history, _ = run(config)
+    history, _, lines = run(config)
   except (datasets.DataUnavailableError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   from trainers import report
   print(report.format_table(config, history))
+  for line in lines:
+    print(line)
   return 0
 
 

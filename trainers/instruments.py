@@ -1,0 +1,90 @@
+"""The trainer's instruments: trace, breakdown, throughput window, prediction error.
+
+Each is switched by a flag (see trainers/flags.py); `Instruments(config)`
+gives the Pipeline options and Keras callbacks they need, and `finish`
+writes their TensorBoard scalars and plots and returns the text to print.
+"""
+
+import os
+
+__all__ = ["Instruments"]
+
+BASELINES = ("single", "dataparallel")
+
+
+class Instruments:
+
+  def __init__(self, config):
+    from tfpipe import trace
+    self.config = config
+    self.trace_steps = trace.parse_steps(config.trace_steps or None)
+    self.window = trace.parse_steps(config.throughput_window or None)
+    if self.window is not None and self.window[0] == self.window[1]:
+      raise ValueError(f"--throughput_window needs FIRST < LAST. Received: {config.throughput_window!r}")
+    if config.prediction_error and config.method != "spectrain":
+      raise ValueError("--prediction_error measures SpecTrain's weight prediction: use it with "
+                       f"--method=spectrain. Received: --method={config.method}")
+    if self.trace_steps is not None and not (config.trace_dir or config.logdir):
+      raise ValueError("--trace_steps needs --trace_dir or --logdir to write the trace to")
+    self.pipeline = config.method not in BASELINES
+    self.meter = None
+
+  @property
+  def trace_dir(self):
+    return self.config.trace_dir or os.path.join(self.config.logdir, self.config.method, "trace")
+
+  def pipeline_options(self):
+    """Keyword arguments for `tfpipe.Pipeline`."""
+    if not self.pipeline:
+      return {}
+    return dict(record=self.config.breakdown,
+                trace_steps=self.trace_steps,
+                trace_dir=self.trace_dir if self.trace_steps is not None else None,
+                prediction_error=bool(self.config.prediction_error))
+
+  def callbacks(self):
+    import keras
+    from tfpipe.throughput import ThroughputMeter
+    cbs = []
+    if self.window is not None:
+      self.meter = ThroughputMeter(self.config.batch_size, self.window)
+      cbs.append(self.meter)
+    if self.trace_steps is not None and not self.pipeline:  # Keras profiles the baselines
+      cbs.append(keras.callbacks.TensorBoard(self.trace_dir, profile_batch=self.trace_steps,
+                                             write_graph=False))
+    return cbs
+
+  def finish(self, trainer):
+    """Writes scalars and plots; returns the lines to print at the end of training."""
+    import tensorflow as tf
+    from tfpipe import breakdown
+    lines, scalars = [], {}
+    if self.meter is not None:
+      a, b = self.window
+      try:
+        rate = self.meter.samples_per_second()
+        scalars["throughput/samples_per_second"] = rate
+        lines.append(f"throughput over steps {a}..{b}: {rate:.1f} samples/s")
+      except ValueError as e:
+        lines.append(f"throughput over steps {a}..{b}: not measured ({e})")
+    if self.pipeline and self.config.breakdown:
+      result = trainer.breakdown()
+      scalars.update(result.scalars())
+      lines.append(breakdown.format_breakdown(result))
+    recorder = getattr(trainer, "prediction_error", None)
+    if recorder is not None:
+      summary = recorder.summary()
+      lines.append("weight prediction error (mean RMSE to the weights reached s updates later)")
+      lines += [f"  s={s}: predicted {p:.3e}   stale {q:.3e}" for s, (p, q) in summary.items()]
+    if self.trace_steps is not None:
+      lines.append(f"trace of steps {self.trace_steps[0]}..{self.trace_steps[1]}: {self.trace_dir}")
+    if self.config.logdir:
+      logdir = os.path.join(self.config.logdir, self.config.method)
+      with tf.summary.create_file_writer(logdir).as_default():
+        for key, value in scalars.items():
+          tf.summary.scalar(key, value, step=0)
+      if recorder is not None:
+        recorder.write_summaries(logdir)
+        path = recorder.plot(os.path.join(logdir, "prediction_error.png"))
+        lines.append(f"prediction error plot: {path}")
+    return lines
