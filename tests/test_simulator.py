@@ -78,3 +78,32 @@ def test_bad_costs_are_refused():
     Costs([1.0, 1.0], [1.0, 1.0], [0.1, 0.1])
   with pytest.raises(ValueError, match="the costs are for 2 stages, the schedule has 3"):
     simulator.simulate(schedules.one_f_one_b(3, 4), Costs([1.0, 1.0], [1.0, 1.0]))
+
+
+@pytest.mark.parametrize("method,micro", [("pipedream", None), ("vanilla", None),
+                                          ("gpipe", 4), ("timeprest", 2)])
+def test_costs_measured_from_a_timeline_give_back_the_costs(method, micro):
+  costs = Costs([1.0, 2.0, 1.5], [2.0, 3.0, 2.5], [0.25, 0.5], update=0.0)
+  timeline = simulator.simulate_method(method, costs, 12, micro_batches=micro)
+  policy = simulator.policies.policy_for(method)
+  M = micro or 1
+  measured = simulator.costs_from_records(timeline.records(), 3, M, policy.recompute)
+  assert measured.forward[:2] == pytest.approx(costs.forward[:2])
+  assert measured.backward[:2] == pytest.approx(costs.backward[:2])
+  # The last stage runs forward and backward as one step: its backward is their sum.
+  assert measured.backward[2] == pytest.approx(costs.forward[2] + costs.backward[2])
+  assert measured.transfer == pytest.approx(costs.transfer)
+  again = simulator.simulate_method(method, measured, 12, micro_batches=micro)
+  assert again.makespan == pytest.approx(timeline.makespan)
+
+
+def test_breakdown_of_a_simulated_timeline():
+  from tfpipe import breakdown
+  costs = Costs([1.0, 3.0], [2.0, 6.0], [0.5])
+  result = breakdown.breakdown(simulator.simulate_method("pipedream", costs, 50).records(), 2)
+  # Per 9 s step the fast stage computes 3 s, waits 0.5 s for its gradient to cross the link
+  # (not hidden: nothing else to do) and idles the rest because of the slow stage.
+  assert result.shares[0]["compute"] == pytest.approx(3 / 9, abs=0.02)
+  assert result.shares[0]["transfer"] == pytest.approx(0.5 / 9, abs=0.02)
+  assert result.shares[0]["idle_imbalance"] == pytest.approx(5.5 / 9, abs=0.02)
+  assert result.shares[1]["compute"] == pytest.approx(1.0, abs=0.05)

@@ -20,7 +20,8 @@ import dataclasses
 
 from tfpipe import policies, schedules, verify
 
-__all__ = ["Costs", "Timeline", "simulate", "simulate_method", "simulate_data_parallel"]
+__all__ = ["Costs", "Timeline", "simulate", "simulate_method", "simulate_data_parallel",
+           "costs_from_records"]
 
 
 @dataclasses.dataclass
@@ -50,6 +51,22 @@ class Timeline:
   makespan: float
   busy: list       # per stage: seconds computing
   batches: int     # N
+  transfers: list = dataclasses.field(default_factory=list)  # (sending k, "XF"|"XB", unit, start, end)
+
+  def records(self):
+    """The timeline as the runtime records it (`tfpipe.runtime.TaskRecord`s, epoch 0): the
+    last stage's forward inside its FB step, transfers as XF / XB; for `tfpipe.breakdown`."""
+    from tfpipe.runtime import TaskRecord
+    K = len(self.busy)
+    out = []
+    for k, task, start, end in self.tasks:
+      if k == K - 1 and task.kind == "F":
+        continue
+      kind = "FB" if k == K - 1 and task.kind == "B" else task.kind
+      out.append(TaskRecord(k, kind, task.batch, None, None, start, end, task.micro))
+    out += [TaskRecord(k, kind, b, None, None, start, end, i)
+            for k, kind, (b, i), start, end in self.transfers]
+    return sorted(out, key=lambda r: r.start)
 
   @property
   def idle(self):
@@ -86,8 +103,12 @@ def simulate(schedule, costs, recompute=False):
   arrived_fwd, arrived_bwd, ended, barrier = {}, {}, {}, {}
   tasks = []
 
-  def send(link, k, ready, seconds):
-    link[k] = max(ready, link[k]) + seconds
+  transfers = []
+
+  def send(link, k, ready, seconds, sender, kind, unit):
+    start = max(ready, link[k])
+    link[k] = start + seconds
+    transfers.append((sender, kind, unit, start, link[k]))
     return link[k]
 
   for k, task in order:
@@ -117,12 +138,14 @@ def simulate(schedule, costs, recompute=False):
     ended[(k, task)] = end
     tasks.append((k, task, start, end))
     if task.kind == "F" and k < K - 1:
-      arrived_fwd[(k, unit)] = send(fwd_link, k, end, costs.transfer[k] * _share([unit], M))
+      arrived_fwd[(k, unit)] = send(fwd_link, k, end, costs.transfer[k] * _share([unit], M),
+                                    k, "XF", unit)
     if task.kind == "B" and k > 0:
       arrived_bwd[(k - 1, unit)] = send(bwd_link, k - 1, end,
-                                        costs.transfer[k - 1] * _share(covers[k][task], M))
+                                        costs.transfer[k - 1] * _share(covers[k][task], M),
+                                        k, "XB", unit)
   N = len({t.batch for t in schedule[0]})
-  return Timeline(tasks, max(free), busy, N)
+  return Timeline(tasks, max(free), busy, N, transfers)
 
 
 def simulate_method(method, costs, num_batches, micro_batches=None, recompute=None,
@@ -151,3 +174,38 @@ def simulate_data_parallel(P, t_calc, t_comm, iterations):
     comm_end.append(link)
   makespan = max(compute_end, link)
   return makespan, P * iterations * t_calc / makespan if makespan else float("inf")
+
+
+def costs_from_records(records, num_stages, micro_batches=1, recompute=False):
+  """`Costs` measured in a run: each stage's median task times, per mini-batch.
+
+  `records`: `tfpipe.runtime.TaskRecord`s of a `Pipeline(record=True)` run
+  (or `Timeline.records()`); a micro-batch task counts 1/M of a mini-batch.
+  With `recompute`, a backward's time includes its stage's forward, which
+  is taken out. The last stage's FB step is its backward (its forward costs
+  0 here: the simulator runs the two as one step there). Times measured in
+  the running pipeline include what isolated timings miss: stages sharing
+  cores, per-task overhead.
+  """
+  import statistics
+  K, M = num_stages, micro_batches
+
+  def median(kind, k):
+    times = [(r.end - r.start) * (M if r.micro is not None else 1) for r in records
+             if r.kind == kind and r.stage == k]
+    return statistics.median(times) if times else None
+
+  forward, backward, transfer = [], [], []
+  for k in range(K):
+    if k == K - 1:
+      forward.append(0.0)
+      backward.append(median("FB", k) or 0.0)
+      continue
+    f, b = median("F", k), median("B", k)
+    if f is None or b is None:
+      raise ValueError(f"no forward or backward of stage {k} in the records")
+    forward.append(f)
+    backward.append(max(0.0, b - f) if recompute else b)
+    moves = [t for t in (median("XF", k), median("XB", k + 1)) if t is not None]
+    transfer.append(sum(moves) / len(moves) if moves else 0.0)
+  return Costs(forward, backward, transfer, median("U", 0) or 0.0)
