@@ -6,4 +6,4 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfpipe  # noqa: E402
 
-DEVICES = tfpipe.create_logical_cpus(3)
+DEVICES = tfpipe.create_logical_cpus(4)

@@ -99,7 +99,7 @@ def test_vgg16_trains_in_a_pipeline_at_small_scale():
 def test_unknown_dataset_and_model():
   with pytest.raises(ValueError, match="did you mean 'digits'"):
     datasets.load(config_lib.TrainConfig(dataset="digit"))
-  with pytest.raises(ValueError, match="vgg16 needs images of at least 32x32"):
+  with pytest.raises(ValueError, match=r"vgg16 reads images \(height, width, channels\)"):
     main.run(config_lib.TrainConfig(model="vgg16", dataset="digits", verbose=0, steps=1))
 
 
@@ -133,3 +133,45 @@ def test_instrument_flags_are_checked():
   assert result.returncode == 2 and "use it with --method=spectrain" in result.stderr
   result = _cli("--trace_steps=9,3", "--steps=1", "--snn_depth=2", "--snn_width=8", "--logdir=x")
   assert result.returncode == 2 and "need 0 <= FIRST <= LAST. Received: '9,3'" in result.stderr
+
+
+def _config_flags(path):
+  values = {}
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line and not line.startswith("#"):
+        name, _, value = line[2:].partition("=")
+        values[name] = value
+  return values
+
+
+def test_every_config_names_known_flags_and_every_workload_has_the_papers_methods():
+  import dataclasses
+  from trainers import models
+  fields = {f.name for f in dataclasses.fields(config_lib.TrainConfig)}
+  configs = sorted(os.listdir(os.path.join(ROOT, "configs")))
+  for name in configs:
+    values = _config_flags(os.path.join(ROOT, "configs", name))
+    assert set(values) <= fields, (name, set(values) - fields)
+    assert values["model"] in models.MODELS and values["dataset"] in datasets.DATASETS, name
+    assert values["method"] in tfpipe.METHODS, name
+    if name != "quickstart.cfg":
+      assert name == f"{values['model']}_{values['method']}.cfg"
+  for model in models.MODELS:
+    for method in ("single", "dataparallel", "vanilla", "pipedream", "spectrain"):
+      assert f"{model}_{method}.cfg" in configs
+
+
+def test_offline_workload_configs_run_a_few_steps():
+  # dnn runs on digits here; a text model on synthetic token ids.
+  result = _cli("--flagfile=configs/dnn_spectrain.cfg", "--model_scale=0.01", "--steps=3",
+                "--epochs=1", "--logdir=")
+  assert result.returncode == 0, result.stderr[-3000:]
+  config = config_lib.TrainConfig(model="bert", dataset="synthetic_text", model_scale=1 / 24,
+                                  synthetic_samples=64, batch_size=16, steps=2, verbose=0,
+                                  method="pipedream", num_stages=2, sequence_length=12)
+  history, trainer, _ = main.run(config)
+  assert trainer.partition.layer_names[0][0] == "embedding_tokens" and history["loss"][0] > 0
+  with pytest.raises(ValueError, match="reads token ids; use a text dataset"):
+    main.run(config_lib.TrainConfig(model="bert", dataset="digits", verbose=0, steps=1))

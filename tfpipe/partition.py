@@ -110,8 +110,10 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
     model: a built Sequential or functional Keras model.
     num_stages: K.
     strategy: "uniform" (equal layer counts), "params" (balance parameter
-      counts), or "profile" (balance measured forward+backward time with
-      PipeDream's dynamic program).
+      counts), "profile" (balance measured forward+backward time with
+      PipeDream's dynamic program), or the cut positions themselves: K+1
+      layer counts rising from 0 to the number of layers (e.g. [0, 1, 5, 9]
+      puts the first layer, such as an embedding, alone on stage 0).
     profile: for "profile", a callable nodes -> (forward_times, backward_times)
       (see `layer_profile.profile_nodes`).
     recompute: for "profile": non-last stages run each forward twice (methods
@@ -120,7 +122,9 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
   Returns:
     A `Partition(stages, cuts, layer_names, costs)`.
   """
-  strategy = names.lookup("partition strategy", strategy, STRATEGIES)
+  explicit = isinstance(strategy, (list, tuple))
+  if not explicit:
+    strategy = names.lookup("partition strategy", strategy, STRATEGIES)
   _, _, nodes = graph_nodes(model)
   n = len(nodes)
   if not isinstance(num_stages, int) or num_stages < 1:
@@ -129,7 +133,13 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
     raise ValueError(
         f"cannot cut model {model.name!r} into {num_stages} stages: it has {n} cuttable "
         f"layer{'s' if n != 1 else ''} ({', '.join(node.operation.name for node in nodes)})")
-  if strategy == "uniform":
+  if explicit:
+    cuts = list(strategy)
+    if len(cuts) != num_stages + 1:
+      raise ValueError(f"explicit cuts for {num_stages} stages need {num_stages + 1} positions "
+                       f"(0, ..., {n}). Received: {cuts}")
+    costs = [1.0] * n
+  elif strategy == "uniform":
     costs = [1.0] * n
     cuts = balance.uniform(n, num_stages)
   elif strategy == "params":

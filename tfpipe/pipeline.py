@@ -31,7 +31,8 @@ class Pipeline:
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe",
       "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
       "timeprest" (DESIGN.md section 3).
-    partition: "uniform", "params" or "profile" (see `tfpipe.partition`).
+    partition: "uniform", "params", "profile", or explicit cut positions
+      [0, ..., number of layers] (see `tfpipe.partition.partition`).
     spectrain_backward: "reuse" (the backward reads the forward's predicted
       weights, no recomputation) or "repredict" (a new prediction with the
       backward's version difference; in TensorFlow this recomputes the

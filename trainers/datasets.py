@@ -1,4 +1,5 @@
-"""Datasets: tfds (cifar10, mnist, imdb_reviews), scikit-learn's digits, synthetic."""
+"""Datasets: tfds (cifar10, mnist, imdb_reviews), scikit-learn's digits, synthetic images or
+vectors, synthetic text (token ids)."""
 
 import collections
 import os
@@ -10,22 +11,24 @@ from tfpipe import names
 
 __all__ = ["DATASETS", "DataUnavailableError", "Data", "load"]
 
-DATASETS = ("digits", "synthetic", "cifar10", "mnist", "imdb_reviews")
+DATASETS = ("digits", "synthetic", "synthetic_text", "cifar10", "mnist", "imdb_reviews")
+SYNTHETIC_VOCAB = 1000
 
 Data = collections.namedtuple(
-    "Data", ["train", "validation", "input_shape", "num_classes", "train_size"])
+    "Data", ["train", "validation", "input_shape", "num_classes", "train_size", "vocab_size"],
+    defaults=(None,))
 
 
 class DataUnavailableError(RuntimeError):
   """The dataset is not on this machine and cannot be downloaded here."""
 
 
-def _from_arrays(x_train, y_train, x_val, y_val, batch_size, seed, num_classes):
+def _from_arrays(x_train, y_train, x_val, y_val, batch_size, seed, num_classes, vocab_size=None):
   train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
            .shuffle(len(x_train), seed=seed, reshuffle_each_iteration=True)
            .batch(batch_size, drop_remainder=True).prefetch(4))
   val = tf.data.Dataset.from_tensor_slices((x_val, y_val)).batch(batch_size).prefetch(4)
-  return Data(train, val, tuple(x_train.shape[1:]), num_classes, len(x_train))
+  return Data(train, val, tuple(x_train.shape[1:]), num_classes, len(x_train), vocab_size)
 
 
 def _digits(config):
@@ -49,6 +52,17 @@ def _synthetic(config):
   y = np.argmax(x.reshape(len(x), -1) @ projection, axis=1).astype("int64")
   n = config.synthetic_samples
   return _from_arrays(x[:n], y[:n], x[n:], y[n:], config.batch_size, config.seed, classes)
+
+
+def _synthetic_text(config):
+  """Random token ids; the label says whether low ids (< V/2) are the majority: learnable by
+  counting, for sequence models offline."""
+  rng = np.random.default_rng(config.seed)
+  n, n_val = config.synthetic_samples, max(config.batch_size, config.synthetic_samples // 8)
+  x = rng.integers(0, SYNTHETIC_VOCAB, (n + n_val, config.sequence_length)).astype("int32")
+  y = (np.mean(x < SYNTHETIC_VOCAB // 2, axis=1) > 0.5).astype("int64")
+  return _from_arrays(x[:n], y[:n], x[n:], y[n:], config.batch_size, config.seed, 2,
+                      SYNTHETIC_VOCAB)
 
 
 def _tfds(config, name):
@@ -83,7 +97,8 @@ def _tfds(config, name):
   size = info.splits["train"].num_examples
   train = (train.shuffle(10000, seed=config.seed, reshuffle_each_iteration=True)
            .batch(config.batch_size, drop_remainder=True).prefetch(4))
-  return Data(train, val.batch(config.batch_size).prefetch(4), shape, classes, size)
+  vocab = vectorize.vocabulary_size() if name == "imdb_reviews" else None
+  return Data(train, val.batch(config.batch_size).prefetch(4), shape, classes, size, vocab)
 
 
 def load(config):
@@ -93,4 +108,6 @@ def load(config):
     return _digits(config)
   if name == "synthetic":
     return _synthetic(config)
+  if name == "synthetic_text":
+    return _synthetic_text(config)
   return _tfds(config, name)

@@ -34,10 +34,12 @@ def define_flags():
   flags.DEFINE_string("data_dir", None, "tfds data directory (default: $TFDS_DATA_DIR)")
   flags.DEFINE_integer("snn_width", 2048, "snn: units per layer")
   flags.DEFINE_integer("snn_depth", 32, "snn: hidden layers")
-  flags.DEFINE_float("model_scale", 1.0, "vgg16: multiplier on the filter counts")
+  flags.DEFINE_float("model_scale", 1.0,
+                     "multiplier on every model's widths (filters, units, embedding sizes)")
   flags.DEFINE_integer("synthetic_samples", 2048, "synthetic: training samples")
   flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "synthetic: input shape")
-  flags.DEFINE_integer("sequence_length", 20, "imdb_reviews: words kept per review")
+  flags.DEFINE_integer("sequence_length", 20,
+                       "imdb_reviews, synthetic_text: words (token ids) per example")
   flags.DEFINE_string("trace_steps", None,
                       "FIRST,LAST: trace these steps (TensorBoard profile, and for pipelines "
                       "tfpipe_trace.json for Perfetto) into --trace_dir")

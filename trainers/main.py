@@ -40,7 +40,7 @@ def run(config):
   setup_devices(config)
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
-  model = models.build_model(config, data.input_shape, data.num_classes)
+  model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
   trainer = tfpipe.create(
       model, config.method, devices=config.devices,
       num_stages=None if config.devices else (1 if config.method == "single" else config.num_stages),

@@ -1,0 +1,95 @@
+"""Workloads: every model builds small, partitions into 2 and 4 stages and trains a step."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tfpipe import models, optimizers
+
+SHAPES = {"image": (32, 32, 3), "flat": (8, 8), "tokens": (12,)}
+VOCAB = 50
+
+
+def _data(name, n=8, seed=0):
+  rng = np.random.default_rng(seed)
+  shape = SHAPES[models.INPUTS[name]]
+  if models.INPUTS[name] == "tokens":
+    x = rng.integers(0, VOCAB, (n,) + shape).astype("int32")
+  else:
+    x = rng.normal(size=(n,) + shape).astype("float32")
+  return x, rng.integers(0, 10, n)
+
+
+def _build(name):
+  options = {"vocab_size": VOCAB} if models.INPUTS[name] == "tokens" else {}
+  return models.build(name, SHAPES[models.INPUTS[name]], 10, scale=1 / 16, **options)
+
+
+def _train(model, x, y, **options):
+  pipe = tfpipe.Pipeline(model, method="pipedream", **options)
+  pipe.compile(optimizers.SpecTrain(0.01, 0.9),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  before = [v.numpy().copy() for v in model.trainable_variables]
+  history = pipe.fit(x, y, batch_size=4, verbose=0)
+  changed = [not np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables)]
+  return pipe, history.history["loss"][0], changed
+
+
+@pytest.mark.parametrize("name", list(models.MODELS))
+@pytest.mark.parametrize("K", [2, 4])
+def test_every_model_partitions_and_trains_a_step(name, K):
+  model = _build(name)
+  x, y = _data(name)
+  pipe, loss, changed = _train(model, x, y, num_stages=K)
+  assert len(pipe.stage_models) == K
+  assert sum(len(names) for names in pipe.partition.layer_names) == len(
+      tfpipe.partition.graph_nodes(model)[2])
+  assert np.isfinite(loss)
+  # Every stage trained: some weight of each stage moved.
+  for stage in pipe.stage_models:
+    ids = {id(v) for v in stage.trainable_variables}
+    assert any(c for v, c in zip(model.trainable_variables, changed) if id(v) in ids)
+
+
+def test_embedding_stage_and_recurrent_stages():
+  # The embedding alone on stage 0 (integer ids in, no input gradient), LSTM layers after it.
+  model = _build("residual_lstm")
+  x, y = _data("residual_lstm")
+  n = len(tfpipe.partition.graph_nodes(model)[2])
+  pipe, loss, _ = _train(model, x, y, num_stages=3, partition=[0, 1, 5, n])
+  assert pipe.partition.layer_names[0] == ["embedding"]
+  assert pipe.partition.layer_names[1] == ["lstm0", "lstm1", "lstm2", "lstm3"]
+  assert np.isfinite(loss)
+
+
+def test_token_ids_cross_a_cut_in_the_transformer():
+  # The decoder embeds the same tokens: the integer ids travel past the encoder stages.
+  model = _build("transformer")
+  x, y = _data("transformer")
+  pipe, loss, _ = _train(model, x, y, num_stages=3)
+  crossing = [t for t in pipe.stage_models[1].inputs if "int" in str(t.dtype)]
+  assert crossing and np.isfinite(loss)
+
+
+def test_model_sizes_at_full_scale():
+  # The papers' widths: snn 32 x 2048 SELU, dnn 7 x 2048 sigmoid, ResNet20's ~0.27M weights.
+  snn = models.build("snn", (32, 32, 3), 10)
+  assert len(snn.layers) == 34 and snn.layers[1].units == 2048
+  dnn = models.build("dnn", (400,), 10000)
+  assert [l.units for l in dnn.layers[1:-1]] == [2048] * 7
+  assert dnn.count_params() == 2048 * 401 + 6 * 2048 * 2049 + 2049 * 10000  # seed 001's N_W
+  assert 0.26e6 < models.build("resnet20", (32, 32, 3), 10).count_params() < 0.28e6
+
+
+def test_bad_model_input_is_refused():
+  with pytest.raises(ValueError, match="did you mean 'resnet20'"):
+    models.build("resnet21", (32, 32, 3), 10)
+  with pytest.raises(ValueError, match="vgg16 reads images"):
+    models.build("vgg16", (64,), 10)
+  with pytest.raises(ValueError, match="bert reads token ids"):
+    models.build("bert", (12,), 2)
+  with pytest.raises(ValueError, match="resnet152 needs images of at least 32x32"):
+    models.build("resnet152", (8, 8, 1), 10)
+  with pytest.raises(ValueError, match="`scale` must be a positive number"):
+    models.build("snn", (8,), 10, scale=0)

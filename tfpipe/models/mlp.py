@@ -1,0 +1,30 @@
+"""Fully connected workloads: seed 000's SNN and seed 001's DNN."""
+
+import keras
+
+__all__ = ["snn", "dnn"]
+
+
+def _width(units, scale):
+  return max(1, int(round(units * scale)))
+
+
+def snn(input_shape, num_classes, scale=1.0, width=2048, depth=32):
+  """Self-normalising MLP (seed 000): `depth` SELU Dense layers of `width` x `scale` units."""
+  layers = [keras.Input(input_shape), keras.layers.Flatten(name="flatten")]
+  for i in range(depth):
+    layers.append(keras.layers.Dense(_width(width, scale), activation="selu",
+                                     kernel_initializer="lecun_normal", name=f"selu{i}"))
+  layers.append(keras.layers.Dense(num_classes, name="logits"))
+  return keras.Sequential(layers, name=f"snn_{depth}x{_width(width, scale)}")
+
+
+def dnn(input_shape, num_classes, scale=1.0, width=2048, depth=7):
+  """Seed 001's speech DNN: `depth` sigmoid layers of `width` x `scale` units, softmax output
+  (the logits here; the trainer's loss applies the softmax)."""
+  layers = [keras.Input(input_shape), keras.layers.Flatten(name="flatten")]
+  for i in range(depth):
+    layers.append(keras.layers.Dense(_width(width, scale), activation="sigmoid",
+                                     name=f"sigmoid{i}"))
+  layers.append(keras.layers.Dense(num_classes, name="logits"))
+  return keras.Sequential(layers, name=f"dnn_{depth}x{_width(width, scale)}")
