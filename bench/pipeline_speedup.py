@@ -55,7 +55,7 @@ def main(argv):
     tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
   devices = tfpipe.create_logical_cpus(2, intra_op_threads=1)
   import keras
-  from trainers import models
+  from tfpipe.models import mlp as models
 
   rng = np.random.default_rng(0)
   n = FLAGS.batch_size * FLAGS.batches
@@ -64,7 +64,7 @@ def main(argv):
 
   def model():
     keras.utils.set_random_seed(0)
-    return models.snn((FLAGS.input_dim,), 10, FLAGS.width, FLAGS.depth)
+    return models.snn((FLAGS.input_dim,), 10, width=FLAGS.width, depth=FLAGS.depth)
 
   def optimizer():
     return tfpipe.optimizers.SpecTrain(1e-3, 0.9)
