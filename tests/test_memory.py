@@ -23,8 +23,10 @@ def test_memory_follows_each_methods_rule():
   assert [row["weights"] for row in stash] == weight_bytes
   assert [row["optimizer"] >= w for row, w in zip(stash, weight_bytes)] == [True] * 3  # v slot
   # PipeDream keeps K-k versions and K-k activation sets at stage k (0 at the last stage,
-  # which runs forward and backward as one step).
-  assert [row["versions"] for row in stash] == [3 * weight_bytes[0], 2 * weight_bytes[1], 0]
+  # which runs forward and backward as one step): K-k-1 copies beyond the current weights.
+  assert [row["versions"] for row in stash] == [2 * weight_bytes[0], weight_bytes[1], 0]
+  _, predicted = _memory("spectrain")   # each reused prediction is a tensor of its own
+  assert [row["versions"] for row in predicted] == [3 * weight_bytes[0], 2 * weight_bytes[1], 0]
   per_sample_0 = 4 * (8 + 16 + 16)  # float32 inputs + two dense outputs
   assert stash[0]["activations"] == 3 * per_sample_0 * 16
   _, vanilla = _memory("vanilla")
@@ -32,6 +34,7 @@ def test_memory_follows_each_methods_rule():
   assert vanilla[0]["activations"] == 3 * 4 * 8 * 16            # inputs only
   _, gpipe = _memory("gpipe", micro_batches=4)
   assert gpipe[0]["accumulators"] == weight_bytes[0]
+  assert gpipe[0]["versions"] == 0     # no update inside a mini-batch: the current weights
   assert gpipe[0]["activations"] == 4 * per_sample_0 * 4          # M micro-batches of 4
   for rows in (stash, vanilla, gpipe):
     assert all(row["total"] == sum(row[f] for f in memory.FIELDS) for row in rows)

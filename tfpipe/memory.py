@@ -2,10 +2,11 @@
 
 k: stage index, M: micro-batches. Bytes are counted from what the run held:
   weights:      the stage's variables;
-  versions:     weight versions kept for backwards at the peak the runtime
-                measured (PipeDream's stash, SpecTrain's reused predictions),
-                each the size of the trainable weights; the newest may share
-                the current weights' buffer, so this is an upper bound;
+  versions:     copies of the trainable weights kept for backwards beyond the
+                current weights, at the peak the runtime measured: PipeDream's
+                stashed older versions (the newest kept forward read the
+                current weights), or SpecTrain's reused predictions (each its
+                own tensor);
   activations:  the peak count of kept forward states the runtime measured,
                 times one state: the outputs of every layer of the stage
                 (a gradient tape's saved tensors) or, for methods that
@@ -59,6 +60,7 @@ def stage_memory(pipeline, batch_size):
   if pipeline.runtime is None:
     raise RuntimeError("compile and fit the pipeline first: the peaks are measured by the run")
   unit = -(-batch_size // pipeline.micro_batches)
+  extra_current = 0 if pipeline.policy.forward == "predicted" else 1
   result = []
   for k, program in enumerate(pipeline.programs):
     weights = _bytes(program.trainable) + _bytes(program.non_trainable)
@@ -69,7 +71,7 @@ def stage_memory(pipeline, batch_size):
       state = _per_sample(program.model.inputs) + _per_sample(_layer_outputs(program.model))
     row = {
         "weights": weights,
-        "versions": pipeline.runtime.peak_versions[k] * trainable,
+        "versions": max(0, pipeline.runtime.peak_versions[k] - extra_current) * trainable,
         "activations": pipeline.runtime.peak_saved[k] * state * unit,
         "optimizer": _bytes(program.optimizer.variables),
         "accumulators": _bytes(program.accumulators or []),

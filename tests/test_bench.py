@@ -1,0 +1,37 @@
+"""The report scripts run end to end at a tiny size and write their tables."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(script, *args):
+  result = subprocess.run([sys.executable, os.path.join("bench", script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def test_accuracy_table(tmp_path):
+  out = _bench("accuracy_table.py", "--epochs=1", "--methods=single,gpipe", "--model_scale=0.1",
+               f"--results_dir={tmp_path}", "--workloads=snn:digits,vgg16:cifar10",
+               "--data_dir=" + str(tmp_path / "no_data"))
+  assert "| gpipe |" in out and "vgg16:cifar10: skipped, the data is not here" in out
+  assert (tmp_path / "accuracy_snn_digits.png").stat().st_size > 1000
+  assert "max validation accuracy" in (tmp_path / "accuracy_snn_digits.md").read_text()
+
+
+def test_throughput_table(tmp_path):
+  out = _bench("throughput_table.py", "--methods=pipedream", "--stages=2", "--steps=12",
+               "--window=2,11", "--width=32", "--depth=2", f"--results_dir={tmp_path}")
+  table = (tmp_path / "throughput.md").read_text()
+  assert "| pipedream | 2 |" in table and "| dataparallel | 2 |" in table and "/ single" in out
+
+
+def test_memory_table(tmp_path):
+  _bench("memory_table.py", "--methods=pipedream,vanilla", "--num_stages=2", "--steps=4",
+         "--width=32", "--depth=2", f"--results_dir={tmp_path}")
+  table = (tmp_path / "memory.md").read_text()
+  assert "| pipedream | 0 |" in table and "| vanilla | 0 |" in table
