@@ -7,8 +7,8 @@ from tfpipe import devices
 
 
 def test_logical_cpus_exist():
-  assert len(DEVICES) == 3
-  assert devices.create_logical_cpus(3) == DEVICES  # same request again: a no-op
+  assert len(DEVICES) == 4
+  assert devices.create_logical_cpus(4) == DEVICES  # same request again: a no-op
 
 
 def test_too_late_to_change_is_a_clear_error():

@@ -107,3 +107,29 @@ def test_breakdown_of_a_simulated_timeline():
   assert result.shares[0]["transfer"] == pytest.approx(0.5 / 9, abs=0.02)
   assert result.shares[0]["idle_imbalance"] == pytest.approx(5.5 / 9, abs=0.02)
   assert result.shares[1]["compute"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_seed_001_eq_4_to_9_and_the_layerwise_model():
+  # Eq. 5-7 into eq. 4 gives eq. 8: S = P T_calc / max(T_calc, 2P T_comm).
+  t_ser = analytic.serial_time(1000, 149.3)
+  for P in (2, 4, 8):
+    t_par = analytic.data_parallel_time(1000, P, 149.3, 23.7)
+    assert analytic.speedup(t_ser, t_par) == pytest.approx(
+        analytic.data_parallel_speedup(P, 149.3, 23.7))
+    assert analytic.efficiency(t_ser, t_par, P) == pytest.approx(
+        analytic.data_parallel_efficiency(P, 149.3, 23.7))
+  # Section 2's model size, and section 4.4's T_comm: 180 MB at 7.6 GB/s is ~23.7 ms.
+  assert analytic.dnn_weights(400, 2048, 10000, 8) == 2048 * (400 + 6 * 2048 + 10000)
+  assert analytic.communication_time(45e6, 7.6e9) == pytest.approx(0.0237, rel=0.01)
+  # The ideal pipeline scales with K until a cut's transfer is the slowest step. 1F1B keeps
+  # only K-k batches in flight at stage k, so it hides no transfer latency: the simulator
+  # matches the ideal without transfers and stays below it with them.
+  assert analytic.layerwise_speedup(1.0, 4) == 4.0
+  assert analytic.layerwise_speedup(1.0, 4, t_transfer=0.5) == 2.0
+  for transfer in (0.0, 0.05, 0.5):
+    costs = _uniform(4, 1.0 / 3, 2.0 / 3, transfer=transfer)
+    a = simulator.simulate_method("pipedream", costs, 400).makespan
+    b = simulator.simulate_method("pipedream", costs, 800).makespan
+    simulated = 1.0 / ((b - a) / 400)
+    ideal = analytic.layerwise_speedup(1.0, 4, transfer)
+    assert simulated == pytest.approx(ideal) if transfer == 0 else simulated < ideal

@@ -8,8 +8,9 @@ The simulator (`tfpipe.simulator`) reproduces each of these from a schedule.
 
 from tfpipe import names
 
-__all__ = ["gpipe_bubble", "step_time", "data_parallel_speedup", "data_parallel_efficiency",
-           "balanced_workers"]
+__all__ = ["gpipe_bubble", "step_time", "speedup", "efficiency", "serial_time",
+           "data_parallel_time", "data_parallel_speedup", "data_parallel_efficiency",
+           "balanced_workers", "dnn_weights", "communication_time", "layerwise_speedup"]
 
 
 def gpipe_bubble(K, M):
@@ -44,6 +45,27 @@ def step_time(method, T_F, T_B, K, lockstep=True):
   return (T_F + T_B) / K
 
 
+def speedup(t_ser, t_par):
+  """Seed 001 eq. 4: S = t_ser / t_par."""
+  return t_ser / t_par
+
+
+def efficiency(t_ser, t_par, P):
+  """Seed 001 eq. 4: E = S / P."""
+  return speedup(t_ser, t_par) / P
+
+
+def serial_time(iterations, t_calc):
+  """Seed 001 eq. 5: t_ser = I_ser(b) * T_calc(b)."""
+  return iterations * t_calc
+
+
+def data_parallel_time(iterations, P, t_calc, t_comm):
+  """Seed 001 eq. 6: t_par = I_par(b, P) / P * max(T_calc(b), 2P * T_comm), with computation
+  and communication overlapped; eq. 7 takes I_par(b, P) = I_ser(b) iterations in all."""
+  return iterations / P * max(t_calc, 2 * P * t_comm)
+
+
 def data_parallel_speedup(P, t_calc, t_comm):
   """Seed 001 eq. 8: S = P * T_calc / max(T_calc, 2P * T_comm)."""
   return P * t_calc / max(t_calc, 2 * P * t_comm)
@@ -57,3 +79,26 @@ def data_parallel_efficiency(P, t_calc, t_comm):
 def balanced_workers(t_calc, t_comm):
   """Seed 001 eq. 9: the P at which computation and communication balance, T_calc = 2P T_comm."""
   return t_calc / (2 * t_comm)
+
+
+def dnn_weights(n_in, n_hidden, n_out, layers):
+  """Seed 001 section 2: N_W = N_h (N_i + (L-2) N_h + N_o) weights of a DNN with L-1 hidden
+  layers of N_h units (biases left out, as there). Seed 001's example: L-1 = 7, N_i = 400,
+  N_h = 2048, N_o = 10k gives ~4.9e7."""
+  return n_hidden * (n_in + (layers - 2) * n_hidden + n_out)
+
+
+def communication_time(num_weights, bandwidth, bytes_per_weight=4):
+  """Seed 001 section 4.4: T_comm = M / bandwidth with M = N_W * omega_B bytes of the model
+  (bandwidth in bytes/s): the one-way time to move one copy of the gradients or weights."""
+  return num_weights * bytes_per_weight / bandwidth
+
+
+def layerwise_speedup(t_calc, K, t_transfer=0.0):
+  """Layer-wise model parallelism with an asynchronous pipeline (seed 001 section 5, seed 000):
+  K equal stages each take T_calc / K per mini-batch, and each cut moves one activation
+  forward and one gradient back per mini-batch (t_transfer each way, both ways at once), so
+  ideally S = T_calc / max(T_calc / K, t_transfer). This assumes enough batches in flight to
+  hide the transfers' latency; 1F1B keeps K-k at stage k and hides none of it, so its speedup
+  is lower when t_transfer > 0 (`tfpipe.simulator` gives the exact figure)."""
+  return t_calc / max(t_calc / K, t_transfer)
