@@ -175,3 +175,18 @@ def test_offline_workload_configs_run_a_few_steps():
   assert trainer.partition.layer_names[0][0] == "embedding_tokens" and history["loss"][0] > 0
   with pytest.raises(ValueError, match="reads token ids; use a text dataset"):
     main.run(config_lib.TrainConfig(model="bert", dataset="digits", verbose=0, steps=1))
+
+
+@pytest.mark.parametrize("method", ["sequential", "spectrain"])
+def test_trainer_stops_and_resumes_exactly(tmp_path, method):
+  import numpy as np
+  base = dict(method=method, snn_width=16, snn_depth=3, batch_size=32, steps=None, verbose=0,
+              logdir=None, throughput_window=None, breakdown=False)
+  _, whole, _ = main.run(config_lib.TrainConfig(epochs=3, **base))
+  saved = str(tmp_path / "ckpt")
+  main.run(config_lib.TrainConfig(epochs=2, checkpoint_dir=saved, **base))
+  history, resumed, lines = main.run(config_lib.TrainConfig(epochs=3, checkpoint_dir=saved,
+                                                            **base))
+  assert lines[0] == f"resumed after epoch 2 from {saved}" and len(history["loss"]) == 1
+  for a, b in zip(resumed.model.get_weights(), whole.model.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

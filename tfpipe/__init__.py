@@ -1,6 +1,6 @@
 """tfpipe: pipelined model-parallel training of Keras models on TensorFlow."""
 
-from tfpipe import devices, optimizers
+from tfpipe import checkpoint, devices, optimizers
 from tfpipe.baselines import DataParallel, Single, create
 from tfpipe.devices import create_logical_cpus, default_devices
 from tfpipe.pipeline import Pipeline
@@ -9,5 +9,5 @@ from tfpipe.policies import PIPELINE_METHODS
 METHODS = ("single", "dataparallel") + PIPELINE_METHODS
 
 __all__ = ["Pipeline", "Single", "DataParallel", "create", "create_logical_cpus",
-           "default_devices", "devices", "optimizers", "METHODS", "PIPELINE_METHODS"]
+           "default_devices", "devices", "optimizers", "checkpoint", "METHODS", "PIPELINE_METHODS"]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import breakdown as breakdown_lib, compile_utils, data, devices as devices_lib
+from tfpipe import breakdown as breakdown_lib, checkpoint as checkpoint_lib, compile_utils, data, devices as devices_lib
 from tfpipe import layer_profile, names, partition as partition_lib, policies, runtime, schedules
 from tfpipe import prediction_error as prediction_error_lib, stage, trace
 
@@ -101,7 +101,7 @@ class Pipeline:
       raise ValueError("`prediction_error` must be True or a tfpipe.prediction_error."
                        f"PredictionError. Received: {prediction_error!r}")
     self.prediction_error = prediction_error or None
-    self._fit_epochs = None   # (first runtime epoch, batches per epoch) of the last fit
+    self._fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
     self.runtime = None
 
   @property
@@ -118,11 +118,12 @@ class Pipeline:
     return self.runtime.records if self.runtime else []
 
   def _fit_records(self, steps=None):
-    """Records of the last fit, their epoch counted from its start, within `steps` if given."""
+    """Records of the last fit, with the fit's epoch index (from `initial_epoch`), within
+    `steps` (epoch * batches per epoch + batch) if given."""
     if self._fit_epochs is None:
       raise RuntimeError("no timeline yet: call `fit` first")
-    first, per_epoch = self._fit_epochs
-    chosen = [r._replace(epoch=r.epoch - first) for r in self.records if r.epoch >= first]
+    first, per_epoch, initial = self._fit_epochs
+    chosen = [r._replace(epoch=r.epoch - first + initial) for r in self.records if r.epoch >= first]
     if steps is not None:
       chosen = [r for r in chosen if steps[0] <= r.epoch * per_epoch + r.batch <= steps[1]]
     return chosen
@@ -208,15 +209,19 @@ class Pipeline:
     return logs
 
   def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-          validation_data=None, shuffle=True, steps_per_epoch=None, seed=None):
-    """Trains for `epochs` epochs; returns a `keras.callbacks.History`.
+          validation_data=None, shuffle=True, steps_per_epoch=None, seed=None, initial_epoch=0):
+    """Trains epochs `initial_epoch` .. `epochs`-1; returns a `keras.callbacks.History`.
 
     Each epoch runs the method's schedule over its batches and drains at the
-    end, so every batch's update lands in the epoch that drew it.
+    end, so every batch's update lands in the epoch that drew it. A
+    `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the
+    pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
     """
     self._check_compiled()
     if not isinstance(epochs, int) or epochs < 1:
       raise ValueError(f"`epochs` must be a positive integer. Received: epochs={epochs!r}")
+    if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
+      raise ValueError(f"`initial_epoch` must be an integer >= 0. Received: {initial_epoch!r}")
     if isinstance(batch_size, int) and batch_size < self.micro_batches:
       raise ValueError(
           f"`batch_size` must be at least micro_batches={self.micro_batches}. Received: "
@@ -230,17 +235,18 @@ class Pipeline:
                                        model=self.model, verbose=verbose, epochs=epochs,
                                        steps=num_batches)
     self._load_weights()
+    initial_epoch = max(initial_epoch, self._restore(callbacks))
     self.model.stop_training = False
-    self._fit_epochs = (self.runtime.epoch + 1, num_batches)
+    self._fit_epochs = (self.runtime.epoch + 1, num_batches, initial_epoch)
     tracer = (trace.StepTracer(self.trace_dir, self.trace_steps)
               if self.trace_steps is not None else None)
     if tracer:
-      tracer.begin(0)
+      tracer.begin(initial_epoch * num_batches)
     cbs.on_train_begin()
     logs = {}
     try:
-      iterator = None
-      for epoch in range(epochs):
+      iterator = self._replay_data(dataset, initial_epoch, steps_per_epoch, num_batches)
+      for epoch in range(initial_epoch, epochs):
         if steps_per_epoch is None or iterator is None:
           iterator = iter(dataset)
         self._reset_metrics()
@@ -281,6 +287,37 @@ class Pipeline:
                                self._fit_records(), self.devices, num_batches, self.trace_steps)
     cbs.on_train_end(logs)
     return self.model.history
+
+  def _restore(self, callbacks):
+    """Resumes from the latest checkpoint of a BackupAndRestore callback; returns epochs done."""
+    done = 0
+    for cb in callbacks or []:
+      if isinstance(cb, checkpoint_lib.BackupAndRestore):
+        cb.attach(self)
+        done = max(done, cb.restore())
+    if done:
+      for p in self.programs:
+        p.write_to_model()
+    return done
+
+  @staticmethod
+  def _replay_data(dataset, epochs_done, steps_per_epoch, num_batches):
+    """Puts the data where an uninterrupted run would be after `epochs_done` epochs.
+
+    Returns the persistent iterator (steps_per_epoch) advanced past the
+    batches trained, or None after advancing a reshuffling dataset by one
+    unread iterator per epoch done.
+    """
+    if not epochs_done:
+      return None
+    if steps_per_epoch is None:
+      for _ in range(epochs_done):
+        iter(dataset)
+      return None
+    iterator = iter(dataset)
+    for _ in range(epochs_done * num_batches):
+      next(iterator)
+    return iterator
 
   def _evaluate(self, x, y, batch_size, steps, prefix=""):
     dataset, num_batches = data.as_dataset(x, y, batch_size, steps)

@@ -36,6 +36,8 @@ class TrainConfig:
   breakdown: bool = True
   throughput_window: Optional[str] = "50,250"
   prediction_error: bool = False
+  checkpoint_dir: Optional[str] = None
+  checkpoint_every: int = 1
   intra_op_threads: int = 1
   verbose: int = 2
 

@@ -50,6 +50,10 @@ def define_flags():
                       "FIRST,LAST: report samples/s between these steps (empty: off)")
   flags.DEFINE_bool("prediction_error", False,
                     "spectrain: record the RMSE of predicted and stale weights (s = 1, 2, 3)")
+  flags.DEFINE_string("checkpoint_dir", None,
+                      "save every --checkpoint_every epochs here, and resume from the latest "
+                      "checkpoint found here")
+  flags.DEFINE_integer("checkpoint_every", 1, "epochs between checkpoints")
   flags.DEFINE_integer("intra_op_threads", 1, "threads per op (1: one core per logical CPU)")
   flags.DEFINE_integer("verbose", 2, "0: silent, 1: progress bar, 2: one line per epoch")
 
@@ -58,6 +62,7 @@ def define_flags():
   flags.register_validator("micro_batches", lambda v: v is None or v >= 1,
                            "--micro_batches must be >= 1")
   flags.register_validator("epochs", lambda v: v >= 1, "--epochs must be >= 1")
+  flags.register_validator("checkpoint_every", lambda v: v >= 1, "--checkpoint_every must be >= 1")
   flags.register_validator("steps", lambda v: v is None or v >= 1, "--steps must be >= 1")
   flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")
   flags.register_validator("momentum", lambda v: 0 <= v < 1, "--momentum must be in [0, 1)")

@@ -56,11 +56,30 @@ def run(config):
       optimizer=tfpipe.optimizers.SpecTrain(config.learning_rate, config.momentum),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
   train = data.train.repeat() if config.steps else data.train
+  saver = checkpoint_callback(config)
   history = trainer.fit(train, epochs=config.epochs, steps_per_epoch=config.steps,
                         validation_data=data.validation,
-                        callbacks=[report.EpochReport(config)] + tools.callbacks(),
+                        callbacks=[report.EpochReport(config)] + tools.callbacks() +
+                        ([saver] if saver else []),
                         verbose=1 if config.verbose == 1 else 0)
-  return history.history, trainer, tools.finish(trainer)
+  lines = tools.finish(trainer)
+  if getattr(saver, "restored_epoch", None):
+    lines.insert(0, f"resumed after epoch {saver.restored_epoch} from {config.checkpoint_dir}")
+  return history.history, trainer, lines
+
+
+def checkpoint_callback(config):
+  """--checkpoint_dir: tfpipe's BackupAndRestore for pipelines, Keras's for the baselines."""
+  if not config.checkpoint_dir:
+    return None
+  import keras
+  import tfpipe
+  if config.method in tfpipe.PIPELINE_METHODS:
+    return tfpipe.checkpoint.BackupAndRestore(config.checkpoint_dir, config.checkpoint_every)
+  if config.checkpoint_every != 1:
+    raise ValueError(f"--method={config.method} checkpoints every epoch (Keras's "
+                     f"BackupAndRestore). Received: --checkpoint_every={config.checkpoint_every}")
+  return keras.callbacks.BackupAndRestore(config.checkpoint_dir, delete_checkpoint=False)
 
 
 def main(argv):

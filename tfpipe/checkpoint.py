@@ -1,0 +1,88 @@
+"""Checkpoint and exact resume of a `Pipeline` (`tf.train.Checkpoint` / `CheckpointManager`).
+
+A pipeline drains at the end of every epoch (no batch is in flight, no
+weight stash or prediction is kept), so a checkpoint at an epoch boundary
+holds everything training needs: every stage's weights and non-trainable
+state, its optimizer's slots and step counter, and the number of epochs
+done (the data position); gradient accumulators are empty then. On resume `fit` starts
+at that epoch and replays the data order: a dataset shuffled with a seed
+and `reshuffle_each_iteration` gets the same order as in an uninterrupted
+run (one unread iterator per skipped epoch advances its shuffle; TensorFlow
+combines the dataset's seed with the global one, so set the same global
+seed, e.g. `keras.utils.set_random_seed`, as the trainer does), and a
+persistent iterator (`steps_per_epoch`) is advanced past the batches
+already trained. A run stopped and resumed therefore equals an
+uninterrupted one, for every method.
+
+TensorFlow writes a checkpoint's files first and records it as the latest
+only once they are complete: a write that fails or is cut short leaves the
+previous checkpoint as the one `restore` reads.
+"""
+
+import os
+
+import keras
+import tensorflow as tf
+
+__all__ = ["BackupAndRestore"]
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+  """Saves a `Pipeline` every `every_epochs` epochs and resumes `fit` from the latest save.
+
+  Pass it in `Pipeline.fit(callbacks=[...])`, like Keras's own
+  `keras.callbacks.BackupAndRestore` for `model.fit`: the first `fit`
+  with an empty `directory` starts at epoch 0; a later one (a new process,
+  a new Pipeline over the same model architecture) restores the latest
+  checkpoint and continues from the epoch after it.
+  """
+
+  def __init__(self, directory, every_epochs=1, max_to_keep=2):
+    super().__init__()
+    if not directory:
+      raise ValueError("`directory` must name the checkpoint directory")
+    if not isinstance(every_epochs, int) or isinstance(every_epochs, bool) or every_epochs < 1:
+      raise ValueError(f"`every_epochs` must be a positive integer. Received: {every_epochs!r}")
+    self.directory, self.every_epochs, self.max_to_keep = directory, every_epochs, max_to_keep
+    self.pipeline = self.manager = None
+    self.restored_epoch = None
+
+  def attach(self, pipeline):
+    """Binds the callback to the pipeline whose state it saves (called by `Pipeline.fit`)."""
+    if self.pipeline is pipeline:
+      return
+    self.pipeline = pipeline
+    with tf.device("/cpu:0"):
+      self._epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="epochs_done")
+    stages = {}
+    for k, program in enumerate(pipeline.programs):
+      stages[f"stage{k}"] = tf.train.Checkpoint(
+          weights=list(program.trainable), state=list(program.non_trainable),
+          optimizer=list(program.optimizer.variables))
+    self._checkpoint = tf.train.Checkpoint(epochs_done=self._epochs, **stages)
+    self.manager = tf.train.CheckpointManager(self._checkpoint, self.directory,
+                                              max_to_keep=self.max_to_keep)
+
+  def restore(self):
+    """Restores the latest checkpoint, if any, into the pipeline; returns the epochs done."""
+    latest = self.manager.latest_checkpoint
+    if latest is None:
+      self.restored_epoch = 0
+      return 0
+    self._checkpoint.restore(latest).assert_existing_objects_matched()
+    self.restored_epoch = int(self._epochs.numpy())
+    return self.restored_epoch
+
+  def save(self, epochs_done):
+    """Writes a checkpoint after `epochs_done` epochs; returns its path."""
+    self._epochs.assign(epochs_done)
+    return self.manager.save(checkpoint_number=epochs_done)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.pipeline is not None and (epoch + 1) % self.every_epochs == 0:
+      self.save(epoch + 1)
+
+  @property
+  def latest(self):
+    """Path of the latest complete checkpoint, or None."""
+    return tf.train.latest_checkpoint(self.directory) if os.path.isdir(self.directory) else None
