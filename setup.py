@@ -23,7 +23,8 @@ setuptools.setup(
         "tensorflow-datasets",
         "scikit-learn",
         "numpy",
+        "matplotlib",  # prediction-error plots, learning curves
     ],
-    extras_require={"test": ["pytest"], "plots": ["matplotlib"]},
+    extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["tfpipe-train=trainers.main:entry"]},
 )
