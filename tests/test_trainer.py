@@ -190,3 +190,13 @@ def test_trainer_stops_and_resumes_exactly(tmp_path, method):
   assert lines[0] == f"resumed after epoch 2 from {saved}" and len(history["loss"]) == 1
   for a, b in zip(resumed.model.get_weights(), whole.model.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_hybrid_from_the_command_line():
+  result = _cli("--method=spectrain", "--stage_replicas=0:2", "--num_stages=2",
+                "--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=3", "--logdir=")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "stage 0 on 2 replicas on" in result.stdout
+  result = _cli("--method=single", "--stage_replicas=0:2", "--steps=1", "--snn_depth=2",
+                "--snn_width=8")
+  assert result.returncode == 2 and "--stage_replicas replicates pipeline stages" in result.stderr

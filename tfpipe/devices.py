@@ -2,7 +2,8 @@
 
 import tensorflow as tf
 
-__all__ = ["create_logical_cpus", "ensure_logical_cpus", "default_devices", "resolve_devices"]
+__all__ = ["create_logical_cpus", "ensure_logical_cpus", "default_devices", "resolve_devices",
+           "parse_stage_replicas", "resolve_stage_devices"]
 
 
 def create_logical_cpus(n, intra_op_threads=1):
@@ -87,3 +88,56 @@ def resolve_devices(devices, num_stages):
         names = sorted(f"/device:{t}:{i}" for t, i in local)
         raise ValueError(f"no such local device: {d!r} (local devices: {names})")
   return devices
+
+
+def parse_stage_replicas(value):
+  """{stage: replicas} from a dict or "k:R" strings (the trainer's --stage_replicas)."""
+  if not value:
+    return {}
+  items = value.items() if isinstance(value, dict) else (
+      tuple(v.split(":")) if isinstance(v, str) else v for v in value)
+  result = {}
+  for item in items:
+    try:
+      k, r = (int(x) for x in item)
+    except (TypeError, ValueError):
+      raise ValueError(f"stage replicas are STAGE:REPLICAS pairs such as 0:2. Received: "
+                       f"{value!r}") from None
+    if k < 0 or r < 1 or k in result:
+      raise ValueError(f"stage replicas need a stage >= 0, named once, and replicas >= 1. "
+                       f"Received: {value!r}")
+    result[k] = r
+  return result
+
+
+def resolve_stage_devices(devices, num_stages, stage_replicas=None):
+  """The devices of every stage: a list of lists, R devices for a stage replicated R times.
+
+  `devices` is a flat list (taken in order, stage by stage) or None (the
+  first local GPUs, else logical CPUs). Returns (stage_devices, replicas).
+  """
+  replicas = parse_stage_replicas(stage_replicas)
+  extra = sum(r - 1 for r in replicas.values())
+  if devices is not None and not isinstance(devices, str):
+    total = len(list(devices))
+    K = total - extra
+    if num_stages is not None and num_stages != K:
+      raise ValueError(
+          f"{total} devices make {K} stages with stage_replicas={replicas}, not "
+          f"num_stages={num_stages}")
+    flat = resolve_devices(devices, None)
+  else:
+    K = num_stages
+    if devices is None and (not isinstance(K, int) or K < 1):
+      resolve_devices(devices, K)  # the same clear error
+    flat = resolve_devices(devices, None if devices is not None else K + extra)
+  bad = [k for k in replicas if k >= K]
+  if bad:
+    raise ValueError(f"stage_replicas names stage {bad[0]}, but the pipeline has {K} stages "
+                     f"(0..{K - 1})")
+  stage_devices, i = [], 0
+  for k in range(K):
+    r = replicas.get(k, 1)
+    stage_devices.append(flat[i:i + r])
+    i += r
+  return stage_devices, replicas

@@ -28,6 +28,11 @@ class Pipeline:
     devices: one device string per stage (local or remote); or None with
       `num_stages` to take the first K local GPUs (else logical CPUs).
     num_stages: K, when `devices` is None.
+    stage_replicas: {stage: R} (or ["0:2"]): hybrid parallelism. Stage k runs
+      data parallel on R devices (the next R of `devices`): each call splits
+      its batch over them, the weights are shared and the gradients summed,
+      as the SpecTrain paper does for VGG16's slow first stage. Works with
+      every method; the weight rule is unchanged.
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe",
       "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
       "timeprest" (DESIGN.md section 3).
@@ -68,7 +73,7 @@ class Pipeline:
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
                micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
-               jit_compile=None):
+               stage_replicas=None, jit_compile=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
@@ -81,7 +86,9 @@ class Pipeline:
       raise ValueError(
           "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
           f"micro_batches={self.micro_batches} use version_difference='exact'")
-    self.devices = devices_lib.resolve_devices(devices, num_stages)
+    self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
+        devices, num_stages, stage_replicas)
+    self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
     self.num_stages = len(self.devices)
     profiler = None
     if partition == "profile":
@@ -151,8 +158,9 @@ class Pipeline:
     """One line per stage: its device and layers."""
     micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
     lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages{micro}"]
-    for k, (device, layers) in enumerate(zip(self.devices, self.partition.layer_names)):
-      lines.append(f"  stage {k} on {device}: {', '.join(layers)}")
+    for k, (devices, layers) in enumerate(zip(self.stage_devices, self.partition.layer_names)):
+      where = devices[0] if len(devices) == 1 else f"{len(devices)} replicas on {', '.join(devices)}"
+      lines.append(f"  stage {k} on {where}: {', '.join(layers)}")
     return "\n".join(lines)
 
   def compile(self, optimizer, loss, metrics=None):
@@ -174,7 +182,8 @@ class Pipeline:
       programs.append(stage.StageProgram(
           k, self.num_stages, sub, device, stage_optimizer, self.policy,
           loss=self.loss if last else None, metrics=self.metrics if last else (),
-          loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile))
+          loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile,
+          replica_devices=self.stage_devices[k]))
     self.programs = programs
     self.runtime = runtime.Runtime(programs, record=self.record,
                                    maxsize=max(self.num_stages, self.micro_batches))
@@ -226,6 +235,11 @@ class Pipeline:
       raise ValueError(
           f"`batch_size` must be at least micro_batches={self.micro_batches}. Received: "
           f"batch_size={batch_size}")
+    most = max(self.stage_replicas.values(), default=1)
+    if isinstance(batch_size, int) and batch_size // self.micro_batches < most:
+      raise ValueError(
+          f"a replicated stage splits each (micro-)batch over {most} devices: `batch_size` must "
+          f"be at least {most * self.micro_batches}. Received: batch_size={batch_size}")
     dataset, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed)
     schedule = schedules.build(self.policy.schedule, self.num_stages, num_batches,
                                self.micro_batches)

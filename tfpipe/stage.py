@@ -30,11 +30,26 @@ class StageProgram:
   (`accumulate=True`); `apply_accumulated` then updates once. `scale` (a
   scalar tensor) weights a micro-batch's loss and regularisation by its share
   of the mini-batch, so the accumulated gradient is the mini-batch's.
+
+  `replica_devices` (hybrid parallelism): every call splits its batch over
+  these devices and runs the stage on each part in parallel (in-graph
+  replication). The variables live on `device`, the first of them:
+  TensorFlow copies the weights to each replica, and the gradients of the
+  parts add up on the way back, so the update is the one of the whole batch.
+  Non-trainable state (BatchNorm statistics) becomes the replicas' mean;
+  regularisation losses are the first replica's (weight penalties count once).
   """
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
-               metrics=(), loss_tracker=None, jit_compile=None):
+               metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
+    self.replica_devices = list(replica_devices or [device])
+    if self.replica_devices[0] != device:
+      raise ValueError(f"the first replica device must be the stage's device {device!r}. "
+                       f"Received: {self.replica_devices}")
+    if jit_compile and len(self.replica_devices) > 1:
+      raise ValueError("jit_compile=True compiles a stage for one device; a replicated stage "
+                       f"(stage {index} on {self.replica_devices}) runs on several")
     self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
     self.loss_tracker = loss_tracker
     self.is_first, self.is_last = index == 0, index == num_stages - 1
@@ -85,14 +100,40 @@ class StageProgram:
 
   def _call(self, weights, xs, training, update_state=True):
     state = [tf.convert_to_tensor(v) for v in self.non_trainable]
-    inputs = xs[0] if len(xs) == 1 else list(xs)
-    ys, new_state, losses = self.model.stateless_call(
-        weights, state, inputs, training=training, return_losses=True)
+    if len(self.replica_devices) > 1:
+      ys, new_state, losses = self._replicated_call(weights, state, xs, training)
+    else:
+      inputs = xs[0] if len(xs) == 1 else list(xs)
+      ys, new_state, losses = self.model.stateless_call(
+          weights, state, inputs, training=training, return_losses=True)
+      ys = tf.nest.flatten(ys)
     if training and update_state:
       for v, value in zip(self.non_trainable, new_state):
         v.assign(value)
     reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
-    return tf.nest.flatten(ys), reg
+    return ys, reg
+
+  def _replicated_call(self, weights, state, xs, training):
+    """The stage on each replica's share of the batch (the first n % R get one more)."""
+    R = len(self.replica_devices)
+    n = tf.shape(xs[0])[0]
+    sizes = tf.stack([n // R + tf.cast(i < n % R, n.dtype) for i in range(R)])
+    parts = [tf.split(x, sizes, num=R) for x in xs]
+    outputs, states, first_losses = [], [], None
+    for r, device in enumerate(self.replica_devices):
+      with tf.device(device):
+        inputs = [p[r] for p in parts]
+        ys, new_state, losses = self.model.stateless_call(
+            weights, state, inputs[0] if len(inputs) == 1 else inputs, training=training,
+            return_losses=True)
+      outputs.append(tf.nest.flatten(ys))
+      states.append(new_state)
+      first_losses = losses if first_losses is None else first_losses
+    with tf.device(self.device):
+      ys = [tf.concat(list(pieces), 0) for pieces in zip(*outputs)]
+      new_state = [tf.add_n(list(values)) / R if values[0].dtype.is_floating else values[0]
+                   for values in zip(*states)]
+    return ys, new_state, first_losses
 
   def _float_inputs(self, xs):
     return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]

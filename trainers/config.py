@@ -11,6 +11,7 @@ class TrainConfig:
   method: str = "spectrain"
   num_stages: int = 2
   devices: Optional[Sequence[str]] = None
+  stage_replicas: Sequence[str] = ()
   partition: str = "uniform"
   spectrain_backward: str = "reuse"
   version_difference: str = "paper"

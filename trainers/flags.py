@@ -14,6 +14,8 @@ def define_flags():
   flags.DEFINE_string("method", "spectrain", f"method: {', '.join(tfpipe.METHODS)}")
   flags.DEFINE_integer("num_stages", 2, "pipeline stages (replicas for dataparallel)")
   flags.DEFINE_list("devices", None, "device per stage; default: GPUs, else logical CPUs")
+  flags.DEFINE_list("stage_replicas", [],
+                    "STAGE:R pairs: run stage STAGE data parallel on R devices (hybrid), e.g. 0:2")
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", "paper", "spectrain version difference: paper, exact")
@@ -67,6 +69,9 @@ def define_flags():
   flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")
   flags.register_validator("momentum", lambda v: 0 <= v < 1, "--momentum must be in [0, 1)")
   flags.register_multi_flags_validator(
-      ["devices", "num_stages"],
-      lambda f: f["devices"] is None or len(f["devices"]) == f["num_stages"],
-      "--devices must list one device per stage (--num_stages)")
+      ["devices", "num_stages", "stage_replicas"],
+      lambda f: f["devices"] is None or len(f["devices"]) == f["num_stages"] + sum(
+          int(p.split(":")[1]) - 1 for p in f["stage_replicas"] if p.count(":") == 1 and
+          p.split(":")[1].isdigit()),
+      "--devices must list one device per stage (--num_stages), R for a stage replicated R "
+      "times (--stage_replicas)")

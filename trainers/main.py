@@ -21,7 +21,8 @@ def setup_devices(config):
   import tfpipe
   if tf.config.list_physical_devices("GPU"):
     return
-  wanted = config.num_stages
+  replicas = tfpipe.devices.parse_stage_replicas(config.stage_replicas)
+  wanted = config.num_stages + sum(r - 1 for r in replicas.values())
   if config.devices:
     indices = [tf.DeviceSpec.from_string(d).device_index or 0 for d in config.devices
                if (tf.DeviceSpec.from_string(d).device_type or "").upper() == "CPU"]
@@ -37,6 +38,9 @@ def run(config):
   from trainers import datasets, instruments, models, report
 
   tools = instruments.Instruments(config)
+  if config.stage_replicas and config.method in ("single", "dataparallel"):
+    raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
+                     "has none")
   setup_devices(config)
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
@@ -48,7 +52,7 @@ def run(config):
           partition=config.partition, spectrain_backward=config.spectrain_backward,
           version_difference=config.version_difference, micro_batches=config.micro_batches,
           recompute={"auto": None, "true": True, "false": False}[config.recompute],
-          lockstep=config.lockstep,
+          lockstep=config.lockstep, stage_replicas=config.stage_replicas,
           profile_batch_size=config.batch_size, **tools.pipeline_options())))
   if config.verbose:
     print(trainer.summary(), flush=True)
