@@ -35,3 +35,10 @@ def test_memory_table(tmp_path):
          "--width=32", "--depth=2", f"--results_dir={tmp_path}")
   table = (tmp_path / "memory.md").read_text()
   assert "| pipedream | 0 |" in table and "| vanilla | 0 |" in table
+
+
+def test_grid_parallel(tmp_path):
+  _bench("grid_parallel.py", "--width=16", "--steps=7", "--batch_size=8", "--devices=4",
+         f"--results_dir={tmp_path}")
+  table = (tmp_path / "grid.md").read_text()
+  assert "| dnn 7 x 16 | model only | 1x4 |" in table and "| snn 8 x 16 | grid | 2x2 |" in table

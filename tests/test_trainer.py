@@ -200,3 +200,10 @@ def test_hybrid_from_the_command_line():
   result = _cli("--method=single", "--stage_replicas=0:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--stage_replicas replicates pipeline stages" in result.stderr
+
+
+def test_grid_from_the_command_line():
+  result = _cli("--method=grid", "--grid=1x2", "--snn_width=16", "--snn_depth=3",
+                "--batch_size=16", "--steps=3", "--logdir=")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "1x2 grid (batch x model)" in result.stdout

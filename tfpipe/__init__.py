@@ -1,13 +1,15 @@
 """tfpipe: pipelined model-parallel training of Keras models on TensorFlow."""
 
-from tfpipe import checkpoint, devices, optimizers
+from tfpipe import checkpoint, devices, optimizers, tensor_parallel
 from tfpipe.baselines import DataParallel, Single, create
 from tfpipe.devices import create_logical_cpus, default_devices
 from tfpipe.pipeline import Pipeline
 from tfpipe.policies import PIPELINE_METHODS
 
-METHODS = ("single", "dataparallel") + PIPELINE_METHODS
+BASELINE_METHODS = ("single", "dataparallel", "grid")   # not pipelines
+METHODS = BASELINE_METHODS + PIPELINE_METHODS
 
 __all__ = ["Pipeline", "Single", "DataParallel", "create", "create_logical_cpus",
-           "default_devices", "devices", "optimizers", "checkpoint", "METHODS", "PIPELINE_METHODS"]
+           "default_devices", "devices", "optimizers", "checkpoint", "tensor_parallel", "METHODS", "BASELINE_METHODS",
+           "PIPELINE_METHODS"]
 __version__ = "0.1.0"

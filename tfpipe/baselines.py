@@ -129,9 +129,13 @@ class DataParallel(_KerasRunner):
 
 
 def create(model, method, devices=None, num_stages=None, **kwargs):
-  """The trainer for `method`: a `Pipeline`, or the `single` / `dataparallel` baseline."""
+  """The trainer for `method`: a `Pipeline`, the `single` / `dataparallel` baseline, or the
+  `grid` of tensor-parallel Dense layers (`grid=(n_b, n_m)`)."""
   import tfpipe
   method = names.lookup("method", method, tfpipe.METHODS)
+  if method == "grid":
+    return tfpipe.tensor_parallel.GridParallel(model, grid=kwargs.pop("grid", (2, 2)),
+                                               devices=devices)
   if method == "single":
     return Single(model, device=devices[0] if devices else None)
   if method == "dataparallel":

@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Instruments"]
 
-BASELINES = ("single", "dataparallel")
+BASELINES = ("single", "dataparallel", "grid")   # tfpipe.BASELINE_METHODS
 
 
 class Instruments:

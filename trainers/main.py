@@ -23,11 +23,36 @@ def setup_devices(config):
     return
   replicas = tfpipe.devices.parse_stage_replicas(config.stage_replicas)
   wanted = config.num_stages + sum(r - 1 for r in replicas.values())
+  if config.method == "grid":
+    n_b, n_m = tfpipe.tensor_parallel.parse_grid(config.grid)
+    wanted = n_b * n_m
   if config.devices:
     indices = [tf.DeviceSpec.from_string(d).device_index or 0 for d in config.devices
                if (tf.DeviceSpec.from_string(d).device_type or "").upper() == "CPU"]
     wanted = max([wanted] + [i + 1 for i in indices])
   tfpipe.devices.ensure_logical_cpus(wanted, intra_op_threads=config.intra_op_threads)
+
+
+def _num_stages(config):
+  if config.method == "single":
+    return 1
+  if config.method == "grid":
+    return None   # the grid's devices: n_b x n_m
+  return config.num_stages
+
+
+def _method_options(config, tools):
+  """The keyword arguments `tfpipe.create` takes for `config.method`."""
+  import tfpipe
+  if config.method == "grid":
+    return {"grid": config.grid}
+  if config.method in tfpipe.BASELINE_METHODS:
+    return {}
+  return dict(partition=config.partition, spectrain_backward=config.spectrain_backward,
+              version_difference=config.version_difference, micro_batches=config.micro_batches,
+              recompute={"auto": None, "true": True, "false": False}[config.recompute],
+              lockstep=config.lockstep, stage_replicas=config.stage_replicas,
+              profile_batch_size=config.batch_size, **tools.pipeline_options())
 
 
 def run(config):
@@ -38,22 +63,16 @@ def run(config):
   from trainers import datasets, instruments, models, report
 
   tools = instruments.Instruments(config)
-  if config.stage_replicas and config.method in ("single", "dataparallel"):
+  if config.stage_replicas and config.method in tfpipe.BASELINE_METHODS:
     raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
                      "has none")
   setup_devices(config)
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
-  trainer = tfpipe.create(
-      model, config.method, devices=config.devices,
-      num_stages=None if config.devices else (1 if config.method == "single" else config.num_stages),
-      **({} if config.method in ("single", "dataparallel") else dict(
-          partition=config.partition, spectrain_backward=config.spectrain_backward,
-          version_difference=config.version_difference, micro_batches=config.micro_batches,
-          recompute={"auto": None, "true": True, "false": False}[config.recompute],
-          lockstep=config.lockstep, stage_replicas=config.stage_replicas,
-          profile_batch_size=config.batch_size, **tools.pipeline_options())))
+  trainer = tfpipe.create(model, config.method, devices=config.devices,
+                          num_stages=None if config.devices else _num_stages(config),
+                          **_method_options(config, tools))
   if config.verbose:
     print(trainer.summary(), flush=True)
   trainer.compile(
