@@ -207,3 +207,39 @@ def test_grid_from_the_command_line():
                 "--batch_size=16", "--steps=3", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "1x2 grid (batch x model)" in result.stdout
+
+
+def test_pipeline_stages_on_local_tf_servers():
+  result = _cli("--method=spectrain", "--cluster=local:2", "--snn_width=16", "--snn_depth=3",
+                "--batch_size=16", "--steps=3", "--logdir=")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "started 2 TF servers: 127.0.0.1:" in result.stdout
+  assert "stage 1 on /job:worker/replica:0/task:1/device:CPU:0" in result.stdout
+  result = _cli("--method=single", "--cluster=local:2", "--steps=1", "--snn_depth=2",
+                "--snn_width=8")
+  assert result.returncode == 2 and "--cluster places pipeline stages" in result.stderr
+
+
+def test_trainer_exits_naming_a_dead_worker():
+  import json
+  import time
+  from tfpipe import cluster
+  with cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
+    env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": local.spec}))
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "trainers.main", "--method=pipedream", "--cluster=tf_config",
+         "--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=20", "--epochs=500",
+         "--logdir=", "--verbose=2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+      for line in trainer.stdout:
+        if line.startswith("epoch 2/"):
+          break
+      local.kill("worker", 1)
+      killed = time.time()
+      _, stderr = trainer.communicate(timeout=120)
+    finally:
+      trainer.kill()
+    assert time.time() - killed < 60
+    assert trainer.returncode == 3, stderr[-3000:]
+    assert "error: lost /job:worker/task:1 (127.0.0.1:" in stderr

@@ -18,32 +18,37 @@ def create_logical_cpus(n, intra_op_threads=1):
   cpu = tf.config.list_physical_devices("CPU")[0]
   current = tf.config.get_logical_device_configuration(cpu)
   if current is not None and len(current) == n:
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    return _local("CPU")
   try:
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
     if intra_op_threads is not None:
       tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
   except RuntimeError as e:
-    have = len(tf.config.list_logical_devices("CPU"))
+    have = len(_local("CPU"))
     raise RuntimeError(
         f"cannot create {n} logical CPU devices: TensorFlow is already initialised with "
         f"{have}. Call tfpipe.create_logical_cpus({n}) at the start of the program, before "
         "any TensorFlow op runs") from e
-  return [d.name for d in tf.config.list_logical_devices("CPU")]
+  return _local("CPU")
 
 
 def ensure_logical_cpus(n, intra_op_threads=1):
   """At least `n` logical CPU devices: creates them, or accepts enough made earlier."""
   have = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
   if have is not None and len(have) >= n:
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    return _local("CPU")
   return create_logical_cpus(n, intra_op_threads)
 
 
+def _local(kind):
+  """This process's logical devices of `kind` (not those of a connected cluster)."""
+  return [d.name for d in tf.config.list_logical_devices(kind)
+          if tf.DeviceSpec.from_string(d.name).job in (None, "localhost")]
+
+
 def default_devices():
-  """The local GPUs if any, else the logical CPU devices."""
-  gpus = tf.config.list_logical_devices("GPU")
-  return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+  """The local GPUs if any, else the logical CPU devices (never a connected cluster's)."""
+  return _local("GPU") or _local("CPU")
 
 
 def resolve_devices(devices, num_stages):

@@ -13,7 +13,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import breakdown as breakdown_lib, checkpoint as checkpoint_lib, compile_utils, data, devices as devices_lib
+from tfpipe import breakdown as breakdown_lib, checkpoint as checkpoint_lib, cluster
+from tfpipe import compile_utils, data, devices as devices_lib
 from tfpipe import layer_profile, names, partition as partition_lib, policies, runtime, schedules
 from tfpipe import prediction_error as prediction_error_lib, stage, trace
 
@@ -90,6 +91,7 @@ class Pipeline:
         devices, num_stages, stage_replicas)
     self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
     self.num_stages = len(self.devices)
+    self._check_cluster()
     profiler = None
     if partition == "profile":
       profiler = layer_profile.Profiler(profile_batch_size, self.devices[0])
@@ -110,6 +112,21 @@ class Pipeline:
     self.prediction_error = prediction_error or None
     self._fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
     self.runtime = None
+
+  def _remote(self):
+    return [d for ds in self.stage_devices for d in ds
+            if tf.DeviceSpec.from_string(d).job not in (None, "localhost")]
+
+  def _check_cluster(self):
+    """Remote devices need a connected cluster that has their tasks (checked before training)."""
+    remote = self._remote()
+    if not remote:
+      return
+    spec = cluster.connected_spec()
+    if spec is None:
+      raise ValueError(f"device {remote[0]!r} is remote: connect to its cluster first "
+                       "(tfpipe.cluster.connect(spec))")
+    cluster.check_devices(remote, spec)
 
   @property
   def stage_models(self):
@@ -280,6 +297,11 @@ class Pipeline:
           raise ValueError(
               f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
               "`steps_per_epoch` the data can fill, or repeat the dataset") from None
+        except tf.errors.OpError as e:
+          lost = cluster.describe_lost(e, self._remote()) if self._remote() else None
+          if lost is None:
+            raise
+          raise lost from e
         seconds = time.perf_counter() - start
         logs = self._metric_logs()
         samples = float(self.loss_tracker.count.numpy())

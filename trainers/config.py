@@ -11,6 +11,7 @@ class TrainConfig:
   method: str = "spectrain"
   num_stages: int = 2
   devices: Optional[Sequence[str]] = None
+  cluster: Optional[str] = None
   grid: str = "2x2"
   stage_replicas: Sequence[str] = ()
   partition: str = "uniform"

@@ -14,6 +14,9 @@ def define_flags():
   flags.DEFINE_string("method", "spectrain", f"method: {', '.join(tfpipe.METHODS)}")
   flags.DEFINE_integer("num_stages", 2, "pipeline stages (replicas for dataparallel)")
   flags.DEFINE_list("devices", None, "device per stage; default: GPUs, else logical CPUs")
+  flags.DEFINE_string("cluster", None,
+                      "pipeline stages on TF servers: local:W starts W worker processes on "
+                      "127.0.0.1 (one stage each); tf_config connects to TF_CONFIG's cluster")
   flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (seed 004), e.g. 2x2")
   flags.DEFINE_list("stage_replicas", [],
                     "STAGE:R pairs: run stage STAGE data parallel on R devices (hybrid), e.g. 0:2")

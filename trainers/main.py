@@ -4,6 +4,8 @@ Prints one line per epoch (loss, accuracy, samples/s), a summary table at the
 end, and writes every epoch's numbers as TensorBoard scalars under --logdir.
 """
 
+import contextlib
+import dataclasses
 import os
 import sys
 
@@ -58,15 +60,49 @@ def _method_options(config, tools):
 def run(config):
   """Trains `config`'s workload; returns (history dict, trainer, the instruments' report
   lines). Never reads FLAGS."""
-  import keras
   import tfpipe
-  from trainers import datasets, instruments, models, report
+  from trainers import instruments
 
   tools = instruments.Instruments(config)
   if config.stage_replicas and config.method in tfpipe.BASELINE_METHODS:
     raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
                      "has none")
   setup_devices(config)
+  with _cluster(config) as devices:
+    if devices:
+      config = dataclasses.replace(config, devices=devices)
+    return _train(config, tools)
+
+
+@contextlib.contextmanager
+def _cluster(config):
+  """--cluster: starts or joins the TF servers; yields the stages' devices (None: local)."""
+  if not config.cluster:
+    yield None
+    return
+  import tfpipe
+  if config.method in tfpipe.BASELINE_METHODS:
+    raise ValueError(f"--cluster places pipeline stages; --method={config.method} has none")
+  if config.cluster == "tf_config":
+    spec = tfpipe.cluster.from_tf_config()
+    devices = tfpipe.cluster.connect(spec)
+    yield config.devices or devices[:config.num_stages]
+    return
+  kind, _, count = config.cluster.partition(":")
+  if kind != "local" or not count.isdigit() or int(count) < 1:
+    raise ValueError(f"--cluster is local:W (W worker processes here) or tf_config. "
+                     f"Received: {config.cluster!r}")
+  with tfpipe.cluster.LocalCluster({"worker": int(count)}) as local:
+    devices = tfpipe.cluster.connect(local.spec)
+    if config.verbose:
+      print(f"started {count} TF servers: {', '.join(local.spec['worker'])}", flush=True)
+    yield config.devices or devices
+
+
+def _train(config, tools):
+  import keras
+  import tfpipe
+  from trainers import datasets, models, report
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
@@ -115,10 +151,21 @@ def main(argv):
   except (datasets.DataUnavailableError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Exception as e:  # pylint: disable=broad-except
+    import tfpipe
+    if not isinstance(e, tfpipe.cluster.WorkerLost):
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    return 3
   from trainers import report
   print(report.format_table(config, history))
   for line in lines:
     print(line)
+  if config.cluster and config.cluster.startswith("local:"):
+    # The servers this run started are gone; TensorFlow's teardown would try to reach them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
   return 0
 
 

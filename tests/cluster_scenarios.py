@@ -1,0 +1,95 @@
+"""Cluster scenarios, each run in a fresh process by tests/test_cluster.py.
+
+A process connected to a cluster stays connected (TensorFlow registers new
+functions with every task, dead or alive), so each scenario gets its own
+process: `python -m tests.cluster_scenarios NAME` prints one JSON line.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfpipe  # noqa: E402
+from tfpipe import checkpoint, cluster, optimizers  # noqa: E402
+from tests import helpers  # noqa: E402
+
+
+def _train(devices, method="pipedream", n=8, callbacks=(), pipe=None, epochs=1):
+  x, y = helpers.as_arrays(helpers.batches(n))
+  if pipe is None:
+    pipe = tfpipe.Pipeline(helpers.mlp(), devices=devices, method=method)
+    pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy())
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=list(callbacks),
+           epochs=epochs)
+  return pipe
+
+
+def equal(local):
+  result = {}
+  for method in ("sequential", "pipedream", "spectrain"):
+    remote = _train(cluster.task_devices(local.spec), method)
+    here = _train(tfpipe.default_devices()[:2], method)
+    result[method] = {
+        "gap": max(float(np.max(np.abs(a - b)))
+                   for a, b in zip(remote.model.get_weights(), here.model.get_weights())),
+        "stage1_device": remote.programs[1].trainable[0].value.device}
+  return result
+
+
+def refuse(local):
+  del local
+  messages = []
+  for devices in (["/job:worker/task:0/device:CPU:0", "/job:worker/task:2/device:CPU:0"],
+                  ["/job:ps/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:0"]):
+    try:
+      tfpipe.Pipeline(helpers.mlp(), devices=devices)
+      messages.append(None)
+    except ValueError as e:
+      messages.append(str(e))
+  return {"messages": messages}
+
+
+class _KillAt(keras.callbacks.Callback):
+  def __init__(self, local, batch):
+    super().__init__()
+    self.local, self.batch, self.when = local, batch, None
+
+  def on_train_batch_end(self, batch, logs=None):
+    if batch == self.batch and self.when is None:
+      self.local.kill("worker", 1)
+      self.when = time.time()
+
+
+def dead(local, directory):
+  devices = cluster.task_devices(local.spec)
+  saver = checkpoint.BackupAndRestore(directory)
+  pipe = _train(devices, callbacks=[saver])
+  good = saver.manager.latest_checkpoint
+  killer = _KillAt(local, 3)
+  try:
+    _train(devices, n=200, pipe=pipe, epochs=3, callbacks=[killer, saver])
+    error = None
+  except cluster.WorkerLost as e:
+    error = str(e)
+  return {"error": error, "seconds": time.time() - killer.when,
+          "latest": saver.manager.latest_checkpoint, "good": good,
+          "unreachable": [list(t[:2]) for t in cluster.unreachable_tasks(local.spec)]}
+
+
+def main(name, *args):
+  tfpipe.create_logical_cpus(2)
+  with cluster.LocalCluster({"worker": 2}) as local:
+    cluster.connect(local.spec)
+    result = globals()[name](local, *args)
+    print(json.dumps(result), flush=True)
+  os._exit(0)  # skip TensorFlow's teardown, which may wait on a killed task
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

@@ -1,0 +1,55 @@
+"""Stages on several processes: TF servers on 127.0.0.1, a two-process pipeline, a lost task.
+
+Each scenario runs in its own process (tests/cluster_scenarios.py): a
+process stays connected to its cluster.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tfpipe import cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _scenario(*args):
+  result = subprocess.run([sys.executable, "-m", "tests.cluster_scenarios", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_two_process_pipeline_equals_one_process():
+  result = _scenario("equal")
+  for method in ("sequential", "pipedream", "spectrain"):
+    assert result[method]["gap"] < 1e-6, method
+    assert "/job:worker/replica:0/task:1" in result[method]["stage1_device"]
+
+
+def test_devices_the_cluster_lacks_are_refused_before_training():
+  task, job = _scenario("refuse")["messages"]
+  assert "names task 2 of job 'worker', which has 2 tasks in the cluster spec" in task
+  assert "names job 'ps', which the cluster spec does not have" in job
+
+
+def test_a_dead_worker_stops_training_with_its_name_and_keeps_checkpoints(tmp_path):
+  result = _scenario("dead", str(tmp_path))
+  assert result["error"] and result["error"].startswith("lost /job:worker/task:1 (127.0.0.1:")
+  assert result["seconds"] < 30                 # bounded: no hang
+  assert result["latest"] == result["good"]     # the last good checkpoint is untouched
+  assert result["unreachable"] == [["worker", 1]]
+
+
+def test_tf_config_is_read_and_checked():
+  spec = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+  assert cluster.from_tf_config({"TF_CONFIG": json.dumps({"cluster": spec})}) == spec
+  with pytest.raises(ValueError, match="TF_CONFIG is not set"):
+    cluster.from_tf_config({})
+  with pytest.raises(ValueError, match="must be JSON with a \"cluster\" entry"):
+    cluster.from_tf_config({"TF_CONFIG": "{}"})
+  with pytest.raises(ValueError, match="jobs must map job names to task counts"):
+    cluster.LocalCluster({"worker": 0})
