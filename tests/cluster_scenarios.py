@@ -82,7 +82,35 @@ def dead(local, directory):
           "unreachable": [list(t[:2]) for t in cluster.unreachable_tasks(local.spec)]}
 
 
+def mwms(addresses, index):
+  """One worker of MultiWorkerMirroredStrategy data parallelism (TF_CONFIG set here)."""
+  os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses.split(",")},
+                                        "task": {"type": "worker", "index": int(index)}})
+  from tfpipe import multi_worker
+  strategy = multi_worker.make_strategy()  # before any other TensorFlow op
+  x, y = helpers.as_arrays(helpers.batches(6))
+  model = helpers.sequential_mlp(width=16, depth=3)
+  trainer = multi_worker.MultiWorkerDataParallel(model, strategy)
+  trainer.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  history = trainer.fit(x, y, batch_size=16, epochs=2)
+  # The same training on this process's one device, for comparison.
+  single = helpers.sequential_mlp(width=16, depth=3)
+  single.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  print(json.dumps({
+      "workers": trainer.workers, "loss": history.history["loss"],
+      "checksum": float(sum(np.abs(w).sum() for w in model.get_weights())),
+      "gap_to_single": max(float(np.max(np.abs(a - b)))
+                           for a, b in zip(model.get_weights(), single.get_weights()))}),
+        flush=True)
+  os._exit(0)
+
+
 def main(name, *args):
+  if name == "mwms":
+    mwms(*args)
   tfpipe.create_logical_cpus(2)
   with cluster.LocalCluster({"worker": 2}) as local:
     cluster.connect(local.spec)

@@ -53,3 +53,19 @@ def test_tf_config_is_read_and_checked():
     cluster.from_tf_config({"TF_CONFIG": "{}"})
   with pytest.raises(ValueError, match="jobs must map job names to task counts"):
     cluster.LocalCluster({"worker": 0})
+
+
+def test_multi_worker_mirrored_data_parallelism_across_two_processes():
+  addresses = ",".join(f"127.0.0.1:{cluster._free_port()}" for _ in range(2))  # pylint: disable=protected-access
+  workers = [subprocess.Popen([sys.executable, "-m", "tests.cluster_scenarios", "mwms", addresses,
+                               str(i)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+  results = []
+  for worker in workers:
+    out, err = worker.communicate(timeout=300)
+    assert worker.returncode == 0, err[-3000:]
+    results.append(json.loads(out.strip().splitlines()[-1]))
+  assert [r["workers"] for r in results] == [2, 2]
+  assert results[0]["loss"] == results[1]["loss"]            # one synchronous training
+  assert results[0]["checksum"] == results[1]["checksum"]
+  assert results[0]["gap_to_single"] < 1e-5                    # = one device, global batch

@@ -243,3 +243,27 @@ def test_trainer_exits_naming_a_dead_worker():
     assert time.time() - killed < 60
     assert trainer.returncode == 3, stderr[-3000:]
     assert "error: lost /job:worker/task:1 (127.0.0.1:" in stderr
+
+
+def test_dataparallel_across_two_trainer_processes():
+  import json
+  from tfpipe import cluster
+  addresses = [f"127.0.0.1:{cluster._free_port()}" for _ in range(2)]  # pylint: disable=protected-access
+  runs = []
+  for index in range(2):
+    env = dict(os.environ, TF_CONFIG=json.dumps(
+        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
+    runs.append(subprocess.Popen(
+        [sys.executable, "-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
+         "--snn_width=16", "--snn_depth=3", "--batch_size=32", "--steps=4", "--epochs=2",
+         "--logdir=", "--verbose=2", "--throughput_window="], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outputs = []
+  for run in runs:
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    outputs.append(out)
+  assert "MultiWorkerMirroredStrategy over 2 worker processes" in outputs[0]
+  losses = [[l.split("loss=")[1].split()[0] for l in out.splitlines() if l.startswith("epoch ")]
+            for out in outputs]
+  assert len(losses[0]) == 2 and losses[0] == losses[1]   # one synchronous training

@@ -1,6 +1,6 @@
 """tfpipe: pipelined model-parallel training of Keras models on TensorFlow."""
 
-from tfpipe import checkpoint, devices, optimizers, tensor_parallel
+from tfpipe import checkpoint, cluster, devices, multi_worker, optimizers, tensor_parallel
 from tfpipe.baselines import DataParallel, Single, create
 from tfpipe.devices import create_logical_cpus, default_devices
 from tfpipe.pipeline import Pipeline
@@ -10,6 +10,6 @@ BASELINE_METHODS = ("single", "dataparallel", "grid")   # not pipelines
 METHODS = BASELINE_METHODS + PIPELINE_METHODS
 
 __all__ = ["Pipeline", "Single", "DataParallel", "create", "create_logical_cpus",
-           "default_devices", "devices", "optimizers", "checkpoint", "tensor_parallel", "METHODS", "BASELINE_METHODS",
+           "default_devices", "devices", "optimizers", "checkpoint", "cluster", "multi_worker", "tensor_parallel", "METHODS", "BASELINE_METHODS",
            "PIPELINE_METHODS"]
 __version__ = "0.1.0"

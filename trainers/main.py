@@ -67,11 +67,20 @@ def run(config):
   if config.stage_replicas and config.method in tfpipe.BASELINE_METHODS:
     raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
                      "has none")
-  setup_devices(config)
+  if _multi_worker(config):
+    tfpipe.multi_worker.make_strategy()  # before any TensorFlow op; each worker has its CPU
+  else:
+    setup_devices(config)
   with _cluster(config) as devices:
     if devices:
       config = dataclasses.replace(config, devices=devices)
     return _train(config, tools)
+
+
+def _multi_worker(config):
+  """--method=dataparallel --cluster=tf_config: this process is a MultiWorkerMirroredStrategy
+  worker (every worker runs the same command with its own TF_CONFIG task)."""
+  return config.method == "dataparallel" and config.cluster == "tf_config"
 
 
 @contextlib.contextmanager
@@ -81,8 +90,12 @@ def _cluster(config):
     yield None
     return
   import tfpipe
+  if _multi_worker(config):
+    yield None   # MultiWorkerMirroredStrategy: this process is one of TF_CONFIG's workers
+    return
   if config.method in tfpipe.BASELINE_METHODS:
-    raise ValueError(f"--cluster places pipeline stages; --method={config.method} has none")
+    raise ValueError(f"--cluster places pipeline stages; --method={config.method} has none "
+                     "(dataparallel runs across processes with --cluster=tf_config)")
   if config.cluster == "tf_config":
     spec = tfpipe.cluster.from_tf_config()
     devices = tfpipe.cluster.connect(spec)
@@ -106,9 +119,15 @@ def _train(config, tools):
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
-  trainer = tfpipe.create(model, config.method, devices=config.devices,
-                          num_stages=None if config.devices else _num_stages(config),
-                          **_method_options(config, tools))
+  if _multi_worker(config):
+    if config.checkpoint_dir:
+      raise ValueError("--checkpoint_dir is not supported with --cluster=tf_config "
+                       "dataparallel (MultiWorkerMirroredStrategy) yet")
+    trainer = tfpipe.multi_worker.MultiWorkerDataParallel(model)
+  else:
+    trainer = tfpipe.create(model, config.method, devices=config.devices,
+                            num_stages=None if config.devices else _num_stages(config),
+                            **_method_options(config, tools))
   if config.verbose:
     print(trainer.summary(), flush=True)
   trainer.compile(

@@ -1,0 +1,116 @@
+"""Synchronous data parallelism across processes: `tf.distribute.MultiWorkerMirroredStrategy`.
+
+P: worker processes (TF_CONFIG's "worker" job; this process is its "task").
+Every worker runs the same program: `MultiWorkerDataParallel(model)` then
+`compile` and `fit` as with Keras. Each global batch is cut into P slices,
+worker i trains on slice i, the gradients are summed across the workers
+(a collective all-reduce, in the Keras optimizer's `apply`) and every worker
+applies the same update, so the
+result equals one device training on the global batch. Keras 3's `fit`
+does not run under this strategy on TensorFlow (it fails converting
+per-replica values), so the loop here is written out with `strategy.run`.
+
+The strategy must exist before TensorFlow runs any op: call
+`make_strategy()` at the start of the program (the trainer does).
+"""
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import compile_utils, data
+
+__all__ = ["make_strategy", "MultiWorkerDataParallel"]
+
+_STRATEGY = {"strategy": None}
+
+
+def make_strategy():
+  """The process's MultiWorkerMirroredStrategy (from TF_CONFIG), created once."""
+  if _STRATEGY["strategy"] is None:
+    _STRATEGY["strategy"] = tf.distribute.MultiWorkerMirroredStrategy()
+  return _STRATEGY["strategy"]
+
+
+class MultiWorkerDataParallel:
+  """Keras-style compile/fit of `model`, data parallel over the cluster's worker processes."""
+
+  def __init__(self, model, strategy=None):
+    if not isinstance(model, keras.Model):
+      raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
+    self.model = model
+    self.strategy = strategy or make_strategy()
+    self.workers = self.strategy.extended._num_workers  # pylint: disable=protected-access
+    with self.strategy.scope():
+      self._trained = keras.models.clone_model(model)
+      self._trained.set_weights(model.get_weights())
+
+  def summary(self):
+    return (f"tfpipe.MultiWorkerDataParallel: MultiWorkerMirroredStrategy over {self.workers} "
+            "worker processes")
+
+  def compile(self, optimizer, loss, metrics=None):
+    del metrics  # the loss is what every worker reports; accuracy needs another all-reduce
+    with self.strategy.scope():
+      self.optimizer = compile_utils.clone_optimizer(compile_utils.resolve_optimizer(optimizer))
+      self.optimizer.build(self._trained.trainable_variables)
+    self.loss = compile_utils.resolve_loss(loss)
+
+  def _slices(self, dataset):
+    """Each worker's slice of every global batch: rows i, i+P, i+2P, ..."""
+    P = self.workers
+
+    def per_worker(context):
+      i = context.input_pipeline_id
+      options = tf.data.Options()
+      options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+      take = lambda t: t[i::P]
+      return dataset.map(lambda x, y: (tf.nest.map_structure(take, x), take(y))).with_options(
+          options)
+    return self.strategy.distribute_datasets_from_function(per_worker)
+
+  def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose=0, callbacks=None,
+          shuffle=False, steps_per_epoch=None, seed=None, validation_data=None):
+    """Trains; returns a `keras.callbacks.History` with loss and samples_per_second."""
+    del validation_data  # evaluate with `evaluate` on one worker
+    dataset, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed)
+    model, loss_fn, optimizer = self._trained, self.loss, self.optimizer
+
+    @tf.function
+    def step(batch):
+      def replica(xb, yb):
+        context = tf.distribute.get_replica_context()
+        global_size = context.all_reduce("sum", tf.cast(tf.shape(yb)[0], tf.float32))
+        with tf.GradientTape() as tape:
+          per_sample = loss_fn.call(yb, model(xb, training=True))
+          loss = tf.reduce_sum(per_sample) / tf.cast(global_size, per_sample.dtype)
+        # Keras's TensorFlow optimizer sums the replicas' gradients (an all-reduce) in `apply`.
+        optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                        model.trainable_variables)
+        return loss, global_size
+      loss, size = self.strategy.run(replica, args=batch)
+      return (self.strategy.reduce("sum", loss, axis=None),
+              self.strategy.reduce("mean", size, axis=None))  # the same on every replica
+
+    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+                                       model=self.model, verbose=verbose, epochs=epochs,
+                                       steps=num_batches)
+    cbs.on_train_begin()
+    logs = {}
+    for epoch in range(epochs):
+      cbs.on_epoch_begin(epoch)
+      start, losses, samples = time.perf_counter(), [], 0
+      for b, batch in enumerate(self._slices(dataset.take(num_batches))):
+        loss, size = step(batch)
+        losses.append(float(loss))
+        samples += int(size)
+        cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
+      seconds = time.perf_counter() - start
+      logs = {"loss": float(np.mean(losses)),
+              "samples_per_second": samples / seconds if seconds > 0 else 0.0}
+      self.model.set_weights(self._trained.get_weights())
+      cbs.on_epoch_end(epoch, logs)
+    cbs.on_train_end(logs)
+    return self.model.history
