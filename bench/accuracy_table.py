@@ -23,7 +23,7 @@ from absl import app, flags  # noqa: E402
 from bench import results_io  # noqa: E402
 
 flags.DEFINE_list("workloads", ["snn:digits"], "MODEL:DATASET pairs")
-flags.DEFINE_list("methods", None, "methods (default: every method tfpipe has)")
+flags.DEFINE_list("methods", None, "methods (default: every method tfpipe has but asgd)")
 flags.DEFINE_integer("epochs", 15, "epochs per method")
 flags.DEFINE_integer("num_stages", 2, "stages (devices for dataparallel)")
 flags.DEFINE_integer("batch_size", 32, "batch size")
@@ -59,7 +59,8 @@ def plot(curves, title, path):
 def run_workload(model, dataset):
   import tfpipe
   from trainers import config as config_lib, datasets, main as trainer_main
-  methods = FLAGS.methods or list(tfpipe.METHODS)
+  # asgd joins a cluster, which this process would stay joined to: run it on its own.
+  methods = FLAGS.methods or [m for m in tfpipe.METHODS if m not in tfpipe.CLUSTER_METHODS]
   base = dict(model=model, dataset=dataset, num_stages=FLAGS.num_stages,
               batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate, momentum=0.9,
               epochs=FLAGS.epochs, seed=0, verbose=0, model_scale=FLAGS.model_scale,

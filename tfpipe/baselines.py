@@ -129,10 +129,16 @@ class DataParallel(_KerasRunner):
 
 
 def create(model, method, devices=None, num_stages=None, **kwargs):
-  """The trainer for `method`: a `Pipeline`, the `single` / `dataparallel` baseline, or the
-  `grid` of tensor-parallel Dense layers (`grid=(n_b, n_m)`)."""
+  """The trainer for `method`: a `Pipeline`, the `single` / `dataparallel` baseline, the
+  `grid` of tensor-parallel Dense layers (`grid=(n_b, n_m)`), or `asgd` on the parameter
+  servers of a cluster (`spec=`)."""
   import tfpipe
   method = names.lookup("method", method, tfpipe.METHODS)
+  if method == "asgd":
+    if "spec" not in kwargs:
+      raise ValueError("method 'asgd' needs `spec`, a cluster spec with 'worker' and 'ps' jobs "
+                       "(e.g. tfpipe.cluster.LocalCluster({'worker': 2, 'ps': 1}).spec)")
+    return tfpipe.asgd.ASGD(model, kwargs.pop("spec"))
   if method == "grid":
     return tfpipe.tensor_parallel.GridParallel(model, grid=kwargs.pop("grid", (2, 2)),
                                                devices=devices)

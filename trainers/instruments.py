@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Instruments"]
 
-BASELINES = ("single", "dataparallel", "grid")   # tfpipe.BASELINE_METHODS
+BASELINES = ("single", "dataparallel", "grid", "asgd")   # not pipelines
 
 
 class Instruments:
@@ -59,7 +59,10 @@ class Instruments:
     import tensorflow as tf
     from tfpipe import breakdown
     lines, scalars = [], {}
-    if self.meter is not None:
+    if self.meter is not None and self.config.method == "asgd":
+      lines.append("throughput over a window of steps: not measured (asgd runs its steps "
+                   "asynchronously on the workers; samples/s per epoch is in the logs)")
+    elif self.meter is not None:
       a, b = self.window
       try:
         rate = self.meter.samples_per_second()

@@ -71,9 +71,11 @@ def run(config):
     tfpipe.multi_worker.make_strategy()  # before any TensorFlow op; each worker has its CPU
   else:
     setup_devices(config)
-  with _cluster(config) as devices:
-    if devices:
-      config = dataclasses.replace(config, devices=devices)
+  with _cluster(config) as placed:
+    if config.method == "asgd":
+      return _train(config, tools, spec=placed)
+    if placed:
+      config = dataclasses.replace(config, devices=placed)
     return _train(config, tools)
 
 
@@ -92,6 +94,10 @@ def _cluster(config):
   import tfpipe
   if _multi_worker(config):
     yield None   # MultiWorkerMirroredStrategy: this process is one of TF_CONFIG's workers
+    return
+  if config.method == "asgd":
+    with _asgd_cluster(config) as spec:
+      yield spec
     return
   if config.method in tfpipe.BASELINE_METHODS:
     raise ValueError(f"--cluster places pipeline stages; --method={config.method} has none "
@@ -112,14 +118,47 @@ def _cluster(config):
     yield config.devices or devices
 
 
-def _train(config, tools):
+@contextlib.contextmanager
+def _asgd_cluster(config):
+  """The parameter-server cluster of --method=asgd: --cluster=local:W,P (default local:2,1)
+  starts W workers and P parameter servers here; tf_config takes TF_CONFIG's."""
+  import tfpipe
+  if config.cluster == "tf_config":
+    yield tfpipe.cluster.from_tf_config()
+    return
+  kind, _, counts = (config.cluster or "local:2,1").partition(":")
+  parts = counts.split(",")
+  if kind != "local" or len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"--method=asgd takes --cluster=local:W,P (W workers, P parameter servers) "
+                     f"or tf_config. Received: {config.cluster!r}")
+  with tfpipe.cluster.LocalCluster({"worker": int(parts[0]), "ps": int(parts[1])}) as local:
+    if config.verbose:
+      print(f"started {parts[0]} workers and {parts[1]} parameter servers: "
+            f"{', '.join(local.spec['worker'] + local.spec['ps'])}", flush=True)
+    yield local.spec
+
+
+def _arrays(dataset):
+  """A batched (x, y) dataset as two numpy arrays."""
+  import numpy as np
+  xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in dataset])
+  return np.concatenate(xs), np.concatenate(ys)
+
+
+def _train(config, tools, spec=None):
   import keras
   import tfpipe
   from trainers import datasets, models, report
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
-  if _multi_worker(config):
+  if config.method == "asgd":
+    if config.checkpoint_dir:
+      raise ValueError("--checkpoint_dir is not supported with --method=asgd yet")
+    # The data as arrays, read before joining the cluster (which strands local tensors).
+    data = data._replace(train=_arrays(data.train), validation=_arrays(data.validation))
+    trainer = tfpipe.create(model, "asgd", spec=spec)
+  elif _multi_worker(config):
     if config.checkpoint_dir:
       raise ValueError("--checkpoint_dir is not supported with --cluster=tf_config "
                        "dataparallel (MultiWorkerMirroredStrategy) yet")
@@ -133,9 +172,13 @@ def _train(config, tools):
   trainer.compile(
       optimizer=tfpipe.optimizers.SpecTrain(config.learning_rate, config.momentum),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-  train = data.train.repeat() if config.steps else data.train
+  if config.method == "asgd":
+    train, fit_options = data.train, dict(batch_size=config.batch_size, seed=config.seed)
+  else:
+    train, fit_options = (data.train.repeat() if config.steps else data.train), {}
   saver = checkpoint_callback(config)
-  history = trainer.fit(train, epochs=config.epochs, steps_per_epoch=config.steps,
+  history = trainer.fit(*(train if isinstance(train, tuple) else (train,)), **fit_options,
+                        epochs=config.epochs, steps_per_epoch=config.steps,
                         validation_data=data.validation,
                         callbacks=[report.EpochReport(config)] + tools.callbacks() +
                         ([saver] if saver else []),
@@ -180,7 +223,7 @@ def main(argv):
   print(report.format_table(config, history))
   for line in lines:
     print(line)
-  if config.cluster and config.cluster.startswith("local:"):
+  if config.method == "asgd" or (config.cluster and config.cluster.startswith("local:")):
     # The servers this run started are gone; TensorFlow's teardown would try to reach them.
     sys.stdout.flush()
     sys.stderr.flush()
