@@ -42,3 +42,12 @@ def test_grid_parallel(tmp_path):
          f"--results_dir={tmp_path}")
   table = (tmp_path / "grid.md").read_text()
   assert "| dnn 7 x 16 | model only | 1x4 |" in table and "| snn 8 x 16 | grid | 2x2 |" in table
+
+
+def test_seed001_speedup(tmp_path):
+  _bench("seed001_speedup.py", "--width=16", "--steps=8", "--batch_size=16",
+         f"--results_dir={tmp_path}")
+  table = (tmp_path / "seed001.md").read_text()
+  for row in ("| data parallel (MirroredStrategy), P=2 |", "| layer-wise pipeline (pipedream), K=2 |",
+              "| ASGD, 2 workers + 1 parameter server |"):
+    assert row in table

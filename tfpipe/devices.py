@@ -126,6 +126,8 @@ def resolve_stage_devices(devices, num_stages, stage_replicas=None):
   if devices is not None and not isinstance(devices, str):
     total = len(list(devices))
     K = total - extra
+    if num_stages is not None and num_stages != K and not replicas:
+      resolve_devices(devices, num_stages)  # the plain "must equal the number of devices"
     if num_stages is not None and num_stages != K:
       raise ValueError(
           f"{total} devices make {K} stages with stage_replicas={replicas}, not "
