@@ -219,6 +219,10 @@ def test_pipeline_stages_on_local_tf_servers():
   result = _cli("--method=single", "--cluster=local:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--cluster places pipeline stages" in result.stderr
+  result = _cli("--method=pipedream", "--cluster=local:3", "--steps=1", "--snn_depth=2",
+                "--snn_width=8")
+  assert result.returncode == 2
+  assert "--cluster=local:3 starts 3 servers, one per stage, but --num_stages=2" in result.stderr
 
 
 def test_trainer_exits_naming_a_dead_worker():

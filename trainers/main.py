@@ -105,12 +105,18 @@ def _cluster(config):
   if config.cluster == "tf_config":
     spec = tfpipe.cluster.from_tf_config()
     devices = tfpipe.cluster.connect(spec)
+    if not config.devices and len(devices) < config.num_stages:
+      raise ValueError(f"TF_CONFIG's cluster has {len(devices)} workers, fewer than "
+                       f"--num_stages={config.num_stages} (one stage per worker)")
     yield config.devices or devices[:config.num_stages]
     return
   kind, _, count = config.cluster.partition(":")
   if kind != "local" or not count.isdigit() or int(count) < 1:
     raise ValueError(f"--cluster is local:W (W worker processes here) or tf_config. "
                      f"Received: {config.cluster!r}")
+  if not config.devices and int(count) != config.num_stages:
+    raise ValueError(f"--cluster={config.cluster} starts {count} servers, one per stage, but "
+                     f"--num_stages={config.num_stages}")
   with tfpipe.cluster.LocalCluster({"worker": int(count)}) as local:
     devices = tfpipe.cluster.connect(local.spec)
     if config.verbose:
