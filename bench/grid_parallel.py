@@ -72,8 +72,7 @@ def main(argv):
   table = results_io.markdown_table(
       ["workload", "parallelism", "grid", "samples/s", "weights MiB/step", "activations MiB/step"],
       rows)
-  results_io.write(FLAGS.results_dir, "grid.md", f"{title}\n\n{table}\n")
-  print(f"\n{title}\n\n{table}")
+  results_io.report(FLAGS.results_dir, "grid.md", title, table)
 
 
 if __name__ == "__main__":

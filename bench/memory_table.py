@@ -63,8 +63,7 @@ def main(argv):
   title = (f"snn {FLAGS.depth} x {FLAGS.width}, {K} stages, batch {FLAGS.batch_size} "
            f"(micro-batches: gpipe and timeprest 4); KiB per stage at the peak the run measured")
   table = results_io.markdown_table(["method", "stage"] + list(memory.FIELDS) + ["total"], rows)
-  results_io.write(FLAGS.results_dir, "memory.md", f"{title}\n\n{table}\n")
-  print(f"\n{title}\n\n{table}")
+  results_io.report(FLAGS.results_dir, "memory.md", title, table)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""Shared by the bench scripts: where results go and how tables are written.
+"""Shared by the bench scripts: where results go, how tables are written, how calls are timed.
 
 Each script prints its tables and writes them, with any plots, under
 bench/results/ (or --results_dir), so README can show the latest ones.
 """
 
 import os
+import statistics
+import time
 
-__all__ = ["RESULTS", "markdown_table", "write"]
+__all__ = ["RESULTS", "markdown_table", "write", "report", "median_seconds"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -25,3 +27,20 @@ def write(results_dir, name, text):
   with open(path, "w") as f:
     f.write(text.rstrip() + "\n")
   return path
+
+
+def report(results_dir, name, title, table):
+  """Writes `title` and `table` to results_dir/name and prints them."""
+  write(results_dir, name, f"{title}\n\n{table}\n")
+  print(f"\n{title}\n\n{table}", flush=True)
+
+
+def median_seconds(fn, repeats=20):
+  """The median wall time of `repeats` calls of `fn`, after one untimed call (tracing)."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)

@@ -19,7 +19,6 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,16 +32,6 @@ flags.DEFINE_integer("batch_size", 256, "batch size")
 flags.DEFINE_integer("steps", 40, "steps per runner")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
-
-
-def _median_seconds(fn, repeats=20):
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def main(argv):
@@ -82,8 +71,8 @@ def main(argv):
   def copy(tensors):
     with tf.device(devices[1]):
       return [tf.identity(t).numpy() for t in tensors]
-  t_comm = _median_seconds(lambda: copy(held))
-  t_act = _median_seconds(lambda: copy([batch]))
+  t_comm = results_io.median_seconds(lambda: copy(held))
+  t_act = results_io.median_seconds(lambda: copy([batch]))
   rows = [["single", "-", "1.00", f"{single:.0f}"]]
   dp = measure("dataparallel", num_stages=2)
   rows.append(["data parallel (MirroredStrategy), P=2",
@@ -110,8 +99,7 @@ def main(argv):
            "of activations; speedup over one device")
   table = results_io.markdown_table(
       ["method", "predicted speedup", "measured speedup", "samples/s"], rows)
-  results_io.write(FLAGS.results_dir, "seed001.md", f"{title}\n\n{table}\n")
-  print(f"\n{title}\n\n{table}", flush=True)
+  results_io.report(FLAGS.results_dir, "seed001.md", title, table)
   os._exit(0)  # the cluster this process joined is gone; skip TensorFlow's teardown
 
 

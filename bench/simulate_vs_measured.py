@@ -20,11 +20,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from bench import results_io  # noqa: E402
 
 ALL = ("single", "dataparallel", "sequential", "gpipe", "vanilla", "pipedream", "spectrain",
        "ddg", "feature_replay", "timeprest")
@@ -33,16 +34,6 @@ flags.DEFINE_integer("epochs", 5, "epochs per method")
 flags.DEFINE_integer("micro_batches", 4, "micro-batches for gpipe and timeprest")
 flags.DEFINE_integer("repeats", 20, "timed calls per profiled task")
 FLAGS = flags.FLAGS
-
-
-def _time(fn, repeats):
-  fn()  # trace
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def profile_costs(pipe, batch, micro_batches, repeats):
@@ -56,18 +47,18 @@ def profile_costs(pipe, batch, micro_batches, repeats):
   forward, backward, transfer = [], [], []
   for program in pipe.programs:
     if program.is_last:
-      step = _time(lambda: program.last_step(xs, y, 0, one, False), repeats)
+      step = results_io.median_seconds(lambda: program.last_step(xs, y, 0, one, False), repeats)
       forward.append(step / 3 * micro_batches)
       backward.append(2 * step / 3 * micro_batches)
       break
-    f = _time(lambda: program.forward(xs, 0), repeats)
+    f = results_io.median_seconds(lambda: program.forward(xs, 0), repeats)
     ys, _ = program.forward(xs, 0)
     dys = [tf.ones_like(t) for t in ys]
-    fb = _time(lambda: program.backward_recompute(xs, dys, 0, one, False), repeats)
+    fb = results_io.median_seconds(lambda: program.backward_recompute(xs, dys, 0, one, False), repeats)
     forward.append(f * micro_batches)
     backward.append(max(fb - f, 0.0) * micro_batches)
     device = pipe.programs[program.index + 1].device
-    transfer.append(_time(lambda: [tf.identity(t).numpy() for t in _on(device, ys)], repeats)
+    transfer.append(results_io.median_seconds(lambda: [tf.identity(t).numpy() for t in _on(device, ys)], repeats)
                     * micro_batches)
     xs = ys
   pipe._load_weights()  # undo the profiling updates

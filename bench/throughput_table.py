@@ -89,8 +89,7 @@ def main(argv):
   table = results_io.markdown_table(
       ["method", "stages", "samples/s", "/ single", "/ dataparallel", "breakdown per stage"],
       rows)
-  results_io.write(FLAGS.results_dir, "throughput.md", f"{title}\n\n{table}\n")
-  print(f"\n{title}\n\n{table}")
+  results_io.report(FLAGS.results_dir, "throughput.md", title, table)
 
 
 if __name__ == "__main__":

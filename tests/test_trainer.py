@@ -275,8 +275,9 @@ def test_dataparallel_across_two_trainer_processes():
 
 
 def test_asgd_with_parameter_servers_trains_the_quickstart_model():
-  result = _cli("--flagfile=configs/quickstart.cfg", "--method=asgd", "--cluster=local:2,1",
-                "--epochs=4", "--learning_rate=0.05", "--logdir=")
+  # No --cluster: asgd starts its default local cluster, 2 workers and 1 parameter server.
+  result = _cli("--flagfile=configs/quickstart.cfg", "--method=asgd", "--epochs=4",
+                "--learning_rate=0.05", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "started 2 workers and 1 parameter servers" in result.stdout
   accuracy = float(result.stdout.split("val_accuracy")[-1].split()[0])

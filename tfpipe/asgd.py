@@ -17,13 +17,11 @@ broadcast), in one process, or `MultiWorkerMirroredStrategy` across
 processes (`tfpipe.multi_worker`).
 """
 
-import time
-
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import cluster as cluster_lib, compile_utils, data
+from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib
 
 __all__ = ["ASGD"]
 
@@ -123,29 +121,22 @@ class ASGD:
         return ds.repeat().batch(size, drop_remainder=True)
     per_worker = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
     step = self._step_fn()
-    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                       model=self.model, verbose=verbose, epochs=epochs,
-                                       steps=num_batches)
-    cbs.on_train_begin()
-    logs = {}
-    for epoch in range(epochs):
-      cbs.on_epoch_begin(epoch)
-      start = time.perf_counter()
+
+    def train_epoch(cbs):
+      del cbs  # the steps run asynchronously: no per-step callback
       results = [self.coordinator.schedule(step, args=(per_worker,)) for _ in range(num_batches)]
       self.coordinator.join()
-      seconds = time.perf_counter() - start
       values = [r.fetch() for r in results]
-      samples = sum(int(n) for _, n in values)
-      logs = {"loss": float(np.mean([float(l) for l, _ in values])),
-              "samples_per_second": samples / seconds if seconds > 0 else 0.0}
-      self.model.set_weights(self._trained.get_weights())
-      if validation_data is not None:
-        val_x, val_y = (validation_data if isinstance(validation_data, (tuple, list))
-                        else (validation_data, None))
-        logs.update(self.evaluate(val_x, val_y, batch_size, return_dict=True, prefix="val_"))
-      cbs.on_epoch_end(epoch, logs)
-    cbs.on_train_end(logs)
-    return self.model.history
+      return [float(l) for l, _ in values], sum(int(n) for _, n in values)
+
+    def validation_logs():
+      val_x, val_y = (validation_data if isinstance(validation_data, (tuple, list))
+                      else (validation_data, None))
+      return self.evaluate(val_x, val_y, batch_size, return_dict=True, prefix="val_")
+
+    return epochs_lib.run_epochs(self.model, self._trained, epochs, num_batches, callbacks,
+                                 verbose, train_epoch,
+                                 validation_logs if validation_data is not None else None)
 
   def evaluate(self, x=None, y=None, batch_size=None, steps=None, return_dict=False,
                verbose=0, prefix=""):

@@ -14,13 +14,11 @@ The strategy must exist before TensorFlow runs any op: call
 `make_strategy()` at the start of the program (the trainer does).
 """
 
-import time
-
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import compile_utils, data
+from tfpipe import compile_utils, data, epochs as epochs_lib
 
 __all__ = ["make_strategy", "MultiWorkerDataParallel"]
 
@@ -94,23 +92,14 @@ class MultiWorkerDataParallel:
       return (self.strategy.reduce("sum", loss, axis=None),
               self.strategy.reduce("mean", size, axis=None))  # the same on every replica
 
-    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                       model=self.model, verbose=verbose, epochs=epochs,
-                                       steps=num_batches)
-    cbs.on_train_begin()
-    logs = {}
-    for epoch in range(epochs):
-      cbs.on_epoch_begin(epoch)
-      start, losses, samples = time.perf_counter(), [], 0
+    def train_epoch(cbs):
+      losses, samples = [], 0
       for b, batch in enumerate(self._slices(dataset.take(num_batches))):
         loss, size = step(batch)
         losses.append(float(loss))
         samples += int(size)
         cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
-      seconds = time.perf_counter() - start
-      logs = {"loss": float(np.mean(losses)),
-              "samples_per_second": samples / seconds if seconds > 0 else 0.0}
-      self.model.set_weights(self._trained.get_weights())
-      cbs.on_epoch_end(epoch, logs)
-    cbs.on_train_end(logs)
-    return self.model.history
+      return losses, samples
+
+    return epochs_lib.run_epochs(self.model, self._trained, epochs, num_batches, callbacks,
+                                 verbose, train_epoch)

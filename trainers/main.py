@@ -87,17 +87,18 @@ def _multi_worker(config):
 
 @contextlib.contextmanager
 def _cluster(config):
-  """--cluster: starts or joins the TF servers; yields the stages' devices (None: local)."""
+  """--cluster: starts or joins the TF servers; yields the stages' devices (None: local), or
+  for asgd the cluster spec (its default cluster is local:2,1)."""
+  if config.method == "asgd":
+    with _asgd_cluster(config) as spec:
+      yield spec
+    return
   if not config.cluster:
     yield None
     return
   import tfpipe
   if _multi_worker(config):
     yield None   # MultiWorkerMirroredStrategy: this process is one of TF_CONFIG's workers
-    return
-  if config.method == "asgd":
-    with _asgd_cluster(config) as spec:
-      yield spec
     return
   if config.method in tfpipe.BASELINE_METHODS:
     raise ValueError(f"--cluster places pipeline stages; --method={config.method} has none "
