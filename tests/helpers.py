@@ -46,3 +46,18 @@ def assert_weights_close(actual, expected, rtol=1e-5, atol=1e-6):
   assert len(actual) == len(expected)
   for a, e in zip(actual, expected):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def dropout_mlp(rate=0.3, seed=0, dtype=None):
+  """dense0 drop0 dense1 drop1 dense2 drop2 logits: cut into 3 stages at [0, 2, 4, 7] (or 2
+  at [0, 2, 7]), every stage draws dropout masks."""
+  keras.utils.set_random_seed(seed)
+  layers = [keras.Input((8,), dtype=dtype)]
+  for i in range(3):
+    layers += [keras.layers.Dense(16, activation="tanh", name=f"dense{i}", dtype=dtype),
+               keras.layers.Dropout(rate, seed=seed + i, name=f"drop{i}", dtype=dtype)]
+  layers += [keras.layers.Dense(3, name="logits", dtype=dtype)]
+  return keras.Sequential(layers, name="dropout_mlp")
+
+
+DROPOUT_CUTS = {2: [0, 2, 7], 3: [0, 2, 4, 7]}

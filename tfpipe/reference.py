@@ -18,6 +18,9 @@ The rules, per task of stage k:
       of the mini-batch; a micro-batch backward adds to A, a whole one updates;
   U   updates with A and clears it;
   R   (receiving a gradient early) and S (a barrier) change no weights.
+Random layers: each stage's non-trainable state (its seed generators) advances
+with every forward it runs, in its task order; a backward recomputes each
+covered forward with the state that forward read, so it sees the same draws.
 """
 
 import numpy as np
@@ -28,11 +31,11 @@ from tfpipe import optimizers, policies, schedules, verify
 __all__ = ["reference_train"]
 
 
-def _run(model, weights, xs, training=True):
-  state = [tf.convert_to_tensor(v) for v in model.non_trainable_variables]
+def _run(model, weights, state, xs, training=True):
+  """The stage on `xs` with `weights` and non-trainable `state`; returns (outputs, new state)."""
   inputs = xs[0] if len(xs) == 1 else list(xs)
-  ys, _ = model.stateless_call(weights, state, inputs, training=training)
-  return tf.nest.flatten(ys)
+  ys, new_state = model.stateless_call(weights, state, inputs, training=training)
+  return tf.nest.flatten(ys), new_state
 
 
 def _pieces(x, y, M):
@@ -71,6 +74,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   V = [[np.zeros_like(w) for w in ws] for ws in W]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
+  S = [[tf.convert_to_tensor(v) for v in m.non_trainable_variables] for m in stage_models]
   updates = [0] * K
   log = []
 
@@ -99,10 +103,13 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
         xs = pieces[b][i or 0][0] if k == 0 else outputs.pop((k - 1, unit))
         w = read(k, policy.forward, s)
         used[(k, unit)] = (w, updates[k], s)
-        inputs[(k, unit)] = xs
         if k < K - 1:
           log.append((k, "F", b, i, updates[k]))
-          outputs[(k, unit)] = [y.numpy() for y in _run(model, [tf.constant(a) for a in w], xs)]
+          inputs[(k, unit)] = (xs, S[k])
+          ys, S[k] = _run(model, [tf.constant(a) for a in w], S[k], xs)
+          outputs[(k, unit)] = [y.numpy() for y in ys]
+        else:
+          inputs[(k, unit)] = (xs, None)   # the last stage runs its forward with the backward
         continue
       if kind in ("R", "S"):
         continue
@@ -111,7 +118,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
         A[k] = [np.zeros_like(a) for a in A[k]]
         continue
       units = covers[k][task]
-      xs = [np.concatenate(parts) for parts in zip(*[inputs.pop((k, u)) for u in units])]
+      parts = [inputs.pop((k, u)) for u in units]
       share = sum(pieces[b][u[1] or 0][2] for u in units)
       forward_w, forward_version, forward_s = used.pop((k, units[0]))
       for u in units[1:]:
@@ -119,18 +126,21 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       if k == K - 1:  # forward and backward as one step, with the forward's weights
         w, version = read(k, policy.forward, forward_s), updates[k]
         log.append((k, "F", b, i, version))
+        parts = [([np.concatenate(p) for p in zip(*[xs for xs, _ in parts])], S[k])]
       elif policy.backward == "forward":
         w, version = forward_w, forward_version
       else:
         w, version = read(k, policy.backward, s), updates[k]
       log.append((k, "B", b, i, version))
       w_t = [tf.constant(a) for a in w]
-      xs_t = [tf.constant(x) for x in xs]
-      floats = [x for x in xs_t if x.dtype.is_floating] if k > 0 else []
+      parts = [([tf.constant(x) for x in xs], state) for xs, state in parts]
+      floats = [x for xs, _ in parts for x in xs if x.dtype.is_floating] if k > 0 else []
       with tf.GradientTape() as tape:
         tape.watch(w_t + floats)
-        ys = _run(model, w_t, xs_t)
+        runs = [_run(model, w_t, state, xs) for xs, state in parts]
+        ys = [tf.concat(list(y), 0) for y in zip(*[r[0] for r in runs])]
         if k == K - 1:
+          S[k] = runs[0][1]
           y_true = np.concatenate([pieces[b][u[1] or 0][1] for u in units])
           target = loss_fn(tf.constant(y_true), ys[0]) * tf.constant(share, ys[0].dtype)
         else:
@@ -143,5 +153,8 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       else:
         A[k] = [a + g for a, g in zip(A[k], weight_grads)]
       if k > 0:
-        grads_out[(k - 1, unit)] = [g.numpy() for g in grads[len(w_t):]]
+        n = len(floats) // len(parts)
+        per_part = [grads[len(w_t) + j * n:len(w_t) + (j + 1) * n] for j in range(len(parts))]
+        grads_out[(k - 1, unit)] = [np.concatenate([g.numpy() for g in gs])
+                                    for gs in zip(*per_part)]
   return W, log

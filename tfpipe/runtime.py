@@ -38,6 +38,13 @@ XF (stage k's output to k+1) and XB (stage k's input gradient to k-1), each reco
 sending stage k, with version and s None."""
 
 
+_Saved = collections.namedtuple("_Saved", ["xs", "tape", "version", "scale", "state"])
+_Saved.__doc__ = """What stage k keeps from a forward for its backward: the stage inputs, the
+kept tape (or None: the backward recomputes), the weight version read, the
+micro-batch's share of its mini-batch, and the non-trainable state the
+forward read (its random layers' seeds), so a recomputation draws the same."""
+
+
 class Stopped(Exception):
   """Raised in a thread when another thread failed and the pipeline stops."""
 
@@ -265,11 +272,11 @@ class Runtime:
             saved[unit] = (xs, y, scale, s)
             continue  # the last stage runs its forward with the backward
           if program.policy.recompute:
-            ys, _ = program.forward(xs, s)
-            saved[unit] = (xs, None, self.updates[k], scale)
+            ys, _, state_read = program.forward(xs, s)
+            saved[unit] = _Saved(xs, None, self.updates[k], scale, state_read)
           else:
-            ys, state = program.forward_saved(xs, s)
-            saved[unit] = (xs, state, self.updates[k], scale)
+            ys, tape = program.forward_saved(xs, s)
+            saved[unit] = _Saved(xs, tape, self.updates[k], scale, None)
           self._note_saved(k, saved, diffs[k])
           self._log(k, "F", task, self.updates[k], s, start)
           fwd[k][0].put((unit, (ys, scale)))
@@ -306,13 +313,14 @@ class Runtime:
           start = time.perf_counter()
           parts = [saved.pop(u) for u in cover[task]]
           accumulate = micro is not None
-          if len(parts) == 1 and parts[0][1] is not None:
-            xs, state, version, scale = parts[0]
-            dxs = program.backward_saved(state, dys, self._scale(k, scale), accumulate)
+          if len(parts) == 1 and parts[0].tape is not None:
+            part = parts[0]
+            dxs = program.backward_saved(part.tape, dys, self._scale(k, part.scale), accumulate)
+            version = part.version
           else:
-            xs = parts[0][0] if len(parts) == 1 else _concat([p[0] for p in parts])
-            scale = sum(p[3] for p in parts)
-            dxs = program.backward_recompute(xs, dys, s, self._scale(k, scale), accumulate)
+            scale = sum(p.scale for p in parts)
+            dxs = program.backward_recompute([(p.xs, p.state) for p in parts], dys, s,
+                                             self._scale(k, scale), accumulate)
             version = self.updates[k]
           self._log(k, "B", task, version, s, start)
           if not accumulate:
@@ -331,8 +339,8 @@ class Runtime:
     the prediction (v, s) of that forward; inputs-only states hold none.
     """
     self.peak_saved[k] = max(self.peak_saved[k], len(saved))
-    versions = {(version, diffs.get(schedules.Task("F", *unit), 0))
-                for unit, (_, state, version, _) in saved.items() if state is not None}
+    versions = {(part.version, diffs.get(schedules.Task("F", *unit), 0))
+                for unit, part in saved.items() if part.tape is not None}
     self.peak_versions[k] = max(self.peak_versions[k], len(versions))
 
   def infer_epoch(self, batches, num_batches, on_result, with_labels):

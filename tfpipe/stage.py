@@ -98,8 +98,16 @@ class StageProgram:
       return [self.optimizer.predict(v, s) for v in self.trainable]
     return [tf.convert_to_tensor(v) for v in self.trainable]
 
-  def _call(self, weights, xs, training, update_state=True):
-    state = [tf.convert_to_tensor(v) for v in self.non_trainable]
+  def _call(self, weights, xs, training, update_state=True, state=None):
+    """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
+
+    `state`: the non-trainable values to read (None: the variables'). Random
+    layers draw from their seed generators' state, which is part of it: a
+    recomputation passes the state its forward read and so draws the same
+    masks (DESIGN.md section 4).
+    """
+    if state is None:
+      state = [tf.convert_to_tensor(v) for v in self.non_trainable]
     if len(self.replica_devices) > 1:
       ys, new_state, losses = self._replicated_call(weights, state, xs, training)
     else:
@@ -111,7 +119,7 @@ class StageProgram:
       for v, value in zip(self.non_trainable, new_state):
         v.assign(value)
     reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
-    return ys, reg
+    return ys, reg, state
 
   def _replicated_call(self, weights, state, xs, training):
     """The stage on each replica's share of the batch (the first n % R get one more)."""
@@ -162,6 +170,7 @@ class StageProgram:
   # Task functions (compiled).
 
   def _forward(self, xs, s):
+    """Returns (outputs, regularisation, the non-trainable state read: kept for a recompute)."""
     with tf.device(self.device):
       return self._call(self.weights(s, self.policy.forward == "predicted"), xs, training=True)
 
@@ -179,18 +188,30 @@ class StageProgram:
       for a in self.accumulators:
         a.assign(tf.zeros_like(a))
 
-  def _backward_recompute(self, xs, dys, s, scale, accumulate):
+  def _backward_recompute(self, parts, dys, s, scale, accumulate):
+    """Recomputes the forwards of `parts` [(inputs, state read)] and runs their backward.
+
+    Each part replays its own forward's random draws; outputs (and input
+    gradients) of several parts (a TiMePReSt mini-batch) join along the batch
+    axis. Regularisation losses are the first part's (weight penalties count once).
+    """
     with tf.device(self.device):
       weights = self.weights(s, self.policy.backward == "predicted")
-      float_xs = self._float_inputs(xs)
+      float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
-        ys, reg = self._call(weights, xs, training=True, update_state=False)
-        targets, out_grads = self._targets(ys, dys, reg, scale)
+        outs = [self._call(weights, xs, training=True, update_state=False, state=state)
+                for xs, state in parts]
+        ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
+                                                for y in zip(*[o[0] for o in outs])]
+        targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
       grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
                             unconnected_gradients=_ZERO)
       self._update(grads[:len(weights)], accumulate)
-      return self._input_grads(grads[len(weights):])
+      n = len(float_xs) // len(parts)
+      per_part = [grads[len(weights) + i * n:len(weights) + (i + 1) * n] for i in range(len(parts))]
+      joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
+      return self._input_grads(joined)
 
   def _last_step(self, xs, y, s, scale, accumulate):
     with tf.device(self.device):
@@ -198,7 +219,7 @@ class StageProgram:
       float_xs = self._float_inputs(xs)
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
-        ys, reg = self._call(weights, xs, training=True)
+        ys, reg, _ = self._call(weights, xs, training=True)
         loss = self.loss(y, ys[0])
         total = loss + tf.cast(reg, loss.dtype)
         scaled = total * tf.cast(scale, total.dtype)
@@ -213,7 +234,7 @@ class StageProgram:
 
   def _evaluate_last(self, xs, y):
     with tf.device(self.device):
-      ys, reg = self._call(self.weights(0, False), xs, training=False)
+      ys, reg, _ = self._call(self.weights(0, False), xs, training=False)
       loss = self.loss(y, ys[0]) + reg
       self._update_metrics(y, ys[0], loss)
       return loss
@@ -231,7 +252,7 @@ class StageProgram:
     with tf.device(self.device), tf.GradientTape() as tape:
       float_xs = self._float_inputs(xs)
       tape.watch(float_xs)
-      ys, reg = self.forward(xs, s)
+      ys, reg, _ = self.forward(xs, s)
     return ys, (tape, xs, ys, reg)
 
   def backward_saved(self, state, dys, scale, accumulate):
