@@ -1,12 +1,10 @@
 """tfpipe: pipelined model-parallel training of Keras models on TensorFlow."""
 
-import os
-
 import setuptools
 
-# "tensorflow" by default; machines without a GPU may ask for the smaller CPU build with
-# TFPIPE_TENSORFLOW="tensorflow-cpu>=2.16" (the two are different distributions to pip).
-TENSORFLOW = os.environ.get("TFPIPE_TENSORFLOW", "tensorflow>=2.16")
+# TensorFlow comes with an extra, because its CPU and GPU builds are different distributions
+# to pip: `pip install -e ".[cpu]"` (tensorflow-cpu) or `pip install -e ".[gpu]"` (tensorflow,
+# with NVIDIA's CUDA libraries from pip). `profile` adds TensorBoard's Profile tab.
 
 setuptools.setup(
     name="tfpipe",
@@ -16,7 +14,6 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["tfpipe", "tfpipe.*", "trainers", "trainers.*"]),
     python_requires=">=3.9",
     install_requires=[
-        TENSORFLOW,
         "keras>=3",
         "absl-py",
         "tensorboard",
@@ -25,6 +22,11 @@ setuptools.setup(
         "numpy",
         "matplotlib",  # prediction-error plots, learning curves
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        "cpu": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],
+        "profile": ["tensorboard-plugin-profile"],
+        "test": ["pytest"],
+    },
     entry_points={"console_scripts": ["tfpipe-train=trainers.main:entry"]},
 )

@@ -61,3 +61,40 @@ def dropout_mlp(rate=0.3, seed=0, dtype=None):
 
 
 DROPOUT_CUTS = {2: [0, 2, 7], 3: [0, 2, 4, 7]}
+
+
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+          "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+          "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
+          "on_predict_batch_begin", "on_predict_batch_end")
+
+
+class Recorder(keras.callbacks.Callback):
+  """Records every hook as (name, [index]) in `calls` and its logs in `logs`."""
+
+  def __init__(self):
+    super().__init__()
+    self.calls, self.logs = [], []
+
+
+def _recording(name):
+  def hook(self, *args, **kwargs):
+    index = tuple(a for a in args if isinstance(a, int))
+    logs = kwargs.get("logs", args[-1] if args and isinstance(args[-1], dict) else None)
+    self.calls.append((name,) + index)
+    self.logs.append(dict(logs) if logs else {})
+  return hook
+
+
+for _name in _HOOKS:
+  setattr(Recorder, _name, _recording(_name))
+
+
+def two_input_model(seed=0):
+  """Inputs "a" (8) and "b" (4), concatenated, then Dense layers: dict and list inputs."""
+  keras.utils.set_random_seed(seed)
+  a, b = keras.Input((8,), name="a"), keras.Input((4,), name="b")
+  h = keras.layers.Concatenate(name="join")([a, b])
+  h = keras.layers.Dense(16, activation="tanh", name="dense0")(h)
+  h = keras.layers.Dense(16, activation="tanh", name="dense1")(h)
+  return keras.Model([a, b], keras.layers.Dense(3, name="logits")(h), name="two_inputs")

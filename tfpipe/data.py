@@ -1,41 +1,189 @@
-"""Inputs: turn what `fit`/`evaluate`/`predict` receive into batches and a batch count."""
+"""Inputs: what `fit`/`evaluate`/`predict` receive, as batched datasets and a batch count.
 
+Keras's forms are accepted: arrays (one, a list in the model's input order,
+or a dict by input name), `y`, `sample_weight`, `class_weight`; or a batched
+`tf.data.Dataset` of `x`, `(x, y)` or `(x, y, sample_weight)`. Stage 0 reads
+elements `(inputs, y[, sample_weight])` whose inputs are a tuple in the
+model's input order (one input: the tensor itself).
+"""
+
+import inspect
+import math
+
+import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["as_dataset"]
+__all__ = ["as_dataset", "validation_split", "class_weights", "input_names"]
 
 
-def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None, labels=True):
-  """Returns (dataset, num_batches) for a batched tf.data.Dataset or numpy arrays.
+def input_names(model):
+  """The names of the model's inputs, in order (the keys of dict inputs)."""
+  return [t.name for t in model.inputs]
+
+
+def _refuse_iterators(x):
+  if isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x) or (
+      hasattr(x, "__next__") and not isinstance(x, (np.ndarray, tf.Tensor))):
+    raise ValueError(
+        f"tfpipe takes arrays or a batched tf.data.Dataset, not a {type(x).__name__}: the "
+        "pipeline needs the batch count and element types before it starts. Wrap it: "
+        "tf.data.Dataset.from_generator(...)")
+
+
+def _features(x, names):
+  """x as a tuple of arrays in the model's input order."""
+  if isinstance(x, dict):
+    unknown = sorted(set(x) - set(names))
+    missing = [n for n in names if n not in x]
+    if unknown or missing:
+      raise ValueError(f"dict inputs are keyed by the model's input names {names}. Received "
+                       f"keys {sorted(x)}" + (f" (unknown: {unknown})" if unknown else "") +
+                       (f" (missing: {missing})" if missing else ""))
+    return tuple(np.asarray(x[n]) for n in names)
+  if isinstance(x, (list, tuple)):
+    if len(x) != len(names):
+      raise ValueError(f"the model has {len(names)} inputs {names}; `x` is a list of {len(x)} "
+                       "arrays")
+    return tuple(np.asarray(a) for a in x)
+  return (np.asarray(x),)
+
+
+def _by_name(names):
+  """Maps dict inputs of a dataset element to the model's input order."""
+  def order(*element):
+    x, rest = element[0], element[1:]
+    if isinstance(x, dict):
+      missing = [n for n in names if n not in x]
+      if missing:
+        raise ValueError(f"the dataset's dict inputs lack the model's inputs {missing} "
+                         f"(keys: {sorted(x)})")
+      x = tuple(x[n] for n in names)
+    return (x,) + rest if rest else x
+  return order
+
+
+def validation_split(x, y, sample_weight, split):
+  """Keras's `validation_split`: the last `split` of the arrays (before shuffling) validate."""
+  if not isinstance(split, (int, float)) or isinstance(split, bool) or not 0 <= split < 1:
+    raise ValueError(f"`validation_split` must be a float in [0, 1). Received: {split!r}")
+  if isinstance(x, tf.data.Dataset):
+    raise ValueError("`validation_split` splits arrays; with a tf.data.Dataset give "
+                     "`validation_data`")
+  arrays = x if isinstance(x, (list, tuple)) else list(x.values()) if isinstance(x, dict) else [x]
+  n = len(arrays[0])
+  at = int(math.floor(n * (1.0 - split)))
+  if at == 0 or at == n:
+    raise ValueError(f"validation_split={split} of {n} samples leaves "
+                     f"{'no training' if at == 0 else 'no validation'} samples")
+  cut = lambda a, s: None if a is None else (
+      {k: np.asarray(v)[s] for k, v in a.items()} if isinstance(a, dict) else
+      [np.asarray(v)[s] for v in a] if isinstance(a, (list, tuple)) else np.asarray(a)[s])
+  train = (cut(x, slice(0, at)), cut(y, slice(0, at)), cut(sample_weight, slice(0, at)))
+  val = (cut(x, slice(at, None)), cut(y, slice(at, None)), cut(sample_weight, slice(at, None)))
+  return train, val
+
+
+def _class_index(y):
+  """Class indices of labels: sparse (n,) or (n, 1), or one-hot (n, C)."""
+  if len(y.shape) > 1 and y.shape[-1] != 1:
+    return np.argmax(y, axis=-1)
+  return np.round(np.reshape(y, (-1,))).astype("int64")
+
+
+def class_weights(y, class_weight):
+  """Keras's `class_weight` as per-sample weights (classes not named weigh 1)."""
+  if not isinstance(class_weight, dict):
+    raise ValueError(f"`class_weight` must be a dict {{class index: weight}}. Received: "
+                     f"{class_weight!r}")
+  y = np.asarray(y)
+  if y.ndim > 2:
+    raise ValueError(f"`class_weight` needs labels of rank 1 or 2. Received labels of shape "
+                     f"{y.shape}")
+  return np.array([class_weight.get(int(c), 1.0) for c in _class_index(y)], "float32")
+
+
+def _class_weight_map(class_weight):
+  """A dataset map adding class weights as sample weights."""
+  size = max(int(c) for c in class_weight) + 1
+  table = np.ones(size, "float32")
+  for c, w in class_weight.items():
+    table[int(c)] = w
+  table = tf.constant(table)
+
+  def add(x, y, *rest):
+    if rest:
+      raise ValueError("`class_weight` cannot be combined with a dataset that yields "
+                       "sample weights")
+    index = (tf.argmax(y, -1) if y.shape.rank > 1 and y.shape[-1] != 1
+             else tf.reshape(tf.cast(tf.round(tf.cast(y, tf.float32)), tf.int64), [-1]))
+    weights = tf.gather(table, tf.clip_by_value(index, 0, size - 1))
+    return x, y, tf.where(index < size, weights, tf.ones_like(weights))
+  return add
+
+
+def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None, labels=True,
+               sample_weight=None, class_weight=None, names=None):
+  """Returns (dataset, num_batches) for a batched tf.data.Dataset or arrays.
 
   A dataset must already be batched; its cardinality gives the batch count
   unless `steps` is given. Arrays are batched with `batch_size` (default 32).
+  `names`: the model's input names (dict inputs), see `input_names`.
   """
-  if steps is not None and (not isinstance(steps, int) or steps < 1):
+  if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
     raise ValueError(f"`steps` must be a positive integer. Received: {steps!r}")
+  names = names or ["input"]
+  _refuse_iterators(x)
+  if class_weight is not None and sample_weight is not None:
+    raise ValueError("`sample_weight` and `class_weight` cannot both be given (as in Keras): "
+                     "fold the class weights into the sample weights")
   if isinstance(x, tf.data.Dataset):
     if y is not None:
       raise ValueError("`y` must be None when `x` is a tf.data.Dataset (it yields (x, y) pairs)")
+    if sample_weight is not None:
+      raise ValueError("`sample_weight` must be None when `x` is a tf.data.Dataset (it yields "
+                       "(x, y, sample_weight))")
     if batch_size is not None:
       raise ValueError(
           f"`batch_size` must be None for a tf.data.Dataset (batch the dataset). "
           f"Received: batch_size={batch_size}")
     dataset = x
+    first = dataset.element_spec[0] if isinstance(dataset.element_spec, tuple) else (
+        dataset.element_spec)
+    if isinstance(first, dict):
+      dataset = dataset.map(_by_name(names))
+    if class_weight is not None:
+      if not labels:
+        raise ValueError("`class_weight` needs labels")
+      dataset = dataset.map(_class_weight_map(class_weight))
   else:
     if x is None:
       raise ValueError("no input data: `x` is None")
     if labels and y is None:
       raise ValueError("`y` is needed with array inputs when training or evaluating")
     batch_size = 32 if batch_size is None else batch_size
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
       raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
-    n = len(x[0]) if isinstance(x, (tuple, list)) else len(x)
+    features = _features(x, names)
+    n = len(features[0])
+    if n == 0:
+      raise ValueError("`x` is empty (0 samples): nothing to train or evaluate on")
+    if any(len(a) != n for a in features):
+      raise ValueError(f"every input array needs the same number of samples. Received: "
+                       f"{[len(a) for a in features]}")
     if labels and len(y) != n:
       raise ValueError(f"`x` and `y` must have the same length. Received: {n} and {len(y)}")
-    features = tuple(np.asarray(a) for a in x) if isinstance(x, (tuple, list)) else np.asarray(x)
-    data = (features, np.asarray(y)) if labels else features
-    dataset = tf.data.Dataset.from_tensor_slices(data)
+    if class_weight is not None:
+      sample_weight = class_weights(y, class_weight)
+    if sample_weight is not None:
+      sample_weight = np.asarray(sample_weight)
+      if len(sample_weight) != n:
+        raise ValueError(f"`sample_weight` needs one weight per sample ({n}). Received: "
+                         f"{len(sample_weight)}")
+    features = features[0] if len(features) == 1 else features   # one input stays bare
+    data = (features,) + ((np.asarray(y),) if labels else ()) + (
+        (sample_weight,) if sample_weight is not None and labels else ())
+    dataset = tf.data.Dataset.from_tensor_slices(data if labels else features)
     if shuffle:
       dataset = dataset.shuffle(n, seed=seed, reshuffle_each_iteration=True)
     dataset = dataset.batch(batch_size).prefetch(2)

@@ -95,6 +95,22 @@ def resolve_devices(devices, num_stages):
   return devices
 
 
+def _refuse_shared(devices):
+  """Two stages (or replicas) on one device would run one at a time: refused, naming it."""
+  seen = {}
+  for i, d in enumerate(devices):
+    spec = tf.DeviceSpec.from_string(d)
+    key = (spec.job or "localhost", spec.replica or 0, spec.task or 0,
+           (spec.device_type or "CPU").upper(), spec.device_index or 0)
+    if key in seen:
+      raise ValueError(
+          f"devices {devices[seen[key]]!r} (position {seen[key]}) and {d!r} (position {i}) are "
+          "the same device: two stages on one device run one at a time, so the pipeline "
+          "would not overlap them. Give every stage (and replica) its own device; on CPU, "
+          "tfpipe.create_logical_cpus(n) makes n")
+    seen[key] = i
+
+
 def parse_stage_replicas(value):
   """{stage: replicas} from a dict or "k:R" strings (the trainer's --stage_replicas)."""
   if not value:
@@ -138,6 +154,7 @@ def resolve_stage_devices(devices, num_stages, stage_replicas=None):
     if devices is None and (not isinstance(K, int) or K < 1):
       resolve_devices(devices, K)  # the same clear error
     flat = resolve_devices(devices, None if devices is not None else K + extra)
+  _refuse_shared(flat)
   bad = [k for k in replicas if k >= K]
   if bad:
     raise ValueError(f"stage_replicas names stage {bad[0]}, but the pipeline has {K} stages "

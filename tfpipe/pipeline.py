@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import breakdown as breakdown_lib, checkpoint as checkpoint_lib, cluster
-from tfpipe import compile_utils, data, devices as devices_lib
+from tfpipe import compile_utils, data, devices as devices_lib, input_checks, learning_rate
 from tfpipe import layer_profile, names, partition as partition_lib, policies, runtime, schedules
 from tfpipe import prediction_error as prediction_error_lib, stage, trace
 
@@ -229,18 +229,59 @@ class Pipeline:
       m.reset_state()
 
   def _metric_logs(self, prefix=""):
-    logs = {prefix + "loss": float(self.loss_tracker.result())}
+    logs = {"loss": self.loss_tracker.result()}
     for m in self.metrics:
-      logs[prefix + m.name] = float(m.result())
-    return logs
+      result = m.result()
+      logs.update(result if isinstance(result, dict) else {m.name: result})
+    return {prefix + k: float(v) for k, v in logs.items()}
+
+  def _dataset(self, x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
+               labels=True, sample_weight=None, class_weight=None):
+    """(dataset, batch count) for `x`, checked against the model before any work."""
+    names = data.input_names(self.model)
+    dataset, num_batches = data.as_dataset(
+        x, y, batch_size, steps, shuffle, seed, labels=labels, sample_weight=sample_weight,
+        class_weight=class_weight, names=names)
+    input_checks.check_inputs(dataset, self.model, names, labelled=labels)
+    if labels:
+      input_checks.check_labels(y, self.model, self.loss)
+    return dataset, num_batches
+
+  def _validation(self, validation_data, batch_size, validation_batch_size, validation_steps):
+    """The validation dataset and its batch count, checked before training starts."""
+    if isinstance(validation_data, (tuple, list)):
+      val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+    else:
+      val_x, val_y, val_w = validation_data, None, None
+    if isinstance(val_x, tf.data.Dataset):
+      if validation_batch_size is not None:
+        raise ValueError("`validation_batch_size` must be None when `validation_data` is a "
+                         f"tf.data.Dataset (batch the dataset). Received: {validation_batch_size}")
+      size = None
+    else:
+      size = validation_batch_size or batch_size
+    return self._dataset(val_x, val_y, size, validation_steps, sample_weight=val_w)
 
   def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-          validation_data=None, shuffle=True, steps_per_epoch=None, seed=None, initial_epoch=0):
+          validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+          sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+          validation_batch_size=None, validation_freq=1, seed=None):
     """Trains epochs `initial_epoch` .. `epochs`-1; returns a `keras.callbacks.History`.
 
-    Each epoch runs the method's schedule over its batches and drains at the
-    end, so every batch's update lands in the epoch that drew it. A
-    `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the
+    Takes `keras.Model.fit`'s arguments with their meaning (plus `seed`, the
+    shuffle seed of array data). Each epoch runs the method's schedule over
+    its batches and drains at the end, so every batch's update lands in the
+    epoch that drew it. Callbacks see Keras's hooks in Keras's order, in the
+    caller's thread: `on_train_batch_begin(b)` when the caller starts waiting
+    for batch b (with K stages up to K batches are in flight, so b may
+    already be running), `on_train_batch_end(b, logs)` with the running loss
+    and metrics once b's update is done; validation and `evaluate` send the
+    `on_test_*` hooks. `model.optimizer` is the compiled optimizer, whose
+    learning rate drives every stage (`tfpipe.learning_rate`).
+    `model.stop_training = True` in a hook stops after that batch: stage 0
+    admits no new batch, and the at most K-1 batches already in flight finish
+    their updates (they count in the epoch's metrics; they get no batch hooks).
+    A `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the
     pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
     """
     self._check_compiled()
@@ -248,6 +289,10 @@ class Pipeline:
       raise ValueError(f"`epochs` must be a positive integer. Received: epochs={epochs!r}")
     if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
       raise ValueError(f"`initial_epoch` must be an integer >= 0. Received: {initial_epoch!r}")
+    if not (isinstance(validation_freq, int) and validation_freq >= 1) and not isinstance(
+        validation_freq, list):
+      raise ValueError("`validation_freq` must be a positive integer or a list of epochs "
+                       f"(1-based). Received: validation_freq={validation_freq!r}")
     if isinstance(batch_size, int) and batch_size < self.micro_batches:
       raise ValueError(
           f"`batch_size` must be at least micro_batches={self.micro_batches}. Received: "
@@ -257,23 +302,55 @@ class Pipeline:
       raise ValueError(
           f"a replicated stage splits each (micro-)batch over {most} devices: `batch_size` must "
           f"be at least {most * self.micro_batches}. Received: batch_size={batch_size}")
-    dataset, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed)
+    if validation_split and validation_data is None:
+      (x, y, sample_weight), validation_data = data.validation_split(
+          x, y, sample_weight, validation_split)
+    dataset, num_batches = self._dataset(x, y, batch_size, steps_per_epoch, shuffle, seed,
+                                         sample_weight=sample_weight, class_weight=class_weight)
+    validation = (self._validation(validation_data, batch_size, validation_batch_size,
+                                   validation_steps) if validation_data is not None else None)
     schedule = schedules.build(self.policy.schedule, self.num_stages, num_batches,
                                self.micro_batches)
     diffs = policies.version_differences(self.policy, schedule, self.version_difference)
     verbose = 1 if verbose == "auto" else verbose
-    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                       model=self.model, verbose=verbose, epochs=epochs,
-                                       steps=num_batches)
-    self._load_weights()
-    initial_epoch = max(initial_epoch, self._restore(callbacks))
+    with learning_rate.driving(self.model, self.optimizer):
+      cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+                                         model=self.model, verbose=verbose, epochs=epochs,
+                                         steps=num_batches)
+      self._load_weights()
+      initial_epoch = max(initial_epoch, self._restore(callbacks))
+      link = learning_rate.LearningRateLink(self.optimizer, [p.optimizer for p in self.programs],
+                                            lambda: self.runtime.updates[-1])
+      try:
+        return self._fit_epochs_loop(
+            dataset, num_batches, schedule, diffs, cbs, link, epochs, initial_epoch,
+            steps_per_epoch, validation, validation_freq)
+      except tf.errors.OpError as e:   # a stage's task died: name it when it is a lost server
+        lost = cluster.describe_lost(e, self._remote()) if self._remote() else None
+        if lost is None:
+          raise
+        raise lost from e
+
+  @staticmethod
+  def _should_validate(epoch, validation_freq):
+    if isinstance(validation_freq, int):
+      return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
+
+  def _fit_epochs_loop(self, dataset, num_batches, schedule, diffs, cbs, link, epochs,
+                       initial_epoch, steps_per_epoch, validation, validation_freq):
+    def hook(name, *args):
+      link.sync()
+      getattr(cbs, name)(*args)
+      link.push()
+
     self.model.stop_training = False
     self._fit_epochs = (self.runtime.epoch + 1, num_batches, initial_epoch)
     tracer = (trace.StepTracer(self.trace_dir, self.trace_steps)
               if self.trace_steps is not None else None)
     if tracer:
       tracer.begin(initial_epoch * num_batches)
-    cbs.on_train_begin()
+    hook("on_train_begin")
     logs = {}
     try:
       iterator = self._replay_data(dataset, initial_epoch, steps_per_epoch, num_batches)
@@ -281,38 +358,39 @@ class Pipeline:
         if steps_per_epoch is None or iterator is None:
           iterator = iter(dataset)
         self._reset_metrics()
-        cbs.on_epoch_begin(epoch)
+        hook("on_epoch_begin", epoch)
         start = time.perf_counter()
-        losses = []
+        stopping = []
 
-        def on_result(b, loss, epoch=epoch):
-          losses.append(float(loss))
-          cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
+        def before(b):
+          if not stopping:
+            hook("on_train_batch_begin", b)
+
+        def on_result(b, loss, batch_logs, epoch=epoch):
           if tracer:
             tracer.on_step_end(epoch * num_batches + b)
+          if stopping:
+            return True   # drained after a stop: trained, no hooks
+          hook("on_train_batch_end", b, {k: float(v) for k, v in batch_logs.items()})
+          if self.model.stop_training:
+            stopping.append(b)
+          return bool(stopping)
 
         try:
-          self.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result)
+          self.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result, before)
         except runtime.OutOfData:
           raise ValueError(
               f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
               "`steps_per_epoch` the data can fill, or repeat the dataset") from None
-        except tf.errors.OpError as e:
-          lost = cluster.describe_lost(e, self._remote()) if self._remote() else None
-          if lost is None:
-            raise
-          raise lost from e
         seconds = time.perf_counter() - start
         logs = self._metric_logs()
         samples = float(self.loss_tracker.count.numpy())
         logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
         for p in self.programs:
           p.write_to_model()
-        if validation_data is not None:
-          val_x, val_y = (validation_data if isinstance(validation_data, (tuple, list))
-                          else (validation_data, None))
-          logs.update(self._evaluate(val_x, val_y, batch_size, None, prefix="val_"))
-        cbs.on_epoch_end(epoch, logs)
+        if validation is not None and self._should_validate(epoch, validation_freq):
+          logs.update(self._evaluate(*validation, cbs, prefix="val_"))
+        hook("on_epoch_end", epoch, logs)
         if self.model.stop_training:
           break
     finally:
@@ -321,7 +399,7 @@ class Pipeline:
     if tracer:
       trace.write_chrome_trace(os.path.join(self.trace_dir, trace.TRACE_FILE),
                                self._fit_records(), self.devices, num_batches, self.trace_steps)
-    cbs.on_train_end(logs)
+    hook("on_train_end", logs)
     return self.model.history
 
   def _restore(self, callbacks):
@@ -355,31 +433,52 @@ class Pipeline:
       next(iterator)
     return iterator
 
-  def _evaluate(self, x, y, batch_size, steps, prefix=""):
-    dataset, num_batches = data.as_dataset(x, y, batch_size, steps)
+  def _evaluate(self, dataset, num_batches, cbs, prefix=""):
+    """Loss and metrics over `dataset`, with the `on_test_*` hooks (validation, evaluate)."""
     self._reset_metrics()
-    self.runtime.infer_epoch(iter(dataset), num_batches, lambda b, loss: None, with_labels=True)
-    return self._metric_logs(prefix)
+    cbs.on_test_begin()
+    self.runtime.infer_epoch(
+        iter(dataset), num_batches,
+        lambda b, logs: cbs.on_test_batch_end(b, {k: float(v) for k, v in logs.items()}),
+        with_labels=True, before=cbs.on_test_batch_begin)
+    logs = self._metric_logs()
+    cbs.on_test_end(logs)
+    return {prefix + k: v for k, v in logs.items()}
 
-  def evaluate(self, x=None, y=None, batch_size=None, steps=None, return_dict=False, verbose=0):
-    """Loss and metrics over the data with the current weights, pipelined forward only."""
+  def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+               steps=None, callbacks=None, return_dict=False):
+    """Loss and metrics over the data with the current weights, pipelined forward only
+    (`keras.Model.evaluate`'s arguments and return value)."""
     self._check_compiled()
+    dataset, num_batches = self._dataset(x, y, batch_size, steps, sample_weight=sample_weight)
     self._load_weights()
-    logs = self._evaluate(x, y, batch_size, steps)
-    if verbose:
-      print(" - ".join(f"{k}: {v:.4f}" for k, v in logs.items()))
+    verbose = 1 if verbose == "auto" else verbose
+    with learning_rate.driving(self.model, self.optimizer):
+      cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
+                                         verbose=verbose, epochs=1, steps=num_batches)
+      logs = self._evaluate(dataset, num_batches, cbs)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
-  def predict(self, x, batch_size=None, steps=None):
-    """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array."""
+  def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array, with the
+    `on_predict_*` hooks (`keras.Model.predict`'s arguments)."""
     self._check_compiled()
+    if isinstance(x, tf.data.Dataset) and isinstance(x.element_spec, tuple):
+      x = x.map(lambda *element: element[0])   # Keras: a tuple element is (x, y, sample_weight)
+    dataset, num_batches = self._dataset(x, None, batch_size, steps, labels=False)
     self._load_weights()
-    if isinstance(x, tf.data.Dataset):
-      spec = x.element_spec
-      if isinstance(spec, tuple) and len(spec) == 2:
-        x = x.map(lambda a, b: a)
-    dataset, num_batches = data.as_dataset(x, None, batch_size, steps, labels=False)
+    verbose = 1 if verbose == "auto" else verbose
     outputs = {}
-    self.runtime.infer_epoch(iter(dataset), num_batches,
-                             lambda b, ys: outputs.__setitem__(b, ys[0].numpy()), with_labels=False)
+    with learning_rate.driving(self.model, self.optimizer):
+      cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
+                                         verbose=verbose, epochs=1, steps=num_batches)
+      cbs.on_predict_begin()
+
+      def on_result(b, ys):
+        outputs[b] = ys[0].numpy()
+        cbs.on_predict_batch_end(b, {"outputs": outputs[b]})
+
+      self.runtime.infer_epoch(iter(dataset), num_batches, on_result, with_labels=False,
+                               before=cbs.on_predict_batch_begin)
+      cbs.on_predict_end()
     return np.concatenate([outputs[b] for b in range(num_batches)], axis=0)

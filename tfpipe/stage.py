@@ -213,37 +213,51 @@ class StageProgram:
       joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
       return self._input_grads(joined)
 
-  def _last_step(self, xs, y, s, scale, accumulate):
+  def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
+    """The last stage's forward, loss, backward and update: returns (loss, input gradients,
+    the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
     with tf.device(self.device):
       weights = self.weights(s, self.policy.forward == "predicted")
       float_xs = self._float_inputs(xs)
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
         ys, reg, _ = self._call(weights, xs, training=True)
-        loss = self.loss(y, ys[0])
+        loss = self.loss(y, ys[0], sample_weight=sample_weight)
         total = loss + tf.cast(reg, loss.dtype)
         scaled = total * tf.cast(scale, total.dtype)
       grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
       self._update(grads[:len(weights)], accumulate)
-      self._update_metrics(y, ys[0], total)
-      return total, self._input_grads(grads[len(weights):])
+      self._update_metrics(y, ys[0], total, sample_weight)
+      return total, self._input_grads(grads[len(weights):]), self._logs()
 
   def _infer(self, xs):
     with tf.device(self.device):
       return self._call(self.weights(0, False), xs, training=False)[0]
 
-  def _evaluate_last(self, xs, y):
+  def _evaluate_last(self, xs, y, sample_weight):
+    """Loss and metrics of a batch with the current weights; returns the running logs."""
     with tf.device(self.device):
       ys, reg, _ = self._call(self.weights(0, False), xs, training=False)
-      loss = self.loss(y, ys[0]) + reg
-      self._update_metrics(y, ys[0], loss)
-      return loss
+      loss = self.loss(y, ys[0], sample_weight=sample_weight) + reg
+      self._update_metrics(y, ys[0], loss, sample_weight)
+      return self._logs()
 
-  def _update_metrics(self, y, y_pred, loss):
+  def _update_metrics(self, y, y_pred, loss, sample_weight):
     if self.loss_tracker is not None:
       self.loss_tracker.update_state(loss, sample_weight=tf.shape(y_pred)[0])
     for metric in self.metrics:
-      metric.update_state(y, y_pred)
+      metric.update_state(y, y_pred, sample_weight=sample_weight)
+
+  def _logs(self):
+    """The running loss and metric results (what Keras passes to batch hooks)."""
+    logs = {"loss": self.loss_tracker.result()}
+    for metric in self.metrics:
+      result = metric.result()
+      if isinstance(result, dict):
+        logs.update(result)
+      else:
+        logs[metric.name] = result
+    return logs
 
   # Eager task wrappers.
 

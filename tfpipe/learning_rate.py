@@ -1,0 +1,73 @@
+"""The optimizer Keras callbacks see: one learning rate that drives every stage's optimizer.
+
+K: stages. Each stage trains with its own optimizer (its own slots and step
+counter), cloned from the one given to `Pipeline.compile`. Keras callbacks
+(`LearningRateScheduler`, `ReduceLROnPlateau`, `TensorBoard`, a user's) read
+and write `model.optimizer.learning_rate`. During `fit`, `evaluate` and
+`predict`, `model.optimizer` is the compiled optimizer (the driver); after
+every callback hook the pipeline pushes its learning rate to the K stage
+optimizers, so a rate set in a hook is the one every stage uses from its
+next update on, and reading it gives the rate in force. The pipeline drains
+at epoch ends, so a rate set in an epoch hook (`LearningRateScheduler`,
+`ReduceLROnPlateau`) governs exactly the next epoch's updates, as in Keras; a
+rate set in a batch hook reaches each stage's next update, which for the up
+to K batches already in flight may be later than in Keras.
+
+A `keras.optimizers.schedules.LearningRateSchedule` keeps working: each stage
+steps it by its own update count, and the driver's `iterations` follow the
+last stage's, so reading the driver's rate gives the last stage's. Setting
+the rate of a schedule raises Keras's own TypeError, as in `model.fit`.
+"""
+
+import keras
+
+__all__ = ["LearningRateLink", "driving"]
+
+_MISSING = object()
+
+
+class LearningRateLink:
+  """Keeps the stage optimizers' learning rates equal to the driver's."""
+
+  def __init__(self, driver, stage_optimizers, updates):
+    """`updates()`: the last stage's updates so far, counted by the executor (read without
+    touching the stage's device, which may be remote)."""
+    self.driver, self.stages, self.updates = driver, list(stage_optimizers), updates
+    self._base = int(self.stages[-1].iterations.numpy()) - updates()
+    self.schedule = isinstance(driver._learning_rate,  # pylint: disable=protected-access
+                               keras.optimizers.schedules.LearningRateSchedule)
+    self._pushed = None
+
+  def sync(self):
+    """Before a callback hook: the last stage's step count to the driver (what TensorBoard
+    and schedules read)."""
+    self.driver.iterations.assign(self._base + self.updates())
+
+  def push(self):
+    """After a callback hook: the driver's rate to every stage."""
+    if self.schedule:
+      return
+    value = float(self.driver.learning_rate)
+    if value != self._pushed:
+      for optimizer in self.stages:
+        optimizer.learning_rate = value
+      self._pushed = value
+
+
+class driving:  # pylint: disable=invalid-name
+  """Context manager: `model.optimizer` is `driver` inside, what it was (or nothing) after."""
+
+  def __init__(self, model, driver):
+    self.model, self.driver = model, driver
+
+  def __enter__(self):
+    self._before = self.model.__dict__.get("optimizer", _MISSING)
+    self.model.optimizer = self.driver
+    return self.driver
+
+  def __exit__(self, *exc):
+    if self._before is _MISSING:
+      del self.model.optimizer
+    else:
+      self.model.optimizer = self._before
+    return False

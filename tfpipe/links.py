@@ -1,0 +1,236 @@
+"""Links: the threads, channels, barrier and stop gate that executors run stages with.
+
+K: stages, b: mini-batch. Channels are bounded FIFOs whose blocking calls
+give up when the epoch's `stop` event is set (an error somewhere) or when a
+`cancel` test says the item will never come (training stopped early, see
+`Gate`). `spawn` starts threads and always joins them; the first exception
+in any thread stops the others and is re-raised in the caller.
+"""
+
+import collections
+import contextlib
+import queue
+import sys
+import threading
+
+import keras
+import tensorflow as tf
+
+from tfpipe import schedules
+
+__all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Gate", "Links", "spawn",
+           "split", "concat", "copy_to"]
+
+
+class Stopped(Exception):
+  """Raised in a thread when another thread failed and the pipeline stops."""
+
+
+class Skipped(Exception):
+  """Raised by a blocking call whose item never comes: its batch was not admitted (`Gate`)."""
+
+
+class OutOfData(Exception):
+  """The input iterator ended before the epoch's batch count."""
+
+
+class Channel:
+  """A bounded FIFO whose blocking put/get give up when `stop` is set."""
+
+  def __init__(self, stop, maxsize=0, poll=0.05):
+    self._queue, self._stop, self._poll = queue.Queue(maxsize), stop, poll
+
+  def put(self, item):
+    while True:
+      if self._stop.is_set():
+        raise Stopped()
+      try:
+        return self._queue.put(item, timeout=self._poll)
+      except queue.Full:
+        pass
+
+  def get(self, cancel=None):
+    """The next item; raises Skipped once `cancel()` is true and nothing has come."""
+    while True:
+      if self._stop.is_set():
+        raise Stopped()
+      try:
+        return self._queue.get(timeout=self._poll)
+      except queue.Empty:
+        if cancel is not None and cancel():
+          raise Skipped() from None
+
+
+class Barrier:
+  """All `parties` threads wait in `wait()` until the last arrives; gives up when `stop` is set."""
+
+  def __init__(self, parties, stop, poll=0.05):
+    self._parties, self._stop, self._poll = parties, stop, poll
+    self._cond = threading.Condition()
+    self._arrived, self._generation = 0, 0
+
+  def wait(self, cancel=None):
+    with self._cond:
+      generation = self._generation
+      self._arrived += 1
+      if self._arrived == self._parties:
+        self._arrived, self._generation = 0, generation + 1
+        self._cond.notify_all()
+        return
+      while self._generation == generation:
+        if self._stop.is_set():
+          raise Stopped()
+        if cancel is not None and cancel():
+          self._arrived -= 1
+          raise Skipped()
+        self._cond.wait(self._poll)
+
+
+class Gate:
+  """Stage 0 admits mini-batches one by one until a stop is requested.
+
+  The caller requests a stop (`model.stop_training` in a batch hook); stage 0
+  then admits no further batch, and the first batch it did not admit becomes
+  `limit`. Every stage skips the tasks of batches >= limit and finishes the
+  others: the pipeline drains what is in flight. Running a verified schedule
+  restricted to the batches below `limit` cannot deadlock: every task of a
+  batch depends on stage 0 admitting it, so no kept task waits on a skipped one.
+  """
+
+  def __init__(self):
+    self.requested = threading.Event()
+    self.limit = None
+
+  def admit(self, b):
+    """Stage 0, before reading batch b: True to train it."""
+    if self.limit is None and self.requested.is_set():
+      self.limit = b
+    return self.limit is None or b < self.limit
+
+  def gone(self, b):
+    """True when batch b will never be trained (stage 0 stopped before it)."""
+    limit = self.limit
+    return limit is not None and b >= limit
+
+
+def split(value, sizes):
+  """Splits a tensor (or a list of tensors) along the batch axis into pieces of `sizes`."""
+  if isinstance(value, (list, tuple)):
+    parts = [tf.split(v, sizes) for v in value]
+    return [list(p) for p in zip(*parts)]
+  return tf.split(value, sizes)
+
+
+def concat(values):
+  """The inverse of `split`: pieces (tensors or tensor lists) joined along the batch axis."""
+  if values[0] is None:
+    return None
+  if isinstance(values[0], (list, tuple)):
+    return [None if parts[0] is None else tf.concat(parts, 0) for parts in zip(*values)]
+  return tf.concat(values, 0)
+
+
+def copy_to(device, payload):
+  """Copies a payload's tensors onto `device`: a tensor list or (tensor list, scale)."""
+  tensors, meta = payload if isinstance(payload, tuple) else (payload, None)
+  with tf.device(device):
+    copied = [tf.identity(t) if t is not None else None for t in tensors]
+  return copied if meta is None else (copied, meta)
+
+
+class Links:
+  """The channels of one epoch: per cut a (sender, receiver) pair each way, labels, results.
+
+  Stage 0 reads mini-batches `(inputs, y[, sample_weight])` (inputs a tuple,
+  see `tfpipe.data`); labels and sample weights travel to the last stage on
+  their own channel.
+  """
+
+  def __init__(self, K, poll, maxsize, micro_batches=1):
+    self.K, self.stop, self.micro_batches = K, threading.Event(), micro_batches
+    pair = lambda: (Channel(self.stop, maxsize, poll), Channel(self.stop, maxsize, poll))
+    self.forward = [pair() for _ in range(K - 1)]
+    self.backward = [pair() for _ in range(K - 1)]
+    self.barrier = Barrier(K, self.stop, poll)  # S tasks (lock-step steps)
+    self.labels = Channel(self.stop, 0, poll)   # stage 0 -> last stage
+    # last stage -> caller, bounded: the pipeline runs at most `maxsize` batches ahead of the
+    # caller's batch hooks (what they set reaches the stages within that many batches)
+    self.results = Channel(self.stop, maxsize, poll)
+    self.gate = Gate()
+    self._pieces = collections.deque()          # stage 0: the current mini-batch's micro-batches
+
+  def cancel(self, b):
+    """The cancel test of a blocking call for batch b."""
+    return lambda: self.gate.gone(b)
+
+  def inputs(self, k, batches, labelled, b, micro=None):
+    """Stage k's next inputs, their share of the mini-batch, and at the last stage the
+    labels and sample weights (y, sample_weight).
+
+    Stage 0 reads a mini-batch at its first micro-batch (if the gate admits
+    it) and splits it. Raises Skipped for a batch that will not be trained.
+    """
+    if k > 0:
+      _, (xs, scale) = self.forward[k - 1][1].get(self.cancel(b))
+      y = self.labels.get(self.cancel(b)) if labelled and k == self.K - 1 else None
+      return xs, y, scale
+    if not self._pieces:
+      if not self.gate.admit(b):
+        raise Skipped()
+      try:
+        item = next(batches)
+      except StopIteration:
+        raise OutOfData() from None
+      x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(item) if labelled else (
+          item, None, None)
+      xs = list(x) if isinstance(x, (tuple, list)) else [x]
+      if micro is None:
+        self._pieces.append((xs, (y, sample_weight), 1.0))
+      else:
+        n = int(tf.shape(xs[0])[0])
+        sizes = schedules.micro_sizes(n, self.micro_batches)
+        ys = split(y, sizes) if labelled else [None] * len(sizes)
+        ws = split(sample_weight, sizes) if sample_weight is not None else [None] * len(sizes)
+        self._pieces.extend((x_i, (y_i, w_i), size / n)
+                            for x_i, y_i, w_i, size in zip(split(xs, sizes), ys, ws, sizes))
+    xs, y, scale = self._pieces.popleft()
+    if labelled and self.K > 1:
+      self.labels.put(y)
+    return xs, y, scale
+
+
+@contextlib.contextmanager
+def spawn(stop):
+  """Starts threads with `launch(fn, name)`; always joins them; re-raises the first error.
+
+  The body runs in the caller's thread (it may consume results); an exception
+  there also stops the threads.
+  """
+  threads, errors = [], []
+
+  def launch(fn, name):
+    def run():
+      try:
+        fn()
+      except Stopped:
+        pass
+      except BaseException:  # pylint: disable=broad-except
+        errors.append(sys.exc_info())
+        stop.set()
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    threads.append(thread)
+    thread.start()
+
+  try:
+    yield launch
+  except Stopped:
+    pass
+  except BaseException:
+    stop.set()
+    raise
+  finally:
+    for thread in threads:
+      thread.join()
+  if errors:
+    _, error, traceback = errors[0]
+    raise error.with_traceback(traceback)
