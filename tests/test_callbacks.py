@@ -99,3 +99,14 @@ def test_terminate_on_nan_stops_at_the_first_nan_batch():
   assert got.calls == expected.calls
   assert got.calls[-3] == ("on_train_batch_end", 4)
   assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+
+
+def test_early_stopping_finds_the_direction_of_a_compiled_metric():
+  # mode="auto" asks the model's metrics whether "accuracy" should rise: the user's model was
+  # never compiled, the pipeline's metrics stand in during fit and are gone after.
+  x, y = helpers.as_arrays(helpers.batches(4))
+  pipe = _pipe()
+  stop = keras.callbacks.EarlyStopping(monitor="val_accuracy", patience=1)
+  pipe.fit(x, y, batch_size=16, epochs=3, verbose=0, validation_data=(x, y), callbacks=[stop])
+  assert stop.monitor_op is not None and stop.min_delta >= 0   # "up": maximise
+  assert pipe.model.metrics == [] and not hasattr(pipe.model, "optimizer")

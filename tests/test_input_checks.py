@@ -56,3 +56,34 @@ def test_the_same_device_twice_is_refused():
     tfpipe.Pipeline(helpers.mlp(), devices=["/device:CPU:1", "/CPU:1"])
   with pytest.raises(ValueError, match="are the same device"):
     tfpipe.Pipeline(helpers.mlp(), devices=DEVICES[:2] + [DEVICES[1]], stage_replicas={1: 2})
+
+
+class _PyFunctionLayer(keras.layers.Layer):
+  def call(self, x):
+    y = tf.py_function(lambda t: t * 2.0, [x], tf.float32)
+    y.set_shape(x.shape)
+    return y
+
+
+def _py_function_model():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((8,))
+  h = _PyFunctionLayer(name="py_layer")(keras.layers.Dense(16)(x))
+  return keras.Model(x, keras.layers.Dense(3)(keras.layers.Dense(16)(h)))
+
+
+def test_a_py_function_in_a_stage_that_keeps_tapes_is_refused_at_compile():
+  pipe = tfpipe.Pipeline(_py_function_model(), num_stages=2, method="pipedream",
+                         partition=[0, 3, 4])
+  with pytest.raises(ValueError, match=r"stage 0 runs a tf.py_function \(in 'py_layer'\), and "
+                                       r"method 'pipedream' keeps each forward's tape"):
+    pipe.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+
+
+def test_a_py_function_trains_with_a_method_that_recomputes():
+  x, y = helpers.as_arrays(helpers.batches(6))
+  pipe = tfpipe.Pipeline(_py_function_model(), num_stages=2, method="vanilla",
+                         partition=[0, 3, 4])
+  pipe.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+  history = pipe.fit(x, y, batch_size=16, verbose=0)
+  assert np.isfinite(history.history["loss"][0])

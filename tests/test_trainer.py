@@ -44,7 +44,27 @@ def test_typo_in_method_gets_did_you_mean():
 
 def test_flag_validators_refuse_bad_values():
   result = _cli("--momentum=1.5")
-  assert result.returncode != 0 and "--momentum must be in [0, 1)" in result.stderr
+  assert result.returncode == 2 and "--momentum must be in [0, 1)" in result.stderr
+
+
+def test_help_lists_the_trainer_flags():
+  result = _cli("--help")
+  assert result.returncode == 0
+  for flag in ("--method", "--num_stages", "--stage_replicas", "--trace_steps", "--cluster"):
+    assert flag in result.stdout, flag
+  assert "Exit codes" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--momentum=2"], "--momentum must be in [0, 1)"),
+    (["--no_such_flag"], "Unknown command line flag 'no_such_flag'"),
+    (["stray"], "unexpected arguments: stray"),
+    (["--method=spectrian"], "did you mean 'spectrain'"),
+])
+def test_every_usage_error_exits_with_the_same_code(args, message):
+  result = _cli(*args, "--steps=1", "--snn_depth=2", "--snn_width=8")
+  assert result.returncode == main.USAGE_ERROR == 2
+  assert message in result.stderr and "Traceback" not in result.stderr
 
 
 # asgd joins a cluster, which would stay joined in this process: it has a test of its own.
@@ -110,7 +130,8 @@ def test_instruments_from_the_command_line(tmp_path):
                 "--throughput_window=1,6", "--prediction_error")
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
-  assert "throughput over steps 1..6:" in out and "samples/s" in out
+  assert "throughput over steps 1..6:" in out and "(steady state" in out
+  assert "samples/s, last epoch (all its batches" in out   # the two figures say which is which
   assert "time breakdown" in out and "idle_imbalance" in out
   assert "s=3: predicted" in out
   trace_dir = tmp_path / "spectrain" / "trace"

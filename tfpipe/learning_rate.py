@@ -1,4 +1,4 @@
-"""The optimizer Keras callbacks see: one learning rate that drives every stage's optimizer.
+"""What Keras callbacks see: one learning rate that drives every stage's optimizer.
 
 K: stages. Each stage trains with its own optimizer (its own slots and step
 counter), cloned from the one given to `Pipeline.compile`. Keras callbacks
@@ -20,6 +20,7 @@ the rate of a schedule raises Keras's own TypeError, as in `model.fit`.
 """
 
 import keras
+from keras.src.trainers import compile_utils as keras_compile_utils
 
 __all__ = ["LearningRateLink", "driving"]
 
@@ -55,14 +56,23 @@ class LearningRateLink:
 
 
 class driving:  # pylint: disable=invalid-name
-  """Context manager: `model.optimizer` is `driver` inside, what it was (or nothing) after."""
+  """Context manager: callbacks see the pipeline's optimizer and metrics on the user's model.
 
-  def __init__(self, model, driver):
+  Inside, `model.optimizer` is `driver` and `model.metrics` also lists the
+  compiled `metrics` (as Keras's compiled metrics list, where `EarlyStopping`
+  and `ModelCheckpoint` look up whether a metric should rise or fall); after,
+  the model has what it had before (its own optimizer, or none).
+  """
+
+  def __init__(self, model, driver, metrics=()):
     self.model, self.driver = model, driver
+    self.metrics = keras_compile_utils.MetricsList(list(metrics)) if metrics else None
 
   def __enter__(self):
     self._before = self.model.__dict__.get("optimizer", _MISSING)
     self.model.optimizer = self.driver
+    if self.metrics is not None:
+      self.model._metrics.append(self.metrics)  # pylint: disable=protected-access
     return self.driver
 
   def __exit__(self, *exc):
@@ -70,4 +80,6 @@ class driving:  # pylint: disable=invalid-name
       del self.model.optimizer
     else:
       self.model.optimizer = self._before
+    if self.metrics is not None:
+      self.model._metrics.remove(self.metrics)  # pylint: disable=protected-access
     return False

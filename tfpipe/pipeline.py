@@ -201,6 +201,8 @@ class Pipeline:
           loss=self.loss if last else None, metrics=self.metrics if last else (),
           loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile,
           replica_devices=self.stage_devices[k]))
+    for p in programs:
+      p.check_kept_tapes()
     self.programs = programs
     self.runtime = runtime.Runtime(programs, record=self.record,
                                    maxsize=max(self.num_stages, self.micro_batches))
@@ -313,7 +315,7 @@ class Pipeline:
                                self.micro_batches)
     diffs = policies.version_differences(self.policy, schedule, self.version_difference)
     verbose = 1 if verbose == "auto" else verbose
-    with learning_rate.driving(self.model, self.optimizer):
+    with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                          model=self.model, verbose=verbose, epochs=epochs,
                                          steps=num_batches)
@@ -453,7 +455,7 @@ class Pipeline:
     dataset, num_batches = self._dataset(x, y, batch_size, steps, sample_weight=sample_weight)
     self._load_weights()
     verbose = 1 if verbose == "auto" else verbose
-    with learning_rate.driving(self.model, self.optimizer):
+    with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
       logs = self._evaluate(dataset, num_batches, cbs)
@@ -469,7 +471,7 @@ class Pipeline:
     self._load_weights()
     verbose = 1 if verbose == "auto" else verbose
     outputs = {}
-    with learning_rate.driving(self.model, self.optimizer):
+    with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
       cbs.on_predict_begin()

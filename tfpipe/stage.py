@@ -70,10 +70,12 @@ class StageProgram:
       optimizer.build(self.trainable)
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
+    self._functions = {}
     for name in ("forward", "backward_recompute", "update", "apply_accumulated", "last_step",
                  "infer", "evaluate_last"):
       compiled = tf.function(getattr(self, "_" + name), reduce_retracing=True,
                              jit_compile=jit_compile)
+      self._functions[name] = compiled
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
 
   def _placed(self, fn):
@@ -86,6 +88,34 @@ class StageProgram:
       with tf.device(self.device):
         return fn(*args)
     return call
+
+  def check_kept_tapes(self):
+    """Refuses a stage whose forward runs a `tf.py_function` when forward tapes are kept.
+
+    TensorFlow keeps one tape per py_function op for its gradient, so two
+    forwards in flight (each kept until its backward) overwrite each other's
+    and the backward fails. Tracing the forward here (for any batch size, so
+    the run reuses the trace) finds such ops before any work.
+    """
+    if self.policy.recompute or self.is_last:
+      return   # recomputed forwards, or the last stage's fused step: no tape outlives a task
+    specs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
+    graph = self._functions["forward"].get_concrete_function(specs, 0).graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    # EagerPyFunc: tf.py_function, whose gradient reads that cache (tf.numpy_function's PyFunc
+    # has no gradient, so nothing to break).
+    found = [n.name for n in nodes if n.op == "EagerPyFunc"]
+    if found:
+      scope = found[0].split("/")[0]   # the layer's name scope (Keras may add a suffix)
+      names = [l.name for l in self.model.layers if scope.startswith(l.name)]
+      layer = max(names, key=len) if names else scope
+      raise ValueError(
+          f"stage {self.index} runs a tf.py_function (in {layer!r}), and method "
+          f"{self.policy.method!r} keeps each forward's tape until its backward: TensorFlow's "
+          "py_function gradient keeps one tape per op, so two forwards in flight break it. "
+          "Use a method that recomputes (vanilla, feature_replay, timeprest, spectrain with "
+          "spectrain_backward='repredict', or recompute=True for sequential and gpipe), or "
+          "write the layer with TensorFlow ops")
 
   # Weights and the stage call.
 

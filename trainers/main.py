@@ -2,6 +2,8 @@
 
 Prints one line per epoch (loss, accuracy, samples/s), a summary table at the
 end, and writes every epoch's numbers as TensorBoard scalars under --logdir.
+Exit codes: 0 done, 2 a usage error (a bad flag, value or combination; the
+message names it), 3 a TF server of the cluster was lost.
 """
 
 import contextlib
@@ -12,6 +14,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
 
 from trainers import flags as trainer_flags  # noqa: E402
 from trainers.config import TrainConfig  # noqa: E402
@@ -210,16 +213,40 @@ def checkpoint_callback(config):
   return keras.callbacks.BackupAndRestore(config.checkpoint_dir, delete_checkpoint=False)
 
 
+USAGE_ERROR = 2   # every usage error exits with this code
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort")
+
+
+def _usage_error(message):
+  print(f"error: {message}\nTry --help for the trainer's flags.", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
+
+
+def _parse_flags(argv):
+  """absl's parsing, with flag errors as usage errors (exit code 2, one message)."""
+  try:
+    return trainer_flags.FLAGS(argv)
+  except flags.Error as e:
+    _usage_error(e)
+
+
+def _help():
+  """The trainer's flags (absl's --helpfull adds absl's and TensorFlow's own)."""
+  print(__doc__)
+  print(trainer_flags.FLAGS.module_help(trainer_flags))
+  print("\nabsl's own flags (--flagfile, --logtostderr, ...): --helpfull")
+
+
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config = TrainConfig.from_flags(trainer_flags.FLAGS)
   from trainers import datasets
   try:
     history, _, lines = run(config)
   except (datasets.DataUnavailableError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return USAGE_ERROR
   except Exception as e:  # pylint: disable=broad-except
     import tfpipe
     if not isinstance(e, tfpipe.cluster.WorkerLost):
@@ -240,7 +267,11 @@ def main(argv):
 
 def entry():
   trainer_flags.define_flags()
-  app.run(main)
+  flags.adopt_module_key_flags(trainer_flags)   # absl's --helpshort lists them too
+  if any(a in HELP_FLAGS for a in sys.argv[1:]):
+    _help()
+    sys.exit(0)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
