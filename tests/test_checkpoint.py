@@ -111,3 +111,20 @@ def test_bad_arguments():
     checkpoint.BackupAndRestore("d", every_epochs=0)
   with pytest.raises(ValueError, match="`initial_epoch` must be an integer >= 0"):
     _pipeline("sequential", 0).fit(*_data(), initial_epoch=-1, verbose=0)
+
+
+def test_a_resumed_run_keeps_the_learning_rate_its_callbacks_set(tmp_path):
+  x, y = _data()
+  first = _pipeline("pipedream", seed=0)
+  halve = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                            min_delta=10.0)
+  first.fit(x, y, batch_size=16, epochs=2, verbose=0,
+            callbacks=[halve, checkpoint.BackupAndRestore(str(tmp_path))])
+  reduced = float(first.programs[0].optimizer.learning_rate)
+  assert reduced < 0.05
+  second = _pipeline("pipedream", seed=1)
+  second.fit(x, y, batch_size=16, epochs=3, verbose=0,
+             callbacks=[checkpoint.BackupAndRestore(str(tmp_path))])
+  assert float(second.optimizer.learning_rate) == pytest.approx(reduced)
+  assert [float(p.optimizer.learning_rate) for p in second.programs] == pytest.approx(
+      [reduced] * 3)

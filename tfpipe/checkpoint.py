@@ -3,7 +3,8 @@
 A pipeline drains at the end of every epoch (no batch is in flight, no
 weight stash or prediction is kept), so a checkpoint at an epoch boundary
 holds everything training needs: every stage's weights and non-trainable
-state, its optimizer's slots and step counter, and the number of epochs
+state, its optimizer's slots and step counter, the learning rate in force
+(what callbacks set on `model.optimizer`), and the number of epochs
 done (the data position); gradient accumulators are empty then. On resume `fit` starts
 at that epoch and replays the data order: a dataset shuffled with a seed
 and `reshuffle_each_iteration` gets the same order as in an uninterrupted
@@ -54,12 +55,16 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.pipeline = pipeline
     with tf.device("/cpu:0"):
       self._epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="epochs_done")
+      # The rate `model.optimizer` holds (a callback may have just set it, before the stages
+      # take it at the end of the hook): restored into it, so a reduced rate stays reduced.
+      self._rate = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="learning_rate")
     stages = {}
     for k, program in enumerate(pipeline.programs):
       stages[f"stage{k}"] = tf.train.Checkpoint(
           weights=list(program.trainable), state=list(program.non_trainable),
           optimizer=list(program.optimizer.variables))
-    self._checkpoint = tf.train.Checkpoint(epochs_done=self._epochs, **stages)
+    self._checkpoint = tf.train.Checkpoint(epochs_done=self._epochs, learning_rate=self._rate,
+                                           **stages)
     self.manager = tf.train.CheckpointManager(self._checkpoint, self.directory,
                                               max_to_keep=self.max_to_keep)
 
@@ -71,12 +76,20 @@ class BackupAndRestore(keras.callbacks.Callback):
       return 0
     self._checkpoint.restore(latest).assert_existing_objects_matched()
     self.restored_epoch = int(self._epochs.numpy())
+    if float(self._rate.numpy()) >= 0 and not self._schedule():
+      self.pipeline.optimizer.learning_rate = float(self._rate.numpy())
     return self.restored_epoch
 
   def save(self, epochs_done):
     """Writes a checkpoint after `epochs_done` epochs; returns its path."""
     self._epochs.assign(epochs_done)
+    if not self._schedule():
+      self._rate.assign(float(self.pipeline.optimizer.learning_rate))
     return self.manager.save(checkpoint_number=epochs_done)
+
+  def _schedule(self):
+    return isinstance(self.pipeline.optimizer._learning_rate,  # pylint: disable=protected-access
+                      keras.optimizers.schedules.LearningRateSchedule)
 
   def on_epoch_end(self, epoch, logs=None):
     if self.pipeline is not None and (epoch + 1) % self.every_epochs == 0:
