@@ -35,3 +35,18 @@ def test_create_names_methods():
   assert isinstance(tfpipe.create(helpers.mlp(), "vanilla", num_stages=2), tfpipe.Pipeline)
   with pytest.raises(ValueError, match="did you mean 'dataparallel'"):
     tfpipe.create(helpers.mlp(), "dataparalel")
+
+
+def test_baselines_take_keras_fit_arguments_like_the_pipeline():
+  x, y = helpers.as_arrays(helpers.batches(6))
+  weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
+  trained = []
+  for method in ("single", "sequential"):
+    model = helpers.mlp()
+    runner = tfpipe.create(model, method, num_stages=None if method == "single" else 2)
+    runner.compile(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+    history = runner.fit(x, y, batch_size=16, shuffle=False, verbose=0, sample_weight=weights,
+                         validation_split=0.25, validation_freq=1)
+    assert "val_loss" in history.history
+    trained.append(model.get_weights())
+  helpers.assert_weights_close(trained[1], trained[0])

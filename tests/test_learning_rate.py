@@ -130,10 +130,13 @@ def _scalars(logdir, tag):
   return values
 
 
-def test_tensorboard_logs_the_rate_in_force_on_an_uncompiled_model(tmp_path):
+@pytest.mark.parametrize("precompiled", [False, True])
+def test_tensorboard_logs_the_rate_in_force_compiled_or_not(tmp_path, precompiled):
   x, y = helpers.as_arrays(helpers.batches(4))
   model = helpers.mlp()
-  assert not hasattr(model, "optimizer")
+  if precompiled:
+    model.compile(keras.optimizers.Adam(0.3), "mse")
+  assert hasattr(model, "optimizer") == precompiled
   pipe = tfpipe.Pipeline(model, num_stages=2, method="pipedream")
   pipe.compile(keras.optimizers.SGD(LR), LOSS)
   pipe.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[

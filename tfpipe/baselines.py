@@ -31,22 +31,28 @@ class _KerasRunner:
       self.model.set_weights(self._trained.get_weights())
 
   def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-          validation_data=None, shuffle=True, steps_per_epoch=None, seed=None):
+          validation_data=None, shuffle=True, steps_per_epoch=None, seed=None, **keras_fit):
+    """`keras.Model.fit` (its other arguments pass through); `seed` is the Pipeline's
+    shuffle seed, which Keras takes from the global seed instead."""
+    del seed
     self._check_batch(x, batch_size)
     history = _ThroughputHistory(_samples_per_epoch(x, batch_size, steps_per_epoch))
     history_cbs = list(callbacks or []) + [history]
     result = self._trained.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                                callbacks=history_cbs, validation_data=validation_data,
-                               shuffle=shuffle, steps_per_epoch=steps_per_epoch)
+                               shuffle=shuffle, steps_per_epoch=steps_per_epoch, **keras_fit)
     self._sync_back()
     return result
 
-  def evaluate(self, x=None, y=None, batch_size=None, steps=None, return_dict=False, verbose=0):
-    return self._trained.evaluate(x, y, batch_size=batch_size, steps=steps,
-                                  return_dict=return_dict, verbose=verbose)
+  def evaluate(self, x=None, y=None, batch_size=None, verbose=0, sample_weight=None, steps=None,
+               callbacks=None, return_dict=False):
+    return self._trained.evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                  sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                  return_dict=return_dict)
 
-  def predict(self, x, batch_size=None, steps=None):
-    return self._trained.predict(x, batch_size=batch_size, steps=steps, verbose=0)
+  def predict(self, x, batch_size=None, verbose=0, steps=None, callbacks=None):
+    return self._trained.predict(x, batch_size=batch_size, verbose=verbose, steps=steps,
+                                 callbacks=callbacks)
 
   def _check_batch(self, x, batch_size):
     pass
