@@ -144,3 +144,20 @@ def test_tensorboard_logs_the_rate_in_force_compiled_or_not(tmp_path, precompile
       keras.callbacks.TensorBoard(str(tmp_path), write_graph=False)])
   assert _scalars(tmp_path, "epoch_learning_rate") == pytest.approx([0.05, 0.02, 0.01])
   assert [float(p.optimizer.learning_rate) for p in pipe.programs] == pytest.approx([0.01, 0.01])
+
+
+class AssignRate(keras.callbacks.Callback):
+  """Assigns the rate variable itself (not the optimizer's setter) at epoch 1."""
+
+  def on_epoch_begin(self, epoch, logs=None):
+    if epoch == 1:
+      self.model.optimizer.learning_rate.assign(0.0)
+
+
+def test_assigning_the_rate_variable_reaches_the_stages_and_fit_leaves_no_trace():
+  (keras_log, _), (pipe_log, _), models = _both(lambda: [AssignRate()], epochs=2)
+  np.testing.assert_allclose(pipe_log.rates, keras_log.rates)
+  assert pipe_log.stage_rates[-1] == [0.0, 0.0]
+  helpers.assert_weights_close(models[0].get_weights(), models[1].get_weights())
+  pipe = pipe_log.pipe
+  assert not {"assign", "assign_add", "assign_sub"} & set(vars(pipe.optimizer._learning_rate))

@@ -131,7 +131,7 @@ def test_instruments_from_the_command_line(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "throughput over steps 1..6:" in out and "(steady state" in out
-  assert "samples/s, last epoch (all its batches" in out   # the two figures say which is which
+  assert "samples/s, whole last epoch" in out   # the two figures say which is which
   assert "time breakdown" in out and "idle_imbalance" in out
   assert "s=3: predicted" in out
   trace_dir = tmp_path / "spectrain" / "trace"

@@ -70,12 +70,10 @@ class StageProgram:
       optimizer.build(self.trainable)
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
-    self._functions = {}
     for name in ("forward", "backward_recompute", "update", "apply_accumulated", "last_step",
                  "infer", "evaluate_last"):
       compiled = tf.function(getattr(self, "_" + name), reduce_retracing=True,
                              jit_compile=jit_compile)
-      self._functions[name] = compiled
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
 
   def _placed(self, fn):
@@ -94,13 +92,15 @@ class StageProgram:
 
     TensorFlow keeps one tape per py_function op for its gradient, so two
     forwards in flight (each kept until its backward) overwrite each other's
-    and the backward fails. Tracing the forward here (for any batch size, so
-    the run reuses the trace) finds such ops before any work.
+    and the backward fails. Tracing the forward here, in a function of its
+    own (the run keeps its traces for exact batch shapes), finds such ops
+    before any work.
     """
     if self.policy.recompute or self.is_last:
       return   # recomputed forwards, or the last stage's fused step: no tape outlives a task
     specs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
-    graph = self._functions["forward"].get_concrete_function(specs, 0).graph.as_graph_def()
+    trace = tf.function(self._forward).get_concrete_function(specs, 0)
+    graph = trace.graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     # EagerPyFunc: tf.py_function, whose gradient reads that cache (tf.numpy_function's PyFunc
     # has no gradient, so nothing to break).

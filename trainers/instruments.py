@@ -67,8 +67,8 @@ class Instruments:
       try:
         rate = self.meter.samples_per_second()
         scalars["throughput/samples_per_second"] = rate
-        lines.append(f"throughput over steps {a}..{b}: {rate:.1f} samples/s (steady state: "
-                     "those steps only, time between epochs left out)")
+        lines.append(f"throughput over steps {a}..{b}: {rate:.1f} samples/s (steady state; "
+                     "'samples/s, whole last epoch' above includes pipeline fill and drain)")
       except ValueError as e:
         lines.append(f"throughput over steps {a}..{b}: not measured ({e})")
     if self.pipeline and self.config.breakdown:

@@ -38,7 +38,7 @@ def format_table(config, history):
     if key in history:
       rows.append((key, f"{history[key][-1]:.4f}"))
   if "samples_per_second" in history:
-    rows.append(("samples/s, last epoch (all its batches, pipeline fill and drain included)",
+    rows.append(("samples/s, whole last epoch",
                  f"{history['samples_per_second'][-1]:.1f}"))
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
