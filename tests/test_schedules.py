@@ -140,3 +140,11 @@ def test_rejects_bad_sizes_and_names():
     schedules.build("1f1c", 2, 2)
   with pytest.raises(ValueError, match="the 'ddg' schedule has no micro-batches. Received: M=2"):
     schedules.build("ddg", 2, 2, 2)
+
+
+def test_lead_is_how_far_stage_0_runs_ahead():
+  # sequential: F0 B0 F1 ...; 1F1B K=3: F0 F1 F2 B0 F3 ... (three batches before B0 ends).
+  assert [schedules.lead(schedules.build("sequential", K, 8)) for K in (1, 2, 3)] == [1, 1, 1]
+  assert [schedules.lead(schedules.build("gpipe", K, 8, 4)) for K in (2, 4)] == [1, 1]
+  assert [schedules.lead(schedules.build("1f1b", K, 8)) for K in (1, 2, 3, 4)] == [1, 2, 3, 4]
+  assert [schedules.lead(schedules.build("ddg", K, 8)) for K in (2, 3)] == [2, 3]

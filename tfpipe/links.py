@@ -2,8 +2,7 @@
 
 K: stages, b: mini-batch. Channels are bounded FIFOs whose blocking calls
 give up when the epoch's `stop` event is set (an error somewhere) or when a
-`cancel` test says the item will never come (training stopped early, see
-`Gate`). `spawn` starts threads and always joins them; the first exception
+`cancel` test says the item will never come (training stopped, see `Gate`). `spawn` starts threads and always joins them; the first exception
 in any thread stops the others and is re-raised in the caller.
 """
 
@@ -87,28 +86,43 @@ class Barrier:
 
 
 class Gate:
-  """Stage 0 admits mini-batches one by one until a stop is requested.
+  """Stage 0 admits mini-batch b once the caller has handled batch b - `lead`, until a stop.
 
-  The caller requests a stop (`model.stop_training` in a batch hook); stage 0
-  then admits no further batch, and the first batch it did not admit becomes
-  `limit`. Every stage skips the tasks of batches >= limit and finishes the
-  others: the pipeline drains what is in flight. Running a verified schedule
-  restricted to the batches below `limit` cannot deadlock: every task of a
-  batch depends on stage 0 admitting it, so no kept task waits on a skipped one.
+  `lead` L (`schedules.lead`) is how far ahead the schedule itself lets stage
+  0 run, so holding batch b until batch b-L's hooks have run costs nothing
+  but the hooks' own time, and it makes a stop exact: `model.stop_training`
+  set in batch b's hooks admits batches up to b+L-1 (already in flight or
+  due) and none after. The L-1 batches in flight drain; with sequential and
+  GPipe (L = 1) none, so training stops exactly where Keras stops. Every
+  stage skips the tasks of batches >= `limit`; a verified schedule restricted
+  to the batches below it cannot deadlock, because every task of a batch
+  depends on stage 0 admitting it. `lead=None` admits at once (evaluate, predict).
   """
 
-  def __init__(self):
-    self.requested = threading.Event()
-    self.limit = None
+  def __init__(self, stop, lead=None, poll=0.05):
+    self.lead, self.limit, self._stop, self._poll = lead, None, stop, poll
+    self._handled = -1
+    self._cond = threading.Condition()
 
   def admit(self, b):
-    """Stage 0, before reading batch b: True to train it."""
-    if self.limit is None and self.requested.is_set():
-      self.limit = b
-    return self.limit is None or b < self.limit
+    """Stage 0, before reading batch b: waits for batch b-L's hooks; True to train b."""
+    with self._cond:
+      while self.lead is not None and self.limit is None and self._handled < b - self.lead:
+        if self._stop.is_set():
+          raise Stopped()
+        self._cond.wait(self._poll)
+      return self.limit is None or b < self.limit
+
+  def handled(self, b, stop=False):
+    """The caller, after batch b's hooks; `stop`: train no batch from b + L on."""
+    with self._cond:
+      self._handled = b
+      if stop and self.limit is None:
+        self.limit = b + (self.lead or 1)
+      self._cond.notify_all()
 
   def gone(self, b):
-    """True when batch b will never be trained (stage 0 stopped before it)."""
+    """True when batch b will never be trained (a stop came before it)."""
     limit = self.limit
     return limit is not None and b >= limit
 
@@ -146,17 +160,15 @@ class Links:
   their own channel.
   """
 
-  def __init__(self, K, poll, maxsize, micro_batches=1):
+  def __init__(self, K, poll, maxsize, micro_batches=1, lead=None):
     self.K, self.stop, self.micro_batches = K, threading.Event(), micro_batches
     pair = lambda: (Channel(self.stop, maxsize, poll), Channel(self.stop, maxsize, poll))
     self.forward = [pair() for _ in range(K - 1)]
     self.backward = [pair() for _ in range(K - 1)]
     self.barrier = Barrier(K, self.stop, poll)  # S tasks (lock-step steps)
     self.labels = Channel(self.stop, 0, poll)   # stage 0 -> last stage
-    # last stage -> caller, bounded: the pipeline runs at most `maxsize` batches ahead of the
-    # caller's batch hooks (what they set reaches the stages within that many batches)
-    self.results = Channel(self.stop, maxsize, poll)
-    self.gate = Gate()
+    self.results = Channel(self.stop, 0, poll)  # last stage -> caller (the gate bounds it)
+    self.gate = Gate(self.stop, lead, poll)
     self._pieces = collections.deque()          # stage 0: the current mini-batch's micro-batches
 
   def cancel(self, b):

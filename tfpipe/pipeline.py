@@ -288,9 +288,10 @@ class Pipeline:
     and metrics once b's update is done; validation and `evaluate` send the
     `on_test_*` hooks. `model.optimizer` is the compiled optimizer, whose
     learning rate drives every stage (`tfpipe.learning_rate`).
-    `model.stop_training = True` in a hook stops after that batch: stage 0
-    admits no new batch, and the at most K-1 batches already in flight finish
-    their updates (they count in the epoch's metrics; they get no batch hooks).
+    `model.stop_training = True` in a hook stops after that batch: exactly
+    the L-1 batches already due finish their updates (`schedules.lead`: none
+    for sequential and gpipe, K-1 for 1F1B and DDG; they count in the
+    epoch's metrics and get no batch hooks).
     A `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the
     pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
     """

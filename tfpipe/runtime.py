@@ -87,14 +87,15 @@ class Runtime:
     `diffs[k][task]` is the version difference of each task. In the caller's
     thread, for every mini-batch b in order: `before(b)` when it starts
     waiting for b, then `on_result(b, loss, logs)` when b is done (`logs`: the
-    running loss and metrics). When `on_result` returns True, stage 0 admits
-    no further batch and the pipeline drains what is in flight (see
-    `links.Gate`). Returns the number of mini-batches trained.
+    running loss and metrics). When `on_result` returns True, the batches
+    already due (at most L-1, `schedules.lead`) drain and no further batch is
+    trained (see `links.Gate`). Returns the number of mini-batches trained.
     """
     self.report = verify.verify(schedule, self.link_capacity)  # refuses a broken schedule
     self.epoch += 1
     K = self.K
-    links = Links(K, self.poll, self.maxsize, schedules.micro_batches(schedule))
+    links = Links(K, self.poll, self.maxsize, schedules.micro_batches(schedule),
+                  lead=schedules.lead(schedule))
     fwd, bwd, results, gate = links.forward, links.backward, links.results, links.gate
     if any(t.kind == "U" for tasks in schedule for t in tasks):
       for program in self.programs:
@@ -261,6 +262,5 @@ class Runtime:
         except Skipped:
           break
         done += 1
-        if on_result(*result):
-          links.gate.requested.set()
+        links.gate.handled(b, stop=bool(on_result(*result)))
     return done

@@ -241,6 +241,26 @@ def micro_batches(schedule):
   return max(micros) + 1 if micros else 1
 
 
+def lead(schedule):
+  """L: how many mini-batches stage 0 starts before its tasks of the earliest unfinished one end.
+
+  Stage 0 starts batch b (its first task of b) only after its last task of
+  batch b-L, so the runtime may hold the start of b until the caller has
+  handled batch b-L's result without slowing the schedule: sequential and
+  GPipe L = 1, 1F1B and DDG L = K.
+  """
+  tasks = schedule[0]
+  last = {t.batch: i for i, t in enumerate(tasks)}
+  result, finished, started = 1, set(), set()
+  for i, t in enumerate(tasks):
+    if t.batch not in started:
+      started.add(t.batch)
+      result = max(result, t.batch - len(finished) + 1)
+    if last[t.batch] == i:
+      finished.add(t.batch)
+  return result
+
+
 def micro_sizes(n, M):
   """Sizes of the M micro-batches of a mini-batch of n samples (the first n % M get one more)."""
   if n < M:
