@@ -105,6 +105,8 @@ def test_learning_rate_zero_freezes_the_weights(method):
   _, (pipe_log, _), _ = _both(make, epochs=3, method=method,
                               optimizer=lambda: tfpipe.optimizers.SpecTrain(LR, MOMENTUM))
   assert all(r == [0.0, 0.0] for r in pipe_log.stage_rates[6:])
+  initial = helpers.mlp().get_weights()
+  assert not all(np.array_equal(a, b) for a, b in zip(pipe_log.weights[0], initial))  # trained
   for a, b in zip(pipe_log.weights[0], pipe_log.weights[2]):
     np.testing.assert_array_equal(a, b)
 

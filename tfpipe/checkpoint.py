@@ -25,6 +25,8 @@ import os
 import keras
 import tensorflow as tf
 
+from tfpipe import learning_rate
+
 __all__ = ["BackupAndRestore"]
 
 
@@ -88,8 +90,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     return self.manager.save(checkpoint_number=epochs_done)
 
   def _schedule(self):
-    return isinstance(self.pipeline.optimizer._learning_rate,  # pylint: disable=protected-access
-                      keras.optimizers.schedules.LearningRateSchedule)
+    return learning_rate.is_schedule(self.pipeline.optimizer)
 
   def on_epoch_end(self, epoch, logs=None):
     if self.pipeline is not None and (epoch + 1) % self.every_epochs == 0:

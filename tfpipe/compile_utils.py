@@ -2,7 +2,7 @@
 
 import keras
 
-__all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metrics"]
+__all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metrics", "loss_name"]
 
 
 def resolve_optimizer(optimizer):
@@ -19,7 +19,8 @@ def clone_optimizer(optimizer):
   return optimizer.__class__.from_config(optimizer.get_config())
 
 
-def _loss_name(loss):
+def loss_name(loss):
+  """A loss object's or function's name (a function loss is named after its function)."""
   return getattr(loss, "name", None) or getattr(loss, "__name__", None) or str(loss)
 
 
@@ -41,7 +42,7 @@ class _FunctionLoss(keras.losses.Loss):
   """A per-sample loss function averaged over the batch, as `model.compile` does."""
 
   def __init__(self, fn):
-    super().__init__(name=_loss_name(fn), reduction="sum_over_batch_size")
+    super().__init__(name=loss_name(fn), reduction="sum_over_batch_size")
     self.fn = fn
 
   def call(self, y_true, y_pred):
@@ -62,7 +63,7 @@ def resolve_metrics(metrics, loss):
     if isinstance(m, keras.metrics.Metric):
       out.append(m)
     elif m in ("accuracy", "acc"):
-      name = _loss_name(loss).lower()
+      name = loss_name(loss).lower()
       cls = next((c for key, c in _ACCURACY.items() if key in name), keras.metrics.Accuracy)
       out.append(cls(name="accuracy"))
     else:

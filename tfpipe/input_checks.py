@@ -10,6 +10,8 @@ A dataset's labels are checked by the loss at each batch, as in Keras.
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import compile_utils
+
 __all__ = ["check_inputs", "check_labels"]
 
 
@@ -54,12 +56,6 @@ def _fits(got, want):
                                        for g, w in zip(got, want))
 
 
-def _loss_name(loss):
-  name = getattr(loss, "name", None) or ""
-  fn = getattr(loss, "fn", None)
-  return (name + " " + getattr(fn, "__name__", "")).lower()
-
-
 def check_labels(y, model, loss):
   """Refuses array labels the loss cannot take: sparse class indices outside [0, C), one-hot
   labels of another width than the model's C outputs, binary labels outside [0, 1]."""
@@ -67,7 +63,7 @@ def check_labels(y, model, loss):
     return
   y = np.asarray(y)
   classes = model.outputs[0].shape[-1]
-  name = _loss_name(loss)
+  name = compile_utils.loss_name(loss).lower()
   if "sparse_categorical" in name and classes:
     if y.size == 0:
       return

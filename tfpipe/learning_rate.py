@@ -23,9 +23,15 @@ import keras
 import numpy as np
 from keras.src.trainers import compile_utils as keras_compile_utils
 
-__all__ = ["LearningRateLink", "driving"]
+__all__ = ["LearningRateLink", "driving", "is_schedule"]
 
 _MISSING = object()
+
+
+def is_schedule(optimizer):
+  """True when the optimizer's rate is a LearningRateSchedule (not settable, as in Keras)."""
+  return isinstance(optimizer._learning_rate,  # pylint: disable=protected-access
+                    keras.optimizers.schedules.LearningRateSchedule)
 
 
 class LearningRateLink:

@@ -239,11 +239,7 @@ class Pipeline:
       m.reset_state()
 
   def _metric_logs(self, prefix=""):
-    logs = {"loss": self.loss_tracker.result()}
-    for m in self.metrics:
-      result = m.result()
-      logs.update(result if isinstance(result, dict) else {m.name: result})
-    return {prefix + k: float(v) for k, v in logs.items()}
+    return {prefix + k: float(v) for k, v in self.programs[-1].logs().items()}
 
   def _dataset(self, x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
                labels=True, sample_weight=None, class_weight=None):

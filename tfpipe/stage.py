@@ -258,7 +258,7 @@ class StageProgram:
       grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
       self._update(grads[:len(weights)], accumulate)
       self._update_metrics(y, ys[0], total, sample_weight)
-      return total, self._input_grads(grads[len(weights):]), self._logs()
+      return total, self._input_grads(grads[len(weights):]), self.logs()
 
   def _infer(self, xs):
     with tf.device(self.device):
@@ -270,7 +270,7 @@ class StageProgram:
       ys, reg, _ = self._call(self.weights(0, False), xs, training=False)
       loss = self.loss(y, ys[0], sample_weight=sample_weight) + reg
       self._update_metrics(y, ys[0], loss, sample_weight)
-      return self._logs()
+      return self.logs()
 
   def _update_metrics(self, y, y_pred, loss, sample_weight):
     if self.loss_tracker is not None:
@@ -278,8 +278,8 @@ class StageProgram:
     for metric in self.metrics:
       metric.update_state(y, y_pred, sample_weight=sample_weight)
 
-  def _logs(self):
-    """The running loss and metric results (what Keras passes to batch hooks)."""
+  def logs(self):
+    """The running loss and metric results (what Keras passes to batch hooks); last stage."""
     logs = {"loss": self.loss_tracker.result()}
     for metric in self.metrics:
       result = metric.result()
