@@ -21,16 +21,30 @@ from tfpipe import prediction_error as prediction_error_lib, stage, trace
 __all__ = ["Pipeline"]
 
 
-def _has_train_batch_hooks(callback):
-  """True when the callback's class overrides a train-batch hook of `keras.callbacks.Callback`."""
+_BATCH_HOOKS = {"train": ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin",
+                           "on_batch_end"),
+                "test": ("on_test_batch_begin", "on_test_batch_end"),
+                "predict": ("on_predict_batch_begin", "on_predict_batch_end")}
+
+
+def _has_train_batch_hooks(callback, mode="train"):
+  """True when the callback's class overrides a `mode` batch hook of `keras.callbacks.Callback`."""
   base = keras.callbacks.Callback
   return any(getattr(type(callback), name, None) is not getattr(base, name)
-             for name in ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin",
-                          "on_batch_end"))
+             for name in _BATCH_HOOKS[mode])
+
+
+def _reads_batches(cbs, mode):
+  """True when a callback besides the progress bar has `mode` batch hooks."""
+  return any(_has_train_batch_hooks(cb, mode) and not isinstance(cb, keras.callbacks.ProgbarLogger)
+             for cb in cbs.callbacks)
 
 
 class Pipeline:
   """A Keras model trained with pipelined model parallelism.
+
+  AUTO_WINDOW: mini-batches per compiled window when `steps_per_execution` is
+  "auto" and nothing reads every batch.
 
   Args:
     model: a built Sequential or functional Keras model.
@@ -75,14 +89,21 @@ class Pipeline:
       the stage's weights per update. Kept in `self.prediction_error`.
     jit_compile: compile each stage task with XLA. One XLA call runs on one
       thread (with 1 intra-op thread), so stages on logical CPU devices never
-      compete for the shared inter-op pool.
+      compete for the shared inter-op pool. None: on when every stage is on a
+      GPU (as Keras's `jit_compile="auto"`), off otherwise.
+    executor: "compiled" (one `tf.function` per window of mini-batches runs
+      every stage: TensorFlow overlaps the stages; `tfpipe.runtime.compiled`)
+      or "threaded" (a Python thread per stage runs the schedule task by
+      task: the reference, for debugging). The weights are the same.
   """
+
+  AUTO_WINDOW = 16
 
   def __init__(self, model, devices=None, num_stages=None, method="spectrain",
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
                micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
-               stage_replicas=None, jit_compile=None):
+               stage_replicas=None, jit_compile=None, executor="compiled"):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
@@ -110,6 +131,10 @@ class Pipeline:
       raise ValueError(f"`trace_steps={trace_steps!r}` needs a `trace_dir` to write the trace to")
     self.trace_dir = trace_dir
     self.record = bool(record) or self.trace_steps is not None
+    self.executor = names.lookup("executor", executor, runtime.EXECUTORS)
+    if jit_compile is None:
+      jit_compile = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
+                        for d in self.devices) and not self.stage_replicas
     self.jit_compile = jit_compile
     if prediction_error is True:
       prediction_error = prediction_error_lib.PredictionError()
@@ -188,8 +213,22 @@ class Pipeline:
       lines.append(f"  stage {k} on {where}: {', '.join(layers)}")
     return "\n".join(lines)
 
-  def compile(self, optimizer, loss, metrics=None):
-    """Gives each stage its own copy of `optimizer` (same config) and the last stage the loss."""
+  def compile(self, optimizer, loss, metrics=None, steps_per_execution="auto"):
+    """Gives each stage its own copy of `optimizer` (same config) and the last stage the loss.
+
+    `steps_per_execution` (the compiled executor): mini-batches per window, one
+    `tf.function` call each, as in Keras: batch hooks run after each window,
+    once per batch, and a stop takes effect at the window's end. "auto": one
+    when a callback besides the progress bar has batch hooks, or the
+    prediction error is recorded (hooks then see every batch as Keras's
+    default does), else `AUTO_WINDOW`.
+    """
+    if steps_per_execution != "auto" and (
+        not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool)
+        or steps_per_execution < 1):
+      raise ValueError("`steps_per_execution` must be a positive integer or 'auto'. Received: "
+                       f"steps_per_execution={steps_per_execution!r}")
+    self.steps_per_execution = steps_per_execution
     optimizer = compile_utils.resolve_optimizer(optimizer)
     self.optimizer = optimizer
     self.loss = compile_utils.resolve_loss(loss)
@@ -212,8 +251,12 @@ class Pipeline:
     for p in programs:
       p.check_kept_tapes()
     self.programs = programs
-    self.runtime = runtime.Runtime(programs, record=self.record,
-                                   maxsize=max(self.num_stages, self.micro_batches))
+    maxsize = max(self.num_stages, self.micro_batches)
+    if self.executor == "compiled":
+      self.runtime = runtime.CompiledRuntime(programs, window=self.AUTO_WINDOW,
+                                             record=self.record, maxsize=maxsize)
+    else:
+      self.runtime = runtime.Runtime(programs, record=self.record, maxsize=maxsize)
     if self.prediction_error is not None:
       for p in programs:
         if not hasattr(p.optimizer, "smoothed_gradient"):
@@ -357,6 +400,7 @@ class Pipeline:
     # threads: 7% of a tiny model's throughput, measured); logs become floats only if read.
     batch_readers = [cb for cb in cbs.callbacks if _has_train_batch_hooks(cb)]
     linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger) for cb in batch_readers)
+    self._choose_window(linked or _reads_batches(cbs, "test"))
 
     def batch_hook(name, *args):
       if linked:
@@ -423,6 +467,14 @@ class Pipeline:
     hook("on_train_end", logs)
     return self.model.history
 
+  def _choose_window(self, batch_hooks):
+    """The compiled executor's window for this call (see `compile`)."""
+    if isinstance(self.runtime, runtime.CompiledRuntime):
+      window = self.steps_per_execution
+      if window == "auto":
+        window = 1 if batch_hooks or self.prediction_error is not None else self.AUTO_WINDOW
+      self.runtime.set_window(window)
+
   def _restore(self, callbacks):
     """Resumes from the latest checkpoint of a BackupAndRestore callback; returns epochs done."""
     done = 0
@@ -477,6 +529,7 @@ class Pipeline:
     with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
+      self._choose_window(_reads_batches(cbs, "test"))
       logs = self._evaluate(dataset, num_batches, cbs)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
@@ -494,6 +547,7 @@ class Pipeline:
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
       cbs.on_predict_begin()
+      self._choose_window(_reads_batches(cbs, "predict"))
 
       def on_result(b, ys):
         outputs[b] = ys[0].numpy()

@@ -12,6 +12,8 @@ import tensorflow as tf
 __all__ = ["StageProgram"]
 
 _ZERO = tf.UnconnectedGradients.ZERO
+_TASKS = ("forward", "forward_on", "backward_recompute", "backward_on", "update",
+          "apply_accumulated", "last_step", "infer", "evaluate_last")
 
 
 def _is_float(t):
@@ -70,11 +72,16 @@ class StageProgram:
       optimizer.build(self.trainable)
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
-    for name in ("forward", "backward_recompute", "update", "apply_accumulated", "last_step",
-                 "infer", "evaluate_last"):
+    self.jit_compile = jit_compile
+    for name in _TASKS:
       compiled = tf.function(getattr(self, "_" + name), reduce_retracing=True,
                              jit_compile=jit_compile)
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
+
+  def task(self, name):
+    """Task function `name` for tracing into a larger graph (the compiled executor): the
+    Python body, inlined, or with XLA its compiled function (one XLA call per task)."""
+    return getattr(self, name) if self.jit_compile else getattr(self, "_" + name)
 
   def _placed(self, fn):
     """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
@@ -218,15 +225,29 @@ class StageProgram:
       for a in self.accumulators:
         a.assign(tf.zeros_like(a))
 
+  def _forward_on(self, weights, xs):
+    """The stage's training forward on `weights` (tensors): (outputs, regularisation, the
+    non-trainable state read)."""
+    with tf.device(self.device):
+      return self._call(weights, xs, training=True)
+
   def _backward_recompute(self, parts, dys, s, scale, accumulate):
-    """Recomputes the forwards of `parts` [(inputs, state read)] and runs their backward.
+    """Recomputes the forwards of `parts` [(inputs, state read)] with the backward's weights
+    (current, or predicted `s` ahead) and runs their backward (see `_backward_on`)."""
+    with tf.device(self.device):
+      weights = self.weights(s, self.policy.backward == "predicted")
+    return self._backward_on(weights, parts, dys, scale, accumulate)
+
+  def _backward_on(self, weights, parts, dys, scale, accumulate):
+    """Recomputes the forwards of `parts` [(inputs, state read)] on `weights`, runs their
+    backward and updates; returns the input gradients.
 
     Each part replays its own forward's random draws; outputs (and input
     gradients) of several parts (a TiMePReSt mini-batch) join along the batch
     axis. Regularisation losses are the first part's (weight penalties count once).
     """
     with tf.device(self.device):
-      weights = self.weights(s, self.policy.backward == "predicted")
+      weights = list(weights)
       float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
@@ -242,6 +263,26 @@ class StageProgram:
       per_part = [grads[len(weights) + i * n:len(weights) + (i + 1) * n] for i in range(len(parts))]
       joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
       return self._input_grads(joined)
+
+  def taped_forward(self, weights, xs):
+    """Forward on `weights` under a tape kept for `taped_backward` later in the same graph:
+    returns (outputs, state read, kept)."""
+    with tf.device(self.device), tf.GradientTape() as tape:
+      float_xs = self._float_inputs(xs)
+      tape.watch(list(weights) + float_xs)
+      ys, reg, state = self.task("forward_on")(weights, xs)
+    return ys, state, (tape, list(weights), xs, ys, reg)
+
+  def taped_backward(self, kept, dys, scale, accumulate):
+    """The backward through a `taped_forward`'s tape (its own weights), then the update."""
+    tape, weights, xs, ys, reg = kept
+    with tf.device(self.device):
+      float_xs = self._float_inputs(xs)
+      targets, out_grads = self._targets(ys, dys, reg, scale)
+      grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
+                            unconnected_gradients=_ZERO)
+      self.task("update")(grads[:len(weights)], accumulate)
+      return self._input_grads(grads[len(weights):])
 
   def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
     """The last stage's forward, loss, backward and update: returns (loss, input gradients,

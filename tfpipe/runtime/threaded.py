@@ -1,4 +1,4 @@
-"""Runtime: worker threads run each stage's task list; transfer threads move tensors.
+"""The threaded executor: worker threads run each stage's task list; transfer threads move tensors.
 
 K: stages, k: stage index, b: mini-batch index, s: version difference.
 
@@ -19,21 +19,11 @@ import time
 import tensorflow as tf
 
 from tfpipe import schedules, verify
-from tfpipe.links import Barrier, Channel, Links, OutOfData, Skipped, Stopped, concat, copy_to, spawn
+from tfpipe.runtime.base import Executor
+from tfpipe.runtime.links import Links, Skipped, concat, copy_to, spawn
+from tfpipe.runtime.records import TaskRecord
 
-__all__ = ["Barrier", "Channel", "OutOfData", "Stopped", "spawn", "Runtime", "TaskRecord"]
-
-TaskRecord = collections.namedtuple(
-    "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end", "micro", "epoch"],
-    defaults=(None, 0))
-TaskRecord.__doc__ = """One task as it ran: `stage` k, `kind`, mini-batch `batch` (its index in
-`epoch`), micro-batch `micro` or None, `version` (updates of stage k whose weights it read), `s`
-(version difference), `start` and `end` (time.perf_counter seconds). Kinds: F (forward), B
-(backward and update), FB (the last stage's forward and backward as one step), U (apply
-accumulated gradients), R (early receive of a gradient), S (barrier), and the transfer threads'
-XF (stage k's output to k+1) and XB (stage k's input gradient to k-1), each recorded under the
-sending stage k, with version and s None."""
-
+__all__ = ["Runtime"]
 
 _Saved = collections.namedtuple("_Saved", ["xs", "tape", "version", "scale", "state"])
 _Saved.__doc__ = """What stage k keeps from a forward for its backward: the stage inputs, the
@@ -42,44 +32,24 @@ micro-batch's share of its mini-batch, and the non-trainable state the
 forward read (its random layers' seeds), so a recomputation draws the same."""
 
 
-class Runtime:
-  """Runs schedules on stage programs (see stage.py) placed on their devices.
+class Runtime(Executor):
+  """Runs schedules task by task: a worker thread per stage, transfer threads between them.
 
-  `maxsize`: each link holds at most 2 * maxsize + 1 items in flight (a
-  sender queue, the transfer thread, a receiver queue): `link_capacity`.
+  The reference interpreter of a schedule (and the one to debug with): it
+  pays Python and eager TensorFlow work per task, so it does not scale with
+  stages; `tfpipe.runtime.compiled` does. `maxsize`: each link holds at most
+  2 * maxsize + 1 items in flight (a sender queue, the transfer thread, a
+  receiver queue): `link_capacity`.
   """
 
   def __init__(self, programs, record=False, poll=0.05, maxsize=None):
-    self.programs = programs
-    self.epoch = -1                      # epochs trained so far, minus one
-    self.update_hooks = []               # hook(k, program) after every update of stage k
-    self.K = len(programs)
-    self.record = record
+    super().__init__(programs, record=record, maxsize=maxsize)
     self.poll = poll
-    self.maxsize = maxsize or self.K
-    self.records = []
-    self.report = None                   # the verifier's report on the last schedule run
-    self.updates = [0] * self.K          # updates applied per stage so far
-    self.peak_saved = [0] * self.K       # most forward states kept at once, per stage
-    self.peak_versions = [0] * self.K    # most weight versions kept at once, per stage
-
-  @property
-  def link_capacity(self):
-    return 2 * self.maxsize + 1
 
   def _log(self, k, kind, task, version, s, start):
     if self.record:
       self.records.append(TaskRecord(k, kind, task.batch, version, s, start, time.perf_counter(),
                                      task.micro, self.epoch))
-
-  def _updated(self, k):
-    self.updates[k] += 1
-    for hook in self.update_hooks:
-      hook(k, self.programs[k])
-
-  def _scale(self, k, value):
-    with tf.device(self.programs[k].device):
-      return tf.constant(value, tf.float64)
 
   def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None):
     """Runs one epoch of `schedule` (verified) over `num_batches` mini-batches from `batches`.
@@ -91,15 +61,11 @@ class Runtime:
     already due (at most L-1, `schedules.lead`) drain and no further batch is
     trained (see `links.Gate`). Returns the number of mini-batches trained.
     """
-    self.report = verify.verify(schedule, self.link_capacity)  # refuses a broken schedule
-    self.epoch += 1
+    self._start_epoch(schedule)
     K = self.K
     links = Links(K, self.poll, self.maxsize, schedules.micro_batches(schedule),
                   lead=schedules.lead(schedule))
     fwd, bwd, results, gate = links.forward, links.backward, links.results, links.gate
-    if any(t.kind == "U" for tasks in schedule for t in tasks):
-      for program in self.programs:
-        program.build_accumulators()
 
     def worker(k):
       program, last = self.programs[k], k == K - 1

@@ -1,0 +1,50 @@
+"""What every executor shares: the stage programs, update counts and hooks, records, peaks."""
+
+import tensorflow as tf
+
+from tfpipe import verify
+
+__all__ = ["Executor"]
+
+
+class Executor:
+  """Runs verified schedules on stage programs (`tfpipe.stage`) placed on their devices.
+
+  `maxsize`: how many items a link between two stages may hold (the
+  verifier checks the schedule against `link_capacity`).
+  """
+
+  def __init__(self, programs, record=False, maxsize=None):
+    self.programs = programs
+    self.epoch = -1                      # epochs trained so far, minus one
+    self.update_hooks = []               # hook(k, program) after updates of stage k
+    self.K = len(programs)
+    self.record = record
+    self.maxsize = maxsize or self.K
+    self.records = []
+    self.report = None                   # the verifier's report on the last schedule run
+    self.updates = [0] * self.K          # updates applied per stage so far
+    self.peak_saved = [0] * self.K       # most forward states kept at once, per stage
+    self.peak_versions = [0] * self.K    # most weight versions kept at once, per stage
+
+  @property
+  def link_capacity(self):
+    return 2 * self.maxsize + 1
+
+  def _start_epoch(self, schedule):
+    """Verifies `schedule` (a broken one is refused) and counts the epoch."""
+    self.report = verify.verify(schedule, self.link_capacity)
+    self.epoch += 1
+    if any(t.kind == "U" for tasks in schedule for t in tasks):
+      for program in self.programs:
+        program.build_accumulators()
+    return self.report
+
+  def _updated(self, k, count=1):
+    self.updates[k] += count
+    for hook in self.update_hooks:
+      hook(k, self.programs[k])
+
+  def _scale(self, k, value):
+    with tf.device(self.programs[k].device):
+      return tf.constant(value, tf.float64)

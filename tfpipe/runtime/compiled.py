@@ -1,0 +1,288 @@
+"""The compiled executor: one `tf.function` runs a window of the schedule on every stage.
+
+K: stages, k: stage index, b: mini-batch, W: mini-batches per window (see
+`tfpipe.runtime.windows`). Python traces a window's tasks in the verifier's
+global order, each stage's ops under its device; TensorFlow's executor then
+runs the stages' ops concurrently, as their data allow (inter-op threads on
+CPU, one stream per GPU, one partitioned function across TF server tasks):
+Python runs once per window, not once per task. Variables are read and
+updated in each stage's own order (automatic control dependencies order the
+ops on one variable as traced), so every task reads the weights of the
+weight rule (DESIGN.md section 3), as in the threaded executor.
+
+Inside a window a forward whose backward reads its weights (a stash, or
+SpecTrain's reused prediction) keeps its tape; the backward takes the
+gradient through it later in the same graph. What crosses a window boundary
+is carried as tensors into the next call:
+  "x":     forward outputs on their way to stage k+1 (and their share `scale`);
+  "saved": forwards waiting for their backward: the stage inputs, the
+           non-trainable state they read (random seeds) and, when the
+           backward reads the forward's weights, those weights; the backward
+           then recomputes the forward on them (same inputs, weights and
+           draws: the same values);
+  "g":     input gradients on their way to stage k-1.
+Batch hooks run after each window (`train_epoch`).
+"""
+
+import time
+
+import keras
+import tensorflow as tf
+
+from tfpipe import schedules
+from tfpipe.runtime import records, windows as windows_lib
+from tfpipe.runtime.base import Executor
+from tfpipe.runtime.links import OutOfData
+
+__all__ = ["CompiledRuntime"]
+
+
+class _Feed:
+  """Mini-batches read in order from `batches`, kept until their window has taken them."""
+
+  def __init__(self, batches, labelled):
+    self.batches, self.labelled, self.items, self.read = batches, labelled, {}, 0
+
+  def get(self, b):
+    while self.read <= b:
+      try:
+        item = next(self.batches)
+      except StopIteration:
+        raise OutOfData() from None
+      x, y, sample_weight = (keras.utils.unpack_x_y_sample_weight(item) if self.labelled
+                             else (item, None, None))
+      self.items[self.read] = (list(x) if isinstance(x, (tuple, list)) else [x], y, sample_weight)
+      self.read += 1
+    return self.items[b]
+
+  def drop_before(self, b):
+    for old in [i for i in self.items if i < b]:
+      del self.items[old]
+
+
+class CompiledRuntime(Executor):
+  """Runs schedules one window of `window` mini-batches per `tf.function` call.
+
+  `window` may change between epochs (`set_window`); each distinct window
+  shape traces once (the steady state, plus the warm-up and drain windows)
+  and is reused across epochs.
+  """
+
+  def __init__(self, programs, window=16, record=False, maxsize=None):
+    super().__init__(programs, record=record, maxsize=maxsize)
+    self.window = window
+    self._plans = {}
+    self._train = tf.function(self._train_window, autograph=False)
+    self._infer = tf.function(self._infer_window, autograph=False)
+    self.traces = 0   # windows traced so far (a new window shape traces once)
+
+  def set_window(self, window):
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+      raise ValueError(f"a window holds a positive number of mini-batches. Received: {window!r}")
+    self.window = window
+
+  # Training.
+
+  def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None):
+    """Runs one epoch of `schedule` over `num_batches` mini-batches from `batches`.
+
+    After each window, for every mini-batch b it finished in order:
+    `before(b)`, then `on_result(b, loss, logs)`. When `on_result` returns
+    True, the batches already started finish (a drain window) and no
+    further batch starts. Returns the number of mini-batches trained.
+    """
+    report = self._start_epoch(schedule)
+    key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs),
+           self.window)
+    if key not in self._plans:
+      self._plans = {key: windows_lib.plan(schedule, report.order, diffs, self.window)}
+    plan = self._plans[key]
+    for k, tasks in enumerate(schedule):
+      keeps = not self.programs[k].policy.recompute
+      peaks = records.kept_peaks(tasks, diffs[k], keeps, k == self.K - 1)
+      self.peak_saved[k] = max(self.peak_saved[k], peaks[0])
+      self.peak_versions[k] = max(self.peak_versions[k], peaks[1])
+    M = schedules.micro_batches(schedule)
+    feed, carry, done = _Feed(batches, labelled=True), {}, 0
+    for w, window in enumerate(plan):
+      carry, results = self._run(window, carry, feed, M)
+      stop = False
+      for b in range(window.first, window.last + 1):
+        if before is not None:
+          before(b)
+        loss, logs = results[b - window.first]
+        stop = bool(on_result(b, loss, logs)) or stop
+        done += 1
+      if stop and w + 1 < len(plan):
+        last = windows_lib.drain(plan, w)
+        if last is not None:
+          _, results = self._run(last, carry, feed, M)
+          for b in range(last.first, last.last + 1):
+            on_result(b, *results[b - last.first])
+            done += 1
+        break
+    return done
+
+  def _run(self, window, carry, feed, M):
+    """Calls the window's function; returns (carry rebased to the next window, results)."""
+    inputs, labels = {}, {}
+    for k, task, _, _ in window.tasks:
+      if task.kind == "F" and task.micro in (None, 0):
+        xs, y, sample_weight = feed.get(task.batch)
+        if k == 0:
+          inputs[task.batch - window.first] = xs
+        if k == self.K - 1:
+          labels[task.batch - window.first] = (y, sample_weight)
+    start = time.perf_counter()
+    traced = self._train.experimental_get_tracing_count()
+    out, results = self._train(window.key, carry, inputs, labels, M)
+    self.traces += self._train.experimental_get_tracing_count() - traced
+    end = time.perf_counter()
+    feed.drop_before(window.last + 1)   # finished: their labels were used too
+    updates = [0] * self.K
+    for k, task, _, _ in window.tasks:
+      updates[k] += schedules.is_update(task)
+    for k, count in enumerate(updates):
+      if count:
+        self._updated(k, count)
+      if self.record:
+        self.records.append(records.TaskRecord(k, "W", window.first, self.updates[k], None,
+                                               start, end, None, self.epoch))
+    shift = window.last + 1 - window.first
+    rebased = {part: {(key[0], key[1] - shift) + key[2:]: value for key, value in items.items()}
+               for part, items in out.items()}
+    return rebased, results
+
+  def _train_window(self, key, carry, inputs, labels, M):
+    """Traces the tasks of `key` (`windows.Window.key`); returns (carry, per-batch results)."""
+    K, programs = self.K, self.programs
+    flight = {part: dict(carry.get(part, {})) for part in ("x", "saved", "g")}
+    kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
+
+    def piece(source, k, b, micro, split_labels):
+      """Stage k's input of unit (b, micro): the mini-batch, or its micro-batch, and share."""
+      if (k, b) not in pieces:
+        if split_labels:
+          y, w = source[b]
+          values = [y] + ([w] if w is not None else [])
+        else:
+          values = list(source[b])
+        if micro is None:
+          pieces[k, b] = [(values, 1.0)]
+        else:
+          n = values[0].shape[0]
+          sizes = schedules.micro_sizes(n, M)
+          parts = [tf.split(v, sizes) for v in values]
+          pieces[k, b] = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
+      return pieces[k, b][0 if micro is None else micro]
+
+    def scale_tensor(k, value):
+      with tf.device(programs[k].device):
+        return tf.constant(value, tf.float64)
+
+    for k, kind, b, micro, s, units in key:
+      program, unit = programs[k], (b, micro)
+      last = k == K - 1
+      task = schedules.Task(kind, b, None if micro < 0 else micro)
+      m = task.micro
+      if kind == "F":
+        if k == 0:
+          xs, share = piece(inputs, 0, b, m, False)
+          scale = scale_tensor(0, share)
+        else:
+          xs, scale = flight["x"].pop((k, b, micro))
+        if last:
+          values, _ = piece(labels, k, b, m, True)
+          sample_weight = values[1] if len(values) > 1 else None
+          last_parts[unit] = (xs, values[0], sample_weight, scale, s)
+          continue
+        if program.policy.recompute:
+          ys, _, state = program.task("forward")(xs, s)
+          flight["saved"][(k, b, micro)] = (xs, [], state, scale)
+        else:
+          with tf.device(program.device):
+            weights = program.weights(s, program.policy.forward == "predicted")
+          ys, state, tape = program.taped_forward(weights, xs)
+          kept[(k, b, micro)] = (tape, xs, weights, state, scale)
+        flight["x"][(k + 1, b, micro)] = (ys, scale)
+      elif kind == "R":
+        continue   # the gradient is a tensor of the graph already
+      elif kind == "U":
+        program.task("apply_accumulated")()
+        if last:
+          results[b] = (batch_loss.pop(b), program.logs())
+      elif last:
+        parts = [last_parts.pop(u) for u in units]
+        xs = parts[0][0] if len(parts) == 1 else _concat([p[0] for p in parts])
+        y = parts[0][1] if len(parts) == 1 else tf.concat([p[1] for p in parts], 0)
+        sample_weight = (parts[0][2] if len(parts) == 1 or parts[0][2] is None
+                         else tf.concat([p[2] for p in parts], 0))
+        scale = parts[0][3] if len(parts) == 1 else tf.add_n([p[3] for p in parts])
+        loss, dxs, logs = program.task("last_step")(xs, y, sample_weight, parts[0][4], scale,
+                                                    m is not None)
+        if k > 0:
+          flight["g"][(k - 1, b, micro)] = dxs
+        if m is None:
+          results[b] = (loss, logs)
+        else:
+          weighted = tf.cast(loss, tf.float64) * scale
+          batch_loss[b] = weighted if b not in batch_loss else batch_loss[b] + weighted
+      else:
+        dys = flight["g"].pop((k, b, micro))
+        accumulate = m is not None
+        if len(units) == 1 and (k,) + units[0] in kept:
+          tape, xs, weights, state, scale = kept.pop((k,) + units[0])
+          dxs = program.taped_backward(tape, dys, scale, accumulate)
+        else:
+          parts = [flight["saved"].pop((k,) + u) for u in units]
+          scale = parts[0][3] if len(parts) == 1 else tf.add_n([p[3] for p in parts])
+          if parts[0][1]:   # the forward's own weights, carried across a window boundary
+            dxs = program.task("backward_on")(parts[0][1], [(parts[0][0], parts[0][2])], dys,
+                                              scale, accumulate)
+          else:
+            dxs = program.task("backward_recompute")([(p[0], p[2]) for p in parts], dys, s,
+                                                     scale, accumulate)
+        if k > 0:
+          flight["g"][(k - 1, b, micro)] = dxs
+    if last_parts or batch_loss:
+      raise AssertionError("a window cut the last stage's step apart")   # windows.plan prevents it
+    for (k, b, micro), (_, xs, weights, state, scale) in kept.items():
+      flight["saved"][(k, b, micro)] = (xs, weights, state, scale)
+    return flight, [results[b] for b in sorted(results)]
+
+  # Inference.
+
+  def infer_epoch(self, batches, num_batches, on_result, with_labels, before=None):
+    """Forward-only pass with current weights (evaluate and predict), a window at a time.
+
+    With labels, the last stage updates the loss and metrics and `on_result`
+    gets (b, running logs); without, it gets (b, outputs). `before(b)` runs
+    for each batch of a window before its results are handed on.
+    """
+    feed = _Feed(batches, labelled=with_labels)
+    for first in range(0, num_batches, self.window):
+      count = min(self.window, num_batches - first)
+      items = [feed.get(b) for b in range(first, first + count)]
+      feed.drop_before(first + count)
+      results = self._infer([xs for xs, _, _ in items],
+                            [(y, w) for _, y, w in items] if with_labels else None)
+      for i, result in enumerate(results):
+        if before is not None:
+          before(first + i)
+        on_result(first + i, result)
+
+  def _infer_window(self, inputs, labels):
+    results = []
+    for i, xs in enumerate(inputs):
+      for k, program in enumerate(self.programs):
+        if k == self.K - 1 and labels is not None:
+          results.append(program.task("evaluate_last")(xs, *labels[i]))
+        else:
+          xs = program.task("infer")(xs)
+      if labels is None:
+        results.append(xs)
+    return results
+
+
+def _concat(values):
+  return [tf.concat(list(parts), 0) for parts in zip(*values)]

@@ -1,0 +1,46 @@
+"""What executors record: one `TaskRecord` per task, and the peaks of kept state per stage."""
+
+import collections
+
+from tfpipe import schedules
+
+__all__ = ["TaskRecord", "kept_peaks"]
+
+TaskRecord = collections.namedtuple(
+    "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end", "micro", "epoch"],
+    defaults=(None, 0))
+TaskRecord.__doc__ = """One task as it ran: `stage` k, `kind`, mini-batch `batch` (its index in
+`epoch`), micro-batch `micro` or None, `version` (updates of stage k whose weights it read), `s`
+(version difference), `start` and `end` (time.perf_counter seconds). Kinds: F (forward), B
+(backward and update), FB (the last stage's forward and backward as one step), U (apply
+accumulated gradients), R (early receive of a gradient), S (barrier), and the transfer threads'
+XF (stage k's output to k+1) and XB (stage k's input gradient to k-1), each recorded under the
+sending stage k, with version and s None. The compiled executor records one task per stage and
+window: kind W, `batch` the window's first mini-batch, from the profiler's device timeline."""
+
+
+def kept_peaks(tasks, diffs, keeps_weights, last):
+  """(most forward states kept at once, most weight versions among them) for one stage's list.
+
+  A forward's state lives until the backward that covers it. With
+  `keeps_weights` (the backward reads the forward's weights) each state
+  holds the version it read, or its prediction (version, s); otherwise it
+  holds inputs only. The last stage runs forward and backward as one step.
+  """
+  if last:
+    return 0, 0
+  held, updates, peak_states, peak_versions = {}, 0, 0, 0
+  for task in tasks:
+    unit = (task.batch, task.micro)
+    if task.kind == "F":
+      held[unit] = (updates, diffs.get(task, 0))
+      peak_states = max(peak_states, len(held))
+      if keeps_weights:
+        peak_versions = max(peak_versions, len(set(held.values())))
+    elif task.kind == "B":
+      for u in ([unit] if task.micro is not None else
+                [u for u in list(held) if u[0] == task.batch]):
+        held.pop(u, None)
+    if schedules.is_update(task):
+      updates += 1
+  return peak_states, peak_versions

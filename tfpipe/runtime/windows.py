@@ -1,0 +1,78 @@
+"""Windows: a verified schedule cut into runs of W mini-batches for the compiled executor.
+
+K: stages, k: stage index, N: mini-batches, W: mini-batches per window,
+b: mini-batch. Window w finishes mini-batches wW .. (w+1)W-1: on every stage
+it holds the prefix of the stage's task list up to its last task of those
+batches, minus what earlier windows hold. Because each stage keeps its own
+order and the cut ends after a batch's last task on every stage, every task
+of a window finds its data made in this window or an earlier one: forward
+outputs in flight and forwards kept for a later backward cross the boundary
+as carried state (see `tfpipe.runtime.compiled`). A boundary only splits the
+trace: every task reads the weights its stage's order gives it.
+
+Barriers S(t) order time, not data (`tfpipe.schedules.ddg`); a graph has no
+Python thread to hold, so windows leave them out: the weights read are the
+same.
+
+Within a window, tasks keep the verifier's global order (every dependency
+before its user), with batches relative to the window's first batch, so the
+windows of the steady state have equal `key`s and share one trace.
+"""
+
+import collections
+
+from tfpipe import verify
+
+__all__ = ["Window", "plan", "drain"]
+
+Window = collections.namedtuple("Window", ["first", "last", "tasks", "key"])
+Window.__doc__ = """Mini-batches `first`..`last` finish in this window. `tasks`: [(k, task, s,
+units)] in trace order, `units` the forward units (b, micro) a B task covers; `key`: the same as
+plain tuples with batches counted from `first` (micro-batch None as -1), equal for windows that
+trace alike."""
+
+
+def _unit(b, micro, base):
+  return (b - base, -1 if micro is None else micro)
+
+
+def _key(tasks, base):
+  return tuple((k, t.kind) + _unit(t.batch, t.micro, base) + (s, tuple(
+      _unit(b, i, base) for b, i in units)) for k, t, s, units in tasks)
+
+
+def _window(first, last, tasks):
+  return Window(first, last, tasks, _key(tasks, first))
+
+
+def plan(schedule, order, diffs, size):
+  """The windows of `size` mini-batches that run `schedule` in the verifier's `order`."""
+  if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+    raise ValueError(f"a window holds a positive number of mini-batches. Received: {size!r}")
+  K = len(schedule)
+  N = 1 + max(t.batch for t in schedule[0] if t.kind == "F")
+  position = [{t: i for i, t in enumerate(tasks)} for tasks in schedule]
+  covers = [verify.covered_units(tasks) for tasks in schedule]
+  cuts = [[0] * K]
+  for first in range(0, N, size):
+    last = min(first + size, N) - 1
+    cuts.append([1 + max(i for i, t in enumerate(tasks) if t.kind != "S" and t.batch <= last)
+                 for tasks in schedule])
+  windows = []
+  for w, first in enumerate(range(0, N, size)):
+    lo, hi = cuts[w], cuts[w + 1]
+    tasks = [(k, t, diffs[k].get(t, 0), tuple(covers[k].get(t, ()))) for k, t in order
+             if t.kind != "S" and lo[k] <= position[k][t] < hi[k]]
+    windows.append(_window(first, min(first + size, N) - 1, tasks))
+  return windows
+
+
+def drain(windows, w):
+  """The window that finishes the batches already started by windows 0..w, and no other:
+  what runs when training stops after window w (None when nothing is in flight)."""
+  started = 1 + max(task[1].batch for win in windows[:w + 1] for task in win.tasks
+                    if task[0] == 0 and task[1].kind == "F")
+  tasks = [task for win in windows[w + 1:] for task in win.tasks if task[1].batch < started]
+  if not tasks:
+    return None
+  return _window(windows[w].last + 1, started - 1, tasks)
