@@ -159,22 +159,23 @@ class CompiledRuntime(Executor):
     flight = {part: dict(carry.get(part, {})) for part in ("x", "saved", "g")}
     kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
 
-    def piece(source, k, b, micro, split_labels):
-      """Stage k's input of unit (b, micro): the mini-batch, or its micro-batch, and share."""
-      if (k, b) not in pieces:
+    def piece(source, b, micro, split_labels):
+      """The inputs (or labels and sample weights) of unit (b, micro): the mini-batch, or its micro-batch, and share."""
+      name = ("labels" if split_labels else "inputs", b)
+      if name not in pieces:
         if split_labels:
           y, w = source[b]
           values = [y] + ([w] if w is not None else [])
         else:
           values = list(source[b])
         if micro is None:
-          pieces[k, b] = [(values, 1.0)]
+          pieces[name] = [(values, 1.0)]
         else:
           n = values[0].shape[0]
           sizes = schedules.micro_sizes(n, M)
           parts = [tf.split(v, sizes) for v in values]
-          pieces[k, b] = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
-      return pieces[k, b][0 if micro is None else micro]
+          pieces[name] = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
+      return pieces[name][0 if micro is None else micro]
 
     def scale_tensor(k, value):
       with tf.device(programs[k].device):
@@ -187,12 +188,12 @@ class CompiledRuntime(Executor):
       m = task.micro
       if kind == "F":
         if k == 0:
-          xs, share = piece(inputs, 0, b, m, False)
+          xs, share = piece(inputs, b, m, False)
           scale = scale_tensor(0, share)
         else:
           xs, scale = flight["x"].pop((k, b, micro))
         if last:
-          values, _ = piece(labels, k, b, m, True)
+          values, _ = piece(labels, b, m, True)
           sample_weight = values[1] if len(values) > 1 else None
           last_parts[unit] = (xs, values[0], sample_weight, scale, s)
           continue
