@@ -98,3 +98,17 @@ def two_input_model(seed=0):
   h = keras.layers.Dense(16, activation="tanh", name="dense0")(h)
   h = keras.layers.Dense(16, activation="tanh", name="dense1")(h)
   return keras.Model([a, b], keras.layers.Dense(3, name="logits")(h), name="two_inputs")
+
+
+# The executors every weight-rule test runs on: the threaded reference interpreter, and the
+# compiled executor with a window of 3 mini-batches, so batches cross many window boundaries.
+RUNTIMES = [{"executor": "threaded"}, {"executor": "compiled", "steps_per_execution": 3}]
+RUNTIME_IDS = ["threaded", "compiled-w3"]
+
+
+def pipeline(model, runtime, **options):
+  """A Pipeline on `runtime` (an entry of RUNTIMES) and a function compiling it."""
+  import tfpipe
+  pipe = tfpipe.Pipeline(model, executor=runtime["executor"], **options)
+  window = runtime.get("steps_per_execution", "auto")
+  return pipe, lambda *args, **kwargs: pipe.compile(*args, steps_per_execution=window, **kwargs)

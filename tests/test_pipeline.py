@@ -21,20 +21,23 @@ def _stage_weights(pipe):
 
 @pytest.mark.parametrize("K", [2, 3])
 @pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
-def test_sequential_equals_keras(build, K):
-  _assert_equals_keras(build, K, "sequential")
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_sequential_equals_keras(build, K, runtime):
+  _assert_equals_keras(build, K, "sequential", runtime=runtime)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
-def test_gpipe_equals_keras_at_the_mini_batch_size(build, recompute):
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_gpipe_equals_keras_at_the_mini_batch_size(build, recompute, runtime):
   # 4 micro-batches of 4, gradients accumulated, one update per mini-batch of 16. Summing
   # micro-batch gradients rounds differently from one mean over 16 samples (~1e-7), and these
   # small random-label nets amplify float32 round-off to 1e-4..1e-1 in 20 steps, for micro-
   # batches in any code (measured with a plain GradientTape loop). In float64 the two agree
   # to 1e-9, so the equivalence is checked there.
   pipe = _assert_equals_keras(functools.partial(build, dtype="float64"), 3, "gpipe",
-                              loss_dtype="float64", micro_batches=4, recompute=recompute)
+                              loss_dtype="float64", micro_batches=4, recompute=recompute,
+                              runtime=runtime)
   assert pipe.policy.recompute == recompute
 
 
@@ -44,7 +47,8 @@ def test_gpipe_uneven_micro_batches_weigh_by_size():
                        loss_dtype="float64", micro_batches=4, batch_size=18)
 
 
-def _assert_equals_keras(build, K, method, batch_size=16, lr=LR, loss_dtype=None, **options):
+def _assert_equals_keras(build, K, method, batch_size=16, lr=LR, loss_dtype=None,
+                         runtime=helpers.RUNTIMES[1], **options):
   bs = helpers.batches(20)
   x, y = helpers.as_arrays(bs)
   loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype=loss_dtype)
@@ -53,8 +57,8 @@ def _assert_equals_keras(build, K, method, batch_size=16, lr=LR, loss_dtype=None
   expected.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
 
   model = build()
-  pipe = tfpipe.Pipeline(model, num_stages=K, method=method, **options)
-  pipe.compile(keras.optimizers.SGD(lr, momentum=MOMENTUM), loss())
+  pipe, compile_ = helpers.pipeline(model, runtime, num_stages=K, method=method, **options)
+  compile_(keras.optimizers.SGD(lr, momentum=MOMENTUM), loss())
   pipe.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
   helpers.assert_weights_close(model.get_weights(), expected.get_weights())
   return pipe
@@ -66,17 +70,19 @@ def _mean_gap(weights, other):
 
 
 @pytest.mark.parametrize("method,other", [("pipedream", "vanilla"), ("vanilla", "pipedream")])
-def test_xla_compiled_stages_follow_their_rule(method, other):
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_xla_compiled_stages_follow_their_rule(method, other, runtime):
   # XLA fuses and reorders float ops, and round-off can flip a SELU input across 0, so
   # weights match the rule to ~1e-5 on average rather than element for element. The test
   # asserts the rule: far closer to its own reference than to the other method's.
   bs = helpers.batches(10)
   x, y = helpers.as_arrays(bs)
-  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method=method, jit_compile=True)
+  pipe, compile_ = helpers.pipeline(helpers.mlp(), runtime, num_stages=2, method=method,
+                                    jit_compile=True)
   loss = keras.losses.SparseCategoricalCrossentropy()
   own = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM)[0]
   alt = reference.reference_train(pipe.stage_models, loss, bs, other, LR, MOMENTUM)[0]
-  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), loss)
+  compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   got = _stage_weights(pipe)
   assert _mean_gap(got, own) < 1e-4
@@ -105,24 +111,29 @@ CASES = [
 ]
 
 
-def _run_both(method, options, K=3, n=20, epochs=1):
+def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0]):
+  """The pipeline (recording its tasks when threaded) and its reference rule, trained."""
   bs = helpers.batches(n)
   x, y = helpers.as_arrays(bs)
   model = helpers.mlp()
-  pipe = tfpipe.Pipeline(model, num_stages=K, method=method, record=True, **options)
+  pipe, compile_ = helpers.pipeline(model, runtime, num_stages=K, method=method,
+                                    record=runtime["executor"] == "threaded", **options)
   loss = keras.losses.SparseCategoricalCrossentropy()
   expected, log = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
                                             epochs=epochs, **options)
-  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), loss)
+  compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=epochs)
   return pipe, expected, log
 
 
 @pytest.mark.parametrize("method,options", CASES)
-def test_method_equals_reference_rule(method, options):
-  pipe, expected, log = _run_both(method, options)
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_method_equals_reference_rule(method, options, runtime):
+  pipe, expected, log = _run_both(method, options, runtime=runtime)
   for actual, ref in zip(_stage_weights(pipe), expected):
     helpers.assert_weights_close(actual, ref)
+  if runtime["executor"] == "compiled":
+    return   # a window runs as one call: no per-task record (the weights say it all)
   # Every task read the weight version the rule says.
   seen = {}
   for r in pipe.records:
@@ -131,8 +142,9 @@ def test_method_equals_reference_rule(method, options):
   assert seen == {(k, kind, b, i): v for k, kind, b, i, v in log}
 
 
-def test_two_epochs_drain_and_continue():
-  pipe, expected, _ = _run_both("spectrain", {}, K=2, n=6, epochs=2)
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_two_epochs_drain_and_continue(runtime):
+  pipe, expected, _ = _run_both("spectrain", {}, K=2, n=6, epochs=2, runtime=runtime)
   for actual, ref in zip(_stage_weights(pipe), expected):
     helpers.assert_weights_close(actual, ref)
 
@@ -283,23 +295,24 @@ DROPOUT_CASES = [
 ]
 
 
-def _dropout_pipe(method, options, K=3, dtype=None):
-  return tfpipe.Pipeline(helpers.dropout_mlp(dtype=dtype), num_stages=K, method=method,
-                         partition=helpers.DROPOUT_CUTS[K], **options)
+def _dropout_pipe(method, options, K=3, dtype=None, runtime=helpers.RUNTIMES[1]):
+  return helpers.pipeline(helpers.dropout_mlp(dtype=dtype), runtime, num_stages=K, method=method,
+                          partition=helpers.DROPOUT_CUTS[K], **options)
 
 
 @pytest.mark.parametrize("method,options", DROPOUT_CASES)
-def test_dropout_method_equals_reference_rule(method, options):
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_dropout_method_equals_reference_rule(method, options, runtime):
   bs = helpers.batches(8)
   x, y = helpers.as_arrays(bs)
   # In float64, with the reference given the optimizer's float32 learning rate, the pipeline
   # equals the rule to round-off (measured: exactly); one mask drawn differently moves the
   # weights by ~1e-2 (before masks were replayed).
-  pipe = _dropout_pipe(method, options, dtype="float64")
+  pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
   expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method,
                                           float(np.float32(LR)), MOMENTUM, **options)
-  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), loss)
+  compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, ref in zip(_stage_weights(pipe), expected):
     helpers.assert_weights_close(actual, ref, rtol=1e-12, atol=1e-14)
@@ -310,8 +323,8 @@ def test_dropout_recompute_equals_keeping_activations(method, options):
   x, y = helpers.as_arrays(helpers.batches(10))
   finals = []
   for recompute in (False, True):
-    pipe = _dropout_pipe(method, dict(options, recompute=recompute), K=2)
-    pipe.compile(keras.optimizers.SGD(LR, momentum=MOMENTUM), "sparse_categorical_crossentropy")
+    pipe, compile_ = _dropout_pipe(method, dict(options, recompute=recompute), K=2)
+    compile_(keras.optimizers.SGD(LR, momentum=MOMENTUM), "sparse_categorical_crossentropy")
     pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     finals.append(_stage_weights(pipe))
   for a, b in zip(*finals):

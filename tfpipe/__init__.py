@@ -1,6 +1,6 @@
 """tfpipe: pipelined model-parallel training of Keras models on TensorFlow."""
 
-from tfpipe import asgd, checkpoint, cluster, devices, multi_worker, optimizers, tensor_parallel
+from tfpipe import asgd, checkpoint, cluster, devices, multi_worker, optimizers, runtime, tensor_parallel
 from tfpipe.baselines import DataParallel, Single, create
 from tfpipe.devices import create_logical_cpus, default_devices
 from tfpipe.pipeline import Pipeline

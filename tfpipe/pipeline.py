@@ -94,7 +94,9 @@ class Pipeline:
     executor: "compiled" (one `tf.function` per window of mini-batches runs
       every stage: TensorFlow overlaps the stages; `tfpipe.runtime.compiled`)
       or "threaded" (a Python thread per stage runs the schedule task by
-      task: the reference, for debugging). The weights are the same.
+      task: the reference, for debugging). The weights are the same. None:
+      "threaded" when `record` or `trace_steps` asks for the per-task timeline
+      (only the threaded executor times each task), else "compiled".
   """
 
   AUTO_WINDOW = 16
@@ -103,7 +105,7 @@ class Pipeline:
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
                micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
-               stage_replicas=None, jit_compile=None, executor="compiled"):
+               stage_replicas=None, jit_compile=None, executor=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
@@ -131,7 +133,15 @@ class Pipeline:
       raise ValueError(f"`trace_steps={trace_steps!r}` needs a `trace_dir` to write the trace to")
     self.trace_dir = trace_dir
     self.record = bool(record) or self.trace_steps is not None
+    if executor is None:
+      executor = "threaded" if self.record else "compiled"
     self.executor = names.lookup("executor", executor, runtime.EXECUTORS)
+    if self.record and self.executor == "compiled":
+      raise ValueError(
+          "the per-task timeline (record=True, trace_steps, breakdown) is the threaded "
+          "executor's: the compiled one runs a window of tasks as one graph call. Use "
+          "executor='threaded' (or leave it None), or profile the compiled run with "
+          "TensorBoard's profiler. Received: executor='compiled'")
     if jit_compile is None:
       jit_compile = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
                         for d in self.devices) and not self.stage_replicas
@@ -473,6 +483,11 @@ class Pipeline:
       window = self.steps_per_execution
       if window == "auto":
         window = 1 if batch_hooks or self.prediction_error is not None else self.AUTO_WINDOW
+      elif window > 1 and self.prediction_error is not None:
+        raise ValueError(
+            "the prediction error compares weights update by update, and a compiled window of "
+            f"{window} mini-batches updates several times per call: use steps_per_execution=1 "
+            "(or 'auto') with prediction_error")
       self.runtime.set_window(window)
 
   def _restore(self, callbacks):

@@ -91,11 +91,11 @@ class CompiledRuntime(Executor):
     True, the batches already started finish (a drain window) and no
     further batch starts. Returns the number of mini-batches trained.
     """
-    report = self._start_epoch(schedule)
+    self._start_epoch(schedule)
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs),
            self.window)
     if key not in self._plans:
-      self._plans = {key: windows_lib.plan(schedule, report.order, diffs, self.window)}
+      self._plans = {key: windows_lib.plan(schedule, diffs, self.window)}
     plan = self._plans[key]
     for k, tasks in enumerate(schedule):
       keeps = not self.programs[k].policy.recompute
@@ -127,7 +127,7 @@ class CompiledRuntime(Executor):
     """Calls the window's function; returns (carry rebased to the next window, results)."""
     inputs, labels = {}, {}
     for k, task, _, _ in window.tasks:
-      if task.kind == "F" and task.micro in (None, 0):
+      if task.kind == "F":   # a mini-batch's micro-batches may fall in two windows: both split it
         xs, y, sample_weight = feed.get(task.batch)
         if k == 0:
           inputs[task.batch - window.first] = xs

@@ -14,9 +14,10 @@ Barriers S(t) order time, not data (`tfpipe.schedules.ddg`); a graph has no
 Python thread to hold, so windows leave them out: the weights read are the
 same.
 
-Within a window, tasks keep the verifier's global order (every dependency
-before its user), with batches relative to the window's first batch, so the
-windows of the steady state have equal `key`s and share one trace.
+Within a window, tasks run in an order made from the window's own lists
+(every dependency before its user), with batches relative to the window's
+first batch, so the windows of the steady state have equal `key`s and share
+one trace.
 """
 
 import collections
@@ -45,8 +46,8 @@ def _window(first, last, tasks):
   return Window(first, last, tasks, _key(tasks, first))
 
 
-def plan(schedule, order, diffs, size):
-  """The windows of `size` mini-batches that run `schedule` in the verifier's `order`."""
+def plan(schedule, diffs, size):
+  """The windows of `size` mini-batches that run `schedule` (verified)."""
   if not isinstance(size, int) or isinstance(size, bool) or size < 1:
     raise ValueError(f"a window holds a positive number of mini-batches. Received: {size!r}")
   K = len(schedule)
@@ -58,13 +59,49 @@ def plan(schedule, order, diffs, size):
     last = min(first + size, N) - 1
     cuts.append([1 + max(i for i, t in enumerate(tasks) if t.kind != "S" and t.batch <= last)
                  for tasks in schedule])
-  windows = []
+  windows, done = [], set()
   for w, first in enumerate(range(0, N, size)):
-    lo, hi = cuts[w], cuts[w + 1]
-    tasks = [(k, t, diffs[k].get(t, 0), tuple(covers[k].get(t, ()))) for k, t in order
-             if t.kind != "S" and lo[k] <= position[k][t] < hi[k]]
+    lists = [[t for t in tasks[cuts[w][k]:cuts[w + 1][k]] if t.kind != "S"]
+             for k, tasks in enumerate(schedule)]
+    tasks = [(k, t, diffs[k].get(t, 0), tuple(covers[k].get(t, ()))) for k, t in
+             _order(lists, done)]
     windows.append(_window(first, min(first + size, N) - 1, tasks))
   return windows
+
+
+def _needs(k, t, K):
+  """The other stage's task whose data task t of stage k reads (None: its own stage's)."""
+  if t.kind == "F" and k > 0:
+    return (k - 1, t)
+  if t.kind in ("B", "R") and k < K - 1:
+    return (k + 1, type(t)("B", t.batch, t.micro))
+  return None
+
+
+def _order(lists, done):
+  """The window's tasks in trace order: stage by stage, each stage running its next tasks
+  while their data is there (made earlier, or in `done`, which gains them).
+
+  It depends on the window's own lists only, so windows alike trace alike.
+  An R task and the B it serves both wait for stage k+1's B.
+  """
+  K, heads, order = len(lists), [0] * len(lists), []
+  while any(heads[k] < len(lists[k]) for k in range(K)):
+    progressed = False
+    for k in range(K):
+      while heads[k] < len(lists[k]):
+        t = lists[k][heads[k]]
+        need = _needs(k, t, K)
+        if need is not None and need not in done and not (t.kind == "B" and (k, type(t)(
+            "R", t.batch, t.micro)) in done):
+          break
+        order.append((k, t))
+        done.add((k, t))
+        heads[k] += 1
+        progressed = True
+    if not progressed:
+      raise AssertionError("a window's tasks wait on each other")   # verify() rules it out
+  return order
 
 
 def drain(windows, w):

@@ -1,0 +1,135 @@
+"""The executor's own cost: time per mini-batch of a tiny model, where compute is negligible.
+
+Trains 8 x Dense(32) (ReLU), batch 32, on synthetic data with plain Keras `fit`
+and with tfpipe pipelines at K = 1, 2, 4, 8 stages on logical CPUs and at
+K = 2, 4 on TF server processes (one thread each), for the chosen executors.
+Each configuration runs in a process of its own (its own thread settings and
+devices), in one run of this script. The time per mini-batch is marginal:
+(time of a fit over 2N batches - time of a fit over N batches) / N, median of
+`--rounds`, so tracing and the per-fit setup do not count.
+
+  python bench/runtime_overhead.py [--stages=1,2,4,8 --server_stages=2,4
+      --executors=compiled,threaded --method=spectrain --batches=64 --rounds=3]
+"""
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import results_io  # noqa: E402
+
+flags.DEFINE_list("stages", ["1", "2", "4", "8"], "K on logical CPU devices")
+flags.DEFINE_list("server_stages", ["2", "4"], "K on TF server processes (empty: none)")
+flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to measure")
+flags.DEFINE_string("method", "spectrain", "pipelined method")
+flags.DEFINE_integer("width", 32, "units per layer")
+flags.DEFINE_integer("depth", 8, "layers")
+flags.DEFINE_integer("batch_size", 32, "batch size")
+flags.DEFINE_integer("batches", 64, "N: the marginal time is measured over N extra batches")
+flags.DEFINE_integer("rounds", 3, "measured rounds per configuration (median)")
+flags.DEFINE_integer("keras_threads", 0, "intra-op threads of plain Keras (0: all cores)")
+flags.DEFINE_string("child", None, "internal: the configuration this process measures (JSON)")
+flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
+FLAGS = flags.FLAGS
+
+
+def _measure(config):
+  """Runs one configuration in this process; returns seconds per mini-batch (marginal)."""
+  import tensorflow as tf
+  import tfpipe
+  K, where = config.get("K", 1), config.get("where", "cpu")
+  if config["runner"] == "keras":
+    tf.config.threading.set_intra_op_parallelism_threads(config["threads"])
+    devices = ["/device:CPU:0"]
+  elif where == "servers":
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    local = tfpipe.cluster.LocalCluster({"worker": K})
+    devices = tfpipe.cluster.connect(local.spec)
+  else:
+    devices = tfpipe.create_logical_cpus(K, intra_op_threads=1)
+  import keras
+  rng = np.random.default_rng(0)
+  n = FLAGS.batch_size * FLAGS.batches * 2
+  x = rng.standard_normal((n, FLAGS.width)).astype("float32")
+  y = rng.integers(0, 10, n)
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((FLAGS.width,))] + [
+      keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth - 1)] + [
+          keras.layers.Dense(10)])
+  optimizer = tfpipe.optimizers.SpecTrain(1e-3, 0.9)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  if config["runner"] == "keras":
+    runner = model
+    runner.compile(optimizer, loss)
+  else:
+    runner = tfpipe.Pipeline(model, devices=devices[:K], method=FLAGS.method,
+                             executor=config["runner"])
+    runner.compile(optimizer, loss)
+
+  def fit(batches):
+    start = time.perf_counter()
+    runner.fit(x[:batches * FLAGS.batch_size], y[:batches * FLAGS.batch_size],
+               batch_size=FLAGS.batch_size, epochs=1, verbose=0, shuffle=False)
+    return time.perf_counter() - start
+
+  N = FLAGS.batches
+  fit(N), fit(2 * N)   # traces every window shape of both epoch lengths
+  per_batch = [(fit(2 * N) - fit(N)) / N for _ in range(FLAGS.rounds)]
+  return statistics.median(per_batch)
+
+
+def _child(config):
+  result = subprocess.run([sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"]
+                          + [f"--{name}={FLAGS[name].serialize().split('=', 1)[1]}"
+                             for name in ("width", "depth", "batch_size", "batches", "rounds",
+                                          "method")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+  lines = [l for l in result.stdout.splitlines() if l.startswith("seconds_per_batch ")]
+  if result.returncode != 0 or not lines:
+    raise RuntimeError(f"{config} failed:\n{result.stderr[-3000:]}")
+  return float(lines[-1].split()[1])
+
+
+def main(argv):
+  del argv
+  if FLAGS.child:
+    print(f"seconds_per_batch {_measure(json.loads(FLAGS.child))}", flush=True)
+    os._exit(0)   # a process connected to servers skips TensorFlow's teardown
+  threads = FLAGS.keras_threads or os.cpu_count()
+  configs = [("plain Keras fit", "-", "-", {"runner": "keras", "threads": threads})]
+  for executor in FLAGS.executors:
+    configs += [(executor, K, "logical CPUs", {"runner": executor, "K": int(K)})
+                for K in FLAGS.stages]
+    configs += [(executor, K, "TF servers", {"runner": executor, "K": int(K), "where": "servers"})
+                for K in FLAGS.server_stages if K]
+  rows, keras_ms = [], None
+  for name, K, where, config in configs:
+    ms = 1e3 * _child(config)
+    keras_ms = keras_ms or ms
+    rows.append([name, K, where, f"{ms:.2f}", f"{ms / keras_ms:.2f}"])
+    print(f"{name} K={K} on {where}: {ms:.2f} ms per mini-batch ({ms / keras_ms:.2f} x Keras)",
+          flush=True)
+  title = (f"Executor cost: {FLAGS.depth} x Dense({FLAGS.width}), batch {FLAGS.batch_size}, "
+           f"method {FLAGS.method}, {os.cpu_count()} cores; plain Keras with {threads} intra-op "
+           "threads, every stage 1; marginal ms per mini-batch, median of "
+           f"{FLAGS.rounds} rounds of {FLAGS.batches} extra batches")
+  table = results_io.markdown_table(
+      ["runner", "K", "devices", "ms per mini-batch", "x plain Keras"], rows)
+  results_io.report(FLAGS.results_dir, "runtime_overhead.md", title, table)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,173 @@
+"""The compiled executor: windows cut schedules soundly, trace once, stop and infer as promised.
+
+The weight rules on this executor are checked with every method in test_pipeline.py
+(parametrised over the executors, with windows smaller than the epoch).
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+
+from tests import helpers
+from tfpipe import optimizers, policies, schedules, verify
+from tfpipe.runtime import windows
+import tfpipe
+
+SCHEDULES = [("sequential", 3, 1), ("1f1b", 3, 1), ("1f1b", 4, 2), ("gpipe", 3, 3),
+             ("ddg", 3, 1), ("ddg_lockstep", 3, 1), ("timeprest", 3, 2), ("timeprest", 2, 4),
+             ("1f1b", 1, 1)]
+
+
+def _plan(name, K, M, N, W):
+  schedule = schedules.build(name, K, N, M)
+  diffs = [{t: 0 for t in tasks} for tasks in schedule]
+  return schedule, windows.plan(schedule, diffs, W)
+
+
+@pytest.mark.parametrize("W", [1, 3, 16])
+@pytest.mark.parametrize("name,K,M", SCHEDULES)
+def test_windows_hold_every_task_once_in_stage_order_after_its_data(name, K, M, W):
+  schedule, plan = _plan(name, K, M, N=11, W=W)
+  ran = [[t for win in plan for k, t, _, _ in win.tasks if k == j] for j in range(K)]
+  assert ran == [[t for t in tasks if t.kind != "S"] for tasks in schedule]
+  done = set()
+  for win in plan:
+    for k, t, _, units in win.tasks:
+      if t.kind == "F" and k > 0:
+        assert (k - 1, t) in done
+      if t.kind == "B":
+        assert all((k, schedules.Task("F", *u)) in done for u in units)
+        if k < K - 1:
+          assert (k + 1, schedules.Task("B", t.batch, t.micro)) in done
+      done.add((k, t))
+
+
+@pytest.mark.parametrize("W", [1, 3, 4])
+@pytest.mark.parametrize("name,K,M", SCHEDULES)
+def test_each_window_finishes_its_batches(name, K, M, W):
+  schedule, plan = _plan(name, K, M, N=11, W=W)
+  assert [(w.first, w.last) for w in plan] == [(b, min(b + W, 11) - 1) for b in range(0, 11, W)]
+  for win in plan:
+    finished = {t.batch for k, t, _, _ in win.tasks if k == K - 1 and schedules.is_update(t)}
+    assert finished == set(range(win.first, win.last + 1))
+
+
+def test_the_steady_state_windows_trace_alike():
+  _, plan = _plan("1f1b", 4, 1, N=40, W=4)
+  keys = collections.Counter(w.key for w in plan)
+  assert len(plan) == 10 and len(keys) == 3   # warm-up, 8 alike, and the drain at the end
+  assert keys[plan[1].key] == 8
+
+
+def test_a_drain_window_finishes_exactly_the_started_batches():
+  schedule, plan = _plan("1f1b", 3, 1, N=12, W=2)
+  last = windows.drain(plan, 1)    # stopped after batches 0..3; stage 0 started 4 and 5
+  assert (last.first, last.last) == (4, 5)
+  assert collections.Counter(k for k, _, _, _ in last.tasks) == {0: 2, 1: 3, 2: 4}   # B4 B5; F5 B4 B5; F4B4 F5B5
+  assert {t.batch for _, t, _, _ in last.tasks} == {4, 5}
+
+
+def _train(executor, window, method="pipedream", n=24, callbacks=None, K=3, **options):
+  x, y = helpers.as_arrays(helpers.batches(n))
+  model = helpers.mlp()
+  pipe, compile_ = helpers.pipeline(model, {"executor": executor, "steps_per_execution": window},
+                                    num_stages=K, method=method, **options)
+  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+  history = pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=callbacks)
+  return pipe, model, history
+
+
+def test_a_window_traces_once_and_is_reused_across_epochs():
+  pipe, _, _ = _train("compiled", 4, n=40)
+  first = pipe.runtime.traces
+  assert 1 <= first <= 3        # warm-up, steady state, end: not one per window (10 windows)
+  x, y = helpers.as_arrays(helpers.batches(40))
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=2)
+  assert pipe.runtime.traces == first
+
+
+@pytest.mark.parametrize("method,options", [("pipedream", {}), ("vanilla", {}),
+                                            ("spectrain", {}),
+                                            ("gpipe", {"micro_batches": 2})])
+def test_kept_state_peaks_equal_the_threaded_executors(method, options):
+  compiled = _train("compiled", 3, method, n=12, **options)[0].runtime
+  threaded = _train("threaded", "auto", method, n=12, **options)[0].runtime
+  assert compiled.peak_saved == threaded.peak_saved
+  assert compiled.peak_versions == threaded.peak_versions
+
+
+class _StopAt(keras.callbacks.Callback):
+  def __init__(self, batch):
+    super().__init__()
+    self.batch, self.ends = batch, []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.ends.append(batch)
+    if batch == self.batch:
+      self.model.stop_training = True
+
+
+def test_a_stop_takes_effect_at_the_window_end_and_drains_the_started_batches():
+  # Window of 4: a stop in batch 5's hook lands after the window of 4..7 ran (6 and 7 train
+  # without hooks, as drained batches do); 1F1B at K=3 had started batches 8 and 9, which
+  # finish their updates: 10 on every stage.
+  stop = _StopAt(5)
+  pipe, _, _ = _train("compiled", 4, callbacks=[stop])
+  assert stop.ends == list(range(6))
+  assert pipe.runtime.updates == [10, 10, 10]
+
+
+def test_auto_window_gives_batch_hooks_every_batch():
+  # With a batch hook the window is one mini-batch: the stop drains exactly L-1 = 2.
+  stop = _StopAt(5)
+  pipe, _, _ = _train("compiled", "auto", callbacks=[stop])
+  assert pipe.runtime.window == 1
+  assert stop.ends == list(range(6)) and pipe.runtime.updates == [8, 8, 8]
+
+
+def test_windowed_evaluate_and_predict_equal_the_threaded_executor():
+  x, y = helpers.as_arrays(helpers.batches(7))   # 7 batches in windows of 3: 3 + 3 + 1
+  results = {}
+  for executor, window in (("compiled", 3), ("threaded", "auto")):
+    model = helpers.mlp()
+    pipe, compile_ = helpers.pipeline(model, {"executor": executor, "steps_per_execution": window},
+                                      num_stages=3, method="pipedream")
+    compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy",
+             metrics=["accuracy"])
+    results[executor] = (pipe.evaluate(x, y, batch_size=16, verbose=0, return_dict=True),
+                         pipe.predict(x, batch_size=16, verbose=0))
+  (c_logs, c_out), (t_logs, t_out) = results["compiled"], results["threaded"]
+  assert c_logs == pytest.approx(t_logs, rel=1e-6)
+  np.testing.assert_allclose(c_out, t_out, rtol=1e-6, atol=1e-7)
+  assert c_out.shape == (7 * 16, 3)
+
+
+def test_bad_executor_settings_are_refused_with_the_value():
+  model = helpers.mlp()
+  with pytest.raises(ValueError, match="fast"):
+    tfpipe.Pipeline(model, num_stages=2, executor="fast")
+  with pytest.raises(ValueError, match="threaded executor's"):
+    tfpipe.Pipeline(model, num_stages=2, executor="compiled", record=True)
+  pipe = tfpipe.Pipeline(model, num_stages=2)
+  assert pipe.executor == "compiled"
+  assert tfpipe.Pipeline(model, num_stages=2, record=True).executor == "threaded"
+  with pytest.raises(ValueError, match="steps_per_execution=0"):
+    pipe.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=0)
+  x, y = helpers.as_arrays(helpers.batches(4))
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, prediction_error=True)
+  pipe.compile(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy",
+               steps_per_execution=4)
+  with pytest.raises(ValueError, match="steps_per_execution=1"):
+    pipe.fit(x, y, batch_size=16, verbose=0)
+
+
+def test_every_pipeline_method_runs_on_the_compiled_executor_by_default():
+  x, y = helpers.as_arrays(helpers.batches(6))
+  for method in policies.PIPELINE_METHODS:
+    pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method=method)
+    pipe.compile(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+    history = pipe.fit(x, y, batch_size=16, verbose=0)
+    assert isinstance(pipe.runtime, tfpipe.runtime.CompiledRuntime), method
+    assert np.isfinite(history.history["loss"][0]), method
