@@ -4,9 +4,14 @@ Trains seed 000's SNN (default 8 x 1024 SELU, batch 128) on synthetic data and
 prints samples/s of every runner, measured side by side in one run (rounds
 interleave the runners; the median epoch counts), and the ratios:
   pipeline K=2 / pipeline K=1  (the pipeline's speedup; the limit is 2.0 on 2 cores)
-  pipeline K=1 / Keras fit     (the runtime's own overhead, same thread budget)
+  pipeline K=1 / Keras fit     (the executor's own overhead, same thread budget)
   pipeline K=2 / MirroredStrategy over the same 2 devices
 and, per runner, the cores kept busy (process CPU time / wall time of its fit call).
+Pipelines run on each of `--executors`. Then, each in a process of its own
+(bench/runtime_overhead.py's marginal time per mini-batch): plain Keras `fit`
+with all cores as intra-op threads, the first method at K = 2 (and
+`--more_stages`) on logical CPUs with the compiled executor, and at K=2 on two
+TF server processes (one thread each), with their ratios to that Keras.
 With 1 intra-op thread TensorFlow still runs independent ops of one step (e.g. the
 weight and input gradients of a layer) on its 2 inter-op threads, so one stage
 alone already keeps more than one core busy; the speedup of 2 stages is bounded
@@ -40,6 +45,9 @@ flags.DEFINE_integer("rounds", 5, "measured rounds (each runner trains one epoch
 flags.DEFINE_string("partition", "profile", "pipeline balancing")
 flags.DEFINE_list("methods", ["vanilla", "spectrain"], "pipelined methods to measure")
 flags.DEFINE_integer("inter_op_threads", None, "TensorFlow inter-op threads (default: TF's)")
+flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to measure")
+flags.DEFINE_list("more_stages", ["4"], "more K measured in processes of their own (compiled)")
+flags.DEFINE_bool("processes", True, "also measure Keras with all cores and TF servers")
 FLAGS = flags.FLAGS
 
 
@@ -72,10 +80,12 @@ def main(argv):
   runners = {"keras fit": tfpipe.Single(model(), device=devices[0]),
              "dataparallel x2": tfpipe.DataParallel(model(), devices=devices)}
   for method in FLAGS.methods:
-    runners[f"{method} K=1"] = tfpipe.Pipeline(model(), devices=devices[:1], method=method)
-    runners[f"{method} K=2"] = tfpipe.Pipeline(model(), devices=devices, method=method,
-                                               partition=FLAGS.partition,
-                                               profile_batch_size=FLAGS.batch_size)
+    for executor in FLAGS.executors:
+      runners[f"{method} K=1 {executor}"] = tfpipe.Pipeline(
+          model(), devices=devices[:1], method=method, executor=executor)
+      runners[f"{method} K=2 {executor}"] = tfpipe.Pipeline(
+          model(), devices=devices, method=method, partition=FLAGS.partition,
+          profile_batch_size=FLAGS.batch_size, executor=executor)
   for name, runner in runners.items():
     runner.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if isinstance(runner, tfpipe.Pipeline):
@@ -101,11 +111,34 @@ def main(argv):
     print(f"{name:<20}{value:>12.1f}{float(np.median(cores[name])):>12.2f}")
   print()
   for method in FLAGS.methods:
-    two, one = median[f"{method} K=2"], median[f"{method} K=1"]
-    print(f"{method}: K=2 / K=1 = {two / one:.2f}   K=1 / keras fit = "
-          f"{one / median['keras fit']:.2f}   K=2 / dataparallel = "
-          f"{two / median['dataparallel x2']:.2f}")
+    for executor in FLAGS.executors:
+      two, one = median[f"{method} K=2 {executor}"], median[f"{method} K=1 {executor}"]
+      print(f"{method} ({executor}): K=2 / K=1 = {two / one:.2f}   K=1 / keras fit = "
+            f"{one / median['keras fit']:.2f}   K=2 / dataparallel = "
+            f"{two / median['dataparallel x2']:.2f}")
+  if FLAGS.processes:
+    _processes()
 
+
+def _processes():
+  """Keras with all cores, and pipelines on logical CPUs and TF servers, each in its own process."""
+  from bench import results_io
+  values = dict(model="snn", input_dim=FLAGS.input_dim, width=FLAGS.width, depth=FLAGS.depth,
+                batch_size=FLAGS.batch_size, batches=FLAGS.batches, rounds=3,
+                method=FLAGS.methods[-1])
+  rate = lambda config: FLAGS.batch_size / results_io.seconds_per_batch(config, **values)
+  threads = os.cpu_count()
+  keras_rate = rate({"runner": "keras", "threads": threads})
+  rows = [[f"keras fit, {threads} intra-op threads", f"{keras_rate:.0f}", "1.00"]]
+  for K in ["2"] + FLAGS.more_stages:
+    value = rate({"runner": "compiled", "K": int(K), "partition": FLAGS.partition})
+    rows.append([f"{values['method']} K={K}, logical CPUs, 1 thread each", f"{value:.0f}",
+                 f"{value / keras_rate:.2f}"])
+  value = rate({"runner": "compiled", "K": 2, "where": "servers", "partition": FLAGS.partition})
+  rows.append([f"{values['method']} K=2, 2 TF servers, 1 thread each", f"{value:.0f}",
+               f"{value / keras_rate:.2f}"])
+  print("\nEach in a process of its own (marginal time per mini-batch, compiled executor):")
+  print(results_io.markdown_table(["runner", "samples/s", "x keras fit"], rows))
 
 if __name__ == "__main__":
   app.run(main)

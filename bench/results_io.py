@@ -4,11 +4,14 @@ Each script prints its tables and writes them, with any plots, under
 bench/results/ (or --results_dir), so README can show the latest ones.
 """
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
-__all__ = ["RESULTS", "markdown_table", "write", "report", "median_seconds"]
+__all__ = ["RESULTS", "markdown_table", "write", "report", "median_seconds", "seconds_per_batch"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -44,3 +47,17 @@ def median_seconds(fn, repeats=20):
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def seconds_per_batch(config, **flag_values):
+  """bench/runtime_overhead.py's measurement of one configuration (a dict: runner, K, where,
+  threads), in a process of its own with those flags: marginal seconds per mini-batch."""
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime_overhead.py")
+  result = subprocess.run([sys.executable, script, f"--child={json.dumps(config)}"]
+                          + [f"--{name}={value}" for name, value in flag_values.items()],
+                          cwd=os.path.dirname(os.path.dirname(script)), capture_output=True,
+                          text=True, timeout=1800)
+  lines = [l for l in result.stdout.splitlines() if l.startswith("seconds_per_batch ")]
+  if result.returncode != 0 or not lines:
+    raise RuntimeError(f"{config} failed:\n{result.stderr[-3000:]}")
+  return float(lines[-1].split()[1])

@@ -19,7 +19,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -35,6 +34,8 @@ flags.DEFINE_list("stages", ["1", "2", "4", "8"], "K on logical CPU devices")
 flags.DEFINE_list("server_stages", ["2", "4"], "K on TF server processes (empty: none)")
 flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to measure")
 flags.DEFINE_string("method", "spectrain", "pipelined method")
+flags.DEFINE_enum("model", "mlp", ["mlp", "snn"], "mlp: Dense + ReLU; snn: seed 000's SELU SNN")
+flags.DEFINE_integer("input_dim", 32, "input features")
 flags.DEFINE_integer("width", 32, "units per layer")
 flags.DEFINE_integer("depth", 8, "layers")
 flags.DEFINE_integer("batch_size", 32, "batch size")
@@ -63,12 +64,16 @@ def _measure(config):
   import keras
   rng = np.random.default_rng(0)
   n = FLAGS.batch_size * FLAGS.batches * 2
-  x = rng.standard_normal((n, FLAGS.width)).astype("float32")
+  x = rng.standard_normal((n, FLAGS.input_dim)).astype("float32")
   y = rng.integers(0, 10, n)
   keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((FLAGS.width,))] + [
-      keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth - 1)] + [
-          keras.layers.Dense(10)])
+  if FLAGS.model == "snn":
+    from tfpipe.models import mlp
+    model = mlp.snn((FLAGS.input_dim,), 10, width=FLAGS.width, depth=FLAGS.depth)
+  else:
+    model = keras.Sequential([keras.Input((FLAGS.input_dim,))] + [
+        keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth - 1)] + [
+            keras.layers.Dense(10)])
   optimizer = tfpipe.optimizers.SpecTrain(1e-3, 0.9)
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   if config["runner"] == "keras":
@@ -76,7 +81,8 @@ def _measure(config):
     runner.compile(optimizer, loss)
   else:
     runner = tfpipe.Pipeline(model, devices=devices[:K], method=FLAGS.method,
-                             executor=config["runner"])
+                             executor=config["runner"], partition=config.get("partition", "uniform"),
+                             profile_batch_size=FLAGS.batch_size)
     runner.compile(optimizer, loss)
 
   def fit(batches):
@@ -91,16 +97,10 @@ def _measure(config):
   return statistics.median(per_batch)
 
 
-def _child(config):
-  result = subprocess.run([sys.executable, os.path.abspath(__file__), f"--child={json.dumps(config)}"]
-                          + [f"--{name}={FLAGS[name].serialize().split('=', 1)[1]}"
-                             for name in ("width", "depth", "batch_size", "batches", "rounds",
-                                          "method")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
-  lines = [l for l in result.stdout.splitlines() if l.startswith("seconds_per_batch ")]
-  if result.returncode != 0 or not lines:
-    raise RuntimeError(f"{config} failed:\n{result.stderr[-3000:]}")
-  return float(lines[-1].split()[1])
+def child(config):
+  """Seconds per mini-batch of `config`, measured in a new process with this one's flags."""
+  names = ("model", "input_dim", "width", "depth", "batch_size", "batches", "rounds", "method")
+  return results_io.seconds_per_batch(config, **{name: FLAGS[name].value for name in names})
 
 
 def main(argv):
@@ -117,12 +117,12 @@ def main(argv):
                 for K in FLAGS.server_stages if K]
   rows, keras_ms = [], None
   for name, K, where, config in configs:
-    ms = 1e3 * _child(config)
+    ms = 1e3 * child(config)
     keras_ms = keras_ms or ms
     rows.append([name, K, where, f"{ms:.2f}", f"{ms / keras_ms:.2f}"])
     print(f"{name} K={K} on {where}: {ms:.2f} ms per mini-batch ({ms / keras_ms:.2f} x Keras)",
           flush=True)
-  title = (f"Executor cost: {FLAGS.depth} x Dense({FLAGS.width}), batch {FLAGS.batch_size}, "
+  title = (f"Executor cost: {FLAGS.model} {FLAGS.depth} x {FLAGS.width}, batch {FLAGS.batch_size}, "
            f"method {FLAGS.method}, {os.cpu_count()} cores; plain Keras with {threads} intra-op "
            "threads, every stage 1; marginal ms per mini-batch, median of "
            f"{FLAGS.rounds} rounds of {FLAGS.batches} extra batches")

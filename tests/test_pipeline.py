@@ -130,8 +130,12 @@ def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
 def test_method_equals_reference_rule(method, options, runtime):
   pipe, expected, log = _run_both(method, options, runtime=runtime)
+  # A tensor carried across a window boundary is a fresh buffer, and oneDNN's kernels may
+  # round differently on it (timeprest, M=4: 4e-16 in float64, measured; 20 float32 steps of
+  # these random-label nets amplify that to 9e-6), so the compiled runs compare to round-off.
+  tolerance = {"rtol": 1e-4, "atol": 1e-5} if runtime["executor"] == "compiled" else {}
   for actual, ref in zip(_stage_weights(pipe), expected):
-    helpers.assert_weights_close(actual, ref)
+    helpers.assert_weights_close(actual, ref, **tolerance)
   if runtime["executor"] == "compiled":
     return   # a window runs as one call: no per-task record (the weights say it all)
   # Every task read the weight version the rule says.
