@@ -83,7 +83,7 @@ def main(argv):
     config = config_lib.TrainConfig(
         model="snn", snn_width=512, snn_depth=8, dataset="digits", method=method, num_stages=2,
         batch_size=32, learning_rate=0.01, momentum=0.9, epochs=FLAGS.epochs, seed=0, verbose=0,
-        micro_batches=micro)
+        micro_batches=micro, breakdown=True)   # the recorded per-task timeline: threaded
     history, trainer, _ = trainer_main.run(config)
     measured = statistics.median(history["samples_per_second"][1:] or
                                  history["samples_per_second"])

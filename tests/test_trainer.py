@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tfpipe
@@ -60,6 +61,8 @@ def test_help_lists_the_trainer_flags():
     (["--no_such_flag"], "Unknown command line flag 'no_such_flag'"),
     (["stray"], "unexpected arguments: stray"),
     (["--method=spectrian"], "did you mean 'spectrain'"),
+    (["--steps_per_execution=0"], "--steps_per_execution must be 'auto' or a positive integer"),
+    (["--executor=fast"], "value should be one of <auto|compiled|threaded>"),
 ])
 def test_every_usage_error_exits_with_the_same_code(args, message):
   result = _cli(*args, "--steps=1", "--snn_depth=2", "--snn_width=8")
@@ -127,7 +130,7 @@ def test_unknown_dataset_and_model():
 def test_instruments_from_the_command_line(tmp_path):
   result = _cli("--method=spectrain", "--snn_width=16", "--snn_depth=4", "--batch_size=16",
                 "--steps=8", "--epochs=1", f"--logdir={tmp_path}", "--trace_steps=2,4",
-                "--throughput_window=1,6", "--prediction_error")
+                "--throughput_window=1,6", "--prediction_error", "--breakdown")
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "throughput over steps 1..6:" in out and "(steady state" in out
@@ -310,3 +313,15 @@ def test_asgd_with_parameter_servers_trains_the_quickstart_model():
   result = _cli("--method=asgd", "--cluster=local:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--method=asgd takes --cluster=local:W,P" in result.stderr
+
+
+@pytest.mark.parametrize("executor,window,expected", [("compiled", "4", 4), ("threaded", "auto", None),
+                                                      ("auto", "auto", 16)])
+def test_executor_and_window_flags_reach_the_pipeline(executor, window, expected):
+  config = config_lib.TrainConfig(method="pipedream", snn_width=16, snn_depth=3, batch_size=16,
+                                  steps=8, epochs=1, verbose=0, throughput_window=None,
+                                  executor=executor, steps_per_execution=window)
+  history, trainer, _ = main.run(config)
+  assert trainer.executor == ("compiled" if executor == "auto" else executor)
+  assert getattr(trainer.runtime, "window", None) == expected
+  assert np.isfinite(history["loss"][0])

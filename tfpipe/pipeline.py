@@ -27,7 +27,7 @@ _BATCH_HOOKS = {"train": ("on_train_batch_begin", "on_train_batch_end", "on_batc
                 "predict": ("on_predict_batch_begin", "on_predict_batch_end")}
 
 
-def _has_train_batch_hooks(callback, mode="train"):
+def _has_batch_hooks(callback, mode="train"):
   """True when the callback's class overrides a `mode` batch hook of `keras.callbacks.Callback`."""
   base = keras.callbacks.Callback
   return any(getattr(type(callback), name, None) is not getattr(base, name)
@@ -36,7 +36,7 @@ def _has_train_batch_hooks(callback, mode="train"):
 
 def _reads_batches(cbs, mode):
   """True when a callback besides the progress bar has `mode` batch hooks."""
-  return any(_has_train_batch_hooks(cb, mode) and not isinstance(cb, keras.callbacks.ProgbarLogger)
+  return any(_has_batch_hooks(cb, mode) and not isinstance(cb, keras.callbacks.ProgbarLogger)
              for cb in cbs.callbacks)
 
 
@@ -408,7 +408,7 @@ class Pipeline:
     # Batch hooks: the learning-rate link runs around them only when a callback besides the
     # progress bar has batch hooks (that eager work in the caller thread slows the stage
     # threads: 7% of a tiny model's throughput, measured); logs become floats only if read.
-    batch_readers = [cb for cb in cbs.callbacks if _has_train_batch_hooks(cb)]
+    batch_readers = [cb for cb in cbs.callbacks if _has_batch_hooks(cb)]
     linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger) for cb in batch_readers)
     self._choose_window(linked or _reads_batches(cbs, "test"))
 

@@ -19,6 +19,8 @@ class TrainConfig:
   version_difference: str = "paper"
   micro_batches: Optional[int] = None
   recompute: str = "auto"
+  executor: str = "auto"
+  steps_per_execution: str = "auto"
   lockstep: bool = False
   batch_size: int = 64
   learning_rate: float = 0.01
@@ -36,7 +38,7 @@ class TrainConfig:
   sequence_length: int = 20
   trace_steps: Optional[str] = None
   trace_dir: Optional[str] = None
-  breakdown: bool = True
+  breakdown: bool = False
   throughput_window: Optional[str] = "50,250"
   prediction_error: bool = False
   checkpoint_dir: Optional[str] = None

@@ -28,6 +28,13 @@ def define_flags():
                        "pipedream, spectrain: default 1)")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")
+  flags.DEFINE_enum("executor", "auto", ["auto", "compiled", "threaded"],
+                    "pipelines: compiled (one graph call per window of batches) or threaded "
+                    "(a thread per stage, times every task); auto: threaded when --breakdown or "
+                    "--trace_steps asks for the per-task timeline, else compiled")
+  flags.DEFINE_string("steps_per_execution", "auto",
+                      "pipelines, compiled executor: mini-batches per graph call (auto: 1 when "
+                      "a callback reads every batch, else 16)")
   flags.DEFINE_bool("lockstep", False,
                     "ddg, feature_replay: end every step with a barrier on all stages")
   flags.DEFINE_integer("batch_size", 64, "global batch size")
@@ -50,8 +57,9 @@ def define_flags():
                       "FIRST,LAST: trace these steps (TensorBoard profile, and for pipelines "
                       "tfpipe_trace.json for Perfetto) into --trace_dir")
   flags.DEFINE_string("trace_dir", None, "where traces go (default: LOGDIR/METHOD/trace)")
-  flags.DEFINE_bool("breakdown", True,
-                    "pipelines: print and log each stage's compute / transfer / idle shares")
+  flags.DEFINE_bool("breakdown", False,
+                    "pipelines: print and log each stage's compute / transfer / idle shares "
+                    "(times every task: runs the threaded executor)")
   flags.DEFINE_string("throughput_window", "50,250",
                       "FIRST,LAST: report samples/s between these steps (empty: off)")
   flags.DEFINE_bool("prediction_error", False,
@@ -68,6 +76,8 @@ def define_flags():
   flags.register_validator("micro_batches", lambda v: v is None or v >= 1,
                            "--micro_batches must be >= 1")
   flags.register_validator("epochs", lambda v: v >= 1, "--epochs must be >= 1")
+  flags.register_validator("steps_per_execution", lambda v: v == "auto" or (v.isdigit() and int(v) >= 1),
+                           "--steps_per_execution must be 'auto' or a positive integer")
   flags.register_validator("checkpoint_every", lambda v: v >= 1, "--checkpoint_every must be >= 1")
   flags.register_validator("steps", lambda v: v is None or v >= 1, "--steps must be >= 1")
   flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")

@@ -57,7 +57,9 @@ def _method_options(config, tools):
               version_difference=config.version_difference, micro_batches=config.micro_batches,
               recompute={"auto": None, "true": True, "false": False}[config.recompute],
               lockstep=config.lockstep, stage_replicas=config.stage_replicas,
-              profile_batch_size=config.batch_size, **tools.pipeline_options())
+              profile_batch_size=config.batch_size,
+              executor=None if config.executor == "auto" else config.executor,
+              **tools.pipeline_options())
 
 
 def run(config):
@@ -179,9 +181,14 @@ def _train(config, tools, spec=None):
                             **_method_options(config, tools))
   if config.verbose:
     print(trainer.summary(), flush=True)
+  window = {}
+  if isinstance(trainer, tfpipe.Pipeline):
+    window = dict(steps_per_execution=config.steps_per_execution if
+                  config.steps_per_execution == "auto" else int(config.steps_per_execution))
   trainer.compile(
       optimizer=tfpipe.optimizers.SpecTrain(config.learning_rate, config.momentum),
-      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+      **window)
   if config.method == "asgd":
     train, fit_options = data.train, dict(batch_size=config.batch_size, seed=config.seed)
   else:

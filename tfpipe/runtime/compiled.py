@@ -32,7 +32,7 @@ import tensorflow as tf
 from tfpipe import schedules
 from tfpipe.runtime import records, windows as windows_lib
 from tfpipe.runtime.base import Executor
-from tfpipe.runtime.links import OutOfData
+from tfpipe.runtime.links import OutOfData, concat
 
 __all__ = ["CompiledRuntime"]
 
@@ -71,7 +71,7 @@ class CompiledRuntime(Executor):
   def __init__(self, programs, window=16, record=False, maxsize=None):
     super().__init__(programs, record=record, maxsize=maxsize)
     self.window = window
-    self._plans = {}
+    self._plan = (None, None)   # (what it was made for, the windows)
     self._train = tf.function(self._train_window, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
@@ -94,9 +94,9 @@ class CompiledRuntime(Executor):
     self._start_epoch(schedule)
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs),
            self.window)
-    if key not in self._plans:
-      self._plans = {key: windows_lib.plan(schedule, diffs, self.window)}
-    plan = self._plans[key]
+    if self._plan[0] != key:
+      self._plan = (key, windows_lib.plan(schedule, diffs, self.window))
+    plan = self._plan[1]
     for k, tasks in enumerate(schedule):
       keeps = not self.programs[k].policy.recompute
       peaks = records.kept_peaks(tasks, diffs[k], keeps, k == self.K - 1)
@@ -177,10 +177,6 @@ class CompiledRuntime(Executor):
           pieces[name] = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
       return pieces[name][0 if micro is None else micro]
 
-    def scale_tensor(k, value):
-      with tf.device(programs[k].device):
-        return tf.constant(value, tf.float64)
-
     for k, kind, b, micro, s, units in key:
       program, unit = programs[k], (b, micro)
       last = k == K - 1
@@ -189,7 +185,7 @@ class CompiledRuntime(Executor):
       if kind == "F":
         if k == 0:
           xs, share = piece(inputs, b, m, False)
-          scale = scale_tensor(0, share)
+          scale = self._scale(0, share)
         else:
           xs, scale = flight["x"].pop((k, b, micro))
         if last:
@@ -203,8 +199,8 @@ class CompiledRuntime(Executor):
         else:
           with tf.device(program.device):
             weights = program.weights(s, program.policy.forward == "predicted")
-          ys, state, tape = program.taped_forward(weights, xs)
-          kept[(k, b, micro)] = (tape, xs, weights, state, scale)
+          ys, state, taped = program.taped_forward(weights, xs)
+          kept[(k, b, micro)] = (taped, state, scale)
         flight["x"][(k + 1, b, micro)] = (ys, scale)
       elif kind == "R":
         continue   # the gradient is a tensor of the graph already
@@ -214,11 +210,7 @@ class CompiledRuntime(Executor):
           results[b] = (batch_loss.pop(b), program.logs())
       elif last:
         parts = [last_parts.pop(u) for u in units]
-        xs = parts[0][0] if len(parts) == 1 else _concat([p[0] for p in parts])
-        y = parts[0][1] if len(parts) == 1 else tf.concat([p[1] for p in parts], 0)
-        sample_weight = (parts[0][2] if len(parts) == 1 or parts[0][2] is None
-                         else tf.concat([p[2] for p in parts], 0))
-        scale = parts[0][3] if len(parts) == 1 else tf.add_n([p[3] for p in parts])
+        xs, y, sample_weight, scale = (_join([p[i] for p in parts]) for i in range(4))
         loss, dxs, logs = program.task("last_step")(xs, y, sample_weight, parts[0][4], scale,
                                                     m is not None)
         if k > 0:
@@ -232,11 +224,11 @@ class CompiledRuntime(Executor):
         dys = flight["g"].pop((k, b, micro))
         accumulate = m is not None
         if len(units) == 1 and (k,) + units[0] in kept:
-          tape, xs, weights, state, scale = kept.pop((k,) + units[0])
-          dxs = program.taped_backward(tape, dys, scale, accumulate)
+          taped, _, scale = kept.pop((k,) + units[0])
+          dxs = program.taped_backward(taped, dys, scale, accumulate)
         else:
           parts = [flight["saved"].pop((k,) + u) for u in units]
-          scale = parts[0][3] if len(parts) == 1 else tf.add_n([p[3] for p in parts])
+          scale = _join([p[3] for p in parts])
           if parts[0][1]:   # the forward's own weights, carried across a window boundary
             dxs = program.task("backward_on")(parts[0][1], [(parts[0][0], parts[0][2])], dys,
                                               scale, accumulate)
@@ -247,8 +239,8 @@ class CompiledRuntime(Executor):
           flight["g"][(k - 1, b, micro)] = dxs
     if last_parts or batch_loss:
       raise AssertionError("a window cut the last stage's step apart")   # windows.plan prevents it
-    for (k, b, micro), (_, xs, weights, state, scale) in kept.items():
-      flight["saved"][(k, b, micro)] = (xs, weights, state, scale)
+    for unit, ((_, weights, xs, _, _), state, scale) in kept.items():
+      flight["saved"][unit] = (xs, weights, state, scale)
     return flight, [results[b] for b in sorted(results)]
 
   # Inference.
@@ -285,5 +277,11 @@ class CompiledRuntime(Executor):
     return results
 
 
-def _concat(values):
-  return [tf.concat(list(parts), 0) for parts in zip(*values)]
+def _join(values):
+  """One unit's value, or several units' joined: tensors (lists) along the batch axis, their
+  shares (scalars) added."""
+  if len(values) == 1 or values[0] is None:
+    return values[0]
+  if getattr(values[0], "shape", None) is not None and values[0].shape.rank == 0:
+    return tf.add_n(values)
+  return concat(values)

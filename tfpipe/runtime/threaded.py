@@ -16,8 +16,6 @@ caller re-raises that first exception with its traceback.
 import collections
 import time
 
-import tensorflow as tf
-
 from tfpipe import schedules, verify
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import Links, Skipped, concat, copy_to, spawn

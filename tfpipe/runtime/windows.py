@@ -52,7 +52,6 @@ def plan(schedule, diffs, size):
     raise ValueError(f"a window holds a positive number of mini-batches. Received: {size!r}")
   K = len(schedule)
   N = 1 + max(t.batch for t in schedule[0] if t.kind == "F")
-  position = [{t: i for i, t in enumerate(tasks)} for tasks in schedule]
   covers = [verify.covered_units(tasks) for tasks in schedule]
   cuts = [[0] * K]
   for first in range(0, N, size):
