@@ -124,7 +124,7 @@ def _processes():
   """Keras with all cores, and pipelines on logical CPUs and TF servers, each in its own process."""
   from bench import results_io
   values = dict(model="snn", input_dim=FLAGS.input_dim, width=FLAGS.width, depth=FLAGS.depth,
-                batch_size=FLAGS.batch_size, batches=FLAGS.batches, rounds=3,
+                batch_size=FLAGS.batch_size, batches=FLAGS.batches, rounds=FLAGS.rounds,
                 method=FLAGS.methods[-1])
   rate = lambda config: FLAGS.batch_size / results_io.seconds_per_batch(config, **values)
   threads = os.cpu_count()

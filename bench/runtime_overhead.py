@@ -5,8 +5,11 @@ and with tfpipe pipelines at K = 1, 2, 4, 8 stages on logical CPUs and at
 K = 2, 4 on TF server processes (one thread each), for the chosen executors.
 Each configuration runs in a process of its own (its own thread settings and
 devices), in one run of this script. The time per mini-batch is marginal:
-(time of a fit over 2N batches - time of a fit over N batches) / N, median of
-`--rounds`, so tracing and the per-fit setup do not count.
+(median time of a fit over 2N batches - median time of a fit over N batches) / N
+over `--rounds`, each fit timed from on_train_begin to on_train_end, so tracing,
+the per-fit setup and what happens after the last hook do not count. (A tf.data
+iterator's deletion after a fit took 1.1-2.4 s in some fits here, measured; that
+would swamp these figures.)
 
   python bench/runtime_overhead.py [--stages=1,2,4,8 --server_stages=2,4
       --executors=compiled,threaded --method=spectrain --batches=64 --rounds=3]
@@ -39,12 +42,29 @@ flags.DEFINE_integer("input_dim", 32, "input features")
 flags.DEFINE_integer("width", 32, "units per layer")
 flags.DEFINE_integer("depth", 8, "layers")
 flags.DEFINE_integer("batch_size", 32, "batch size")
-flags.DEFINE_integer("batches", 64, "N: the marginal time is measured over N extra batches")
-flags.DEFINE_integer("rounds", 3, "measured rounds per configuration (median)")
+flags.DEFINE_integer("batches", 128, "N: the marginal time is measured over N extra batches")
+flags.DEFINE_integer("rounds", 5, "measured rounds per configuration (medians)")
 flags.DEFINE_integer("keras_threads", 0, "intra-op threads of plain Keras (0: all cores)")
 flags.DEFINE_string("child", None, "internal: the configuration this process measures (JSON)")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
+
+
+_SERVERS = []   # the child's local clusters, stopped before it exits
+
+
+def _Span():
+  """A callback timing `fit` from on_train_begin to on_train_end (`seconds`)."""
+  import keras
+
+  class Span(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+      self.start = time.perf_counter()
+
+    def on_train_end(self, logs=None):
+      self.seconds = time.perf_counter() - self.start
+
+  return Span()
 
 
 def _measure(config):
@@ -58,6 +78,7 @@ def _measure(config):
   elif where == "servers":
     tf.config.threading.set_intra_op_parallelism_threads(1)
     local = tfpipe.cluster.LocalCluster({"worker": K})
+    _SERVERS.append(local)
     devices = tfpipe.cluster.connect(local.spec)
   else:
     devices = tfpipe.create_logical_cpus(K, intra_op_threads=1)
@@ -85,16 +106,17 @@ def _measure(config):
                              profile_batch_size=FLAGS.batch_size)
     runner.compile(optimizer, loss)
 
+  span = _Span()
+
   def fit(batches):
-    start = time.perf_counter()
     runner.fit(x[:batches * FLAGS.batch_size], y[:batches * FLAGS.batch_size],
-               batch_size=FLAGS.batch_size, epochs=1, verbose=0, shuffle=False)
-    return time.perf_counter() - start
+               batch_size=FLAGS.batch_size, epochs=1, verbose=0, shuffle=False, callbacks=[span])
+    return span.seconds
 
   N = FLAGS.batches
   fit(N), fit(2 * N)   # traces every window shape of both epoch lengths
-  per_batch = [(fit(2 * N) - fit(N)) / N for _ in range(FLAGS.rounds)]
-  return statistics.median(per_batch)
+  short, long = zip(*[(fit(N), fit(2 * N)) for _ in range(FLAGS.rounds)])
+  return (statistics.median(long) - statistics.median(short)) / N
 
 
 def child(config):
@@ -106,7 +128,11 @@ def child(config):
 def main(argv):
   del argv
   if FLAGS.child:
-    print(f"seconds_per_batch {_measure(json.loads(FLAGS.child))}", flush=True)
+    try:
+      print(f"seconds_per_batch {_measure(json.loads(FLAGS.child))}", flush=True)
+    finally:
+      for local in _SERVERS:
+        local.stop()
     os._exit(0)   # a process connected to servers skips TensorFlow's teardown
   threads = FLAGS.keras_threads or os.cpu_count()
   configs = [("plain Keras fit", "-", "-", {"runner": "keras", "threads": threads})]
