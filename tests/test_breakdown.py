@@ -63,3 +63,11 @@ def test_combine_weights_windows_by_their_time():
   assert both.seconds == 4.0
   assert both.shares[0] == pytest.approx(
       {"compute": 0.25, "transfer": 0.0, "idle_transfer": 0.0, "idle_imbalance": 0.75})
+
+
+def test_overlapping_tasks_of_a_stage_count_once_as_compute():
+  # In a graph, stage 0's F1 [0.5, 2] may start before its B0 [0, 1] ends: busy 0..2 of 4.
+  records = [_r(0, "B", 0, 0.0, 1.0), _r(0, "F", 1, 0.5, 2.0), _r(0, "F", 2, 3.0, 4.0)]
+  result = breakdown.breakdown(records, 1)
+  assert result.shares[0] == pytest.approx(
+      {"compute": 3 / 4, "transfer": 0.0, "idle_transfer": 0.0, "idle_imbalance": 1 / 4})

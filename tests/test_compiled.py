@@ -148,11 +148,9 @@ def test_bad_executor_settings_are_refused_with_the_value():
   model = helpers.mlp()
   with pytest.raises(ValueError, match="fast"):
     tfpipe.Pipeline(model, num_stages=2, executor="fast")
-  with pytest.raises(ValueError, match="threaded executor's"):
-    tfpipe.Pipeline(model, num_stages=2, executor="compiled", record=True)
   pipe = tfpipe.Pipeline(model, num_stages=2)
   assert pipe.executor == "compiled"
-  assert tfpipe.Pipeline(model, num_stages=2, record=True).executor == "threaded"
+  assert tfpipe.Pipeline(model, num_stages=2, record=True).executor == "compiled"
   with pytest.raises(ValueError, match="steps_per_execution=0"):
     pipe.compile("sgd", "sparse_categorical_crossentropy", steps_per_execution=0)
   x, y = helpers.as_arrays(helpers.batches(4))

@@ -38,7 +38,7 @@ def _expected(schedule, k, epoch, batches):
                                             ("ddg", {"lockstep": True})])
 def test_traced_run_writes_a_profile_and_a_trace_matching_the_schedule(tmp_path, method, options):
   # Steps 3..5 of 2 epochs of 4 batches: batch 3 of epoch 0, batches 0 and 1 of epoch 1.
-  _traced_fit(tmp_path, method, **options)
+  _traced_fit(tmp_path, method, executor="threaded", **options)
   assert glob.glob(os.path.join(tmp_path, "plugins", "profile", "*", "*.xplane.pb"))
   with open(os.path.join(tmp_path, trace.TRACE_FILE)) as f:
     events = json.load(f)["traceEvents"]
@@ -56,6 +56,23 @@ def test_traced_run_writes_a_profile_and_a_trace_matching_the_schedule(tmp_path,
   M = options.get("micro_batches", 1)
   for name in ("link 0 -> 1", "link 1 -> 2", "link 1 -> 0", "link 2 -> 1"):
     assert sum(e["tid"] == tids[name] for e in tasks) == 3 * M, name
+
+
+def test_compiled_trace_holds_the_traced_steps_tasks_from_the_profile(tmp_path):
+  # The compiled executor profiles the epochs holding steps 3..5 (both) into trace_dir; its
+  # records hold each task once or more (one per run of its ops), in graph order.
+  _traced_fit(tmp_path, "pipedream", executor="compiled")
+  assert len(glob.glob(os.path.join(tmp_path, "plugins", "profile", "*", "*.xplane.pb"))) == 2
+  with open(os.path.join(tmp_path, trace.TRACE_FILE)) as f:
+    events = json.load(f)["traceEvents"]
+  tasks = [e for e in events if e["ph"] == "X"]
+  assert {e["args"]["step"] for e in tasks} == {3, 4, 5}
+  schedule = schedules.build("1f1b", 3, 4)
+  tids = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+  for k in range(3):
+    track = next(t for name, t in tids.items() if name.startswith(f"stage {k} "))
+    got = {(e["args"]["epoch"], e["name"]) for e in tasks if e["tid"] == track}
+    assert got == set(_expected(schedule, k, 0, {3}) + _expected(schedule, k, 1, {0, 1})), k
 
 
 def test_a_profiler_that_fails_warns_and_training_goes_on(tmp_path):

@@ -12,7 +12,9 @@ K: stages, k: stage index. The wall time of a window splits, per stage, into
                   task (imbalance-induced idle).
 A wait is attributed through the task that ends it: a forward waits for
 stage k-1's forward of its unit, a backward or an early receive R for stage
-k+1's gradient, the last stage's FB for its last input. Works on
+k+1's gradient, the last stage's FB for its last input. Tasks of one stage
+that overlap in time (the compiled executor's, inside a graph) count their
+union as compute. Works on
 `tfpipe.runtime.TaskRecord`s (a `Pipeline(record=True)` run) or any records
 with the same fields; pure Python.
 """
@@ -106,7 +108,7 @@ def breakdown(records, num_stages, window=None):
           received.add((r.epoch, r.batch, r.micro))
       else:
         wait(max(cursor, t0), min(r.start, t1), producer, move)
-        totals["compute"] += _overlap(r.start, r.end, t0, t1)
+        totals["compute"] += _overlap(max(r.start, cursor), r.end, t0, t1)   # tasks may overlap
       cursor = max(cursor, r.end)
     totals["idle_imbalance"] += max(0.0, t1 - max(cursor, t0))
     shares.append({c: v / (t1 - t0) for c, v in totals.items()})

@@ -77,10 +77,14 @@ class Pipeline:
       on all stages, as the DDG paper runs them (same weights, other timing).
     profile_batch_size: the batch size at which "profile" measures layers.
     record: keep a `TaskRecord` of every task and transfer in `self.records`
-      (what `breakdown()` reads).
+      (what `breakdown()` reads). The threaded executor times each task in
+      Python; the compiled one profiles each epoch with `tf.profiler` and
+      reads the tasks from its timeline (`tfpipe.runtime.timeline`: this
+      process's devices only; it slows the run while it profiles).
     trace_steps: (first, last) or "first,last": steps of each `fit` (counted
       from 0 over its epochs) to trace into `trace_dir`: a TensorBoard profile
-      of the device ops (`tf.profiler`) and `tfpipe_trace.json`, the
+      of the device ops (`tf.profiler`; with the compiled executor, of the
+      whole epochs holding those steps) and `tfpipe_trace.json`, the
       runtime's tasks as Chrome trace events (Perfetto). Turns `record` on.
     prediction_error: a `tfpipe.prediction_error.PredictionError` (or True
       for one with s = 1, 2, 3) fed after every stage update: the RMSE of the
@@ -95,8 +99,7 @@ class Pipeline:
       every stage: TensorFlow overlaps the stages; `tfpipe.runtime.compiled`)
       or "threaded" (a Python thread per stage runs the schedule task by
       task: the reference, for debugging). The weights are the same. None:
-      "threaded" when `record` or `trace_steps` asks for the per-task timeline
-      (only the threaded executor times each task), else "compiled".
+      "compiled".
   """
 
   AUTO_WINDOW = 16
@@ -133,15 +136,7 @@ class Pipeline:
       raise ValueError(f"`trace_steps={trace_steps!r}` needs a `trace_dir` to write the trace to")
     self.trace_dir = trace_dir
     self.record = bool(record) or self.trace_steps is not None
-    if executor is None:
-      executor = "threaded" if self.record else "compiled"
-    self.executor = names.lookup("executor", executor, runtime.EXECUTORS)
-    if self.record and self.executor == "compiled":
-      raise ValueError(
-          "the per-task timeline (record=True, trace_steps, breakdown) is the threaded "
-          "executor's: the compiled one runs a window of tasks as one graph call. Use "
-          "executor='threaded' (or leave it None), or profile the compiled run with "
-          "TensorBoard's profiler. Received: executor='compiled'")
+    self.executor = names.lookup("executor", executor or "compiled", runtime.EXECUTORS)
     if jit_compile is None:
       jit_compile = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
                         for d in self.devices) and not self.stage_replicas
@@ -420,8 +415,9 @@ class Pipeline:
 
     self.model.stop_training = False
     self._fit_epochs = (self.runtime.epoch + 1, num_batches, initial_epoch)
+    profiled = isinstance(self.runtime, runtime.CompiledRuntime)  # the runtime runs the profiler
     tracer = (trace.StepTracer(self.trace_dir, self.trace_steps)
-              if self.trace_steps is not None else None)
+              if self.trace_steps is not None and not profiled else None)
     if tracer:
       tracer.begin(initial_epoch * num_batches)
     hook("on_train_begin")
@@ -432,6 +428,10 @@ class Pipeline:
         if steps_per_epoch is None or iterator is None:
           iterator = iter(dataset)
         self._reset_metrics()
+        if profiled and self.trace_steps is not None:   # its profile of the traced epochs
+          first, last = self.trace_steps
+          traced = epoch * num_batches <= last and (epoch + 1) * num_batches > first
+          self.runtime.profile_dir = self.trace_dir if traced else None
         hook("on_epoch_begin", epoch)
         start = time.perf_counter()
         stopping = []
@@ -471,7 +471,7 @@ class Pipeline:
     finally:
       if tracer:
         tracer.end()
-    if tracer:
+    if self.trace_steps is not None:
       trace.write_chrome_trace(os.path.join(self.trace_dir, trace.TRACE_FILE),
                                self._fit_records(), self.devices, num_batches, self.trace_steps)
     hook("on_train_end", logs)

@@ -30,8 +30,7 @@ def define_flags():
                     "recompute stage forwards before backwards (auto: the method's rule)")
   flags.DEFINE_enum("executor", "auto", ["auto", "compiled", "threaded"],
                     "pipelines: compiled (one graph call per window of batches) or threaded "
-                    "(a thread per stage, times every task); auto: threaded when --breakdown or "
-                    "--trace_steps asks for the per-task timeline, else compiled")
+                    "(a thread per stage: the reference, for debugging); auto: compiled")
   flags.DEFINE_string("steps_per_execution", "auto",
                       "pipelines, compiled executor: mini-batches per graph call (auto: 1 when "
                       "a callback reads every batch, else 16)")
@@ -59,7 +58,8 @@ def define_flags():
   flags.DEFINE_string("trace_dir", None, "where traces go (default: LOGDIR/METHOD/trace)")
   flags.DEFINE_bool("breakdown", False,
                     "pipelines: print and log each stage's compute / transfer / idle shares "
-                    "(times every task: runs the threaded executor)")
+                    "(the compiled executor reads them from the TensorFlow profiler, which "
+                    "slows training while it runs)")
   flags.DEFINE_string("throughput_window", "50,250",
                       "FIRST,LAST: report samples/s between these steps (empty: off)")
   flags.DEFINE_bool("prediction_error", False,

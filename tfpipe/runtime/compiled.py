@@ -22,15 +22,18 @@ is carried as tensors into the next call:
            draws: the same values);
   "g":     input gradients on their way to stage k-1.
 Batch hooks run after each window (`train_epoch`).
+
+With `record`, each training epoch runs under the TensorFlow profiler and the
+tasks' records come from its timeline (`tfpipe.runtime.timeline`).
 """
 
-import time
+import contextlib
 
 import keras
 import tensorflow as tf
 
 from tfpipe import schedules
-from tfpipe.runtime import records, windows as windows_lib
+from tfpipe.runtime import records, timeline, windows as windows_lib
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat
 
@@ -65,12 +68,16 @@ class CompiledRuntime(Executor):
 
   `window` may change between epochs (`set_window`); each distinct window
   shape traces once (the steady state, plus the warm-up and drain windows)
-  and is reused across epochs.
+  and is reused across epochs. With `record`, each epoch is profiled
+  (`tfpipe.runtime.timeline`); its TensorBoard profile is kept in
+  `profile_dir` when set.
   """
 
   def __init__(self, programs, window=16, record=False, maxsize=None):
     super().__init__(programs, record=record, maxsize=maxsize)
     self.window = window
+    self.profile_dir = None
+    self._session, self._calls, self._forwards = None, {}, {}
     self._plan = (None, None)   # (what it was made for, the windows)
     self._train = tf.function(self._train_window, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
@@ -103,6 +110,20 @@ class CompiledRuntime(Executor):
       self.peak_saved[k] = max(self.peak_saved[k], peaks[0])
       self.peak_versions[k] = max(self.peak_versions[k], peaks[1])
     M = schedules.micro_batches(schedule)
+    if self.record:
+      self._calls, self._forwards = {}, {}
+      self._session = timeline.Session(self.profile_dir, run_suffix=f"_epoch{self.epoch}")
+      if not self._session.start():
+        self._session = None
+    try:
+      return self._train_windows(plan, batches, M, on_result, before)
+    finally:
+      if self._session is not None:
+        events, calls = self._session.stop()
+        self._session = None
+        self.records += timeline.task_records(events, calls, self._calls, self.epoch)
+
+  def _train_windows(self, plan, batches, M, on_result, before):
     feed, carry, done = _Feed(batches, labelled=True), {}, 0
     for w, window in enumerate(plan):
       carry, results = self._run(window, carry, feed, M)
@@ -133,11 +154,15 @@ class CompiledRuntime(Executor):
           inputs[task.batch - window.first] = xs
         if k == self.K - 1:
           labels[task.batch - window.first] = (y, sample_weight)
-    start = time.perf_counter()
+    context = contextlib.nullcontext()
+    if self._session is not None:
+      n = len(self._calls)
+      self._calls[n] = self._describe(window)
+      context = self._session.window(n)
     traced = self._train.experimental_get_tracing_count()
-    out, results = self._train(window.key, carry, inputs, labels, M)
+    with context:
+      out, results = self._train(window.key, carry, inputs, labels, M)
     self.traces += self._train.experimental_get_tracing_count() - traced
-    end = time.perf_counter()
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
     for k, task, _, _ in window.tasks:
@@ -145,13 +170,40 @@ class CompiledRuntime(Executor):
     for k, count in enumerate(updates):
       if count:
         self._updated(k, count)
-      if self.record:
-        self.records.append(records.TaskRecord(k, "W", window.first, self.updates[k], None,
-                                               start, end, None, self.epoch))
     shift = window.last + 1 - window.first
     rebased = {part: {(key[0], key[1] - shift) + key[2:]: value for key, value in items.items()}
                for part, items in out.items()}
     return rebased, results
+
+  def _describe(self, window):
+    """(entries, backward_of) of `window` for `timeline.task_records`: per task in trace order
+    (k, kind, batch, micro, version, s) as the threaded executor records it (version: updates
+    of stage k whose weights the task read), None for the last stage's forwards (kept for its
+    step); backward_of: {i: j} where backward j takes its gradient through forward i's tape."""
+    counts, entries, backward_of = list(self.updates), [], {}
+    for j, (k, task, s, units) in enumerate(window.tasks):
+      last, unit = k == self.K - 1, (k, task.batch, task.micro)
+      entry = None
+      if task.kind == "F":
+        self._forwards[unit] = (counts[k], s, j)
+        if not last:
+          entry = (k, "F", task.batch, task.micro, counts[k], s)
+      elif task.kind == "U":
+        entry = (k, "U", task.batch, task.micro, counts[k], s)
+      elif task.kind == "B":
+        forwards = [self._forwards.pop((k,) + u) for u in units]
+        if last:
+          entry = (k, "FB", task.batch, task.micro, counts[k], forwards[0][1])
+        else:
+          kept = len(units) == 1 and not self.programs[k].policy.recompute
+          entry = (k, "B", task.batch, task.micro, forwards[0][0] if kept else counts[k], s)
+          if kept and forwards[0][2] is not None:
+            backward_of[forwards[0][2]] = j
+      counts[k] += schedules.is_update(task)
+      entries.append(entry)
+    for unit, (version, s, _) in self._forwards.items():   # kept past this window: recomputed
+      self._forwards[unit] = (version, s, None)
+    return entries, backward_of
 
   def _train_window(self, key, carry, inputs, labels, M):
     """Traces the tasks of `key` (`windows.Window.key`); returns (carry, per-batch results)."""
@@ -177,66 +229,67 @@ class CompiledRuntime(Executor):
           pieces[name] = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
       return pieces[name][0 if micro is None else micro]
 
-    for k, kind, b, micro, s, units in key:
-      program, unit = programs[k], (b, micro)
-      last = k == K - 1
-      task = schedules.Task(kind, b, None if micro < 0 else micro)
-      m = task.micro
-      if kind == "F":
-        if k == 0:
-          xs, share = piece(inputs, b, m, False)
-          scale = self._scale(0, share)
-        else:
-          xs, scale = flight["x"].pop((k, b, micro))
-        if last:
-          values, _ = piece(labels, b, m, True)
-          sample_weight = values[1] if len(values) > 1 else None
-          last_parts[unit] = (xs, values[0], sample_weight, scale, s)
-          continue
-        if program.policy.recompute:
-          ys, _, state = program.task("forward")(xs, s)
-          flight["saved"][(k, b, micro)] = (xs, [], state, scale)
-        else:
-          with tf.device(program.device):
-            weights = program.weights(s, program.policy.forward == "predicted")
-          ys, state, taped = program.taped_forward(weights, xs)
-          kept[(k, b, micro)] = (taped, state, scale)
-        flight["x"][(k + 1, b, micro)] = (ys, scale)
-      elif kind == "R":
-        continue   # the gradient is a tensor of the graph already
-      elif kind == "U":
-        program.task("apply_accumulated")()
-        if last:
-          results[b] = (batch_loss.pop(b), program.logs())
-      elif last:
-        parts = [last_parts.pop(u) for u in units]
-        xs, y, sample_weight, scale = (_join([p[i] for p in parts]) for i in range(4))
-        loss, dxs, logs = program.task("last_step")(xs, y, sample_weight, parts[0][4], scale,
-                                                    m is not None)
-        if k > 0:
-          flight["g"][(k - 1, b, micro)] = dxs
-        if m is None:
-          results[b] = (loss, logs)
-        else:
-          weighted = tf.cast(loss, tf.float64) * scale
-          batch_loss[b] = weighted if b not in batch_loss else batch_loss[b] + weighted
-      else:
-        dys = flight["g"].pop((k, b, micro))
-        accumulate = m is not None
-        if len(units) == 1 and (k,) + units[0] in kept:
-          taped, _, scale = kept.pop((k,) + units[0])
-          dxs = program.taped_backward(taped, dys, scale, accumulate)
-        else:
-          parts = [flight["saved"].pop((k,) + u) for u in units]
-          scale = _join([p[3] for p in parts])
-          if parts[0][1]:   # the forward's own weights, carried across a window boundary
-            dxs = program.task("backward_on")(parts[0][1], [(parts[0][0], parts[0][2])], dys,
-                                              scale, accumulate)
+    for i, (k, kind, b, micro, s, units) in enumerate(key):
+      with timeline.scope(i):   # names the task's ops in the profile
+        program, unit = programs[k], (b, micro)
+        last = k == K - 1
+        task = schedules.Task(kind, b, None if micro < 0 else micro)
+        m = task.micro
+        if kind == "F":
+          if k == 0:
+            xs, share = piece(inputs, b, m, False)
+            scale = self._scale(0, share)
           else:
-            dxs = program.task("backward_recompute")([(p[0], p[2]) for p in parts], dys, s,
-                                                     scale, accumulate)
-        if k > 0:
-          flight["g"][(k - 1, b, micro)] = dxs
+            xs, scale = flight["x"].pop((k, b, micro))
+          if last:
+            values, _ = piece(labels, b, m, True)
+            sample_weight = values[1] if len(values) > 1 else None
+            last_parts[unit] = (xs, values[0], sample_weight, scale, s)
+            continue
+          if program.policy.recompute:
+            ys, _, state = program.task("forward")(xs, s)
+            flight["saved"][(k, b, micro)] = (xs, [], state, scale)
+          else:
+            with tf.device(program.device):
+              weights = program.weights(s, program.policy.forward == "predicted")
+            ys, state, taped = program.taped_forward(weights, xs)
+            kept[(k, b, micro)] = (taped, state, scale)
+          flight["x"][(k + 1, b, micro)] = (ys, scale)
+        elif kind == "R":
+          continue   # the gradient is a tensor of the graph already
+        elif kind == "U":
+          program.task("apply_accumulated")()
+          if last:
+            results[b] = (batch_loss.pop(b), program.logs())
+        elif last:
+          parts = [last_parts.pop(u) for u in units]
+          xs, y, sample_weight, scale = (_join([p[i] for p in parts]) for i in range(4))
+          loss, dxs, logs = program.task("last_step")(xs, y, sample_weight, parts[0][4], scale,
+                                                      m is not None)
+          if k > 0:
+            flight["g"][(k - 1, b, micro)] = dxs
+          if m is None:
+            results[b] = (loss, logs)
+          else:
+            weighted = tf.cast(loss, tf.float64) * scale
+            batch_loss[b] = weighted if b not in batch_loss else batch_loss[b] + weighted
+        else:
+          dys = flight["g"].pop((k, b, micro))
+          accumulate = m is not None
+          if len(units) == 1 and (k,) + units[0] in kept:
+            taped, _, scale = kept.pop((k,) + units[0])
+            dxs = program.taped_backward(taped, dys, scale, accumulate)
+          else:
+            parts = [flight["saved"].pop((k,) + u) for u in units]
+            scale = _join([p[3] for p in parts])
+            if parts[0][1]:   # the forward's own weights, carried across a window boundary
+              dxs = program.task("backward_on")(parts[0][1], [(parts[0][0], parts[0][2])], dys,
+                                                scale, accumulate)
+            else:
+              dxs = program.task("backward_recompute")([(p[0], p[2]) for p in parts], dys, s,
+                                                       scale, accumulate)
+          if k > 0:
+            flight["g"][(k - 1, b, micro)] = dxs
     if last_parts or batch_loss:
       raise AssertionError("a window cut the last stage's step apart")   # windows.plan prevents it
     for unit, ((_, weights, xs, _, _), state, scale) in kept.items():

@@ -15,8 +15,8 @@ TaskRecord.__doc__ = """One task as it ran: `stage` k, `kind`, mini-batch `batch
 (backward and update), FB (the last stage's forward and backward as one step), U (apply
 accumulated gradients), R (early receive of a gradient), S (barrier), and the transfer threads'
 XF (stage k's output to k+1) and XB (stage k's input gradient to k-1), each recorded under the
-sending stage k, with version and s None. The compiled executor records one task per stage and
-window: kind W, `batch` the window's first mini-batch, from the profiler's device timeline."""
+sending stage k, with version and s None. The compiled executor's come from the profiler
+(`tfpipe.runtime.timeline`): one record per run of a task's ops, no R or S."""
 
 
 def kept_peaks(tasks, diffs, keeps_weights, last):

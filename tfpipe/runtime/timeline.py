@@ -1,0 +1,200 @@
+"""The compiled executor's task timeline, read from the TensorFlow profiler.
+
+K: stages, k: stage index. Inside a window's graph no Python runs between
+tasks, so the executor cannot time them itself; TensorFlow's profiler times
+every op the graph executor runs, on every local device. The compiled
+executor traces task i of a window under the name scope `scope(i)` and calls
+each window inside a profiler trace named `tfpipe_window`, so:
+  a task's records are the runs of its ops within its window's call: a
+      pause of more than `MERGE_GAP` between its ops (e.g. a forward reads
+      its weights early, then waits for its input) starts a new record of
+      the same task, so records cover the time its ops ran, and the
+      breakdown sees the pause as a wait;
+  a transfer's record (XF: stage k to k+1, XB: k to k-1) spans the `_Send`
+      ops from one stage's task to a task of its neighbour in the same call
+      (a tensor carried to the next window moves as that call's input,
+      unrecorded).
+Tasks of one stage may overlap in time in a graph (a forward may start while
+the previous backward still runs, where their data allow). Times are moved
+onto `time.perf_counter`'s clock, like the threaded executor's records.
+
+The profiler sees this process's devices: stages on TF servers (other
+processes) leave no ops here. A session can keep its TensorBoard profile
+(`.xplane.pb`).
+"""
+
+import bisect
+import collections
+import glob
+import os
+import shutil
+import tempfile
+import time
+import warnings
+
+import tensorflow as tf
+
+from tfpipe.runtime.records import TaskRecord
+
+__all__ = ["scope", "Session", "Event", "task_records"]
+
+_SCOPE = "tfpipe_task"
+_WINDOW = "tfpipe_window"
+MERGE_GAP = 20e-6   # seconds: the executor's pauses between one task's ops are a few µs
+_GRADIENT = "gradient_tape/"   # how a tape names the gradient ops of a forward's ops
+
+Event = collections.namedtuple("Event", ["name", "start", "end", "args"])
+Event.__doc__ = "One profiled event: `start` and `end` in seconds on the profile's clock."
+
+
+def scope(i):
+  """The name scope of a window's task i (its place in the window's trace)."""
+  return tf.name_scope(f"{_SCOPE}{i}")
+
+
+def _task_index(op_name, backward_of):
+  """i of the task that ran an op: the op was traced under `scope(i)`; or, for a gradient op
+  named after forward i's op ("gradient_tape/" + its name), the task `backward_of[i]` that
+  took the gradient through i's kept tape. None for ops of no task."""
+  gradient = op_name.startswith(_GRADIENT)
+  head = op_name[len(_GRADIENT) if gradient else 0:].split("/", 1)[0]
+  if not (head.startswith(_SCOPE) and head[len(_SCOPE):].isdigit()):
+    return None
+  i = int(head[len(_SCOPE):])
+  return backward_of.get(i, i) if gradient else i
+
+
+def _read_trace(path):
+  """The profile's trace events (`Event`s) of one `.xplane.pb` file."""
+  # TensorFlow's own converter from the profile (XSpace) to trace events.
+  from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin  # pylint: disable=g-import-not-at-top
+  from tensorflow.tsl.profiler.protobuf import trace_events_pb2  # pylint: disable=g-import-not-at-top
+  data, ok = plugin.xspace_to_tools_data([path], "trace_viewer", {})
+  if not ok:
+    raise RuntimeError(f"the profile {path} could not be read: {data[:200]!r}")
+  trace = trace_events_pb2.Trace.FromString(data)
+  return [Event(e.name, e.timestamp_ps * 1e-12, (e.timestamp_ps + e.duration_ps) * 1e-12,
+                dict(e.args)) for e in trace.trace_events]
+
+
+class Session:
+  """One profiler session over some window calls (the compiled executor runs one per epoch).
+
+  `start()` starts the profiler (False, with a warning, when it cannot: e.g.
+  another profile is running); each window call runs inside `window(n)`;
+  `stop()` reads the profile and returns its events and, per call n, its
+  span, on `time.perf_counter`'s clock. The profile is written to a
+  temporary folder; with `keep_in`, it is moved to TensorBoard's place there
+  (`plugins/profile/<run>/`, the run named by the time and `run_suffix`).
+  """
+
+  def __init__(self, keep_in=None, run_suffix=""):
+    self.keep_in, self.run_suffix = keep_in, run_suffix
+    self._entered = {}   # call n -> time.perf_counter() when it began
+    self.active, self.logdir = False, None
+
+  def start(self):
+    self.logdir = tempfile.mkdtemp(prefix="tfpipe_profile_")
+    try:
+      tf.profiler.experimental.start(self.logdir)
+    except Exception as e:  # pylint: disable=broad-except
+      warnings.warn(f"tfpipe: the profiler did not start ({e}); this epoch has no task "
+                    "timeline", RuntimeWarning)
+      shutil.rmtree(self.logdir, ignore_errors=True)
+      return False
+    self.active = True
+    return True
+
+  def window(self, n):
+    """The context of window call n."""
+    self._entered[n] = time.perf_counter()
+    return tf.profiler.experimental.Trace(_WINDOW, step_num=n, _r=1)
+
+  def stop(self):
+    """(events, {n: (start, end)}), both on `time.perf_counter`'s clock; ([], {}) if inactive."""
+    if not self.active:
+      return [], {}
+    self.active = False
+    try:
+      tf.profiler.experimental.stop()
+      written = glob.glob(os.path.join(self.logdir, "plugins", "profile", "*", "*.xplane.pb"))
+      if not written:
+        raise RuntimeError(f"the profiler wrote no profile under {self.logdir}")
+      events = _read_trace(written[0])
+      if self.keep_in:
+        run = os.path.join(self.keep_in, "plugins", "profile",
+                           os.path.basename(os.path.dirname(written[0])) + self.run_suffix)
+        os.makedirs(run, exist_ok=True)
+        shutil.move(written[0], os.path.join(run, os.path.basename(written[0])))
+    finally:
+      shutil.rmtree(self.logdir, ignore_errors=True)
+    calls = {}
+    for e in events:
+      if e.name.startswith(_WINDOW):
+        n = int(e.args.get("step_num", e.name[len(_WINDOW):].strip() or -1))
+        calls[n] = (e.start, e.end)
+    if not calls:
+      return [], {}
+    # The profile's clock to perf_counter's: a call's trace starts as Python enters it.
+    shift = min(self._entered[n] - calls[n][0] for n in calls if n in self._entered)
+    events = [e._replace(start=e.start + shift, end=e.end + shift) for e in events]
+    return events, {n: (a + shift, b + shift) for n, (a, b) in calls.items()}
+
+
+def task_records(events, calls, tasks, epoch):
+  """TaskRecords of the profiled window calls.
+
+  calls: {n: (start, end)} (`Session.stop`); tasks: {n: (entries,
+  backward_of)} per call: entries[i] = (k, kind, batch, micro, version, s) of
+  the task traced under `scope(i)` (None: not recorded), backward_of {i: j}:
+  task j takes the gradient through forward i's kept tape. Tasks with no
+  profiled op (e.g. on another process's device) get no record; transfers
+  are the `_Send` ops from a task of stage k to one of stage k+1 (XF) or k-1
+  (XB), recorded under k.
+  """
+  spans = sorted((start, end, n) for n, (start, end) in calls.items())
+  starts = [s for s, _, _ in spans]
+
+  def call_of(t):
+    j = bisect.bisect_right(starts, t) - 1
+    return spans[j][2] if j >= 0 and t <= spans[j][1] else None
+
+  def entry(n, name):
+    entries, backward_of = tasks[n]
+    i = _task_index(name, backward_of)
+    return (i, entries[i]) if i is not None and i < len(entries) and entries[i] else (None, None)
+
+  ops, moves = collections.defaultdict(list), {}
+  for e in events:
+    n = call_of(e.start)
+    if n is None or n not in tasks:
+      continue
+    i, task = entry(n, e.args.get("long_name") or e.args.get("tf_op") or "")
+    if task is None:
+      continue
+    ops[(n, i)].append((e.start, e.end))
+    _, to = entry(n, e.args.get("to", "")) if e.name == "_Send" else (None, None)
+    if to is not None and abs(to[0] - task[0]) == 1:
+      lo, hi = moves.get((n, i, to[0]), (e.start, e.end))
+      moves[(n, i, to[0])] = (min(lo, e.start), max(hi, e.end))
+  out = []
+  for (n, i), spans_of_task in ops.items():
+    k, kind, batch, micro, version, s = tasks[n][0][i]
+    out += [TaskRecord(k, kind, batch, version, s, start, end, micro, epoch)
+            for start, end in _runs(spans_of_task)]
+  for (n, i, to), (start, end) in moves.items():
+    k, _, batch, micro, _, _ = tasks[n][0][i]
+    out.append(TaskRecord(k, "XF" if to == k + 1 else "XB", batch, None, None, start, end,
+                          micro, epoch))
+  return sorted(out, key=lambda r: r.start)
+
+
+def _runs(spans):
+  """`spans` (start, end) merged into runs: a pause longer than `MERGE_GAP` starts a new run."""
+  runs = []
+  for start, end in sorted(spans):
+    if runs and start <= runs[-1][1] + MERGE_GAP:
+      runs[-1][1] = max(runs[-1][1], end)
+    else:
+      runs.append([start, end])
+  return [tuple(r) for r in runs]
