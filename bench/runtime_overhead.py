@@ -9,7 +9,10 @@ devices), in one run of this script. The time per mini-batch is marginal:
 over `--rounds`, each fit timed from on_train_begin to on_train_end, so tracing,
 the per-fit setup and what happens after the last hook do not count. (A tf.data
 iterator's deletion after a fit took 1.1-2.4 s in some fits here, measured; that
-would swamp these figures.)
+would swamp these figures.) Beside it, the graph ops one mini-batch runs (Keras's train
+step, or the compiled executor's steady-state window per mini-batch; counted before
+TensorFlow's graph optimisations) and the time per op: where the time per op is about the
+same, the op count is what bounds the executor's cost.
 
   python bench/runtime_overhead.py [--stages=1,2,4,8 --server_stages=2,4
       --executors=compiled,threaded --method=spectrain --batches=64 --rounds=3]
@@ -116,20 +119,41 @@ def _measure(config):
   N = FLAGS.batches
   fit(N), fit(2 * N)   # traces every window shape of both epoch lengths
   short, long = zip(*[(fit(N), fit(2 * N)) for _ in range(FLAGS.rounds)])
-  return (statistics.median(long) - statistics.median(short)) / N
+  return (statistics.median(long) - statistics.median(short)) / N, _graph_ops_per_batch(runner)
+
+
+def _graph_ops_per_batch(runner):
+  """Ops (graph nodes, before TensorFlow's graph optimisations; nested functions included)
+  that one training step runs: Keras's train function per step, or the compiled executor's
+  largest window (the steady state) per mini-batch. None for the threaded executor."""
+  if hasattr(runner, "runtime"):
+    function = getattr(runner.runtime, "_train", None)
+    per = runner.runtime.window if function is not None else None
+  else:
+    function, per = runner.train_function, 1
+  if per is None:
+    return None
+  counts = []
+  for concrete in function._list_all_concrete_functions():   # pylint: disable=protected-access
+    graph = concrete.graph.as_graph_def()
+    counts.append(len(graph.node) + sum(len(f.node_def) for f in graph.library.function))
+  return max(counts) / per
 
 
 def child(config):
-  """Seconds per mini-batch of `config`, measured in a new process with this one's flags."""
+  """`results_io.child_values` of `config`, measured in a new process with this one's flags."""
   names = ("model", "input_dim", "width", "depth", "batch_size", "batches", "rounds", "method")
-  return results_io.seconds_per_batch(config, **{name: FLAGS[name].value for name in names})
+  return results_io.child_values(config, **{name: FLAGS[name].value for name in names})
 
 
 def main(argv):
   del argv
   if FLAGS.child:
     try:
-      print(f"seconds_per_batch {_measure(json.loads(FLAGS.child))}", flush=True)
+      seconds, ops = _measure(json.loads(FLAGS.child))
+      print(f"seconds_per_batch {seconds}", flush=True)
+      if ops is not None:
+        print(f"graph_ops_per_batch {ops}", flush=True)
     finally:
       for local in _SERVERS:
         local.stop()
@@ -143,17 +167,22 @@ def main(argv):
                 for K in FLAGS.server_stages if K]
   rows, keras_ms = [], None
   for name, K, where, config in configs:
-    ms = 1e3 * child(config)
+    values = child(config)
+    ms = 1e3 * values["seconds_per_batch"]
+    ops = values.get("graph_ops_per_batch")
     keras_ms = keras_ms or ms
-    rows.append([name, K, where, f"{ms:.2f}", f"{ms / keras_ms:.2f}"])
-    print(f"{name} K={K} on {where}: {ms:.2f} ms per mini-batch ({ms / keras_ms:.2f} x Keras)",
-          flush=True)
+    per_op = f"{1e3 * ms / ops:.1f}" if ops else "-"
+    rows.append([name, K, where, f"{ms:.2f}", f"{ms / keras_ms:.2f}",
+                 f"{ops:.0f}" if ops else "-", per_op])
+    print(f"{name} K={K} on {where}: {ms:.2f} ms per mini-batch ({ms / keras_ms:.2f} x Keras), "
+          f"{ops or 0:.0f} graph ops per mini-batch ({per_op} µs per op)", flush=True)
   title = (f"Executor cost: {FLAGS.model} {FLAGS.depth} x {FLAGS.width}, batch {FLAGS.batch_size}, "
            f"method {FLAGS.method}, {os.cpu_count()} cores; plain Keras with {threads} intra-op "
            "threads, every stage 1; marginal ms per mini-batch, median of "
            f"{FLAGS.rounds} rounds of {FLAGS.batches} extra batches")
   table = results_io.markdown_table(
-      ["runner", "K", "devices", "ms per mini-batch", "x plain Keras"], rows)
+      ["runner", "K", "devices", "ms per mini-batch", "x plain Keras", "graph ops per mini-batch",
+       "µs per graph op"], rows)
   results_io.report(FLAGS.results_dir, "runtime_overhead.md", title, table)
 
 

@@ -132,6 +132,8 @@ class StageProgram:
     `s` is a Python number, so each value traces once and s = 0 costs nothing.
     """
     if predicted and s:
+      if hasattr(self.optimizer, "predict_all"):
+        return self.optimizer.predict_all(self.trainable, s)
       return [self.optimizer.predict(v, s) for v in self.trainable]
     return [tf.convert_to_tensor(v) for v in self.trainable]
 
