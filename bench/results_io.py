@@ -53,15 +53,16 @@ def child_values(config, **flag_values):
   """bench/runtime_overhead.py's measurement of one configuration (a dict: runner, K, where,
   threads), in a process of its own with those flags: {name: value} of the "name value"
   lines it prints (seconds_per_batch, the marginal seconds per mini-batch; graph_ops_per_batch
-  where known)."""
+  where known; seconds_per_hop for the transfer bound)."""
   script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime_overhead.py")
   result = subprocess.run([sys.executable, script, f"--child={json.dumps(config)}"]
                           + [f"--{name}={value}" for name, value in flag_values.items()],
                           cwd=os.path.dirname(os.path.dirname(script)), capture_output=True,
                           text=True, timeout=1800)
   values = dict(line.split()[:2] for line in result.stdout.splitlines()
-                if line.startswith(("seconds_per_batch ", "graph_ops_per_batch ")))
-  if result.returncode != 0 or "seconds_per_batch" not in values:
+                if line.startswith(("seconds_per_batch ", "graph_ops_per_batch ",
+                                    "seconds_per_hop ")))
+  if result.returncode != 0 or not values:
     raise RuntimeError(f"{config} failed:\n{result.stderr[-3000:]}")
   return {name: float(value) for name, value in values.items()}
 

@@ -48,6 +48,8 @@ flags.DEFINE_integer("batch_size", 32, "batch size")
 flags.DEFINE_integer("batches", 128, "N: the marginal time is measured over N extra batches")
 flags.DEFINE_integer("rounds", 5, "measured rounds per configuration (medians)")
 flags.DEFINE_integer("keras_threads", 0, "intra-op threads of plain Keras (0: all cores)")
+flags.DEFINE_string("steps_per_execution", "auto",
+                    "compiled executor: mini-batches per graph call (auto: the pipeline's choice)")
 flags.DEFINE_string("child", None, "internal: the configuration this process measures (JSON)")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
@@ -68,6 +70,37 @@ def _Span():
       self.seconds = time.perf_counter() - self.start
 
   return Span()
+
+
+def _hop():
+  """Seconds one small tensor ([batch, width] float32) takes from one TF server process to
+  another, in a chain of dependent moves inside one function call (a bound on the stages'
+  transfers on servers: each mini-batch moves its activations, gradients, inputs and labels)."""
+  import tensorflow as tf
+  import tfpipe
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  local = tfpipe.cluster.LocalCluster({"worker": 2})
+  _SERVERS.append(local)
+  devices = tfpipe.cluster.connect(local.spec)
+  H = 64
+
+  @tf.function
+  def hops(x):
+    for i in range(H):
+      with tf.device(devices[i % 2]):
+        x = x + 1.0
+    return x
+
+  with tf.device(devices[0]):
+    x = tf.zeros([FLAGS.batch_size, FLAGS.width])
+  for _ in range(3):
+    hops(x).numpy()
+  times = []
+  for _ in range(FLAGS.rounds):
+    start = time.perf_counter()
+    hops(x).numpy()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) / H
 
 
 def _measure(config):
@@ -107,7 +140,8 @@ def _measure(config):
     runner = tfpipe.Pipeline(model, devices=devices[:K], method=FLAGS.method,
                              executor=config["runner"], partition=config.get("partition", "uniform"),
                              profile_batch_size=FLAGS.batch_size)
-    runner.compile(optimizer, loss)
+    window = FLAGS.steps_per_execution
+    runner.compile(optimizer, loss, steps_per_execution=window if window == "auto" else int(window))
 
   span = _Span()
 
@@ -126,15 +160,21 @@ def _graph_ops_per_batch(runner):
   """Ops (graph nodes, before TensorFlow's graph optimisations; nested functions included)
   that one training step runs: Keras's train function per step, or the compiled executor's
   largest window (the steady state) per mini-batch. None for the threaded executor."""
+  import tensorflow as tf
   if hasattr(runner, "runtime"):
     function = getattr(runner.runtime, "_train", None)
-    per = runner.runtime.window if function is not None else None
-  else:
-    function, per = runner.train_function, 1
-  if per is None:
-    return None
+    if function is None:
+      return None
+    concretes = function._list_all_concrete_functions()   # pylint: disable=protected-access
+    per = runner.runtime.window
+  else:   # Keras's train step, traced on its own
+    specs = (tf.TensorSpec([FLAGS.batch_size, FLAGS.input_dim], tf.float32),
+             tf.TensorSpec([FLAGS.batch_size], tf.int64))
+    concretes = [tf.function(lambda x, y: runner.train_step((x, y))).get_concrete_function(
+        *specs)]
+    per = 1
   counts = []
-  for concrete in function._list_all_concrete_functions():   # pylint: disable=protected-access
+  for concrete in concretes:
     graph = concrete.graph.as_graph_def()
     counts.append(len(graph.node) + sum(len(f.node_def) for f in graph.library.function))
   return max(counts) / per
@@ -142,7 +182,8 @@ def _graph_ops_per_batch(runner):
 
 def child(config):
   """`results_io.child_values` of `config`, measured in a new process with this one's flags."""
-  names = ("model", "input_dim", "width", "depth", "batch_size", "batches", "rounds", "method")
+  names = ("model", "input_dim", "width", "depth", "batch_size", "batches", "rounds", "method",
+           "steps_per_execution")
   return results_io.child_values(config, **{name: FLAGS[name].value for name in names})
 
 
@@ -150,10 +191,14 @@ def main(argv):
   del argv
   if FLAGS.child:
     try:
-      seconds, ops = _measure(json.loads(FLAGS.child))
-      print(f"seconds_per_batch {seconds}", flush=True)
-      if ops is not None:
-        print(f"graph_ops_per_batch {ops}", flush=True)
+      config = json.loads(FLAGS.child)
+      if config["runner"] == "hop":
+        print(f"seconds_per_hop {_hop()}", flush=True)
+      else:
+        seconds, ops = _measure(config)
+        print(f"seconds_per_batch {seconds}", flush=True)
+        if ops is not None:
+          print(f"graph_ops_per_batch {ops}", flush=True)
     finally:
       for local in _SERVERS:
         local.stop()
@@ -176,6 +221,12 @@ def main(argv):
                  f"{ops:.0f}" if ops else "-", per_op])
     print(f"{name} K={K} on {where}: {ms:.2f} ms per mini-batch ({ms / keras_ms:.2f} x Keras), "
           f"{ops or 0:.0f} graph ops per mini-batch ({per_op} µs per op)", flush=True)
+  if any(K for K in FLAGS.server_stages):
+    hop = child({"runner": "hop"})["seconds_per_hop"]
+    rows.append(["bound: one tensor between two TF server processes", "-", "TF servers",
+                 f"{1e3 * hop:.3f}", "-", "-", "-"])
+    print(f"one [{FLAGS.batch_size}, {FLAGS.width}] tensor between two TF server processes: "
+          f"{1e6 * hop:.0f} µs", flush=True)
   title = (f"Executor cost: {FLAGS.model} {FLAGS.depth} x {FLAGS.width}, batch {FLAGS.batch_size}, "
            f"method {FLAGS.method}, {os.cpu_count()} cores; plain Keras with {threads} intra-op "
            "threads, every stage 1; marginal ms per mini-batch, median of "

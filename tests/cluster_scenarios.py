@@ -43,7 +43,6 @@ def equal(local):
 
 
 def refuse(local):
-  del local
   messages = []
   for devices in (["/job:worker/task:0/device:CPU:0", "/job:worker/task:2/device:CPU:0"],
                   ["/job:ps/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:0"]):
@@ -52,7 +51,16 @@ def refuse(local):
       messages.append(None)
     except ValueError as e:
       messages.append(str(e))
-  return {"messages": messages}
+  # The compiled executor's profiler sees this process only: no timeline of server stages.
+  pipe = tfpipe.Pipeline(helpers.mlp(), devices=cluster.task_devices(local.spec), record=True)
+  pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy())
+  _train(None, n=2, pipe=pipe)
+  try:
+    pipe.breakdown()
+    messages.append(None)
+  except ValueError as e:
+    messages.append(str(e))
+  return {"messages": messages, "records": len(pipe.records), "window": pipe.runtime.window}
 
 
 class _KillAt(keras.callbacks.Callback):

@@ -1,6 +1,5 @@
 """Baselines: MirroredStrategy data parallelism equals single-device training."""
 
-import keras
 import numpy as np
 import pytest
 

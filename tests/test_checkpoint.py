@@ -1,7 +1,6 @@
 """Checkpoint and exact resume: stopped and resumed equals uninterrupted; a failed write is
 never the latest."""
 
-import os
 
 import keras
 import numpy as np

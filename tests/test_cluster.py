@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tfpipe import cluster
+import tfpipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,9 +32,15 @@ def test_two_process_pipeline_equals_one_process():
 
 
 def test_devices_the_cluster_lacks_are_refused_before_training():
-  task, job = _scenario("refuse")["messages"]
+  result = _scenario("refuse")
+  task, job, breakdown = result["messages"]
   assert "names task 2 of job 'worker', which has 2 tasks in the cluster spec" in task
   assert "names job 'ps', which the cluster spec does not have" in job
+  # A compiled run on servers trains, records nothing, and its breakdown says why.
+  assert result["records"] == 0
+  assert result["window"] == tfpipe.Pipeline.AUTO_REMOTE_WINDOW   # remote calls: longer windows
+  assert "stages on TF servers (/job:worker/replica:0/task:0" in breakdown
+  assert "executor='threaded'" in breakdown
 
 
 def test_a_dead_worker_stops_training_with_its_name_and_keeps_checkpoints(tmp_path):

@@ -17,18 +17,6 @@ def predict_weights(weights, smoothed_gradient, learning_rate, s):
   return weights - s * learning_rate * smoothed_gradient
 
 
-def _resource_handles(gradient, variable, slot):
-  """(variable's, slot's) TensorFlow resource handles when the TensorFlow backend updates a
-  dense gradient, else None (the portable path)."""
-  if keras.backend.backend() != "tensorflow":
-    return None
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if not isinstance(gradient, tf.Tensor):
-    return None
-  handles = [getattr(x, "handle", None) for x in (variable, slot)]
-  return handles if all(h is not None for h in handles) else None
-
-
 @keras.saving.register_keras_serializable(package="tfpipe")
 class SpecTrain(keras.optimizers.Optimizer):
   """Momentum SGD with a smoothed gradient, and weight prediction for pipelines.
@@ -82,17 +70,6 @@ class SpecTrain(keras.optimizers.Optimizer):
     learning_rate = ops.cast(learning_rate, variable.dtype)
     gradient = ops.cast(gradient, variable.dtype)
     v = self.smoothed_gradients[self._get_variable_index(variable)]
-    handles = _resource_handles(gradient, variable, v)
-    if handles:
-      # One fused kernel, the same arithmetic: accum = accum * m + g'; var -= lr * accum, with
-      # g' = (1 - m) g (bit for bit equal to the two assignments below, tested).
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      tf.raw_ops.ResourceApplyMomentum(
-          var=handles[0], accum=handles[1], lr=learning_rate,
-          grad=ops.multiply(gradient, 1.0 - self.momentum),
-          momentum=tf.constant(self.momentum, variable.dtype), use_locking=False,
-          use_nesterov=False)
-      return
     self.assign(v, ops.add(ops.multiply(v, self.momentum),
                            ops.multiply(gradient, 1.0 - self.momentum)))
     self.assign_sub(variable, ops.multiply(v, learning_rate))

@@ -78,6 +78,10 @@ class CompiledRuntime(Executor):
     self.window = window
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
+    self._keys = {}   # window key -> its number (the traced function's argument)
+    # The profiler sees this process's devices only: stages on TF servers get no records.
+    self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
+                      for p in programs]
     self._plan = (None, None)   # (what it was made for, the windows)
     self._train = tf.function(self._train_window, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
@@ -161,7 +165,10 @@ class CompiledRuntime(Executor):
       context = self._session.window(n)
     traced = self._train.experimental_get_tracing_count()
     with context:
-      out, results = self._train(window.key, carry, inputs, labels, M)
+      # The function sees the key's number, not the key: a large Python argument would be
+      # hashed by tf.function on every call (measured: most of a call's cost at K=8).
+      out, results = self._train(self._keys.setdefault(window.key, len(self._keys)), carry,
+                                 inputs, labels, M)
     self.traces += self._train.experimental_get_tracing_count() - traced
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
@@ -179,7 +186,7 @@ class CompiledRuntime(Executor):
     """(entries, backward_of) of `window` for `timeline.task_records`: per task in trace order
     (k, kind, batch, micro, version, s) as the threaded executor records it (version: updates
     of stage k whose weights the task read), None for the last stage's forwards (kept for its
-    step); backward_of: {i: j} where backward j takes its gradient through forward i's tape."""
+    step) and for stages on other processes; backward_of: {i: j} where backward j takes its gradient through forward i's tape."""
     counts, entries, backward_of = list(self.updates), [], {}
     for j, (k, task, s, units) in enumerate(window.tasks):
       last, unit = k == self.K - 1, (k, task.batch, task.micro)
@@ -200,13 +207,15 @@ class CompiledRuntime(Executor):
           if kept and forwards[0][2] is not None:
             backward_of[forwards[0][2]] = j
       counts[k] += schedules.is_update(task)
-      entries.append(entry)
+      entries.append(entry if self._profiled[k] else None)
     for unit, (version, s, _) in self._forwards.items():   # kept past this window: recomputed
       self._forwards[unit] = (version, s, None)
     return entries, backward_of
 
-  def _train_window(self, key, carry, inputs, labels, M):
-    """Traces the tasks of `key` (`windows.Window.key`); returns (carry, per-batch results)."""
+  def _train_window(self, number, carry, inputs, labels, M):
+    """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
+    (carry, per-batch results)."""
+    key = next(key for key, n in self._keys.items() if n == number)
     K, programs = self.K, self.programs
     flight = {part: dict(carry.get(part, {})) for part in ("x", "saved", "g")}
     kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
