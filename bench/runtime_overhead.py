@@ -219,8 +219,9 @@ def main(argv):
     per_op = f"{1e3 * ms / ops:.1f}" if ops else "-"
     rows.append([name, K, where, f"{ms:.2f}", f"{ms / keras_ms:.2f}",
                  f"{ops:.0f}" if ops else "-", per_op])
-    print(f"{name} K={K} on {where}: {ms:.2f} ms per mini-batch ({ms / keras_ms:.2f} x Keras), "
-          f"{ops or 0:.0f} graph ops per mini-batch ({per_op} µs per op)", flush=True)
+    counted = f", {ops:.0f} graph ops per mini-batch ({per_op} µs per op)" if ops else ""
+    print(f"{name} K={K} on {where}: {ms:.2f} ms per mini-batch ({ms / keras_ms:.2f} x Keras)"
+          f"{counted}", flush=True)
   if any(K for K in FLAGS.server_stages):
     hop = child({"runner": "hop"})["seconds_per_hop"]
     rows.append(["bound: one tensor between two TF server processes", "-", "TF servers",
