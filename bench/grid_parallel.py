@@ -38,7 +38,7 @@ def main(argv):
   import tfpipe
   from tfpipe import tensor_parallel
   from tfpipe.models import mlp
-  from tfpipe.throughput import ThroughputMeter
+  from tfpipe.instruments.throughput import ThroughputMeter
   D = FLAGS.devices
   side = int(round(D ** 0.5))
   tfpipe.devices.ensure_logical_cpus(D, intra_op_threads=1)

@@ -4,7 +4,7 @@ report's memory arguments: PipeDream stashes K-k versions, SpecTrain-repredict a
 none, GPipe M micro-batches of activations).
 
 Trains the quickstart SNN (8 x 512 SELU on digits' 64 features) for a few
-steps with every method and reads `tfpipe.memory.stage_memory`. Writes
+steps with every method and reads `tfpipe.instruments.memory.stage_memory`. Writes
 bench/results/memory.md.
 
   python bench/memory_table.py [--num_stages=4 --batch_size=32]
@@ -37,7 +37,8 @@ def main(argv):
   del argv
   import keras
   import tfpipe
-  from tfpipe import memory, optimizers
+  from tfpipe import optimizers
+  from tfpipe.instruments import memory
   from tfpipe.models import mlp
   K = FLAGS.num_stages
   tfpipe.devices.ensure_logical_cpus(K, intra_op_threads=1)

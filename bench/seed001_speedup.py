@@ -41,7 +41,7 @@ def main(argv):
   import tfpipe
   from tfpipe import analytic
   from tfpipe.models import mlp
-  from tfpipe.throughput import ThroughputMeter
+  from tfpipe.instruments.throughput import ThroughputMeter
   devices = tfpipe.devices.ensure_logical_cpus(2, intra_op_threads=1)
   rng = np.random.default_rng(0)
   n = FLAGS.batch_size * FLAGS.steps

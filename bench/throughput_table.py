@@ -40,7 +40,7 @@ def measure(method, K, x, y, window):
   import tfpipe
   from tfpipe import optimizers
   from tfpipe.models import mlp
-  from tfpipe.throughput import ThroughputMeter
+  from tfpipe.instruments.throughput import ThroughputMeter
   keras.utils.set_random_seed(0)
   model = mlp.snn(x.shape[1:], 10, width=FLAGS.width, depth=FLAGS.depth)
   pipelined = method in tfpipe.PIPELINE_METHODS

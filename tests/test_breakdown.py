@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfpipe import breakdown
+from tfpipe.instruments import breakdown
 from tfpipe.runtime import TaskRecord
 
 

@@ -4,7 +4,8 @@ import keras
 import pytest
 
 import tfpipe
-from tfpipe import memory, optimizers
+from tfpipe import optimizers
+from tfpipe.instruments import memory
 from tests import helpers
 
 

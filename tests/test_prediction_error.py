@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tfpipe import optimizers, prediction_error
+from tfpipe import optimizers
+from tfpipe.instruments import prediction_error
 from tests import helpers
 
 

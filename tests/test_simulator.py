@@ -98,7 +98,7 @@ def test_costs_measured_from_a_timeline_give_back_the_costs(method, micro):
 
 
 def test_breakdown_of_a_simulated_timeline():
-  from tfpipe import breakdown
+  from tfpipe.instruments import breakdown
   costs = Costs([1.0, 3.0], [2.0, 6.0], [0.5])
   result = breakdown.breakdown(simulator.simulate_method("pipedream", costs, 50).records(), 2)
   # Per 9 s step the fast stage computes 3 s, waits 0.5 s for its gradient to cross the link

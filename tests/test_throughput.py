@@ -7,7 +7,7 @@ import pytest
 
 import tfpipe
 from tfpipe import optimizers
-from tfpipe.throughput import ThroughputMeter
+from tfpipe.instruments.throughput import ThroughputMeter
 from tests import helpers
 
 

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import optimizers, schedules, trace
+from tfpipe import optimizers, schedules
+from tfpipe.instruments import trace
 from tests import helpers
 
 

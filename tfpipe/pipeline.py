@@ -13,10 +13,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import breakdown as breakdown_lib, checkpoint as checkpoint_lib, cluster
+from tfpipe import checkpoint as checkpoint_lib, cluster
 from tfpipe import compile_utils, data, devices as devices_lib, input_checks, learning_rate
 from tfpipe import layer_profile, names, partition as partition_lib, policies, runtime, schedules
-from tfpipe import prediction_error as prediction_error_lib, stage, trace
+from tfpipe import stage
+from tfpipe.instruments import breakdown as breakdown_lib
+from tfpipe.instruments import prediction_error as prediction_error_lib, trace
 
 __all__ = ["Pipeline"]
 
@@ -88,7 +90,7 @@ class Pipeline:
       of the device ops (`tf.profiler`; with the compiled executor, of the
       whole epochs holding those steps) and `tfpipe_trace.json`, the
       runtime's tasks as Chrome trace events (Perfetto). Turns `record` on.
-    prediction_error: a `tfpipe.prediction_error.PredictionError` (or True
+    prediction_error: a `tfpipe.instruments.prediction_error.PredictionError` (or True
       for one with s = 1, 2, 3) fed after every stage update: the RMSE of the
       predicted and of the stale weights to the weights reached s updates
       later (SpecTrain fig. 8). Needs the SpecTrain optimizer; costs a copy of
@@ -148,7 +150,7 @@ class Pipeline:
       prediction_error = prediction_error_lib.PredictionError()
     if prediction_error not in (None, False) and not isinstance(
         prediction_error, prediction_error_lib.PredictionError):
-      raise ValueError("`prediction_error` must be True or a tfpipe.prediction_error."
+      raise ValueError("`prediction_error` must be True or a tfpipe.instruments.prediction_error."
                        f"PredictionError. Received: {prediction_error!r}")
     self.prediction_error = prediction_error or None
     self._fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
@@ -196,7 +198,7 @@ class Pipeline:
   def breakdown(self, steps=None):
     """Per-stage shares of wall time training the last `fit`'s epochs (validation left out), or
     its `steps` ("first,last"): compute, transfer, idle_transfer, idle_imbalance
-    (`tfpipe.breakdown`). Needs record=True."""
+    (`tfpipe.instruments.breakdown`). Needs record=True."""
     if not self.record:
       raise RuntimeError("the breakdown reads the recorded timeline: build the Pipeline with "
                          "record=True")

@@ -55,7 +55,7 @@ class Timeline:
 
   def records(self):
     """The timeline as the runtime records it (`tfpipe.runtime.TaskRecord`s, epoch 0): the
-    last stage's forward inside its FB step, transfers as XF / XB; for `tfpipe.breakdown`."""
+    last stage's forward inside its FB step, transfers as XF / XB; for `tfpipe.instruments.breakdown`."""
     from tfpipe.runtime import TaskRecord
     K = len(self.busy)
     out = []

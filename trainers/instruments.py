@@ -15,7 +15,7 @@ BASELINES = ("single", "dataparallel", "grid", "asgd")   # not pipelines
 class Instruments:
 
   def __init__(self, config):
-    from tfpipe import trace
+    from tfpipe.instruments import trace
     self.config = config
     self.trace_steps = trace.parse_steps(config.trace_steps or None)
     self.window = trace.parse_steps(config.throughput_window or None)
@@ -44,7 +44,7 @@ class Instruments:
 
   def callbacks(self):
     import keras
-    from tfpipe.throughput import ThroughputMeter
+    from tfpipe.instruments.throughput import ThroughputMeter
     cbs = []
     if self.window is not None:
       self.meter = ThroughputMeter(self.config.batch_size, self.window)
@@ -57,7 +57,7 @@ class Instruments:
   def finish(self, trainer):
     """Writes scalars and plots; returns the lines to print at the end of training."""
     import tensorflow as tf
-    from tfpipe import breakdown
+    from tfpipe.instruments import breakdown
     lines, scalars = [], {}
     if self.meter is not None and self.config.method == "asgd":
       lines.append("throughput over a window of steps: not measured (asgd runs its steps "
