@@ -17,7 +17,7 @@ class Executor:
   def __init__(self, programs, record=False, maxsize=None):
     self.programs = programs
     self.epoch = -1                      # epochs trained so far, minus one
-    self.update_hooks = []               # hook(k, program) after updates of stage k
+    self.update_hooks = []               # hook(k, program) after updates of stage k (`_updated`)
     self.K = len(programs)
     self.record = record
     self.maxsize = maxsize or self.K
@@ -41,6 +41,9 @@ class Executor:
     return self.report
 
   def _updated(self, k, count=1):
+    """Counts `count` updates of stage k and runs the update hooks once: the threaded executor
+    calls it per update, the compiled one per window (after the window's updates of k; the
+    prediction error asks for windows of one mini-batch, so it sees every update)."""
     self.updates[k] += count
     for hook in self.update_hooks:
       hook(k, self.programs[k])
