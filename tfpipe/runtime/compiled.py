@@ -82,7 +82,7 @@ class CompiledRuntime(Executor):
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
-    self._plan = (None, None)   # (what it was made for, the windows)
+    self._plan = (None, None, None)   # (what it was made for, the windows, their numbers)
     self._train = tf.function(self._train_window, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
@@ -106,8 +106,9 @@ class CompiledRuntime(Executor):
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs),
            self.window)
     if self._plan[0] != key:
-      self._plan = (key, windows_lib.plan(schedule, diffs, self.window))
-    plan = self._plan[1]
+      plan = windows_lib.plan(schedule, diffs, self.window)
+      self._plan = (key, plan, [self._number(window) for window in plan])
+    _, plan, numbers = self._plan
     for k, tasks in enumerate(schedule):
       keeps = not self.programs[k].policy.recompute
       peaks = records.kept_peaks(tasks, diffs[k], keeps, k == self.K - 1)
@@ -120,17 +121,17 @@ class CompiledRuntime(Executor):
       if not self._session.start():
         self._session = None
     try:
-      return self._train_windows(plan, batches, M, on_result, before)
+      return self._train_windows(plan, numbers, batches, M, on_result, before)
     finally:
       if self._session is not None:
         events, calls = self._session.stop()
         self._session = None
         self.records += timeline.task_records(events, calls, self._calls, self.epoch)
 
-  def _train_windows(self, plan, batches, M, on_result, before):
+  def _train_windows(self, plan, numbers, batches, M, on_result, before):
     feed, carry, done = _Feed(batches, labelled=True), {}, 0
     for w, window in enumerate(plan):
-      carry, results = self._run(window, carry, feed, M)
+      carry, results = self._run(window, numbers[w], carry, feed, M)
       stop = False
       for b in range(window.first, window.last + 1):
         if before is not None:
@@ -141,15 +142,22 @@ class CompiledRuntime(Executor):
       if stop and w + 1 < len(plan):
         last = windows_lib.drain(plan, w)
         if last is not None:
-          _, results = self._run(last, carry, feed, M)
+          _, results = self._run(last, self._number(last), carry, feed, M)
           for b in range(last.first, last.last + 1):
             on_result(b, *results[b - last.first])
             done += 1
         break
     return done
 
-  def _run(self, window, carry, feed, M):
-    """Calls the window's function; returns (carry rebased to the next window, results)."""
+  def _number(self, window):
+    """The number of `window`'s key: what the traced function takes instead of the key (a large
+    Python argument is hashed by tf.function on every call; measured: most of a call's cost at
+    K=8). Numbered once per plan."""
+    return self._keys.setdefault(window.key, len(self._keys))
+
+  def _run(self, window, number, carry, feed, M):
+    """Calls the window's function (`number`: `_number(window)`); returns (carry rebased to the
+    next window, results)."""
     inputs, labels = {}, {}
     for k, task, _, _ in window.tasks:
       if task.kind == "F":   # a mini-batch's micro-batches may fall in two windows: both split it
@@ -165,10 +173,7 @@ class CompiledRuntime(Executor):
       context = self._session.window(n)
     traced = self._train.experimental_get_tracing_count()
     with context:
-      # The function sees the key's number, not the key: a large Python argument would be
-      # hashed by tf.function on every call (measured: most of a call's cost at K=8).
-      out, results = self._train(self._keys.setdefault(window.key, len(self._keys)), carry,
-                                 inputs, labels, M)
+      out, results = self._train(number, carry, inputs, labels, M)
     self.traces += self._train.experimental_get_tracing_count() - traced
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
@@ -186,7 +191,8 @@ class CompiledRuntime(Executor):
     """(entries, backward_of) of `window` for `timeline.task_records`: per task in trace order
     (k, kind, batch, micro, version, s) as the threaded executor records it (version: updates
     of stage k whose weights the task read), None for the last stage's forwards (kept for its
-    step) and for stages on other processes; backward_of: {i: j} where backward j takes its gradient through forward i's tape."""
+    step) and for stages on other processes; backward_of: {i: j} where backward j takes its
+    gradient through forward i's tape."""
     counts, entries, backward_of = list(self.updates), [], {}
     for j, (k, task, s, units) in enumerate(window.tasks):
       last, unit = k == self.K - 1, (k, task.batch, task.micro)
@@ -221,7 +227,8 @@ class CompiledRuntime(Executor):
     kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
 
     def piece(source, b, micro, split_labels):
-      """The inputs (or labels and sample weights) of unit (b, micro): the mini-batch, or its micro-batch, and share."""
+      """The inputs (or labels and sample weights) of unit (b, micro): the mini-batch, or its
+      micro-batch, and its share."""
       name = ("labels" if split_labels else "inputs", b)
       if name not in pieces:
         if split_labels:

@@ -66,9 +66,11 @@ def _task_index(op_name, backward_of):
 
 def _read_trace(path):
   """The profile's trace events (`Event`s) of one `.xplane.pb` file."""
-  # TensorFlow's own converter from the profile (XSpace) to trace events.
-  from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin  # pylint: disable=g-import-not-at-top
-  from tensorflow.tsl.profiler.protobuf import trace_events_pb2  # pylint: disable=g-import-not-at-top
+  # TensorFlow's own converter from the profile (XSpace) to trace events; internal modules,
+  # imported only when a profile is read.
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
+  from tensorflow.tsl.profiler.protobuf import trace_events_pb2
   data, ok = plugin.xspace_to_tools_data([path], "trace_viewer", {})
   if not ok:
     raise RuntimeError(f"the profile {path} could not be read: {data[:200]!r}")
