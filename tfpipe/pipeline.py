@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from tfpipe import checkpoint as checkpoint_lib, cluster
 from tfpipe import compile_utils, data, devices as devices_lib, input_checks, learning_rate
-from tfpipe import layer_profile, names, partition as partition_lib, policies, runtime, schedules
+from tfpipe import layer_profile, mitigations, names, partition as partition_lib, policies
+from tfpipe import runtime, schedules
 from tfpipe import stage
 from tfpipe.instruments import breakdown as breakdown_lib
 from tfpipe.instruments import prediction_error as prediction_error_lib, trace
@@ -62,7 +63,12 @@ class Pipeline:
       every method; the weight rule is unchanged.
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe",
       "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
-      "timeprest" (DESIGN.md section 3).
+      "timeprest" (DESIGN.md section 3), "pipemare" (vanilla's schedule, the
+      backward on weights corrected back to the forward's, PipeMare) or
+      "i_timeprest" (TiMePReSt's schedule, the backward on a blend of the
+      forward's and the current weights); see `tfpipe.mitigations`.
+      "spectrain" predicts with the step of the optimizer it is compiled
+      with (`tfpipe.prediction`: SpecTrain, momentum SGD, Adam, AdamW).
     partition: "uniform", "params", "profile", or explicit cut positions
       [0, ..., number of layers] (see `tfpipe.partition.partition`).
     spectrain_backward: "reuse" (the backward reads the forward's predicted
@@ -99,6 +105,16 @@ class Pipeline:
       thread (with 1 intra-op thread), so stages on logical CPU devices never
       compete for the shared inter-op pool. None: on when every stage is on a
       GPU (as Keras's `jit_compile="auto"`), off otherwise.
+    spike_compensation: Kosson et al.'s spike compensation: each stage's
+      update gives its delayed gradient the momentum it missed at once
+      (`tfpipe.mitigations`; momentum SGD or SpecTrain).
+    delay_momentum: each stage runs with momentum max(0, gamma - D/(D+1)) for
+      its delay D (asynchrony acts as momentum, Mitliagkas et al. 2016).
+    lr_rescheduling: PipeMare's learning-rate rescheduling over this many
+      updates (the gradients of a stage with delay D start scaled by 1/D);
+      None: 500 for "pipemare", else off (0).
+    discrepancy_decay: "pipemare" only: the decay of the average weight
+      change its backward corrects with, in [0, 1).
     executor: "compiled" (one `tf.function` per window of mini-batches runs
       every stage: TensorFlow overlaps the stages; `tfpipe.runtime.compiled`)
       or "threaded" (a Python thread per stage runs the schedule task by
@@ -113,7 +129,8 @@ class Pipeline:
                partition="uniform", spectrain_backward="reuse", version_difference="paper",
                micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
-               stage_replicas=None, jit_compile=None, executor=None):
+               stage_replicas=None, jit_compile=None, executor=None, spike_compensation=False,
+               delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
@@ -126,6 +143,7 @@ class Pipeline:
       raise ValueError(
           "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
           f"micro_batches={self.micro_batches} use version_difference='exact'")
+    self._set_mitigations(spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay)
     self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
         devices, num_stages, stage_replicas)
     self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
@@ -155,6 +173,43 @@ class Pipeline:
     self.prediction_error = prediction_error or None
     self._fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
     self.runtime = None
+
+  def _set_mitigations(self, spike_compensation, delay_momentum, lr_rescheduling,
+                       discrepancy_decay):
+    for name, value in (("spike_compensation", spike_compensation),
+                        ("delay_momentum", delay_momentum)):
+      if value not in (True, False):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    if lr_rescheduling is None:
+      lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING if self.method == "pipemare" else 0
+    if (not isinstance(lr_rescheduling, int) or isinstance(lr_rescheduling, bool)
+        or lr_rescheduling < 0):
+      raise ValueError("`lr_rescheduling` must be a number of updates >= 0. Received: "
+                       f"lr_rescheduling={lr_rescheduling!r}")
+    if discrepancy_decay is not None and self.method != "pipemare":
+      raise ValueError("`discrepancy_decay` is PipeMare's discrepancy correction (method="
+                       f"'pipemare'). Received: method={self.method!r}")
+    if discrepancy_decay is None:
+      discrepancy_decay = mitigations.DEFAULT_DISCREPANCY_DECAY
+    if (not isinstance(discrepancy_decay, (int, float)) or isinstance(discrepancy_decay, bool)
+        or not 0 <= discrepancy_decay < 1):
+      raise ValueError("`discrepancy_decay` must be in [0, 1). Received: "
+                       f"discrepancy_decay={discrepancy_decay!r}")
+    self.spike_compensation, self.delay_momentum = spike_compensation, delay_momentum
+    self.lr_rescheduling, self.discrepancy_decay = lr_rescheduling, float(discrepancy_decay)
+
+  def _stage_rules(self):
+    """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates."""
+    delays = mitigations.delays_for(self.policy.schedule, self.num_stages, self.micro_batches)
+    chosen = [n for n, on in (("spike_compensation", self.spike_compensation),
+                              ("delay_momentum", self.delay_momentum),
+                              ("lr_rescheduling", self.lr_rescheduling)) if on]
+    if chosen and not any(delays):
+      raise ValueError(f"{chosen[0]} acts on delayed updates, and method {self.method!r} at "
+                       f"{self.num_stages} stages delays none")
+    decay = self.discrepancy_decay if self.policy.backward == "corrected" else None
+    return delays, [mitigations.StageRule(d, self.spike_compensation, self.lr_rescheduling, decay)
+                    for d in delays]
 
   def _remote(self):
     return [d for ds in self.stage_devices for d in ds
@@ -253,16 +308,24 @@ class Pipeline:
     with tf.device(self.devices[-1]):  # metric state lives with the last stage
       self.metrics = compile_utils.resolve_metrics(metrics, self.loss)
       self.loss_tracker = keras.metrics.Mean(name="loss")
+    delays, rules = self._stage_rules()
+    for name, on in (("spike_compensation", self.spike_compensation),
+                     ("delay_momentum", self.delay_momentum),
+                     ("lr_rescheduling", self.lr_rescheduling)):
+      if on:
+        mitigations.check_optimizer(optimizer, name)
     programs = []
     for k, (sub, device) in enumerate(zip(self.partition.stages, self.devices)):
       last = k == self.num_stages - 1
       with tf.device(device):  # the optimizer's step counter and slots live with the stage
         stage_optimizer = compile_utils.clone_optimizer(optimizer)
+      if self.delay_momentum:
+        stage_optimizer.momentum = mitigations.delay_momentum(stage_optimizer.momentum, delays[k])
       programs.append(stage.StageProgram(
           k, self.num_stages, sub, device, stage_optimizer, self.policy,
           loss=self.loss if last else None, metrics=self.metrics if last else (),
           loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile,
-          replica_devices=self.stage_devices[k]))
+          replica_devices=self.stage_devices[k], rule=rules[k]))
     for p in programs:
       p.check_kept_tapes()
     self.programs = programs

@@ -8,7 +8,14 @@ A policy says where the forward's weights come from ("current" or
   "current":   the stage's weights at backward time; the forward is
                recomputed from the saved stage input (vanilla);
   "predicted": a new prediction with the backward's version difference, also
-               recomputed (SpecTrain `repredict`, the paper's v1).
+               recomputed (SpecTrain `repredict`, the paper's v1);
+  "corrected": the current weights moved back along the stage's average
+               weight change by the updates since the forward (PipeMare's
+               discrepancy correction), recomputed;
+  "blend":     e^-d * the forward's weights + (1 - e^-d) * the current ones,
+               d updates after the forward (I-TiMePReSt), recomputed.
+A backward that reads "corrected" or "blend" weights gets d, the updates its
+stage applied since the forward, as its version difference.
 """
 
 import dataclasses
@@ -20,9 +27,10 @@ __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differenc
            "VERSION_DIFFERENCES"]
 
 PIPELINE_METHODS = ("sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
-                    "feature_replay", "timeprest")
-MICRO_BATCH_METHODS = ("gpipe", "timeprest", "vanilla", "pipedream", "spectrain")
-DEFAULT_MICRO_BATCHES = {"gpipe": 4, "timeprest": 4}
+                    "feature_replay", "timeprest", "pipemare", "i_timeprest")
+MICRO_BATCH_METHODS = ("gpipe", "timeprest", "i_timeprest", "vanilla", "pipedream", "spectrain",
+                       "pipemare")
+DEFAULT_MICRO_BATCHES = {"gpipe": 4, "timeprest": 4, "i_timeprest": 4}
 SPECTRAIN_BACKWARDS = ("reuse", "repredict")
 VERSION_DIFFERENCES = ("paper", "exact")
 
@@ -35,6 +43,8 @@ _RULES = {
     "ddg": ("ddg", "current", "forward"),
     "feature_replay": ("ddg", "current", "current"),
     "timeprest": ("timeprest", "current", "current"),
+    "pipemare": ("1f1b", "current", "corrected"),
+    "i_timeprest": ("timeprest", "current", "blend"),
 }
 
 
@@ -43,7 +53,7 @@ class WeightPolicy:
   method: str
   schedule: str   # a name in tfpipe.schedules.SCHEDULES
   forward: str    # "current" | "predicted"
-  backward: str   # "forward" | "current" | "predicted"
+  backward: str   # "forward" | "current" | "predicted" | "corrected" | "blend"
 
   @property
   def recompute(self):
@@ -125,6 +135,8 @@ def version_differences(policy, schedule, mode="paper"):
   """
   mode = names.lookup("version_difference", mode, VERSION_DIFFERENCES)
   K = len(schedule)
+  if policy.backward in ("corrected", "blend"):
+    return schedules.updates_since_forward(schedule)
   if not policy.predicts:
     return [{t: 0 for t in tasks} for tasks in schedule]
   if mode == "exact":

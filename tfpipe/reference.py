@@ -1,18 +1,23 @@
 """The slow reference: each method's DESIGN.md weight rule, one task at a time, on one device.
 
 K: stages, k: stage index, b: mini-batch, i: micro-batch, s: version
-difference, W: weights, V: smoothed gradients, A: accumulated gradients. No
-threads, no compiled functions, no optimizer objects: weights are numpy
-arrays and the SpecTrain / momentum rule (`v = gamma*v + (1-gamma)*g;
-W -= eta*v`) is written out, in the model's dtype. The tests hold the
-runtime to these results.
+difference, W: weights, V: smoothed gradients (SpecTrain) or momentum slots
+(SGD, Adam's first moment), Q: Adam's second moments, A: accumulated
+gradients, E: PipeMare's average weight change. No threads, no compiled
+functions, no optimizer code: weights are numpy arrays and the update rules
+(SpecTrain `v = gamma*v + (1-gamma)*g; W -= eta*v`, or Keras's SGD, Adam and
+AdamW, read from an optimizer's hyperparameters) are written out, in the
+model's dtype, with the mitigations of `tfpipe.mitigations` on top. The
+tests hold the runtime to these results.
 
 The rules, per task of stage k:
   F   reads the policy's forward weights (current, or predicted s ahead);
       at the last stage it only takes its input: the last stage's forward
       runs with its backward;
   B   reads the forward's own weights ("forward": stash or reused
-      prediction) or the weights at backward time ("current", "predicted"),
+      prediction) or the weights at backward time ("current", "predicted",
+      "corrected": W - d*E, "blend": e^-d * forward's + (1 - e^-d) * current,
+      with d the updates since the forward),
       on the inputs of the forwards it covers (concatenated for a
       TiMePReSt mini-batch); a micro-batch's loss is weighted by its share
       of the mini-batch; a micro-batch backward adds to A, a whole one updates;
@@ -23,6 +28,9 @@ with every forward it runs, in its task order; a backward recomputes each
 covered forward with the state that forward read, so it sees the same draws.
 """
 
+import math
+
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -50,9 +58,80 @@ def _pieces(x, y, M):
           for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
+def _f32(x):
+  """`x` as Keras uses a Python hyperparameter it casts (`ops.cast` goes through float32)."""
+  return float(np.float32(x))
+
+
+class _Rule:
+  """One stage's optimizer rule in numpy: the update and the prediction s updates ahead."""
+
+  def __init__(self, optimizer, learning_rate, momentum, delay, spike, warmup, decay, weights):
+    config = optimizer.get_config() if optimizer is not None else {}
+    self.kind = ("spectrain" if optimizer is None or isinstance(optimizer, optimizers.SpecTrain)
+                 else "adam" if isinstance(optimizer, keras.optimizers.Adam) else "sgd")
+    self.lr = _f32(config.get("learning_rate", learning_rate))   # Keras keeps it in float32
+    self.gamma = float(config.get("momentum", momentum)) if self.kind != "adam" else None
+    self.config, self.delay, self.spike, self.warmup, self.decay = (config, delay, spike, warmup,
+                                                                    decay)
+    self.wd = config.get("weight_decay")
+    self.t = 0
+    self.V = [np.zeros_like(w) for w in weights]
+    self.Q = [np.zeros_like(w) for w in weights]
+    self.E = [np.zeros_like(w) for w in weights]
+
+  def update(self, W, grads):
+    tau, T = max(1, self.delay), self.warmup
+    factor = tau ** -max(0.0, 1.0 - self.t / T) if T else 1.0
+    a = self.gamma ** self.delay if self.spike and self.gamma else 1.0
+    gamma = _f32(self.gamma) if self.kind == "sgd" else self.gamma   # Keras casts it so
+    for j, g in enumerate(grads):
+      dtype, old = W[j].dtype, W[j].copy()
+      g = (g * factor).astype(dtype)
+      if self.wd:   # Keras decays the weights before the step
+        W[j] = (W[j] - W[j] * _f32(self.wd) * self.lr).astype(dtype)
+      if self.kind == "spectrain":
+        self.V[j] = (self.gamma * self.V[j] + (1.0 - self.gamma) * g).astype(dtype)
+        W[j] = (W[j] - self.lr * (a * self.V[j] + (1.0 - a) * g)).astype(dtype)
+      elif self.kind == "sgd":
+        b = (1.0 - a) / (1.0 - self.gamma) if self.gamma else 0.0
+        self.V[j] = (gamma * self.V[j] - self.lr * g).astype(dtype)
+        W[j] = (W[j] + a * self.V[j] - self.lr * b * g).astype(dtype)
+      else:
+        b1, b2 = self.config["beta_1"], self.config["beta_2"]
+        self.V[j] = (self.V[j] + (g - self.V[j]) * (1 - b1)).astype(dtype)
+        self.Q[j] = (self.Q[j] + (g * g - self.Q[j]) * (1 - b2)).astype(dtype)
+        W[j] = (W[j] - self._adam_step(j, self.t + 1)).astype(dtype)
+      if self.decay is not None:
+        self.E[j] = (self.decay * self.E[j] + (1.0 - self.decay) * (W[j] - old)).astype(dtype)
+    self.t += 1
+
+  def _adam_step(self, j, t):
+    b1, b2, eps = self.config["beta_1"], self.config["beta_2"], self.config["epsilon"]
+    alpha = self.lr * math.sqrt(1 - _f32(b2) ** t) / (1 - _f32(b1) ** t)
+    return self.V[j] * alpha / (np.sqrt(self.Q[j]) + eps)
+
+  def predict(self, W, s):
+    """W s updates ahead along the optimizer's own step (`tfpipe.prediction`'s table)."""
+    out = []
+    for j, w in enumerate(W):
+      if self.kind == "spectrain":
+        step = self.lr * self.V[j]
+      elif self.kind == "sgd":
+        step = -self.V[j]
+      else:
+        step = self._adam_step(j, self.t) if self.t else np.zeros_like(w)
+      if self.wd and self.kind != "spectrain":   # SpecTrain's prediction is the paper's eq. 4
+        step = step + self.lr * _f32(self.wd) * w
+      out.append((w - s * step).astype(w.dtype))
+    return out
+
+
 def reference_train(stage_models, loss_fn, batches, method, learning_rate, momentum,
                     spectrain_backward="reuse", version_difference="paper", epochs=1,
-                    micro_batches=None, recompute=None, lockstep=False):
+                    micro_batches=None, recompute=None, lockstep=False, optimizer=None,
+                    spike_compensation=False, delay_momentum=False, lr_rescheduling=None,
+                    discrepancy_decay=None):
   """Trains the stages by the rule of `method`; returns the final weights of every stage.
 
   Args:
@@ -62,6 +141,11 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     method: a pipeline method (`tfpipe.PIPELINE_METHODS`).
     learning_rate, momentum: eta and gamma of the SpecTrain rule.
     micro_batches, recompute, lockstep: as in `tfpipe.Pipeline`.
+    optimizer: None (the SpecTrain rule with learning_rate and momentum), or a
+      SpecTrain, SGD, Adam or AdamW object whose hyperparameters the rules read.
+    spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay: as
+      in `tfpipe.Pipeline` (`tfpipe.mitigations`), the delay D_k of stage k
+      being the largest exact version difference of its forwards.
 
   Returns:
     (weights, log): weights[k] is a list of numpy arrays; log lists
@@ -72,22 +156,32 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   M = policies.micro_batches_for(policy, micro_batches)
   K, N = len(stage_models), len(batches)
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
-  V = [[np.zeros_like(w) for w in ws] for ws in W]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
+  steady = schedules.exact_version_differences(schedules.build(policy.schedule, K, 2 * K + 4, M))
+  delays = [max([s for t, s in d.items() if t.kind == "F"], default=0) for d in steady]
+  if lr_rescheduling is None:
+    lr_rescheduling = 500 if method == "pipemare" else 0
+  decay = (0.9 if discrepancy_decay is None else discrepancy_decay) if method == "pipemare" else None
+  rules = []
+  for k, d in enumerate(delays):
+    rule = _Rule(optimizer, learning_rate, momentum, d, spike_compensation, lr_rescheduling, decay,
+                 W[k])
+    if delay_momentum:
+      rule.gamma = max(0.0, rule.gamma - d / (d + 1.0))
+    rules.append(rule)
   S = [[tf.convert_to_tensor(v) for v in m.non_trainable_variables] for m in stage_models]
   updates = [0] * K
   log = []
 
   def read(k, source, s):
-    if source == "current":
-      return [w.copy() for w in W[k]]
-    return [optimizers.predict_weights(w, v, learning_rate, s).astype(w.dtype)
-            for w, v in zip(W[k], V[k])]
+    if source == "predicted" and s:
+      return rules[k].predict(W[k], s)
+    if source == "corrected":
+      return [(w - s * e).astype(w.dtype) for w, e in zip(W[k], rules[k].E)]
+    return [w.copy() for w in W[k]]
 
   def update(k, grads):
-    for j, g in enumerate(grads):
-      V[k][j] = (momentum * V[k][j] + (1.0 - momentum) * g).astype(W[k][j].dtype)
-      W[k][j] = (W[k][j] - learning_rate * V[k][j]).astype(W[k][j].dtype)
+    rules[k].update(W[k], grads)
     updates[k] += 1
 
   for _ in range(epochs):
@@ -129,8 +223,13 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
         parts = [([np.concatenate(p) for p in zip(*[xs for xs, _ in parts])], S[k])]
       elif policy.backward == "forward":
         w, version = forward_w, forward_version
+      elif policy.backward == "blend":
+        sigma = math.exp(-(updates[k] - forward_version))
+        w = [(sigma * f + (1.0 - sigma) * c).astype(c.dtype) for f, c in zip(forward_w, W[k])]
+        version = updates[k]
       else:
-        w, version = read(k, policy.backward, s), updates[k]
+        d = updates[k] - forward_version if policy.backward == "corrected" else s
+        w, version = read(k, policy.backward, d), updates[k]
       log.append((k, "B", b, i, version))
       w_t = [tf.constant(a) for a in w]
       parts = [([tf.constant(x) for x in xs], state) for xs, state in parts]

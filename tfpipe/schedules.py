@@ -27,6 +27,7 @@ import collections
 
 __all__ = ["Task", "sequential", "one_f_one_b", "gpipe", "ddg", "ddg_lockstep", "timeprest", "build",
            "SCHEDULES", "MICRO_BATCHED", "is_update", "exact_version_differences",
+           "updates_since_forward",
            "paper_version_difference", "timeprest_version_difference", "micro_batches",
            "micro_sizes"]
 
@@ -284,6 +285,25 @@ def exact_version_differences(schedule):
       diffs[task] = sum(n for batch, n in later.items() if batch < task.batch)
       if is_update(task):
         later[task.batch] += 1
+    result.append(diffs)
+  return result
+
+
+def updates_since_forward(schedule):
+  """For every stage: each B task -> d, the updates stage k applied between the forward of its
+  (first) unit and the backward; every other task -> 0."""
+  result = []
+  for tasks in schedule:
+    diffs, count, at_forward = {}, 0, {}
+    for task in tasks:
+      if task.kind == "F":
+        at_forward.setdefault(task.batch, {})[task.micro] = count
+      diffs[task] = 0
+      if task.kind == "B":
+        forwards = at_forward[task.batch]
+        diffs[task] = count - (forwards[task.micro] if task.micro is not None
+                               else next(iter(forwards.values())))   # its first forward
+      count += is_update(task)
     result.append(diffs)
   return result
 

@@ -9,10 +9,12 @@ so current, stashed and predicted weights all run the same compiled code.
 import keras
 import tensorflow as tf
 
+from tfpipe import mitigations, prediction
+
 __all__ = ["StageProgram"]
 
 _ZERO = tf.UnconnectedGradients.ZERO
-_TASKS = ("forward", "forward_on", "backward_recompute", "backward_on", "update",
+_TASKS = ("forward", "forward_on", "backward_recompute", "backward_on", "backward_blend", "update",
           "apply_accumulated", "last_step", "infer", "evaluate_last")
 
 
@@ -40,10 +42,15 @@ class StageProgram:
   parts add up on the way back, so the update is the one of the whole batch.
   Non-trainable state (BatchNorm statistics) becomes the replicas' mean;
   regularisation losses are the first replica's (weight penalties count once).
+
+  `rule` (`tfpipe.mitigations.StageRule`): what an update does beyond the
+  optimizer's step (spike compensation, PipeMare's rescheduling and its
+  average weight change `deltas`, kept when the policy reads "corrected").
   """
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
-               metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None):
+               metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
+               rule=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
     if self.replica_devices[0] != device:
@@ -55,11 +62,9 @@ class StageProgram:
     self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
     self.loss_tracker = loss_tracker
     self.is_first, self.is_last = index == 0, index == num_stages - 1
-    if policy.predicts and not hasattr(optimizer, "predict"):
-      raise ValueError(
-          f"method {policy.method!r} predicts weights and needs an optimizer with "
-          f"`predict(variable, s)`, such as tfpipe.optimizers.SpecTrain. Received: "
-          f"{type(optimizer).__name__}")
+    if policy.predicts:
+      prediction.check(optimizer)
+    self.rule = rule or mitigations.StageRule()
     if self.is_last and loss is None:
       raise ValueError("the last stage needs a loss")
     self._float_in = [_is_float(t) for t in model.inputs]
@@ -70,6 +75,9 @@ class StageProgram:
       self.non_trainable = [keras.Variable(v.numpy(), trainable=False, name=f"s{index}_{v.name}")
                             for v in model.non_trainable_variables]
       optimizer.build(self.trainable)
+      self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
+                      for j, v in enumerate(self.trainable)]
+                     if policy.backward == "corrected" else [])
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
     self.jit_compile = jit_compile
@@ -126,16 +134,27 @@ class StageProgram:
 
   # Weights and the stage call.
 
-  def weights(self, s, predicted):
-    """The weights a task reads: current, or predicted `s` updates ahead.
+  def weights(self, s, source):
+    """The weights a task reads: "current"; "predicted" `s` updates ahead (the optimizer's
+    own step, `tfpipe.prediction`); "corrected" back by `s` updates of the average weight
+    change (PipeMare). Any other source (the forward's own, a blend) reads "current" here.
 
     `s` is a Python number, so each value traces once and s = 0 costs nothing.
     """
-    if predicted and s:
-      if hasattr(self.optimizer, "predict_all"):
-        return self.optimizer.predict_all(self.trainable, s)
-      return [self.optimizer.predict(v, s) for v in self.trainable]
+    if source == "predicted" and s:
+      return prediction.predict_all(self.optimizer, self.trainable, s)
+    if source == "corrected" and s:
+      return [tf.convert_to_tensor(v) - float(s) * d for v, d in zip(self.trainable, self.deltas)]
     return [tf.convert_to_tensor(v) for v in self.trainable]
+
+  def read_weights(self, s):
+    """The forward's weights as tensors of their own (eager callers keep them for a blend)."""
+    return self._read_weights(s)
+
+  @tf.function
+  def _read_weights(self, s):
+    with tf.device(self.device):
+      return [tf.identity(w) for w in self.weights(s, self.policy.forward)]
 
   def _call(self, weights, xs, training, update_state=True, state=None):
     """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
@@ -211,7 +230,7 @@ class StageProgram:
   def _forward(self, xs, s):
     """Returns (outputs, regularisation, the non-trainable state read: kept for a recompute)."""
     with tf.device(self.device):
-      return self._call(self.weights(s, self.policy.forward == "predicted"), xs, training=True)
+      return self._call(self.weights(s, self.policy.forward), xs, training=True)
 
   def _update(self, grads, accumulate):
     with tf.device(self.device):
@@ -219,11 +238,12 @@ class StageProgram:
         for a, g in zip(self.accumulators, grads):
           a.assign_add(tf.cast(g, a.dtype))
       else:
-        self.optimizer.apply(grads, self.trainable)
+        self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
 
   def _apply_accumulated(self):
     with tf.device(self.device):
-      self.optimizer.apply([tf.convert_to_tensor(a) for a in self.accumulators], self.trainable)
+      self.rule.apply(self.optimizer, [tf.convert_to_tensor(a) for a in self.accumulators],
+                      self.trainable, self.deltas)
       for a in self.accumulators:
         a.assign(tf.zeros_like(a))
 
@@ -237,7 +257,16 @@ class StageProgram:
     """Recomputes the forwards of `parts` [(inputs, state read)] with the backward's weights
     (current, or predicted `s` ahead) and runs their backward (see `_backward_on`)."""
     with tf.device(self.device):
-      weights = self.weights(s, self.policy.backward == "predicted")
+      weights = self.weights(s, self.policy.backward)
+    return self._backward_on(weights, parts, dys, scale, accumulate)
+
+  def _backward_blend(self, forward_weights, parts, dys, d, scale, accumulate):
+    """I-TiMePReSt: the backward of `parts` on e^-d * the forward's weights + (1 - e^-d) * the
+    current ones, `d` (a Python number) updates after the forward."""
+    with tf.device(self.device):
+      sigma = mitigations.blend_factor(d)
+      weights = [w if not d else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
+                 for w, v in zip(forward_weights, self.trainable)]
     return self._backward_on(weights, parts, dys, scale, accumulate)
 
   def _backward_on(self, weights, parts, dys, scale, accumulate):
@@ -290,7 +319,7 @@ class StageProgram:
     """The last stage's forward, loss, backward and update: returns (loss, input gradients,
     the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
     with tf.device(self.device):
-      weights = self.weights(s, self.policy.forward == "predicted")
+      weights = self.weights(s, self.policy.forward)
       float_xs = self._float_inputs(xs)
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
@@ -305,12 +334,12 @@ class StageProgram:
 
   def _infer(self, xs):
     with tf.device(self.device):
-      return self._call(self.weights(0, False), xs, training=False)[0]
+      return self._call(self.weights(0, "current"), xs, training=False)[0]
 
   def _evaluate_last(self, xs, y, sample_weight):
     """Loss and metrics of a batch with the current weights; returns the running logs."""
     with tf.device(self.device):
-      ys, reg, _ = self._call(self.weights(0, False), xs, training=False)
+      ys, reg, _ = self._call(self.weights(0, "current"), xs, training=False)
       loss = self.loss(y, ys[0], sample_weight=sample_weight) + reg
       self._update_metrics(y, ys[0], loss, sample_weight)
       return self.logs()

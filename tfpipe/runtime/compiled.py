@@ -262,12 +262,17 @@ class CompiledRuntime(Executor):
             sample_weight = values[1] if len(values) > 1 else None
             last_parts[unit] = (xs, values[0], sample_weight, scale, s)
             continue
-          if program.policy.recompute:
+          if program.policy.backward == "blend":   # the backward blends in these weights
+            with tf.device(program.device):
+              weights = program.weights(s, program.policy.forward)
+            ys, _, state = program.task("forward_on")(weights, xs)
+            flight["saved"][(k, b, micro)] = (xs, weights, state, scale)
+          elif program.policy.recompute:
             ys, _, state = program.task("forward")(xs, s)
             flight["saved"][(k, b, micro)] = (xs, [], state, scale)
           else:
             with tf.device(program.device):
-              weights = program.weights(s, program.policy.forward == "predicted")
+              weights = program.weights(s, program.policy.forward)
             ys, state, taped = program.taped_forward(weights, xs)
             kept[(k, b, micro)] = (taped, state, scale)
           flight["x"][(k + 1, b, micro)] = (ys, scale)
@@ -298,7 +303,10 @@ class CompiledRuntime(Executor):
           else:
             parts = [flight["saved"].pop((k,) + u) for u in units]
             scale = _join([p[3] for p in parts])
-            if parts[0][1]:   # the forward's own weights, carried across a window boundary
+            if program.policy.backward == "blend":
+              dxs = program.task("backward_blend")(parts[0][1], [(p[0], p[2]) for p in parts],
+                                                   dys, s, scale, accumulate)
+            elif parts[0][1]:   # the forward's own weights, carried across a window boundary
               dxs = program.task("backward_on")(parts[0][1], [(parts[0][0], parts[0][2])], dys,
                                                 scale, accumulate)
             else:

@@ -23,11 +23,13 @@ from tfpipe.runtime.records import TaskRecord
 
 __all__ = ["Runtime"]
 
-_Saved = collections.namedtuple("_Saved", ["xs", "tape", "version", "scale", "state"])
+_Saved = collections.namedtuple("_Saved", ["xs", "tape", "version", "scale", "state", "weights"],
+                                defaults=[None])
 _Saved.__doc__ = """What stage k keeps from a forward for its backward: the stage inputs, the
 kept tape (or None: the backward recomputes), the weight version read, the
-micro-batch's share of its mini-batch, and the non-trainable state the
-forward read (its random layers' seeds), so a recomputation draws the same."""
+micro-batch's share of its mini-batch, the non-trainable state the forward
+read (its random layers' seeds), so a recomputation draws the same, and the
+weights it read when the backward blends them in (I-TiMePReSt)."""
 
 
 class Runtime(Executor):
@@ -88,7 +90,11 @@ class Runtime(Executor):
         if last:
           saved[unit] = (xs, y, scale, s)
           return logs  # the last stage runs its forward with the backward
-        if program.policy.recompute:
+        if program.policy.backward == "blend":
+          weights = program.read_weights(s)
+          ys, _, state_read = program.forward_on(weights, xs)
+          saved[unit] = _Saved(xs, None, self.updates[k], scale, state_read, weights)
+        elif program.policy.recompute:
           ys, _, state_read = program.forward(xs, s)
           saved[unit] = _Saved(xs, None, self.updates[k], scale, state_read)
         else:
@@ -131,7 +137,11 @@ class Runtime(Executor):
         start = time.perf_counter()
         parts = [saved.pop(u) for u in cover[task]]
         accumulate = micro is not None
-        if len(parts) == 1 and parts[0].tape is not None:
+        if program.policy.backward == "blend":
+          dxs = program.backward_blend(parts[0].weights, [(p.xs, p.state) for p in parts], dys, s,
+                                       self._scale(k, sum(p.scale for p in parts)), accumulate)
+          version = self.updates[k]
+        elif len(parts) == 1 and parts[0].tape is not None:
           part = parts[0]
           dxs = program.backward_saved(part.tape, dys, self._scale(k, part.scale), accumulate)
           version = part.version
