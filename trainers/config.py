@@ -22,6 +22,12 @@ class TrainConfig:
   executor: str = "auto"
   steps_per_execution: str = "auto"
   lockstep: bool = False
+  spike_compensation: bool = False
+  delay_momentum: bool = False
+  lr_rescheduling: Optional[int] = None
+  discrepancy_decay: Optional[float] = None
+  optimizer: str = "spectrain"
+  weight_decay: Optional[float] = None
   batch_size: int = 64
   learning_rate: float = 0.01
   momentum: float = 0.9
@@ -32,6 +38,8 @@ class TrainConfig:
   data_dir: Optional[str] = None
   snn_width: int = 2048
   snn_depth: int = 32
+  mlp_width: int = 256
+  mlp_depth: int = 8
   model_scale: float = 1.0
   synthetic_samples: int = 2048
   synthetic_shape: Sequence[int] = (32, 32, 3)

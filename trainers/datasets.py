@@ -1,5 +1,6 @@
 """Datasets: tfds (cifar10, mnist, imdb_reviews), scikit-learn's digits, synthetic images or
-vectors, synthetic text (token ids)."""
+vectors, synthetic text (token ids), and two generated tasks hard enough to separate the
+pipeline methods (classes, teacher; `bench/staleness.py`)."""
 
 import collections
 import os
@@ -11,7 +12,9 @@ from tfpipe import names
 
 __all__ = ["DATASETS", "DataUnavailableError", "Data", "load"]
 
-DATASETS = ("digits", "synthetic", "synthetic_text", "cifar10", "mnist", "imdb_reviews")
+DATASETS = ("digits", "synthetic", "synthetic_text", "classes", "teacher", "cifar10", "mnist",
+            "imdb_reviews")
+TASK_SIZES = (8000, 2000)   # classes, teacher: training and validation examples
 SYNTHETIC_VOCAB = 1000
 
 Data = collections.namedtuple(
@@ -52,6 +55,36 @@ def _synthetic(config):
   y = np.argmax(x.reshape(len(x), -1) @ projection, axis=1).astype("int64")
   n = config.synthetic_samples
   return _from_arrays(x[:n], y[:n], x[n:], y[n:], config.batch_size, config.seed, classes)
+
+
+def _split_task(x, y, config, classes):
+  """The fixed examples of a generated task; --seed only reorders the training split."""
+  n, n_val = TASK_SIZES
+  x = ((x - x[:n].mean(0)) / (x[:n].std(0) + 1e-8)).astype("float32")
+  return _from_arrays(x[:n], y[:n].astype("int64"), x[n:n + n_val], y[n:n + n_val].astype("int64"),
+                      config.batch_size, config.seed, classes)
+
+
+def _classes(config):
+  """scikit-learn's make_classification: 20 classes of 2 Gaussian clusters each in 40
+  dimensions (30 informative), 2% labels flipped. The task itself is fixed (its own seed)."""
+  from sklearn.datasets import make_classification
+  x, y = make_classification(n_samples=sum(TASK_SIZES), n_features=40, n_informative=30,
+                             n_redundant=5, n_classes=20, n_clusters_per_class=2, class_sep=1.5,
+                             flip_y=0.02, random_state=1234)
+  return _split_task(x, y, config, 20)
+
+
+def _teacher(config):
+  """Inputs N(0, I) in 12 dimensions labelled by a fixed random teacher network (3 tanh layers
+  of 64, 10 logits, argmax): a smooth but deep decision function."""
+  rng = np.random.default_rng(1234)
+  x = rng.standard_normal((sum(TASK_SIZES), 12))
+  h = x
+  for width in (64, 64, 64):
+    h = np.tanh(h @ rng.standard_normal((h.shape[1], width)) * (1.5 / np.sqrt(h.shape[1])))
+  y = np.argmax(h @ rng.standard_normal((h.shape[1], 10)), axis=1)
+  return _split_task(x, y, config, 10)
 
 
 def _synthetic_text(config):
@@ -110,4 +143,8 @@ def load(config):
     return _synthetic(config)
   if name == "synthetic_text":
     return _synthetic_text(config)
+  if name == "classes":
+    return _classes(config)
+  if name == "teacher":
+    return _teacher(config)
   return _tfds(config, name)

@@ -36,6 +36,22 @@ def define_flags():
                       "a callback reads every batch, else 16)")
   flags.DEFINE_bool("lockstep", False,
                     "ddg, feature_replay: end every step with a barrier on all stages")
+  flags.DEFINE_bool("spike_compensation", False,
+                    "asynchronous pipelines: give each delayed gradient the momentum it missed "
+                    "at once (Kosson et al. 2021)")
+  flags.DEFINE_bool("delay_momentum", False,
+                    "asynchronous pipelines: lower each stage's momentum by its delay D to "
+                    "max(0, momentum - D/(D+1)) (Mitliagkas et al. 2016)")
+  flags.DEFINE_integer("lr_rescheduling", None,
+                       "PipeMare's learning-rate rescheduling over this many updates (0: off; "
+                       "default: 500 for --method=pipemare, else off)")
+  flags.DEFINE_float("discrepancy_decay", None,
+                     "--method=pipemare: decay of the average weight change its backward "
+                     "corrects with (default 0.9)")
+  flags.DEFINE_enum("optimizer", "spectrain", ["spectrain", "sgd", "adam", "adamw"],
+                    "spectrain: v = g*v + (1-g)*grad, w -= lr*v; sgd: Keras momentum SGD; adam, "
+                    "adamw: Keras's (spectrain's prediction follows each one's own step)")
+  flags.DEFINE_float("weight_decay", None, "adamw: decoupled weight decay (default Keras's 0.004)")
   flags.DEFINE_integer("batch_size", 64, "global batch size")
   flags.DEFINE_float("learning_rate", 0.01, "learning rate eta")
   flags.DEFINE_float("momentum", 0.9, "momentum / smoothing factor gamma")
@@ -46,6 +62,8 @@ def define_flags():
   flags.DEFINE_string("data_dir", None, "tfds data directory (default: $TFDS_DATA_DIR)")
   flags.DEFINE_integer("snn_width", 2048, "snn: units per layer")
   flags.DEFINE_integer("snn_depth", 32, "snn: hidden layers")
+  flags.DEFINE_integer("mlp_width", 256, "mlp: units per layer")
+  flags.DEFINE_integer("mlp_depth", 8, "mlp: hidden layers")
   flags.DEFINE_float("model_scale", 1.0,
                      "multiplier on every model's widths (filters, units, embedding sizes)")
   flags.DEFINE_integer("synthetic_samples", 2048, "synthetic: training samples")
@@ -82,6 +100,10 @@ def define_flags():
   flags.register_validator("steps", lambda v: v is None or v >= 1, "--steps must be >= 1")
   flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")
   flags.register_validator("momentum", lambda v: 0 <= v < 1, "--momentum must be in [0, 1)")
+  flags.register_validator("lr_rescheduling", lambda v: v is None or v >= 0,
+                           "--lr_rescheduling must be >= 0")
+  flags.register_validator("discrepancy_decay", lambda v: v is None or 0 <= v < 1,
+                           "--discrepancy_decay must be in [0, 1)")
   flags.register_multi_flags_validator(
       ["devices", "num_stages", "stage_replicas"],
       lambda f: f["devices"] is None or len(f["devices"]) == f["num_stages"] + sum(

@@ -51,9 +51,16 @@ def _method_options(config, tools):
   import tfpipe
   if config.method == "grid":
     return {"grid": config.grid}
+  mitigation = dict(spike_compensation=config.spike_compensation,
+                    delay_momentum=config.delay_momentum, lr_rescheduling=config.lr_rescheduling,
+                    discrepancy_decay=config.discrepancy_decay)
+  chosen = [f"--{k}" for k, v in mitigation.items() if v not in (None, False)]
+  if config.method not in tfpipe.PIPELINE_METHODS and chosen:
+    raise ValueError(f"{chosen[0]} mitigates pipeline staleness; --method={config.method} is not "
+                     "a pipeline")
   if config.method in tfpipe.BASELINE_METHODS:
     return {}
-  return dict(partition=config.partition, spectrain_backward=config.spectrain_backward,
+  return dict(partition=config.partition, **mitigation, spectrain_backward=config.spectrain_backward,
               version_difference=config.version_difference, micro_batches=config.micro_batches,
               recompute={"auto": None, "true": True, "false": False}[config.recompute],
               lockstep=config.lockstep, stage_replicas=config.stage_replicas,
@@ -186,7 +193,7 @@ def _train(config, tools, spec=None):
     window = dict(steps_per_execution=config.steps_per_execution if
                   config.steps_per_execution == "auto" else int(config.steps_per_execution))
   trainer.compile(
-      optimizer=tfpipe.optimizers.SpecTrain(config.learning_rate, config.momentum),
+      optimizer=make_optimizer(config),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
       **window)
   if config.method == "asgd":
@@ -204,6 +211,23 @@ def _train(config, tools, spec=None):
   if getattr(saver, "restored_epoch", None):
     lines.insert(0, f"resumed after epoch {saver.restored_epoch} from {config.checkpoint_dir}")
   return history.history, trainer, lines
+
+
+def make_optimizer(config):
+  """--optimizer with --learning_rate, --momentum (spectrain, sgd) and --weight_decay."""
+  import keras
+  import tfpipe
+  decay = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
+  if config.optimizer == "spectrain":
+    return tfpipe.optimizers.SpecTrain(config.learning_rate, config.momentum, **decay)
+  if config.optimizer == "sgd":
+    return keras.optimizers.SGD(config.learning_rate, momentum=config.momentum, **decay)
+  if config.optimizer == "adam":
+    return keras.optimizers.Adam(config.learning_rate, **decay)
+  if config.optimizer == "adamw":
+    return keras.optimizers.AdamW(config.learning_rate, **decay)
+  raise ValueError(f"--optimizer must be spectrain, sgd, adam or adamw. Received: "
+                   f"{config.optimizer!r}")
 
 
 def checkpoint_callback(config):

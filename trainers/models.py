@@ -12,7 +12,8 @@ MODELS = tuple(models.MODELS)
 def build_model(config, input_shape, num_classes, vocab_size=None):
   """The model `config.model` for inputs of `input_shape`, seeded by `config.seed`.
 
-  snn and dnn take --snn_width / --snn_depth (snn) and --model_scale; the
+  snn takes --snn_width / --snn_depth, mlp --mlp_width / --mlp_depth, both and dnn
+  --model_scale; the
   others --model_scale; token models the dataset's vocabulary size.
   """
   keras.utils.set_random_seed(config.seed)
@@ -25,4 +26,6 @@ def build_model(config, input_shape, num_classes, vocab_size=None):
     options["vocab_size"] = vocab_size
   if name == "snn":
     options.update(width=config.snn_width, depth=config.snn_depth)
+  if name == "mlp":
+    options.update(width=config.mlp_width, depth=config.mlp_depth)
   return models.build(name, input_shape, num_classes, scale=config.model_scale, **options)

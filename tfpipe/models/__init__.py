@@ -2,7 +2,7 @@
 
 Images (CIFAR-10 shaped): vgg16, resnet20, resnet152, inception_v4 (seed 000,
 EPFL report). Flat inputs: snn (seed 000: 32 x 2048 SELU), dnn (seed 001: 7 x
-2048 sigmoid). Token sequences: transformer (seed 000: 6 + 6 blocks, 8 heads,
+2048 sigmoid), mlp (8 x 256 ReLU, the staleness benchmark's). Token sequences: transformer (seed 000: 6 + 6 blocks, 8 heads,
 512 units), bert (EPFL report: 3 encoders, 768 hidden, 12 heads),
 residual_lstm (seed 000: 8 LSTM layers; 512 embedding, 512 output, 1024
 memory units). Repeated blocks (residual, inception, encoder, decoder, LSTM
@@ -16,14 +16,14 @@ from tfpipe.models import cnn, mlp, sequence
 __all__ = ["MODELS", "INPUTS", "build"]
 
 MODELS = {
-    "snn": mlp.snn, "dnn": mlp.dnn,
+    "snn": mlp.snn, "dnn": mlp.dnn, "mlp": mlp.mlp,
     "vgg16": cnn.vgg16, "resnet20": cnn.resnet20, "resnet152": cnn.resnet152,
     "inception_v4": cnn.inception_v4,
     "transformer": sequence.transformer, "bert": sequence.bert,
     "residual_lstm": sequence.residual_lstm,
 }
 # What each model reads: "image" (H, W, C), "flat" (anything, flattened), "tokens" (ids).
-INPUTS = {"snn": "flat", "dnn": "flat", "vgg16": "image", "resnet20": "image",
+INPUTS = {"snn": "flat", "dnn": "flat", "mlp": "flat", "vgg16": "image", "resnet20": "image",
           "resnet152": "image", "inception_v4": "image", "transformer": "tokens",
           "bert": "tokens", "residual_lstm": "tokens"}
 
@@ -31,7 +31,7 @@ INPUTS = {"snn": "flat", "dnn": "flat", "vgg16": "image", "resnet20": "image",
 def build(name, input_shape, num_classes, scale=1.0, **options):
   """Model `name` for `input_shape` and `num_classes` logits; `scale` multiplies its widths.
 
-  Token models take `vocab_size`; snn and dnn take `width` and `depth` too.
+  Token models take `vocab_size`; snn, dnn and mlp take `width` and `depth` too.
   """
   name = names.lookup("model", name, tuple(MODELS))
   if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:

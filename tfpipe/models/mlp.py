@@ -28,3 +28,13 @@ def dnn(input_shape, num_classes, scale=1.0, width=2048, depth=7):
                                      name=f"sigmoid{i}"))
   layers.append(keras.layers.Dense(num_classes, name="logits"))
   return keras.Sequential(layers, name=f"dnn_{depth}x{_width(width, scale)}")
+
+
+def mlp(input_shape, num_classes, scale=1.0, width=256, depth=8):
+  """A plain deep MLP: `depth` ReLU Dense layers of `width` x `scale` units (the staleness
+  benchmark's model, `bench/staleness.py`)."""
+  layers = [keras.Input(input_shape), keras.layers.Flatten(name="flatten")]
+  for i in range(depth):
+    layers.append(keras.layers.Dense(_width(width, scale), activation="relu", name=f"relu{i}"))
+  layers.append(keras.layers.Dense(num_classes, name="logits"))
+  return keras.Sequential(layers, name=f"mlp_{depth}x{_width(width, scale)}")

@@ -1,0 +1,272 @@
+"""Accuracy under staleness: every asynchronous method and mitigation against data parallelism,
+on offline tasks hard enough to separate them, at K = 2, 4, 8 stages, over several seeds.
+
+Tasks (trainers/datasets.py): `classes` (20 classes of Gaussian clusters) and `teacher`
+(labels of a fixed random deep network), with the 8 x 256 ReLU `mlp`. Every option trains
+with the same learning rate, batch size and epochs; its score is the best validation
+accuracy of its run (as in the SpecTrain paper's table 1), averaged over the seeds, with the
+spread (sample standard deviation) beside it, and the gap to `dataparallel` of the same
+optimizer. samples/s: training samples per second over epochs 2.. (validation included),
+measured in the same process one run after another, so compare within a K only.
+
+Each finished run is appended to bench/results/staleness_runs.jsonl, and a run already
+there is not repeated: the benchmark can be stopped and resumed. Writes
+bench/results/staleness.md and staleness_<task>.png (validation accuracy per epoch at K=4,
+mean over the seeds).
+
+  python bench/staleness.py [--tasks=classes,teacher --stages=2,4,8 --seeds=0,1,2
+                             --epochs=15 --options=default]
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from bench import results_io  # noqa: E402
+
+# name: (method, Pipeline options, optimizer). The baselines run once per seed, single on one
+# device and dataparallel on BASELINE_REPLICAS (their accuracy does not depend on K); every
+# other option at every K. PipeMare's rescheduling warms up over 60 updates (about an epoch).
+OPTIONS = {
+    "single": ("single", {}, "spectrain"),
+    "dataparallel": ("dataparallel", {}, "spectrain"),
+    "vanilla": ("vanilla", {}, "spectrain"),
+    "pipedream": ("pipedream", {}, "spectrain"),
+    "spectrain": ("spectrain", {}, "spectrain"),
+    "pipemare": ("pipemare", {"lr_rescheduling": 60}, "spectrain"),
+    "timeprest": ("timeprest", {}, "spectrain"),
+    "i_timeprest": ("i_timeprest", {}, "spectrain"),
+    "vanilla+sc": ("vanilla", {"spike_compensation": True}, "spectrain"),
+    "pipedream+sc": ("pipedream", {"spike_compensation": True}, "spectrain"),
+    "spectrain+sc": ("spectrain", {"spike_compensation": True}, "spectrain"),
+    "pipedream+dm": ("pipedream", {"delay_momentum": True}, "spectrain"),
+    "spectrain+dm": ("spectrain", {"delay_momentum": True}, "spectrain"),
+    "pipedream+resched": ("pipedream", {"lr_rescheduling": 60}, "spectrain"),
+    "spectrain+sc+resched": ("spectrain", {"spike_compensation": True, "lr_rescheduling": 60},
+                             "spectrain"),
+    "dataparallel/adam": ("dataparallel", {}, "adam"),
+    "pipedream/adam": ("pipedream", {}, "adam"),
+    "spectrain/adam": ("spectrain", {}, "adam"),   # PipeOptim / XPipe: Adam's own step
+}
+BASELINES = ("single", "dataparallel", "dataparallel/adam")
+BASELINE_REPLICAS = 2   # MirroredStrategy on 8 logical CPUs of 2 cores ran at 135 samples/s
+DEFAULT = [n for n in OPTIONS if n not in ("pipedream+resched", "spectrain+sc+resched")]
+
+flags.DEFINE_list("tasks", ["classes", "teacher"], "datasets (trainers/datasets.py)")
+flags.DEFINE_list("stages", ["2", "4", "8"], "pipeline depths K")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "training seeds (initial weights, data order)")
+flags.DEFINE_list("options", ["default"],
+                  f"rows: default (all but the rescheduling rows), all, or some of "
+                  f"{', '.join(OPTIONS)}")
+flags.DEFINE_integer("epochs", 15, "epochs per run")
+flags.DEFINE_integer("batch_size", 128, "batch size")
+flags.DEFINE_float("learning_rate", 0.1, "learning rate (SpecTrain form: lr * v, v an average)")
+flags.DEFINE_float("adam_learning_rate", 0.001, "learning rate of the Adam rows")
+flags.DEFINE_float("momentum", 0.9, "momentum gamma")
+flags.DEFINE_string("results_dir", results_io.RESULTS, "where tables, plots and runs go")
+flags.DEFINE_bool("report_only", False, "write the table and plots from the runs on file")
+FLAGS = flags.FLAGS
+
+
+class _EpochTimer:
+  """A Keras callback's epoch hooks: the wall time of each epoch."""
+
+  def __init__(self):
+    import keras
+
+    class Timer(keras.callbacks.Callback):
+      def on_epoch_begin(cb, epoch, logs=None):  # noqa: N805
+        cb.start = time.perf_counter()
+
+      def on_epoch_end(cb, epoch, logs=None):  # noqa: N805
+        self.seconds.append(time.perf_counter() - cb.start)
+
+    self.seconds, self.callback = [], Timer()
+
+
+def run_one(task, name, K, seed):
+  """Trains option `name` at K stages on `task` with `seed`: a result dict."""
+  import keras
+  import tfpipe
+  from trainers import config as config_lib, datasets, main as trainer_main, models
+  method, options, optimizer = OPTIONS[name]
+  lr = FLAGS.adam_learning_rate if optimizer == "adam" else FLAGS.learning_rate
+  config = config_lib.TrainConfig(model="mlp", dataset=task, method=method, num_stages=K,
+                                  batch_size=FLAGS.batch_size, learning_rate=lr,
+                                  momentum=FLAGS.momentum, epochs=FLAGS.epochs, seed=seed,
+                                  optimizer=optimizer)
+  keras.backend.clear_session()
+  keras.utils.set_random_seed(seed)
+  data = datasets.load(config)
+  model = models.build_model(config, data.input_shape, data.num_classes)
+  trainer = tfpipe.create(model, method, num_stages=1 if method == "single" else K, **options)
+  trainer.compile(trainer_main.make_optimizer(config),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+  timer = _EpochTimer()
+  history = trainer.fit(data.train, epochs=FLAGS.epochs, validation_data=data.validation,
+                        callbacks=[timer.callback], verbose=0).history
+  later = timer.seconds[1:] or timer.seconds
+  return {"task": task, "option": name, "K": K, "seed": seed, "epochs": FLAGS.epochs,
+          "learning_rate": lr, "batch_size": FLAGS.batch_size,
+          "val_accuracy": [float(a) for a in history["val_accuracy"]],
+          "loss": [float(v) for v in history["loss"]],
+          "samples_per_second": data.train_size // FLAGS.batch_size * FLAGS.batch_size
+          * len(later) / sum(later)}
+
+
+def _key(r):
+  return (r["task"], r["option"], r["K"], r["seed"], r["epochs"], r["learning_rate"],
+          r["batch_size"])
+
+
+def load_runs(path):
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _mean_spread(values):
+  mean = statistics.mean(values)
+  return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarise(runs, tasks, stages, names, curve_k):
+  """Per task: (markdown table, {K: {option: mean best accuracy}}, curves at K=curve_k)."""
+  out = {}
+  for task in tasks:
+    best, speed, curves = {}, {}, {}
+    for r in runs:
+      if r["task"] != task or r["option"] not in names:
+        continue
+      Ks = stages if r["option"] in BASELINES else [r["K"]]
+      for K in Ks:
+        best.setdefault((r["option"], K), []).append(100 * max(r["val_accuracy"]))
+        speed.setdefault((r["option"], K), []).append(r["samples_per_second"])
+        if K == curve_k:
+          curves.setdefault(r["option"], []).append(r["val_accuracy"])
+    means = {K: {n: _mean_spread(best[(n, K)])[0] for n in names if (n, K) in best}
+             for K in stages}
+    head = ["option"] + [f"K={K}: best val. accuracy % (gap to dataparallel)" for K in stages] + [
+        f"K={K} samples/s" for K in stages]
+    rows = []
+    for n in names:
+      cells = [n]
+      reference = "dataparallel/adam" if n.endswith("/adam") else "dataparallel"
+      for K in stages:
+        if (n, K) not in best:
+          cells.append("-")
+          continue
+        mean, spread = _mean_spread(best[(n, K)])
+        gap = "" if n in BASELINES or reference not in means[K] else (
+            f" ({mean - means[K][reference]:+.2f})")
+        cells.append(f"{mean:.2f} ± {spread:.2f}{gap} [{len(best[(n, K)])}]")
+      for K in stages:
+        ran = (n, K) in speed and (n not in BASELINES or K == BASELINE_REPLICAS)
+        cells.append(f"{statistics.mean(speed[(n, K)]):.0f}" if ran else "-")
+      rows.append(cells)
+    out[task] = (results_io.markdown_table(head, rows), means, curves)
+  return out
+
+
+def goal_lines(summary, K=4):
+  """The issue's goal: at K, the best asynchronous option within 0.5 pp of dataparallel."""
+  lines = []
+  for task, (_, means, _) in summary.items():
+    if K not in means or "dataparallel" not in means[K]:
+      continue
+    asynchronous = {n: a for n, a in means[K].items() if n not in BASELINES and
+                    not n.endswith("/adam")}
+    if not asynchronous:
+      continue
+    name = max(asynchronous, key=asynchronous.get)
+    gap = asynchronous[name] - means[K]["dataparallel"]
+    lines.append(f"- {task}, K={K}: best asynchronous option `{name}` {asynchronous[name]:.2f}% "
+                 f"vs dataparallel {means[K]['dataparallel']:.2f}% ({gap:+.2f} pp): "
+                 f"{'within' if gap >= -0.5 else 'outside'} 0.5 pp")
+  return lines
+
+
+def plot(curves, title, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+  fig, ax = plt.subplots(figsize=(9, 5))
+  for name, runs in sorted(curves.items()):
+    length = min(len(c) for c in runs)
+    mean = [100 * statistics.mean(c[e] for c in runs) for e in range(length)]
+    ax.plot(range(1, length + 1), mean, label=name,
+            linestyle="--" if name in BASELINES else "-")
+  ax.set_xlabel("epoch")
+  ax.set_ylabel("validation accuracy % (mean over seeds)")
+  ax.set_title(title)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  names = {"all": list(OPTIONS), "default": DEFAULT}.get(",".join(FLAGS.options), FLAGS.options)
+  unknown = [n for n in names if n not in OPTIONS]
+  if unknown:
+    raise app.UsageError(f"unknown --options {unknown}; choose from {', '.join(OPTIONS)}")
+  stages = [int(k) for k in FLAGS.stages]
+  seeds = [int(s) for s in FLAGS.seeds]
+  path = os.path.join(FLAGS.results_dir, "staleness_runs.jsonl")
+  runs = load_runs(path)
+  if not FLAGS.report_only:
+    import tfpipe
+    tfpipe.devices.ensure_logical_cpus(max(stages))
+    done = {_key(r) for r in runs}
+    todo = [(task, n, K, seed) for task in FLAGS.tasks for seed in seeds for n in names
+            for K in ([BASELINE_REPLICAS] if n in BASELINES else stages)]
+    os.makedirs(FLAGS.results_dir, exist_ok=True)
+    for i, (task, n, K, seed) in enumerate(todo):
+      lr = FLAGS.adam_learning_rate if OPTIONS[n][2] == "adam" else FLAGS.learning_rate
+      if (task, n, K, seed, FLAGS.epochs, lr, FLAGS.batch_size) in done:
+        continue
+      start = time.perf_counter()
+      result = run_one(task, n, K, seed)
+      runs.append(result)
+      with open(path, "a") as f:
+        f.write(json.dumps(result) + "\n")
+      print(f"[{i + 1}/{len(todo)}] {task} {n} K={K} seed={seed}: best "
+            f"{100 * max(result['val_accuracy']):.2f}%, {result['samples_per_second']:.0f} "
+            f"samples/s ({time.perf_counter() - start:.0f} s)", flush=True)
+  runs = [r for r in runs if r["epochs"] == FLAGS.epochs and r["batch_size"] == FLAGS.batch_size]
+  curve_k = 4 if 4 in stages else max(stages)
+  summary = summarise(runs, FLAGS.tasks, stages, names, curve_k)
+  text = [f"# Accuracy under staleness\n\nmlp (8 x 256 ReLU), batch {FLAGS.batch_size}, "
+          f"{FLAGS.epochs} epochs, SpecTrain-form momentum SGD lr {FLAGS.learning_rate} "
+          f"(gamma {FLAGS.momentum}), Adam rows lr {FLAGS.adam_learning_rate}. Cells: mean ± "
+          "spread of the best validation accuracy over the seeds [runs], (gap to dataparallel "
+          "of the same optimizer, pp). Baselines: single on one device, dataparallel on "
+          f"{BASELINE_REPLICAS} replicas (their samples/s in that column). "
+          "`bench/staleness.py`."]
+  for task, (table, _, curves) in summary.items():
+    text.append(f"## {task}\n\n{table}")
+    if curves:
+      plot(curves, f"{task}: validation accuracy at K={curve_k}",
+           os.path.join(FLAGS.results_dir, f"staleness_{task}.png"))
+  goals = goal_lines(summary)
+  if goals:
+    text.append("## Goal: within 0.5 pp of dataparallel at K=4\n\n" + "\n".join(goals))
+  results_io.write(FLAGS.results_dir, "staleness.md", "\n\n".join(text))
+  print("\n\n".join(text), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
