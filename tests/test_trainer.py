@@ -325,3 +325,29 @@ def test_executor_and_window_flags_reach_the_pipeline(executor, window, expected
   assert trainer.executor == ("compiled" if executor == "auto" else executor)
   assert getattr(trainer.runtime, "window", None) == expected
   assert np.isfinite(history["loss"][0])
+
+
+def test_mitigation_and_optimizer_flags_reach_the_pipeline():
+  config = config_lib.TrainConfig(method="spectrain", model="mlp", dataset="teacher", mlp_width=16,
+                                  mlp_depth=3, batch_size=32, steps=4, epochs=1, verbose=0,
+                                  throughput_window=None, optimizer="sgd",
+                                  spike_compensation=True, delay_momentum=True, lr_rescheduling=10)
+  history, trainer, _ = main.run(config)
+  assert np.isfinite(history["loss"][0])
+  assert [p.rule.delay for p in trainer.programs] == [1, 0]
+  assert trainer.programs[0].rule.spike_compensation and trainer.programs[0].rule.lr_rescheduling == 10
+  assert trainer.programs[0].optimizer.momentum == pytest.approx(0.4)   # 0.9 - 1/2
+  assert type(trainer.programs[0].optimizer).__name__ == "SGD"
+  result = _cli("--method=single", "--spike_compensation", "--steps=1", "--snn_depth=2",
+                "--snn_width=8")
+  assert result.returncode == 2 and "--spike_compensation mitigates pipeline staleness" in (
+      result.stderr) and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name", ["classes", "teacher"])
+def test_generated_tasks_are_fixed_and_offline(name):
+  a = datasets.load(config_lib.TrainConfig(dataset=name, batch_size=64, seed=0))
+  b = datasets.load(config_lib.TrainConfig(dataset=name, batch_size=64, seed=1))
+  assert a.train_size == datasets.TASK_SIZES[0]
+  first = lambda d: next(iter(d.validation))[1].numpy()
+  np.testing.assert_array_equal(first(a), first(b))   # the seed reorders training only

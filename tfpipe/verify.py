@@ -252,9 +252,11 @@ def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
   table = {}
   for method in methods:
     policy = policies.policy_for(method)
-    m = policies.micro_batches_for(policy, M if method in ("gpipe", "timeprest") else None)
+    m = policies.micro_batches_for(policy, M if policy.schedule in ("gpipe", "timeprest")
+                                   else None)
     report = verify(schedules.build(policy.schedule, K, N, m))
-    versions = report.peak_versions if policy.backward == "forward" else [0] * K
+    # A blend (I-TiMePReSt) keeps the forward's weights until the backward, as a stash.
+    versions = report.peak_versions if policy.backward in ("forward", "blend") else [0] * K
     table[method] = ("inputs" if policy.recompute else "activations", report.peak_states,
                      versions)
   return table

@@ -110,7 +110,7 @@ class CompiledRuntime(Executor):
       self._plan = (key, plan, [self._number(window) for window in plan])
     _, plan, numbers = self._plan
     for k, tasks in enumerate(schedule):
-      keeps = not self.programs[k].policy.recompute
+      keeps = self.programs[k].policy.backward in ("forward", "blend")
       peaks = records.kept_peaks(tasks, diffs[k], keeps, k == self.K - 1)
       self.peak_saved[k] = max(self.peak_saved[k], peaks[0])
       self.peak_versions[k] = max(self.peak_versions[k], peaks[1])

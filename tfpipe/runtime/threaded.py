@@ -164,12 +164,14 @@ class Runtime(Executor):
   def _note_saved(self, k, saved, diffs):
     """Tracks the peak count of kept forward states and of weight versions they hold.
 
-    A kept tape holds the weights its forward read: version v (stashed) or
-    the prediction (v, s) of that forward; inputs-only states hold none.
+    A kept tape (or a blend's kept weights) holds the weights its forward
+    read: version v (stashed) or the prediction (v, s) of that forward;
+    inputs-only states hold none.
     """
     self.peak_saved[k] = max(self.peak_saved[k], len(saved))
     versions = {(part.version, diffs.get(schedules.Task("F", *unit), 0))
-                for unit, part in saved.items() if part.tape is not None}
+                for unit, part in saved.items()
+                if part.tape is not None or part.weights is not None}
     self.peak_versions[k] = max(self.peak_versions[k], len(versions))
 
   def infer_epoch(self, batches, num_batches, on_result, with_labels, before=None):
