@@ -277,7 +277,12 @@ class Pipeline:
   def summary(self):
     """One line per stage: its device and layers."""
     micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
-    lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages{micro}"]
+    on = [n for n, v in (("spike_compensation", self.spike_compensation),
+                         ("delay_momentum", self.delay_momentum)) if v]
+    on += [f"lr_rescheduling={self.lr_rescheduling}"] if self.lr_rescheduling else []
+    on += [f"discrepancy_decay={self.discrepancy_decay}"] if self.method == "pipemare" else []
+    mitigated = f", {', '.join(on)}" if on else ""
+    lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages{micro}{mitigated}"]
     for k, (devices, layers) in enumerate(zip(self.stage_devices, self.partition.layer_names)):
       where = devices[0] if len(devices) == 1 else f"{len(devices)} replicas on {', '.join(devices)}"
       lines.append(f"  stage {k} on {where}: {', '.join(layers)}")
