@@ -40,7 +40,8 @@ def _weights(pipe):
 
 
 @pytest.mark.parametrize("method,options", [("sequential", {}), ("pipedream", {}),
-                                            ("spectrain", {}), ("gpipe", {"micro_batches": 2})])
+                                            ("spectrain", {}), ("gpipe", {"micro_batches": 2}),
+                                            ("pipemare", {"lr_rescheduling": 10})])
 def test_stopped_and_resumed_equals_uninterrupted(tmp_path, method, options):
   x, y = _data()
   fit = dict(batch_size=16, epochs=4, shuffle=True, seed=3, verbose=0)

@@ -3,7 +3,7 @@
 A pipeline drains at the end of every epoch (no batch is in flight, no
 weight stash or prediction is kept), so a checkpoint at an epoch boundary
 holds everything training needs: every stage's weights and non-trainable
-state, its optimizer's slots and step counter, the learning rate in force
+state, its optimizer's slots and step counter (and PipeMare's average weight change), the learning rate in force
 (what callbacks set on `model.optimizer`), and the number of epochs
 done (the data position); gradient accumulators are empty then. On resume `fit` starts
 at that epoch and replays the data order: a dataset shuffled with a seed
@@ -62,9 +62,10 @@ class BackupAndRestore(keras.callbacks.Callback):
       self._rate = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="learning_rate")
     stages = {}
     for k, program in enumerate(pipeline.programs):
+      # deltas: PipeMare's average weight change (empty for other methods).
       stages[f"stage{k}"] = tf.train.Checkpoint(
           weights=list(program.trainable), state=list(program.non_trainable),
-          optimizer=list(program.optimizer.variables))
+          optimizer=list(program.optimizer.variables), deltas=list(program.deltas))
     self._checkpoint = tf.train.Checkpoint(epochs_done=self._epochs, learning_rate=self._rate,
                                            **stages)
     self.manager = tf.train.CheckpointManager(self._checkpoint, self.directory,
