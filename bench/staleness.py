@@ -7,8 +7,8 @@ with the same learning rate, batch size and epochs; its score is the best valida
 accuracy of its run (as in the SpecTrain paper's table 1), averaged over the seeds, with the
 spread (sample standard deviation) beside it, and the gap to `dataparallel` of the same
 optimizer. samples/s: training samples per second over epochs 2.. (validation included),
-the median over the seeds, measured in the same process one run after another, so compare
-within a K only.
+the best over the seeds (other work on the machine only slows a run, as with `timeit`),
+measured in the same process one run after another, so compare within a K only.
 
 Each finished run is appended to bench/results/staleness_runs.jsonl, and a run already
 there is not repeated: the benchmark can be stopped and resumed. Writes
@@ -184,7 +184,7 @@ def summarise(runs, tasks, stages, names, curve_k):
         cells.append(f"{mean:.2f} ± {spread:.2f}{gap} [{len(best[(n, K)])}]")
       for K in stages:
         ran = (n, K) in speed and (n not in BASELINES or K == BASELINE_REPLICAS)
-        cells.append(f"{statistics.median(speed[(n, K)]):.0f}" if ran else "-")
+        cells.append(f"{max(speed[(n, K)]):.0f}" if ran else "-")
       rows.append(cells)
     out[task] = (results_io.markdown_table(head, rows), means, curves, rows)
   return out
@@ -235,11 +235,12 @@ def plot(curves, title, path):
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
   fig, ax = plt.subplots(figsize=(9, 5))
-  for name, runs in sorted(curves.items()):
+  colors = plt.cm.tab20.colors   # enough distinct colours for every row
+  for i, (name, runs) in enumerate(sorted(curves.items())):
     length = min(len(c) for c in runs)
     mean = [100 * statistics.mean(c[e] for c in runs) for e in range(length)]
-    ax.plot(range(1, length + 1), mean, label=name,
-            linestyle="--" if name in BASELINES else "-")
+    ax.plot(range(1, length + 1), mean, label=name, color=colors[i % len(colors)],
+            linestyle="--" if name in BASELINES else ":" if name.endswith("adam") else "-")
   ax.set_xlabel("epoch")
   ax.set_ylabel("validation accuracy % (mean over seeds)")
   ax.set_title(title)
@@ -290,7 +291,8 @@ def main(argv):
           f"{FLAGS.epochs} epochs, SpecTrain-form momentum SGD lr {FLAGS.learning_rate} "
           f"(gamma {FLAGS.momentum}), Adam rows lr {FLAGS.adam_learning_rate}. Cells: mean ± "
           "spread of the best validation accuracy over the seeds [runs], (gap to dataparallel "
-          "of the same optimizer, pp). Baselines: single on one device, dataparallel on "
+          "of the same optimizer, pp); samples/s: the best over the seeds. Baselines: single "
+          "on one device, dataparallel on "
           f"{BASELINE_REPLICAS} replicas (their samples/s in that column). "
           "`bench/staleness.py`."]
   if 4 in stages and summary:
