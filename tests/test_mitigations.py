@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
+import tfpipe
 from tfpipe import mitigations, optimizers, reference, schedules
 
 LR, MOMENTUM = 0.05, 0.9
@@ -79,7 +80,7 @@ def test_each_mitigation_changes_the_weights(method, options, base):
   # The rules above are not the unmitigated rule in disguise: the equivalences bite.
   bs = helpers.batches(12)
   model = helpers.mlp()
-  stages = __import__("tfpipe").Pipeline(model, num_stages=3, method=method, **options).stage_models
+  stages = tfpipe.Pipeline(model, num_stages=3, method=method, **options).stage_models
   loss = keras.losses.SparseCategoricalCrossentropy()
   base_options = {"micro_batches": options["micro_batches"]} if "micro_batches" in options else {}
   got = reference.reference_train(stages, loss, bs, method, LR, MOMENTUM, **options)[0]
@@ -95,8 +96,12 @@ def test_stage_delays_of_1f1b_are_k_to_the_end():
 def test_updates_since_forward_count_the_stage_updates_between():
   schedule = schedules.build("1f1b", 3, 6)
   counts = schedules.updates_since_forward(schedule)
-  # Steady state: stage k's backward comes K-1-k updates after its forward.
-  assert max(counts[0].values()) == 2 and max(counts[2].values()) == 0
+  # Stage k's backward of batch b comes min(b, K-1-k) updates after its forward (warm-up, then
+  # the steady state); every other task reads no such count.
+  for k, tasks in enumerate(schedule):
+    for task in tasks:
+      expected = min(task.batch, 2 - k) if task.kind == "B" else 0
+      assert counts[k][task] == expected, (k, task)
 
 
 def test_rule_helpers():
@@ -120,7 +125,6 @@ def test_rule_helpers():
     ({"method": "spectrain"}, keras.optimizers.RMSprop(0.1), "Received: RMSprop"),
 ])
 def test_unsupported_combinations_are_refused_at_compile(options, optimizer, message):
-  import tfpipe
   pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, **options)
   with pytest.raises(ValueError, match=message):
     pipe.compile(optimizer, keras.losses.SparseCategoricalCrossentropy())
@@ -133,6 +137,5 @@ def test_unsupported_combinations_are_refused_at_compile(options, optimizer, mes
     ({"method": "vanilla", "spike_compensation": "yes"}, "spike_compensation='yes'"),
 ])
 def test_bad_options_are_refused(options, message):
-  import tfpipe
   with pytest.raises(ValueError, match=message):
     tfpipe.Pipeline(helpers.mlp(), num_stages=2, **options)

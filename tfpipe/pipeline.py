@@ -198,12 +198,19 @@ class Pipeline:
     self.spike_compensation, self.delay_momentum = spike_compensation, delay_momentum
     self.lr_rescheduling, self.discrepancy_decay = lr_rescheduling, float(discrepancy_decay)
 
-  def _stage_rules(self):
-    """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates."""
+  def _update_options(self):
+    """The options in force that change a stage's update: [(name, value)]."""
+    return [(n, v) for n, v in (("spike_compensation", self.spike_compensation),
+                                ("delay_momentum", self.delay_momentum),
+                                ("lr_rescheduling", self.lr_rescheduling)) if v]
+
+  def _stage_rules(self, optimizer):
+    """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates;
+    refuses options that cannot act (no delay, an optimizer their rule is not written for)."""
     delays = mitigations.delays_for(self.policy.schedule, self.num_stages, self.micro_batches)
-    chosen = [n for n, on in (("spike_compensation", self.spike_compensation),
-                              ("delay_momentum", self.delay_momentum),
-                              ("lr_rescheduling", self.lr_rescheduling)) if on]
+    chosen = [n for n, _ in self._update_options()]
+    for name in chosen:
+      mitigations.check_optimizer(optimizer, name)
     if chosen and not any(delays):
       raise ValueError(f"{chosen[0]} acts on delayed updates, and method {self.method!r} at "
                        f"{self.num_stages} stages delays none")
@@ -277,9 +284,7 @@ class Pipeline:
   def summary(self):
     """One line per stage: its device and layers."""
     micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
-    on = [n for n, v in (("spike_compensation", self.spike_compensation),
-                         ("delay_momentum", self.delay_momentum)) if v]
-    on += [f"lr_rescheduling={self.lr_rescheduling}"] if self.lr_rescheduling else []
+    on = [n if v is True else f"{n}={v}" for n, v in self._update_options()]
     on += [f"discrepancy_decay={self.discrepancy_decay}"] if self.method == "pipemare" else []
     mitigated = f", {', '.join(on)}" if on else ""
     lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages{micro}{mitigated}"]
@@ -313,12 +318,7 @@ class Pipeline:
     with tf.device(self.devices[-1]):  # metric state lives with the last stage
       self.metrics = compile_utils.resolve_metrics(metrics, self.loss)
       self.loss_tracker = keras.metrics.Mean(name="loss")
-    delays, rules = self._stage_rules()
-    for name, on in (("spike_compensation", self.spike_compensation),
-                     ("delay_momentum", self.delay_momentum),
-                     ("lr_rescheduling", self.lr_rescheduling)):
-      if on:
-        mitigations.check_optimizer(optimizer, name)
+    delays, rules = self._stage_rules(optimizer)
     programs = []
     for k, (sub, device) in enumerate(zip(self.partition.stages, self.devices)):
       last = k == self.num_stages - 1

@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import optimizers, policies, schedules, verify
+from tfpipe import mitigations, optimizers, policies, schedules, verify
 
 __all__ = ["reference_train"]
 
@@ -81,9 +81,9 @@ class _Rule:
     self.E = [np.zeros_like(w) for w in weights]
 
   def update(self, W, grads):
-    tau, T = max(1, self.delay), self.warmup
-    factor = tau ** -max(0.0, 1.0 - self.t / T) if T else 1.0
-    a = self.gamma ** self.delay if self.spike and self.gamma else 1.0
+    factor = mitigations.lr_factor(self.delay, self.t, self.warmup)
+    a, b = (mitigations.spike_coefficients(self.gamma, self.delay) if self.spike and self.gamma
+            else (1.0, 0.0))
     gamma = _f32(self.gamma) if self.kind == "sgd" else self.gamma   # Keras casts it so
     for j, g in enumerate(grads):
       dtype, old = W[j].dtype, W[j].copy()
@@ -94,7 +94,6 @@ class _Rule:
         self.V[j] = (self.gamma * self.V[j] + (1.0 - self.gamma) * g).astype(dtype)
         W[j] = (W[j] - self.lr * (a * self.V[j] + (1.0 - a) * g)).astype(dtype)
       elif self.kind == "sgd":
-        b = (1.0 - a) / (1.0 - self.gamma) if self.gamma else 0.0
         self.V[j] = (gamma * self.V[j] - self.lr * g).astype(dtype)
         W[j] = (W[j] + a * self.V[j] - self.lr * b * g).astype(dtype)
       else:
@@ -157,17 +156,18 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   K, N = len(stage_models), len(batches)
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
-  steady = schedules.exact_version_differences(schedules.build(policy.schedule, K, 2 * K + 4, M))
-  delays = [max([s for t, s in d.items() if t.kind == "F"], default=0) for d in steady]
+  delays = mitigations.delays_for(policy.schedule, K, M)
   if lr_rescheduling is None:
-    lr_rescheduling = 500 if method == "pipemare" else 0
-  decay = (0.9 if discrepancy_decay is None else discrepancy_decay) if method == "pipemare" else None
+    lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING if method == "pipemare" else 0
+  if discrepancy_decay is None:
+    discrepancy_decay = mitigations.DEFAULT_DISCREPANCY_DECAY
+  decay = discrepancy_decay if method == "pipemare" else None
   rules = []
   for k, d in enumerate(delays):
     rule = _Rule(optimizer, learning_rate, momentum, d, spike_compensation, lr_rescheduling, decay,
                  W[k])
     if delay_momentum:
-      rule.gamma = max(0.0, rule.gamma - d / (d + 1.0))
+      rule.gamma = mitigations.delay_momentum(rule.gamma, d)
     rules.append(rule)
   S = [[tf.convert_to_tensor(v) for v in m.non_trainable_variables] for m in stage_models]
   updates = [0] * K
@@ -224,7 +224,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       elif policy.backward == "forward":
         w, version = forward_w, forward_version
       elif policy.backward == "blend":
-        sigma = math.exp(-(updates[k] - forward_version))
+        sigma = mitigations.blend_factor(updates[k] - forward_version)
         w = [(sigma * f + (1.0 - sigma) * c).astype(c.dtype) for f, c in zip(forward_w, W[k])]
         version = updates[k]
       else:
