@@ -16,6 +16,7 @@ def _bench(script, *args):
 
 def test_accuracy_table(tmp_path):
   out = _bench("accuracy_table.py", "--epochs=1", "--methods=single,gpipe", "--model_scale=0.1",
+               "--batch_size=128",
                f"--results_dir={tmp_path}", "--workloads=snn:digits,vgg16:cifar10",
                "--data_dir=" + str(tmp_path / "no_data"))
   assert "| gpipe |" in out and "vgg16:cifar10: skipped, the data is not here" in out
@@ -54,8 +55,8 @@ def test_seed001_speedup(tmp_path):
 
 
 def test_staleness(tmp_path):
-  args = ["--epochs=1", "--options=single,spectrain+sc", "--stages=2", "--seeds=0,1",
-          "--tasks=teacher", f"--results_dir={tmp_path}"]
+  args = ["--epochs=1", "--batch_size=512", "--options=single,spectrain+sc", "--stages=2",
+          "--seeds=0,1", "--tasks=teacher", f"--results_dir={tmp_path}"]
   out = _bench("staleness.py", *args)
   table = (tmp_path / "staleness.md").read_text()
   assert "| spectrain+sc |" in table and "| single |" in table and "[2]" in table

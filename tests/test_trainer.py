@@ -205,7 +205,7 @@ def test_offline_workload_configs_run_a_few_steps():
 @pytest.mark.parametrize("method", ["sequential", "spectrain"])
 def test_trainer_stops_and_resumes_exactly(tmp_path, method):
   import numpy as np
-  base = dict(method=method, snn_width=16, snn_depth=3, batch_size=32, steps=None, verbose=0,
+  base = dict(method=method, snn_width=16, snn_depth=3, batch_size=128, steps=None, verbose=0,
               logdir=None, throughput_window=None, breakdown=False)
   _, whole, _ = main.run(config_lib.TrainConfig(epochs=3, **base))
   saved = str(tmp_path / "ckpt")
@@ -301,11 +301,12 @@ def test_dataparallel_across_two_trainer_processes():
 def test_asgd_with_parameter_servers_trains_the_quickstart_model():
   # No --cluster: asgd starts its default local cluster, 2 workers and 1 parameter server.
   result = _cli("--flagfile=configs/quickstart.cfg", "--method=asgd", "--epochs=4",
-                "--learning_rate=0.05", "--logdir=")
+                "--learning_rate=0.02", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "started 2 workers and 1 parameter servers" in result.stdout
-  # Asynchronous SGD is not deterministic: the last epoch's accuracy varies by a few points
-  # between runs (0.889-0.925 measured), so the test reads the best epoch and the loss's fall.
+  # Asynchronous SGD is not deterministic, so the test reads the best epoch and the loss's fall.
+  # At lr 0.05 the stale updates made runs swing (best epoch 0.89-0.95, one CI failure); at lr 0.02
+  # three runs measured best 0.956-0.972 and a last loss under 0.11 from a first over 1.0.
   epochs = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
   accuracy = max(float(line.split("val_accuracy=")[1].split()[0]) for line in epochs)
   losses = [float(line.split(" loss=")[1].split()[0]) for line in epochs]
