@@ -99,8 +99,9 @@ class Pipeline:
     prediction_error: a `tfpipe.instruments.prediction_error.PredictionError` (or True
       for one with s = 1, 2, 3) fed after every stage update: the RMSE of the
       predicted and of the stale weights to the weights reached s updates
-      later (SpecTrain fig. 8). Needs the SpecTrain optimizer; costs a copy of
-      the stage's weights per update. Kept in `self.prediction_error`.
+      later (SpecTrain fig. 8), predicting along the optimizer's own step
+      (`tfpipe.prediction`: SpecTrain, momentum SGD, Adam, AdamW); costs a copy
+      of the stage's weights per update. Kept in `self.prediction_error`.
     jit_compile: compile each stage task with XLA. One XLA call runs on one
       thread (with 1 intra-op thread), so stages on logical CPU devices never
       compete for the shared inter-op pool. None: on when every stage is on a
@@ -342,10 +343,7 @@ class Pipeline:
       self.runtime = runtime.Runtime(programs, record=self.record, maxsize=maxsize)
     if self.prediction_error is not None:
       for p in programs:
-        if not hasattr(p.optimizer, "smoothed_gradient"):
-          raise ValueError(
-              "`prediction_error` needs the SpecTrain optimizer (tfpipe.optimizers.SpecTrain). "
-              f"Received: {type(optimizer).__name__}")
+        prediction_error_lib.check(p.optimizer)
       recorder = self.prediction_error
       self.runtime.update_hooks.append(
           lambda k, program: recorder.observe_optimizer(k, program.trainable, program.optimizer))

@@ -1,13 +1,16 @@
-"""Weight-prediction error (SpecTrain paper fig. 8): how close SpecTrain's prediction comes.
+"""Weight-prediction error (SpecTrain paper fig. 8): how close the weight prediction comes.
 
-s: updates ahead, W_t: a stage's weights after its t-th update, v_t: its
-smoothed gradient then, eta: the learning rate. After every update t the
+s: updates ahead, W_t: a stage's weights after its t-th update, d_t: the step
+its optimizer predicts with then (`tfpipe.prediction`: eta * v_t for SpecTrain,
+v_t its smoothed gradient and eta the learning rate; -m_t for momentum SGD;
+Adam's bias-corrected m / (sqrt(v) + eps) step). After every update t the
 recorder compares, for each s in `horizons`,
-  predicted: RMSE(W_{t-s} - s * eta * v_{t-s}, W_t)   (seed 000 eq. 4)
-  stale:     RMSE(W_{t-s}, W_t)                        (what vanilla reads)
+  predicted: RMSE(W_{t-s} - s * d_{t-s}, W_t)   (seed 000 eq. 4; PipeOptim)
+  stale:     RMSE(W_{t-s}, W_t)                  (what vanilla reads)
 over all of the stage's weights. Works in a `Pipeline(prediction_error=...)`
 (per stage, after each of its updates) and in plain `model.fit` through
-`PredictionErrorCallback` (key "model").
+`PredictionErrorCallback` (key "model"), with any optimizer `tfpipe.prediction`
+predicts with.
 """
 
 import collections
@@ -16,7 +19,17 @@ import threading
 import keras
 import numpy as np
 
-__all__ = ["PredictionError", "PredictionErrorCallback"]
+from tfpipe import prediction
+
+__all__ = ["PredictionError", "PredictionErrorCallback", "check"]
+
+
+def check(optimizer):
+  """Raises a clear error when `optimizer` has no step to predict with."""
+  try:
+    prediction.check(optimizer)
+  except ValueError as error:
+    raise ValueError(f"the prediction error measures weight prediction: {error}") from None
 
 
 def _rmse(a, b):
@@ -40,32 +53,36 @@ class PredictionError:
     self._lock = threading.Lock()                  # stages observe from their own threads
 
   def observe(self, key, weights, smoothed, learning_rate):
-    """After update t of `key`: its weights, smoothed gradients (numpy lists) and eta."""
-    weights = [np.array(w, copy=True) for w in weights]
-    smoothed = [np.array(v, copy=True) for v in smoothed]
-    with self._lock:
-      self._observe(key, weights, smoothed, learning_rate)
+    """After update t of `key`: its weights, smoothed gradients (numpy lists) and eta
+    (SpecTrain's step d = eta * v)."""
+    self.observe_steps(key, weights, [float(learning_rate) * np.asarray(v) for v in smoothed])
 
-  def _observe(self, key, weights, smoothed, learning_rate):
+  def observe_steps(self, key, weights, steps):
+    """After update t of `key`: its weights and the step d each would be predicted with."""
+    weights = [np.array(w, copy=True) for w in weights]
+    steps = [np.array(d, copy=True) for d in steps]
+    with self._lock:
+      self._observe(key, weights, steps)
+
+  def _observe(self, key, weights, steps):
     history = self._history[key]
     self._updates[key] += 1
     t = self._updates[key]
     for s in self.horizons:
       if len(history) >= s:
-        old_w, old_v, old_lr = history[-s]
-        predicted = [w - s * old_lr * v for w, v in zip(old_w, old_v)]
+        old_w, old_d = history[-s]
+        predicted = [w - s * d for w, d in zip(old_w, old_d)]
         self.series[(key, s)].append((t, _rmse(predicted, weights), _rmse(old_w, weights)))
-    history.append((weights, smoothed, float(learning_rate)))
+    history.append((weights, steps))
 
   def observe_optimizer(self, key, variables, optimizer):
-    """`observe` from Keras variables and their SpecTrain optimizer."""
-    if not hasattr(optimizer, "smoothed_gradient"):
-      raise ValueError(
-          "the prediction error needs the SpecTrain optimizer (tfpipe.optimizers.SpecTrain). "
-          f"Received: {type(optimizer).__name__}")
-    self.observe(key, [v.numpy() for v in variables],
-                 [optimizer.smoothed_gradient(v).numpy() for v in variables],
-                 float(keras.ops.convert_to_numpy(optimizer.learning_rate)))
+    """`observe_steps` from Keras variables and their optimizer: the step is the one
+    `tfpipe.prediction` predicts with (W minus the weights predicted one update ahead)."""
+    check(optimizer)
+    weights = [v.numpy() for v in variables]
+    ahead = prediction.predict_all(optimizer, variables, 1)
+    self.observe_steps(key, weights,
+                       [w - keras.ops.convert_to_numpy(p) for w, p in zip(weights, ahead)])
 
   def summary(self):
     """{s: (mean predicted RMSE, mean stale RMSE)} over every key and update."""
@@ -113,7 +130,8 @@ class PredictionError:
 
 
 class PredictionErrorCallback(keras.callbacks.Callback):
-  """Feeds a `PredictionError` after each batch of `model.fit` with a SpecTrain optimizer."""
+  """Feeds a `PredictionError` after each batch of `model.fit` (an optimizer that
+  `tfpipe.prediction` predicts with: SpecTrain, momentum SGD, Adam, AdamW)."""
 
   def __init__(self, recorder):
     super().__init__()
