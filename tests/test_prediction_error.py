@@ -60,14 +60,26 @@ def test_pipeline_records_per_stage_errors():
     prediction_error.PredictionError(horizons=(0,))
 
 
+def _numpy_step(optimizer, variables):
+  """Each optimizer's step d, written out from its slots (PipeOptim / XPipe)."""
+  weights = [v.numpy() for v in variables]
+  if isinstance(optimizer, keras.optimizers.SGD):
+    return weights, [-m.numpy() for m in optimizer.momentums]
+  t, lr = float(optimizer.iterations.numpy()), float(optimizer.learning_rate.numpy())
+  rate = lr * np.sqrt(1 - optimizer.beta_2 ** t) / (1 - optimizer.beta_1 ** t)
+  decay = lr * (optimizer.weight_decay or 0.0)
+  return weights, [rate * m.numpy() / (np.sqrt(v.numpy()) + optimizer.epsilon) + decay * w
+                   for m, v, w in zip(optimizer._momentums, optimizer._velocities, weights)]
+
+
 @pytest.mark.parametrize("optimizer", [
     lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     lambda: keras.optimizers.Adam(0.01),
     lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
 ], ids=["sgd", "adam", "adamw"])
 def test_prediction_error_reads_each_optimizers_own_step(optimizer):
-  # The recorded prediction is W_{t-1} - d_{t-1}, d the step tfpipe.prediction extrapolates;
-  # checked against numpy from the weights and the step read after each update.
+  # The recorded prediction is W_{t-1} - d_{t-1}, d the optimizer's own step: checked against
+  # the step written out in numpy from the optimizer's slots after each update.
   rng = np.random.default_rng(0)
   x = rng.normal(size=(32, 4)).astype("float32")
   y = (x @ rng.normal(size=(4, 2))).astype("float32")
@@ -79,10 +91,7 @@ def test_prediction_error_reads_each_optimizers_own_step(optimizer):
 
   class Steps(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
-      weights = [v.numpy() for v in self.model.trainable_variables]
-      ahead = tfpipe.prediction.predict_all(self.model.optimizer,
-                                            self.model.trainable_variables, 1)
-      seen.append((weights, [w - keras.ops.convert_to_numpy(p) for w, p in zip(weights, ahead)]))
+      seen.append(_numpy_step(self.model.optimizer, self.model.trainable_variables))
 
   model.fit(x, y, batch_size=32, epochs=8, shuffle=False, verbose=0,
             callbacks=[prediction_error.PredictionErrorCallback(recorder), Steps()])
@@ -91,7 +100,8 @@ def test_prediction_error_reads_each_optimizers_own_step(optimizer):
   for (t, predicted, stale), (old_w, old_d), (new_w, _) in zip(rows, seen, seen[1:]):
     error = np.sqrt(np.mean(np.concatenate([((w - d) - n).ravel() ** 2
                                             for w, d, n in zip(old_w, old_d, new_w)])))
-    np.testing.assert_allclose(predicted, error, rtol=1e-5)
+    # float32 weights: their round-off (~1e-7) bounds the agreement of the small RMSE
+    np.testing.assert_allclose(predicted, error, rtol=1e-3, atol=1e-6)
     assert predicted < 0.5 * stale   # full batches: the optimizer's step points the right way
   with pytest.raises(ValueError, match="prediction error measures weight prediction: weight pr"):
     prediction_error.check(keras.optimizers.SGD(0.1))

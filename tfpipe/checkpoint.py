@@ -3,11 +3,12 @@
 A pipeline drains at the end of every epoch (no batch is in flight, no
 weight stash or prediction is kept), so a checkpoint at an epoch boundary
 holds everything training needs: every stage's weights and non-trainable
-state, its optimizer's slots and step counter (and PipeMare's average weight change), the learning rate in force
-(what callbacks set on `model.optimizer`), and the number of epochs
-done (the data position); gradient accumulators are empty then. On resume `fit` starts
-at that epoch and replays the data order: a dataset shuffled with a seed
-and `reshuffle_each_iteration` gets the same order as in an uninterrupted
+state, its optimizer's slots and step counter (and PipeMare's average
+weight change), the learning rate in force (what callbacks set on
+`model.optimizer`), and the number of epochs done (the data position);
+gradient accumulators are empty then. On resume `fit` starts at that epoch
+and replays the data order: a dataset shuffled with a seed and
+`reshuffle_each_iteration` gets the same order as in an uninterrupted
 run (one unread iterator per skipped epoch advances its shuffle; TensorFlow
 combines the dataset's seed with the global one, so set the same global
 seed, e.g. `keras.utils.set_random_seed`, as the trainer does), and a

@@ -287,8 +287,8 @@ class Pipeline:
     micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
     on = [n if v is True else f"{n}={v}" for n, v in self._update_options()]
     on += [f"discrepancy_decay={self.discrepancy_decay}"] if self.method == "pipemare" else []
-    mitigated = f", {', '.join(on)}" if on else ""
-    lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages{micro}{mitigated}"]
+    micro += f", {', '.join(on)}" if on else ""
+    lines = [f"tfpipe.Pipeline: method={self.method}, {self.num_stages} stages{micro}"]
     for k, (devices, layers) in enumerate(zip(self.stage_devices, self.partition.layer_names)):
       where = devices[0] if len(devices) == 1 else f"{len(devices)} replicas on {', '.join(devices)}"
       lines.append(f"  stage {k} on {where}: {', '.join(layers)}")

@@ -52,11 +52,6 @@ class PredictionError:
     self.series = collections.defaultdict(list)   # (key, s) -> [(t, predicted, stale)]
     self._lock = threading.Lock()                  # stages observe from their own threads
 
-  def observe(self, key, weights, smoothed, learning_rate):
-    """After update t of `key`: its weights, smoothed gradients (numpy lists) and eta
-    (SpecTrain's step d = eta * v)."""
-    self.observe_steps(key, weights, [float(learning_rate) * np.asarray(v) for v in smoothed])
-
   def observe_steps(self, key, weights, steps):
     """After update t of `key`: its weights and the step d each would be predicted with."""
     weights = [np.array(w, copy=True) for w in weights]
