@@ -22,6 +22,7 @@ previous checkpoint as the one `restore` reads.
 """
 
 import os
+import shutil
 
 import keras
 import tensorflow as tf
@@ -41,8 +42,11 @@ class BackupAndRestore(keras.callbacks.Callback):
   checkpoint and continues from the epoch after it.
   """
 
-  def __init__(self, directory, every_epochs=1, max_to_keep=2):
+  def __init__(self, directory, every_epochs=1, max_to_keep=2, delete_at_end=False):
+    """`delete_at_end`: remove `directory` when a `fit` finishes (Keras's
+    `delete_checkpoint`); an interrupted one leaves it for the next run."""
     super().__init__()
+    self.delete_at_end = delete_at_end
     if not directory:
       raise ValueError("`directory` must name the checkpoint directory")
     if not isinstance(every_epochs, int) or isinstance(every_epochs, bool) or every_epochs < 1:
@@ -97,6 +101,21 @@ class BackupAndRestore(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     if self.pipeline is not None and (epoch + 1) % self.every_epochs == 0:
       self.save(epoch + 1)
+
+  def on_train_end(self, logs=None):
+    if self.delete_at_end and os.path.isdir(self.directory):
+      shutil.rmtree(self.directory)
+
+  @classmethod
+  def from_keras(cls, callback):
+    """tfpipe's callback in place of a `keras.callbacks.BackupAndRestore` (same directory,
+    a save at every epoch end, deleted after a finished fit if Keras's would be)."""
+    if callback.save_freq != "epoch":
+      raise ValueError(
+          f"keras.callbacks.BackupAndRestore(save_freq={callback.save_freq!r}) saves within "
+          "epochs; tfpipe saves at epoch ends, where the pipeline drains: use save_freq='epoch' "
+          "(or tfpipe.checkpoint.BackupAndRestore(directory, every_epochs=N))")
+    return cls(callback.backup_dir, every_epochs=1, delete_at_end=callback.delete_checkpoint)
 
   @property
   def latest(self):

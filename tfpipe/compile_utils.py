@@ -1,8 +1,18 @@
-"""What `compile` receives: optimizer, loss and metric arguments resolved to objects."""
+"""What `compile` receives: optimizer, loss and metric arguments resolved to objects.
+
+`KerasStep` holds what `keras.Model.compile` builds for the train step (its
+own `CompileLoss` and `CompileMetrics`, through `tfpipe.keras_compat`), so a
+pipeline's loss, metric names, weighting and reduction are Keras's.
+"""
 
 import keras
+import numpy as np
+import tensorflow as tf
 
-__all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metrics", "loss_name"]
+from tfpipe import keras_compat
+
+__all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metrics", "loss_name",
+           "KerasStep", "check_optimizer"]
 
 
 def resolve_optimizer(optimizer):
@@ -17,6 +27,69 @@ def resolve_optimizer(optimizer):
 def clone_optimizer(optimizer):
   """A fresh instance from the same config: its own step counter and slots."""
   return optimizer.__class__.from_config(optimizer.get_config())
+
+
+def check_optimizer(optimizer):
+  """Refuses, in one line, optimizer options whose decision spans the whole model: a stage
+  updates from its own gradients, and these need every stage's at once."""
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    raise ValueError(
+        "keras.optimizers.LossScaleOptimizer is not supported in a pipeline: it skips an update "
+        "when any gradient of the model overflows, a decision over every stage at once. Pass "
+        f"its inner optimizer ({type(optimizer.inner_optimizer).__name__}) and train in float32 "
+        "or mixed_bfloat16, which need no loss scaling")
+  if getattr(optimizer, "global_clipnorm", None):
+    raise ValueError(
+        f"global_clipnorm={optimizer.global_clipnorm} is not supported in a pipeline: it clips "
+        "by the norm of the whole model's gradient, and each stage updates from its own. Use "
+        "clipnorm (per variable) or clipvalue")
+
+
+class KerasStep:
+  """The loss, metrics and loss tracker of Keras's train step for a model with one output.
+
+  Built from `keras.Model.compile`'s arguments with Keras's own containers:
+  `loss` is a `CompileLoss` (loss_weights, reduction, a dict keyed by output
+  name), `metrics` a `CompileMetrics` (`metrics` unweighted, `weighted_metrics`
+  weighted by sample and class weights, "accuracy" resolved from the labels'
+  and outputs' shapes, names as Keras logs them). `build` makes their variables
+  on `device` from the labels' spec before any step is traced.
+  """
+
+  def __init__(self, model, loss, metrics, weighted_metrics, loss_weights, device):
+    if loss is None:
+      raise ValueError("`loss` is required")
+    self.model, self.device = model, device
+    output_names = list(getattr(model, "output_names", None) or [])
+    with tf.device(device):
+      self.loss = keras_compat.CompileLoss(loss, loss_weights, output_names=output_names or None)
+      self.metrics = (keras_compat.CompileMetrics(metrics, weighted_metrics,
+                                                  output_names=output_names or None)
+                      if metrics is not None or weighted_metrics is not None else None)
+      self.loss_tracker = keras.metrics.Mean(name="loss")
+    self.user_loss = loss
+
+  def build(self, label_spec):
+    """Builds the loss and metrics for labels of `label_spec` (a TensorSpec), eagerly."""
+    if label_spec is None or (self.loss.built and (self.metrics is None or self.metrics.built)):
+      return
+    y_true = tf.zeros([1] + list(label_spec.shape[1:]), label_spec.dtype)
+    out = self.model.outputs[0]
+    y_pred = tf.zeros([1] + list(out.shape[1:]), out.dtype)
+    with tf.device(self.device):
+      if not self.loss.built:
+        self.loss.build(y_true, y_pred)
+      if self.metrics is not None and not self.metrics.built:
+        self.metrics.build(y_true, y_pred)
+        self.metrics.reset_state()
+
+  def all_metrics(self):
+    """What Keras's `model.metrics` lists: the loss tracker, then the compiled metrics."""
+    return [self.loss_tracker] + ([self.metrics] if self.metrics is not None else [])
+
+  def reset(self):
+    for m in self.all_metrics():
+      m.reset_state()
 
 
 def loss_name(loss):

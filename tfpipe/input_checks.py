@@ -41,6 +41,10 @@ def check_inputs(dataset, model, names, labelled=True):
     raise ValueError(f"the model has {len(model.inputs)} inputs {names}; the data gives "
                      f"{len(inputs)}")
   for name, got, want in zip(names, inputs, model.inputs):
+    if got.dtype == tf.string and want.dtype != "string":
+      raise ValueError(f"input {name!r} is strings; the model takes {want.dtype} tensors: "
+                       "turn the text into numbers first (e.g. a keras.layers.StringLookup or "
+                       "TextVectorization in the data pipeline)")
     got, want = _shape(got), _shape(want)
     if len(got) == len(want) - 1 and _fits(got, want[1:]):
       raise ValueError(
@@ -56,25 +60,42 @@ def _fits(got, want):
                                        for g, w in zip(got, want))
 
 
-def check_labels(y, model, loss):
-  """Refuses array labels the loss cannot take: sparse class indices outside [0, C), one-hot
-  labels of another width than the model's C outputs, binary labels outside [0, 1]."""
+def check_labels(y, model, loss, spec=None):
+  """Refuses labels the loss cannot take: strings; for a sparse categorical loss, labels of the
+  outputs' rank whose last axis is wider than 1 (one-hot); for arrays, sparse class indices
+  outside [0, C), one-hot labels of another width than the model's C outputs, binary labels
+  outside [0, 1]. `spec`: the labels' TensorSpec (datasets: dtype and shape only)."""
+  name = compile_utils.loss_name(loss).lower()
+  classes = model.outputs[0].shape[-1]
+  if spec is not None and isinstance(spec, tf.TensorSpec):
+    if spec.dtype == tf.string:
+      raise ValueError("labels are strings; the loss takes numbers: map them to class indices "
+                       "first (e.g. keras.layers.StringLookup, or numpy.unique(y, "
+                       "return_inverse=True))")
+    rank = len(model.outputs[0].shape)
+    if ("sparse_categorical" in name and spec.shape.rank == rank and spec.shape[-1] is not None
+        and spec.shape[-1] > 1):
+      raise ValueError(
+          f"labels of shape {_describe(spec.shape)} look one-hot, and {name} takes class "
+          "indices: use categorical_crossentropy, or give the class indices (y.argmax(-1))")
   if y is None or isinstance(y, tf.data.Dataset):
     return
   y = np.asarray(y)
-  classes = model.outputs[0].shape[-1]
-  name = compile_utils.loss_name(loss).lower()
+  if y.dtype.kind in "USO":
+    raise ValueError("labels are strings; the loss takes numbers: map them to class indices "
+                     "first (e.g. keras.layers.StringLookup, or numpy.unique(y, "
+                     "return_inverse=True))")
   if "sparse_categorical" in name and classes:
     if y.size == 0:
       return
     lo, hi = y.min(), y.max()
     if lo < 0 or hi >= classes or (y.dtype.kind == "f" and not np.all(np.round(y) == y)):
       raise ValueError(
-          f"labels must be class indices in [0, {classes}) for {loss.name} with the model's "
+          f"labels must be class indices in [0, {classes}) for {name} with the model's "
           f"{classes} outputs. Received: labels from {lo} to {hi}")
   elif "categorical" in name and classes and y.ndim >= 2 and y.shape[-1] != classes:
     raise ValueError(f"one-hot labels of width {y.shape[-1]} do not fit the model's {classes} "
-                     f"outputs ({loss.name})")
+                     f"outputs ({name})")
   elif "binary" in name and y.size and (y.min() < 0 or y.max() > 1):
-    raise ValueError(f"labels must be in [0, 1] for {loss.name}. Received: labels from "
+    raise ValueError(f"labels must be in [0, 1] for {name}. Received: labels from "
                      f"{y.min()} to {y.max()}")

@@ -21,7 +21,6 @@ the rate of a schedule raises Keras's own TypeError, as in `model.fit`.
 
 import keras
 import numpy as np
-from keras.src.trainers import compile_utils as keras_compile_utils
 
 __all__ = ["LearningRateLink", "driving", "is_schedule"]
 
@@ -49,7 +48,7 @@ class LearningRateLink:
     """`updates()`: the last stage's updates so far, counted by the executor (read without
     touching the stage's device, which may be remote)."""
     self.driver, self.stages, self.updates = driver, list(stage_optimizers), updates
-    self._base = int(self.stages[-1].iterations.numpy()) - updates()
+    self._base = int(self.stages[-1]._iterations.numpy()) - updates()  # pylint: disable=protected-access
     self._synced = None
     self._watched = None
 
@@ -86,7 +85,9 @@ class LearningRateLink:
     and schedules read)."""
     count = self._base + self.updates()
     if count != self._synced:   # the tf.Variable under Keras's: 40 us, not 90 (once a batch)
-      self.driver.iterations.value.assign(np.int64(count))
+      # `_iterations`: the optimizer's count of updates (`iterations` divides it by
+      # gradient_accumulation_steps when that is set).
+      self.driver._iterations.value.assign(np.int64(count))  # pylint: disable=protected-access
       self._synced = count
 
   def push(self):
@@ -109,20 +110,19 @@ class driving:  # pylint: disable=invalid-name
   """Context manager: callbacks see the pipeline's optimizer and metrics on the user's model.
 
   Inside, `model.optimizer` is `driver` and `model.metrics` also lists the
-  compiled `metrics` (as Keras's compiled metrics list, where `EarlyStopping`
-  and `ModelCheckpoint` look up whether a metric should rise or fall); after,
+  compiled `metrics` (Keras's `CompileMetrics`, where `EarlyStopping` and
+  `ModelCheckpoint` look up whether a metric should rise or fall); after,
   the model has what it had before (its own optimizer, or none).
   """
 
   def __init__(self, model, driver, metrics=()):
     self.model, self.driver = model, driver
-    self.metrics = keras_compile_utils.MetricsList(list(metrics)) if metrics else None
+    self.metrics = list(metrics)
 
   def __enter__(self):
     self._before = self.model.__dict__.get("optimizer", _MISSING)
     self.model.optimizer = self.driver
-    if self.metrics is not None:
-      self.model._metrics.append(self.metrics)  # pylint: disable=protected-access
+    self.model._metrics.extend(self.metrics)  # pylint: disable=protected-access
     return self.driver
 
   def __exit__(self, *exc):
@@ -130,6 +130,6 @@ class driving:  # pylint: disable=invalid-name
       del self.model.optimizer
     else:
       self.model.optimizer = self._before
-    if self.metrics is not None:
-      self.model._metrics.remove(self.metrics)  # pylint: disable=protected-access
+    for m in self.metrics:
+      self.model._metrics.remove(m)  # pylint: disable=protected-access
     return False

@@ -8,13 +8,15 @@ its own optimizer (built from the user's config) on its device, and
 
 import os
 import time
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfpipe import checkpoint as checkpoint_lib, cluster
-from tfpipe import compile_utils, data, devices as devices_lib, input_checks, learning_rate
+from tfpipe import compile_utils, data, devices as devices_lib, input_checks, keras_compat
+from tfpipe import learning_rate
 from tfpipe import layer_profile, mitigations, names, partition as partition_lib, policies
 from tfpipe import runtime, schedules
 from tfpipe import stage
@@ -41,6 +43,14 @@ def _reads_batches(cbs, mode):
   """True when a callback besides the progress bar has `mode` batch hooks."""
   return any(_has_batch_hooks(cb, mode) and not isinstance(cb, keras.callbacks.ProgbarLogger)
              for cb in cbs.callbacks)
+
+
+def _all_layers(model):
+  """Every layer of `model`, nested models' layers included."""
+  for layer in model.layers:
+    yield layer
+    if hasattr(layer, "layers"):
+      yield from _all_layers(layer)
 
 
 class Pipeline:
@@ -131,9 +141,16 @@ class Pipeline:
                micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
                stage_replicas=None, jit_compile=None, executor=None, spike_compensation=False,
-               delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None):
+               delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None,
+               batch_statistics="warn"):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
+    overrides = keras_compat.trainer_overrides(model)
+    if overrides:
+      raise ValueError(
+          f"{type(model).__name__} overrides {', '.join(overrides)}: a pipeline runs Keras's "
+          "own train step split over its stages, so it cannot run yours. Put the custom "
+          "computation in a loss, a metric or a layer, or train with model.fit")
     self.model = model
     self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
     self.method = self.policy.method
@@ -145,6 +162,7 @@ class Pipeline:
           "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
           f"micro_batches={self.micro_batches} use version_difference='exact'")
     self._set_mitigations(spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay)
+    self._check_batch_statistics(batch_statistics)
     self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
         devices, num_stages, stage_replicas)
     self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
@@ -198,6 +216,23 @@ class Pipeline:
                        f"discrepancy_decay={discrepancy_decay!r}")
     self.spike_compensation, self.delay_momentum = spike_compensation, delay_momentum
     self.lr_rescheduling, self.discrepancy_decay = lr_rescheduling, float(discrepancy_decay)
+
+  def _check_batch_statistics(self, batch_statistics):
+    """BatchNormalization with micro-batches normalises each micro-batch by its own statistics
+    (as GPipe does), where Keras uses the mini-batch's: "warn" (default) says so, "refuse"
+    refuses, "micro_batch" accepts it silently."""
+    choice = names.lookup("batch_statistics", batch_statistics, ("warn", "refuse", "micro_batch"))
+    found = [l.name for l in _all_layers(self.model)
+             if isinstance(l, keras.layers.BatchNormalization)]
+    if self.micro_batches == 1 or not found or choice == "micro_batch":
+      return
+    message = (f"BatchNormalization ({', '.join(found)}) with micro_batches={self.micro_batches} "
+               "normalises per micro-batch (as GPipe does), not over the mini-batch as Keras "
+               "does: training differs from Keras's. Pass batch_statistics='micro_batch' to "
+               "accept it, or micro_batches=1")
+    if choice == "refuse":
+      raise ValueError(message)
+    warnings.warn(message, UserWarning, stacklevel=3)
 
   def _update_options(self):
     """The options in force that change a stage's update: [(name, value)]."""
@@ -294,8 +329,13 @@ class Pipeline:
       lines.append(f"  stage {k} on {where}: {', '.join(layers)}")
     return "\n".join(lines)
 
-  def compile(self, optimizer, loss, metrics=None, steps_per_execution="auto"):
-    """Gives each stage its own copy of `optimizer` (same config) and the last stage the loss.
+  def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
+              weighted_metrics=None, run_eagerly=False, steps_per_execution="auto",
+              jit_compile="auto", auto_scale_loss=True):
+    """`keras.Model.compile` for the pipeline: each stage gets its own copy of `optimizer`
+    (same config, and its `exclude_from_weight_decay`), the last stage Keras's own loss and
+    metric containers (`tfpipe.compile_utils.KerasStep`: `loss_weights`, `metrics` unweighted,
+    `weighted_metrics` weighted, names and "accuracy" as Keras resolves them).
 
     `steps_per_execution` (the compiled executor): mini-batches per window, one
     `tf.function` call each, as in Keras: batch hooks run after each window,
@@ -303,22 +343,41 @@ class Pipeline:
     when a callback besides the progress bar has batch hooks, or the
     prediction error is recorded (hooks then see every batch as Keras's
     default does), else `AUTO_WINDOW` (`AUTO_REMOTE_WINDOW` with stages on TF servers).
+    `run_eagerly=True` is refused (use `executor="threaded"` to step through tasks);
+    `jit_compile` belongs to the Pipeline (`Pipeline(jit_compile=...)`). Optimizer options
+    that decide over the whole model at once (`global_clipnorm`, `LossScaleOptimizer`) and
+    a mixed_float16 model (Keras scales its loss) are refused by name.
     """
     if steps_per_execution != "auto" and (
         not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool)
         or steps_per_execution < 1):
       raise ValueError("`steps_per_execution` must be a positive integer or 'auto'. Received: "
                        f"steps_per_execution={steps_per_execution!r}")
-    self.steps_per_execution = steps_per_execution
-    optimizer = compile_utils.resolve_optimizer(optimizer)
-    self.optimizer = optimizer
-    self.loss = compile_utils.resolve_loss(loss)
+    if run_eagerly:
+      raise ValueError("run_eagerly=True is not supported: a pipeline runs traced stage tasks. "
+                       "To step through them in Python use Pipeline(executor='threaded')")
+    if jit_compile != "auto":
+      raise ValueError(f"jit_compile={jit_compile!r}: XLA is a Pipeline option "
+                       "(Pipeline(..., jit_compile=True)), not a compile argument")
     if len(self.model.outputs) != 1:
       raise ValueError(
-          f"tfpipe trains models with one output; {self.model.name!r} has {len(self.model.outputs)}")
-    with tf.device(self.devices[-1]):  # metric state lives with the last stage
-      self.metrics = compile_utils.resolve_metrics(metrics, self.loss)
-      self.loss_tracker = keras.metrics.Mean(name="loss")
+          f"tfpipe trains models with one output; {self.model.name!r} has "
+          f"{len(self.model.outputs)} ({', '.join(self.model.output_names)}): multi-output "
+          "models (and their lists or dicts of losses and metrics) are not supported")
+    if auto_scale_loss and self.model.dtype_policy.name == "mixed_float16":
+      raise ValueError(
+          "a mixed_float16 model trains with loss scaling (Keras wraps its optimizer in a "
+          "LossScaleOptimizer), which skips updates on an overflow anywhere in the model: not "
+          "supported in a pipeline. Use the mixed_bfloat16 policy (no loss scaling) or float32")
+    self.steps_per_execution = steps_per_execution
+    optimizer = compile_utils.resolve_optimizer(optimizer)
+    compile_utils.check_optimizer(optimizer)
+    self.optimizer = optimizer
+    self.step = compile_utils.KerasStep(self.model, loss, metrics, weighted_metrics, loss_weights,
+                                        self.devices[-1])
+    self.loss, self.loss_tracker = self.step.loss, self.step.loss_tracker
+    self.metrics = [self.step.metrics] if self.step.metrics is not None else []
+    self._compiled_trainable = [id(v) for v in self.model.trainable_variables]
     delays, rules = self._stage_rules(optimizer)
     programs = []
     for k, (sub, device) in enumerate(zip(self.partition.stages, self.devices)):
@@ -331,7 +390,9 @@ class Pipeline:
           k, self.num_stages, sub, device, stage_optimizer, self.policy,
           loss=self.loss if last else None, metrics=self.metrics if last else (),
           loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile,
-          replica_devices=self.stage_devices[k], rule=rules[k]))
+          replica_devices=self.stage_devices[k], rule=rules[k],
+          reg_trackers=[p.reg_tracker for p in programs] if last else None,
+          optimizer_source=optimizer))
     for p in programs:
       p.check_kept_tapes()
     self.programs = programs
@@ -358,9 +419,9 @@ class Pipeline:
       p.load_from_model()
 
   def _reset_metrics(self):
-    self.loss_tracker.reset_state()
-    for m in self.metrics:
-      m.reset_state()
+    self.step.reset()
+    for p in self.programs[:-1]:
+      p.reg_tracker.reset_state()
 
   def _metric_logs(self, prefix=""):
     return {prefix + k: float(v) for k, v in self.programs[-1].logs().items()}
@@ -374,7 +435,8 @@ class Pipeline:
         class_weight=class_weight, names=names)
     input_checks.check_inputs(dataset, self.model, names, labelled=labels)
     if labels:
-      input_checks.check_labels(y, self.model, self.loss)
+      input_checks.check_labels(y, self.model, self.step.user_loss, dataset.element_spec[1])
+      self.step.build(dataset.element_spec[1])
     return dataset, num_batches
 
   def _validation(self, validation_data, batch_size, validation_batch_size, validation_steps):
@@ -416,6 +478,13 @@ class Pipeline:
     pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
     """
     self._check_compiled()
+    changed = [name for p in self.programs for name in p.trainable_changed()]
+    if changed:
+      raise ValueError(
+          f"layer {changed[0]!r} changed `trainable` since `compile`"
+          + (f" (and {len(changed) - 1} more)" if len(changed) > 1 else "")
+          + ": call `compile` again so the stages train the new set of weights (Keras, too, "
+          "takes a change of `trainable` at compile)")
     if not isinstance(epochs, int) or epochs < 1:
       raise ValueError(f"`epochs` must be a positive integer. Received: epochs={epochs!r}")
     if not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
@@ -444,6 +513,9 @@ class Pipeline:
                                self.micro_batches)
     diffs = policies.version_differences(self.policy, schedule, self.version_difference)
     verbose = 1 if verbose == "auto" else verbose
+    callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)
+                 if isinstance(cb, keras.callbacks.BackupAndRestore) else cb
+                 for cb in callbacks or []]
     with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                          model=self.model, verbose=verbose, epochs=epochs,
@@ -547,11 +619,20 @@ class Pipeline:
     finally:
       if tracer:
         tracer.end()
+    self._finalize_weights()
     if self.trace_steps is not None:
       trace.write_chrome_trace(os.path.join(self.trace_dir, trace.TRACE_FILE),
                                self._fit_records(), self.devices, num_batches, self.trace_steps)
     hook("on_train_end", logs)
     return self.model.history
+
+  def _finalize_weights(self):
+    """What Keras's `fit` does at its end: each optimizer's `finalize_variable_values`
+    (with `use_ema`, the weights become their moving average), then into the model."""
+    if any(p.optimizer.use_ema for p in self.programs):
+      for p in self.programs:
+        p.finalize()
+        p.write_to_model()
 
   def _choose_window(self, batch_hooks):
     """The compiled executor's window for this call (see `compile`)."""

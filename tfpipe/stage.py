@@ -9,7 +9,7 @@ so current, stashed and predicted weights all run the same compiled code.
 import keras
 import tensorflow as tf
 
-from tfpipe import mitigations, prediction
+from tfpipe import keras_compat, mitigations, prediction
 
 __all__ = ["StageProgram"]
 
@@ -46,11 +46,19 @@ class StageProgram:
   `rule` (`tfpipe.mitigations.StageRule`): what an update does beyond the
   optimizer's step (spike compensation, PipeMare's rescheduling and its
   average weight change `deltas`, kept when the policy reads "corrected").
+
+  Regularisation losses (`model.losses` of the stage's layers) count in the
+  reported loss as in Keras: a stage before the last adds each forward's to
+  its `reg_tracker` (a mean over samples, as the loss tracker's), and the
+  last stage's logs add those `reg_trackers` to its loss.
+
+  `optimizer_source`: the compiled optimizer `optimizer` was cloned from; its
+  `exclude_from_weight_decay` choices carry over to this stage's variables.
   """
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
                metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
-               rule=None):
+               rule=None, reg_trackers=None, optimizer_source=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
     if self.replica_devices[0] != device:
@@ -69,12 +77,22 @@ class StageProgram:
       raise ValueError("the last stage needs a loss")
     self._float_in = [_is_float(t) for t in model.inputs]
     self._float_out = [_is_float(t) for t in model.outputs]
+    self.reg_trackers = list(reg_trackers or [])
     with tf.device(device):
       self.trainable = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_{v.name}")
                         for v in model.trainable_variables]
       self.non_trainable = [keras.Variable(v.numpy(), trainable=False, name=f"s{index}_{v.name}")
                             for v in model.non_trainable_variables]
+      # (model variable, own copy), fixed at compile: a later `layer.trainable = False` moves
+      # model variables between Keras's lists, never between these pairs.
+      self._pairs = list(zip(model.trainable_variables + model.non_trainable_variables,
+                             self.trainable + self.non_trainable))
+      self._split = self._model_split()
+      if optimizer_source is not None:
+        keras_compat.copy_weight_decay_exclusions(optimizer_source, optimizer,
+                                                  self._pairs[:len(self.trainable)])
       optimizer.build(self.trainable)
+      self.reg_tracker = None if self.is_last else keras.metrics.Mean(name=f"s{index}_reg")
       self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
                       for j, v in enumerate(self.trainable)]
                      if policy.backward == "corrected" else [])
@@ -166,18 +184,48 @@ class StageProgram:
     """
     if state is None:
       state = [tf.convert_to_tensor(v) for v in self.non_trainable]
+    call_weights, call_state = self._as_model_split(weights, state)
     if len(self.replica_devices) > 1:
-      ys, new_state, losses = self._replicated_call(weights, state, xs, training)
+      ys, new_state, losses = self._replicated_call(call_weights, call_state, xs, training)
     else:
       inputs = xs[0] if len(xs) == 1 else list(xs)
       ys, new_state, losses = self.model.stateless_call(
-          weights, state, inputs, training=training, return_losses=True)
+          call_weights, call_state, inputs, training=training, return_losses=True)
       ys = tf.nest.flatten(ys)
+    new_state = self._from_model_split(new_state, state)
     if training and update_state:
       for v, value in zip(self.non_trainable, new_state):
         v.assign(value)
+    # Keras adds each additional loss summed, in floatx (Trainer._aggregate_additional_loss).
+    losses = [tf.reduce_sum(tf.cast(l, keras.backend.floatx()) if not l.dtype.is_floating else l)
+              for l in losses]
     reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
+    if losses and update_state and self.reg_tracker is not None:
+      self.reg_tracker.update_state(reg, sample_weight=tf.shape(xs[0])[0])
     return ys, reg, state
+
+  def _model_split(self):
+    """Which of this stage's variables Keras now lists as trainable (ids, in its order)."""
+    return ([id(v) for v in self.model.trainable_variables],
+            [id(v) for v in self.model.non_trainable_variables])
+
+  def _as_model_split(self, weights, state):
+    """`weights` and `state` (the compile-time split) as Keras's lists are now: the same
+    unless a layer's `trainable` changed since compile (then predict and evaluate still
+    read every variable's own value; `Pipeline.fit` asks for a new compile)."""
+    if self._model_split() == self._split:
+      return weights, state
+    values = {id(src): value for (src, _), value in zip(self._pairs, list(weights) + list(state))}
+    return ([values[id(v)] for v in self.model.trainable_variables],
+            [values[id(v)] for v in self.model.non_trainable_variables])
+
+  def _from_model_split(self, new_state, state):
+    """The non-trainable values after a call, back in the compile-time order."""
+    if self._model_split() == self._split:
+      return new_state
+    values = {id(v): value for v, value in zip(self.model.non_trainable_variables, new_state)}
+    sources = [src for src, _ in self._pairs[len(self.trainable):]]
+    return [values.get(id(src), old) for src, old in zip(sources, state)]
 
   def _replicated_call(self, weights, state, xs, training):
     """The stage on each replica's share of the batch (the first n % R get one more)."""
@@ -351,8 +399,12 @@ class StageProgram:
       metric.update_state(y, y_pred, sample_weight=sample_weight)
 
   def logs(self):
-    """The running loss and metric results (what Keras passes to batch hooks); last stage."""
-    logs = {"loss": self.loss_tracker.result()}
+    """The running loss and metric results (what Keras passes to batch hooks); last stage.
+    The loss adds the earlier stages' regularisation (`reg_trackers`)."""
+    loss = self.loss_tracker.result()
+    for tracker in self.reg_trackers:
+      loss = loss + tf.cast(tracker.result(), loss.dtype)
+    logs = {"loss": loss}
     for metric in self.metrics:
       result = metric.result()
       if isinstance(result, dict):
@@ -385,11 +437,21 @@ class StageProgram:
   # Moving weights between the stage and the user's model.
 
   def load_from_model(self):
-    for own, src in zip(self.trainable + self.non_trainable,
-                        self.model.trainable_variables + self.model.non_trainable_variables):
+    for src, own in self._pairs:
       own.assign(src.numpy())
 
   def write_to_model(self):
-    for own, dst in zip(self.trainable + self.non_trainable,
-                        self.model.trainable_variables + self.model.non_trainable_variables):
+    for dst, own in self._pairs:
       dst.assign(own.numpy())
+
+  def finalize(self):
+    """The optimizer's end-of-fit step (`finalize_variable_values`: EMA weights swapped in)."""
+    with tf.device(self.device):
+      self.optimizer.finalize_variable_values(self.trainable)
+
+  def trainable_changed(self):
+    """Names of this stage's layers whose `trainable` changed since compile."""
+    now = set(id(v) for v in self.model.trainable_variables)
+    then = set(self._split[0])
+    return [l.name for l in self.model.layers
+            if any((id(v) in now) != (id(v) in then) for v in l.weights)]

@@ -1,0 +1,339 @@
+"""The Keras conformance table: each case runs through plain Keras and through a pipeline.
+
+A case names a Keras feature, builds the model, `compile` and `fit`
+arguments, and says what a pipeline must do with it: the same as Keras
+(equal weights, History, evaluate and predict, to `atol`) or one refusal
+line (`refusal`, a regular expression), raised before any work.
+`tests/test_conformance.py` runs every case; `python -m tests.conformance_cases`
+prints README's Keras contract table from this list, and a test keeps README
+equal to it.
+"""
+
+import dataclasses
+import re
+from typing import Callable, Optional, Sequence
+
+import keras
+import numpy as np
+
+# Pipelines a case runs through: method and micro-batches (K=2 stages each).
+SEQUENTIAL, GPIPE_1, GPIPE_2 = ("sequential", 1), ("gpipe", 1), ("gpipe", 2)
+
+
+def data(n=64, inputs=8, classes=3, seed=1):
+  rng = np.random.default_rng(seed)
+  return rng.standard_normal((n, inputs)).astype("float32"), rng.integers(0, classes, n)
+
+
+def one_hot(y, classes=3):
+  return np.eye(classes, dtype="float32")[y]
+
+
+def mlp(seed=0, **dense):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", **dense),
+                           keras.layers.Dense(16, activation="relu"),
+                           keras.layers.Dense(3, name="out")], name="mlp")
+
+
+def functional_mlp(seed=0):
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((8,))
+  h = keras.layers.Dense(16, activation="relu")(x)
+  h = keras.layers.Dense(16, activation="relu")(h)
+  return keras.Model(x, keras.layers.Dense(3, name="out")(h), name="functional_mlp")
+
+
+class AddLoss(keras.layers.Layer):
+  """Adds 0.01 * mean(x^2) of its input to the model's losses (`add_loss`)."""
+
+  def call(self, x):
+    self.add_loss(0.01 * keras.ops.mean(keras.ops.square(x)))
+    return x
+
+
+def regularised(seed=0):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((8,)),
+      keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.05),
+                         bias_regularizer="l1"),
+      keras.layers.Dense(16, activation="relu", activity_regularizer=keras.regularizers.L2(0.01)),
+      AddLoss(),
+      keras.layers.Dense(16, activation="relu"),
+      keras.layers.Dense(3, kernel_regularizer="l2")], name="regularised")
+
+
+def with_batch_norm(seed=0):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                           keras.layers.BatchNormalization(), keras.layers.Activation("relu"),
+                           keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+
+
+def frozen_first(seed=0):
+  model = mlp(seed)
+  model.layers[0].trainable = False
+  return model
+
+
+def two_outputs(seed=0):
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((8,))
+  h = keras.layers.Dense(16, activation="relu")(x)
+  return keras.Model(x, [keras.layers.Dense(3, name="a")(h), keras.layers.Dense(1, name="b")(h)])
+
+
+class OwnTrainStep(keras.Sequential):
+  def train_step(self, data):   # noqa: D102 (a user's override)
+    return super().train_step(data)
+
+
+class OwnComputeLoss(keras.Sequential):
+  def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    return keras.ops.zeros(())
+
+
+def subclassed(cls):
+  def build(seed=0):
+    keras.utils.set_random_seed(seed)
+    return cls([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+  return build
+
+
+def my_metric(y_true, y_pred):
+  """A metric function: Keras logs it as 'my_metric'."""
+  return keras.ops.mean(keras.ops.abs(y_pred))
+
+
+def my_loss(y_true, y_pred):
+  """A loss function (per sample), with one-hot labels."""
+  return keras.ops.mean(keras.ops.square(y_true - keras.ops.softmax(y_pred)), axis=-1)
+
+
+def sparse_xent():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def compiled(**overrides):
+  """`compile` arguments: SGD(0.1), sparse cross-entropy on logits and accuracy, with
+  `overrides`; a lambda among them is called for a fresh object each run."""
+  def make():
+    out = {"optimizer": keras.optimizers.SGD(0.1), "loss": sparse_xent(),
+           "metrics": ["accuracy"]}
+    out.update({k: v() if getattr(v, "__name__", "") == "<lambda>" else v
+                for k, v in overrides.items()})
+    return out
+  return make
+
+
+def exclude_bias_from_decay():
+  optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+  optimizer.exclude_from_weight_decay(var_names=["bias"])
+  return optimizer
+
+
+@dataclasses.dataclass
+class Case:
+  """One row of the contract. `fit(x, y)` gives fit's arguments beyond x and y;
+  `evaluate(x, y)` evaluate's. `data()` -> (x, y)."""
+  name: str
+  feature: str
+  compile: Callable = dataclasses.field(default_factory=compiled)
+  model: Callable = mlp
+  data: Callable = data
+  fit: Callable = lambda x, y: {}
+  evaluate: Callable = lambda x, y: {}
+  callbacks: Callable = lambda: []
+  pipelines: Sequence = (SEQUENTIAL, GPIPE_2)
+  refusal: Optional[str] = None
+  atol: float = 2e-5
+
+  @property
+  def outcome(self):
+    return "refused" if self.refusal else "same as Keras"
+
+
+def _sample_weight(x, y):
+  return {"sample_weight": np.linspace(0.1, 2.0, len(y)).astype("float32")}
+
+
+def _nan_weight(x, y):
+  w = np.ones(len(y), "float32")
+  w[3] = np.nan
+  return {"sample_weight": w}
+
+
+def _optimizer_case(name, make, pipelines=(GPIPE_2,), atol=2e-5):
+  return Case(f"optimizer_{name}", f"`keras.optimizers.{name}`",
+              compile=compiled(optimizer=make), pipelines=pipelines, atol=atol)
+
+
+CASES = [
+    # Item 1: metrics are weighted only when listed in weighted_metrics.
+    Case("class_weight_metrics", "`class_weight` with `metrics` (unweighted, as Keras)",
+         fit=lambda x, y: {"class_weight": {0: 5.0, 1: 0.2, 2: 1.0}},
+         pipelines=(SEQUENTIAL, GPIPE_1, GPIPE_2)),
+    Case("sample_weight_weighted_metrics", "`sample_weight` with `weighted_metrics`",
+         compile=compiled(weighted_metrics=["accuracy"]), fit=_sample_weight,
+         evaluate=_sample_weight),
+    Case("nan_sample_weight_evaluate", "a NaN sample weight in `evaluate`",
+         evaluate=_nan_weight, pipelines=(SEQUENTIAL,)),
+    # Item 2: whole-model gradient clipping.
+    Case("global_clipnorm", "`global_clipnorm`",
+         compile=compiled(optimizer=lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05)),
+         refusal=r"global_clipnorm=0\.05 is not supported in a pipeline"),
+    Case("clipnorm", "`clipnorm` (per variable)",
+         compile=compiled(optimizer=lambda: keras.optimizers.Adam(0.05, clipnorm=0.05))),
+    Case("clipvalue", "`clipvalue`",
+         compile=compiled(optimizer=lambda: keras.optimizers.SGD(0.5, clipvalue=0.01))),
+    # Item 3: loss scaling.
+    Case("loss_scale_optimizer", "`keras.optimizers.LossScaleOptimizer`",
+         compile=compiled(optimizer=lambda: keras.optimizers.LossScaleOptimizer(
+             keras.optimizers.SGD(0.1))),
+         refusal=r"LossScaleOptimizer is not supported in a pipeline"),
+    # Item 4: EMA and its end-of-fit swap.
+    Case("use_ema", "`use_ema=True` (weights swapped for their average at the end of `fit`)",
+         compile=compiled(optimizer=lambda: keras.optimizers.Adam(0.05, use_ema=True,
+                                                                  ema_momentum=0.5))),
+    # Item 5: weight-decay exclusions.
+    Case("exclude_from_weight_decay", "`AdamW.exclude_from_weight_decay(var_names=...)`",
+         compile=compiled(optimizer=lambda: exclude_bias_from_decay())),
+    # Item 6: regularisation losses of every stage in the reported losses.
+    Case("regularisation_losses", "`kernel_regularizer`, `bias_regularizer`, "
+         "`activity_regularizer`, `add_loss` (in `loss`, `val_loss`, `evaluate`)",
+         model=regularised, fit=lambda x, y: {"validation_data": (x[:32], y[:32])},
+         pipelines=(SEQUENTIAL, GPIPE_1, GPIPE_2)),
+    # Item 7: overridden train steps.
+    Case("override_train_step", "a `keras.Model` subclass that overrides `train_step`",
+         model=subclassed(OwnTrainStep), refusal=r"overrides train_step"),
+    Case("override_compute_loss", "a `keras.Model` subclass that overrides `compute_loss`",
+         model=subclassed(OwnComputeLoss), refusal=r"overrides compute_loss"),
+    # Item 8: "accuracy" is resolved from the labels' and outputs' shapes.
+    Case("accuracy_mse_one_hot", '`metrics=["accuracy"]` with `loss="mse"` and one-hot labels',
+         compile=compiled(loss="mse"), data=lambda: (data()[0], one_hot(data()[1]))),
+    Case("accuracy_custom_loss", '`metrics=["accuracy"]` with a loss function',
+         compile=compiled(loss=lambda: my_loss), data=lambda: (data()[0], one_hot(data()[1]))),
+    Case("accuracy_named_loss", '`metrics=["accuracy"]` with a renamed loss object',
+         compile=compiled(loss=lambda: keras.losses.SparseCategoricalCrossentropy(
+             from_logits=True, name="xent"))),
+    Case("accuracy_kl_divergence", '`metrics=["accuracy"]` with `KLDivergence`',
+         compile=compiled(loss=lambda: keras.losses.KLDivergence()),
+         data=lambda: (data()[0], one_hot(data()[1]))),
+    # Item 9: metric names.
+    Case("metric_function_name", "a metric function (logged under its name)",
+         compile=compiled(metrics=[my_metric, "sparse_categorical_accuracy"]),
+         callbacks=lambda: [keras.callbacks.EarlyStopping(monitor="my_metric", mode="min",
+                                                          patience=0)]),
+    # Item 14: crashes become support or one-line refusals.
+    Case("gradient_accumulation", "`gradient_accumulation_steps`",
+         compile=compiled(optimizer=lambda: keras.optimizers.SGD(
+             0.1, momentum=0.5, gradient_accumulation_steps=2))),
+    Case("multi_output_losses", "a multi-output model (a list of losses)", model=two_outputs,
+         compile=compiled(loss=lambda: ["mse", "mse"]),
+         refusal=r"tfpipe trains models with one output; .* has 2 \(a, b\)"),
+    Case("metrics_dict", "`metrics` and `loss` as dicts keyed by output name",
+         model=functional_mlp,
+         compile=compiled(loss=lambda: {"out": sparse_xent()}, metrics={"out": ["accuracy"]})),
+    Case("loss_weights", "`loss_weights`", compile=compiled(loss_weights=[0.5])),
+    Case("string_labels", "string labels", data=lambda: (data()[0], np.array(["a", "b"] * 32)),
+         refusal=r"labels are strings"),
+    Case("one_hot_sparse_loss", "one-hot labels with a sparse loss",
+         data=lambda: (data()[0], one_hot(data()[1])), refusal=r"look one-hot"),
+    Case("string_inputs", "string inputs",
+         data=lambda: (np.array([["a"] * 8] * 64), data()[1]), refusal=r"is strings"),
+    # Compile and fit arguments.
+    Case("run_eagerly", "`run_eagerly=True`", compile=compiled(run_eagerly=True),
+         refusal=r"run_eagerly=True is not supported"),
+    Case("mixed_float16", "a `mixed_float16` model", model=lambda seed=0: _policy_mlp(
+        "mixed_float16"), refusal=r"mixed_float16 model trains with loss scaling"),
+    Case("mixed_bfloat16", "a `mixed_bfloat16` model",
+         model=lambda seed=0: _policy_mlp("mixed_bfloat16"), atol=1e-2),
+    Case("steps_per_execution", "`steps_per_execution`",
+         compile=compiled(steps_per_execution=3)),
+    Case("fit_arguments", "`validation_split`, `validation_freq`, `initial_epoch`, "
+         "`batch_size`, `shuffle=False`",
+         fit=lambda x, y: {"validation_split": 0.25, "validation_freq": 2, "initial_epoch": 1,
+                           "epochs": 4, "batch_size": 12}),
+    Case("validation_data_weights", "`validation_data` with sample weights, "
+         "`validation_batch_size`",
+         fit=lambda x, y: {"validation_data": (x[:20], y[:20], np.linspace(0, 1, 20)),
+                           "validation_batch_size": 8}),
+    Case("frozen_before_compile", "`layer.trainable = False` before `compile`",
+         model=frozen_first),
+    # Callbacks Keras ships.
+    Case("early_stopping", "`EarlyStopping`",
+         fit=lambda x, y: {"epochs": 5},
+         callbacks=lambda: [keras.callbacks.EarlyStopping(monitor="accuracy", patience=0,
+                                                          restore_best_weights=True)]),
+    Case("reduce_lr_on_plateau", "`ReduceLROnPlateau`, `LearningRateScheduler`",
+         fit=lambda x, y: {"epochs": 3},
+         callbacks=lambda: [keras.callbacks.ReduceLROnPlateau(monitor="loss", min_delta=10,
+                                                              factor=0.5, patience=0),
+                            keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.9)]),
+    Case("terminate_on_nan", "`TerminateOnNaN`",
+         compile=compiled(optimizer=lambda: keras.optimizers.SGD(1e9)),
+         fit=lambda x, y: {"epochs": 3},
+         callbacks=lambda: [keras.callbacks.TerminateOnNaN()]),
+    # Optimizers Keras ships.
+    _optimizer_case("SGD", lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+                    pipelines=(SEQUENTIAL, GPIPE_2)),
+    _optimizer_case("RMSprop", lambda: keras.optimizers.RMSprop(0.01, momentum=0.5,
+                                                                centered=True)),
+    _optimizer_case("Adam", lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+                    pipelines=(SEQUENTIAL, GPIPE_2)),
+    _optimizer_case("AdamW", lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)),
+    _optimizer_case("Adagrad", lambda: keras.optimizers.Adagrad(0.1)),
+    _optimizer_case("Adadelta", lambda: keras.optimizers.Adadelta(1.0)),
+    _optimizer_case("Adamax", lambda: keras.optimizers.Adamax(0.01)),
+    _optimizer_case("Nadam", lambda: keras.optimizers.Nadam(0.01)),
+    _optimizer_case("Ftrl", lambda: keras.optimizers.Ftrl(0.1)),
+    _optimizer_case("Lion", lambda: keras.optimizers.Lion(0.001)),
+    _optimizer_case("Lamb", lambda: keras.optimizers.Lamb(0.01)),
+    _optimizer_case("Adafactor", lambda: keras.optimizers.Adafactor(0.05)),
+]
+
+
+def _policy_mlp(policy):
+  """mlp() built under the global dtype policy `policy` (as a user sets it)."""
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    return mlp()
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+# Cases with a procedure of their own (tests/test_conformance.py), for the table.
+SPECIAL = [
+    ("`keras.callbacks.BackupAndRestore` (epoch saves)", "same as Keras: an interrupted `fit` "
+     "resumes after the last saved epoch (tfpipe's `BackupAndRestore` runs in its place)"),
+    ("`keras.callbacks.BackupAndRestore(save_freq=N)` (batch saves)", "refused"),
+    ("`layer.trainable = False` after `compile`", "`predict` and `evaluate` same as Keras; "
+     "`fit` refused until `compile` is called again, then same as Keras"),
+    ("gpipe with M > 1 and `BatchNormalization`", "statistics per micro-batch, as GPipe "
+     "computes them: a warning by default; `batch_statistics=\"refuse\"` refuses"),
+    ("gpipe with an `Embedding` and Adam", "sequential same as Keras; gpipe applies the "
+     "accumulated dense gradient where Keras applies the sparse one, which Adam's second "
+     "moment treats differently for repeated ids (measured: 7.2e-2 after 8 steps of "
+     "Adam(0.01) on the test's model)"),
+    ("KerasHub `LlamaBackbone`, `BertBackbone` (from config) with a classifier head",
+     "same as Keras"),
+]
+
+
+def table():
+  """README's Keras contract table (markdown), from the cases."""
+  rows = ["| Keras feature | in a pipeline (sequential, gpipe; `tests/test_conformance.py`) |",
+          "|---|---|"]
+  for case in CASES:
+    outcome = case.outcome
+    if case.refusal:
+      outcome = "refused: " + re.sub(r"\\(.)", r"\1", case.refusal.replace(".*", "...")) + " ..."
+    rows.append(f"| {case.feature} | {outcome} |")
+  rows += [f"| {feature} | {outcome} |" for feature, outcome in SPECIAL]
+  return "\n".join(rows)
+
+
+if __name__ == "__main__":
+  print(table())

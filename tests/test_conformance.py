@@ -1,0 +1,250 @@
+"""Keras conformance: every case of `tests/conformance_cases.py` through plain Keras and a pipeline.
+
+A "same" case asserts equal weights, equal History (every key, every epoch;
+`samples_per_second` is the one key a pipeline adds), equal `evaluate` and
+`predict`; a refusal case asserts the one-line message before any training.
+"""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests import conformance_cases as cc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXTRA_KEYS = {"samples_per_second"}
+
+
+def _fit_args(case, x, y):
+  args = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+  args.update(case.fit(x, y))
+  return args
+
+
+def _run_keras(case):
+  x, y = case.data()
+  model = case.model()
+  model.compile(**case.compile())
+  history = model.fit(x, y, callbacks=case.callbacks(), **_fit_args(case, x, y))
+  logs = model.evaluate(x, y, verbose=0, return_dict=True, **case.evaluate(x, y))
+  return model.get_weights(), history.history, logs, model.predict(x, verbose=0)
+
+
+def _pipeline(model, method, micro_batches, **options):
+  return tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=micro_batches,
+                         **options)
+
+
+def _run_pipeline(case, method, micro_batches):
+  x, y = case.data()
+  model = case.model()
+  pipe = _pipeline(model, method, micro_batches)
+  pipe.compile(**case.compile())
+  history = pipe.fit(x, y, callbacks=case.callbacks(), **_fit_args(case, x, y))
+  logs = pipe.evaluate(x, y, verbose=0, return_dict=True, **case.evaluate(x, y))
+  return model.get_weights(), history.history, logs, pipe.predict(x, verbose=0)
+
+
+def _close(a, b, atol):
+  return np.allclose(np.asarray(a, "float64"), np.asarray(b, "float64"), atol=atol, rtol=1e-5,
+                     equal_nan=True)
+
+
+def assert_same(keras_run, pipe_run, atol):
+  weights, history, logs, predicted = keras_run
+  p_weights, p_history, p_logs, p_predicted = pipe_run
+  for a, b in zip(weights, p_weights):
+    assert _close(a, b, atol), f"weights differ by {np.nanmax(np.abs(a - b))}"
+  assert set(p_history) - EXTRA_KEYS == set(history)
+  for key, values in history.items():
+    assert _close(values, p_history[key], atol), (key, values, p_history[key])
+  assert list(p_logs) == list(logs) or set(p_logs) == set(logs)
+  for key, value in logs.items():
+    assert _close(value, p_logs[key], atol), (key, value, p_logs[key])
+  assert _close(predicted, p_predicted, atol)
+
+
+def _param(case, pipeline):
+  return pytest.param(case, pipeline, id=f"{case.name}-{pipeline[0]}{pipeline[1]}")
+
+
+SAME = [_param(c, p) for c in cc.CASES if not c.refusal for p in c.pipelines]
+REFUSED = [pytest.param(c, id=c.name) for c in cc.CASES if c.refusal]
+_KERAS = {}
+
+
+@pytest.mark.parametrize("case,pipeline", SAME)
+def test_same_as_keras(case, pipeline):
+  if case.name not in _KERAS:
+    _KERAS[case.name] = _run_keras(case)
+  assert_same(_KERAS[case.name], _run_pipeline(case, *pipeline), case.atol)
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused_in_one_line(case):
+  x, y = case.data()
+  with pytest.raises(ValueError, match=case.refusal) as raised:
+    pipe = _pipeline(case.model(), "sequential", 1)
+    pipe.compile(**case.compile())
+    pipe.fit(x, y, **_fit_args(case, x, y))
+  assert "\n" not in str(raised.value)
+
+
+def test_readme_contract_table_is_the_cases_table():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  assert cc.table() in readme, "README's Keras contract table: paste `python -m tests.conformance_cases`"
+
+
+# Cases with a procedure of their own.
+
+class _Interrupt(keras.callbacks.Callback):
+  def on_epoch_begin(self, epoch, logs=None):
+    if epoch == 2:
+      raise RuntimeError("interrupted")
+
+
+def _epochs_run(fit, tmp_path):
+  seen = []
+  record = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: seen.append(e))
+  backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+  with pytest.raises(RuntimeError, match="interrupted"):
+    fit([backup, _Interrupt()])
+  first = list(seen)
+  seen.clear()
+  fit([keras.callbacks.BackupAndRestore(str(tmp_path)), record])
+  return first, list(seen)
+
+
+def test_keras_backup_and_restore_resumes_as_in_keras(tmp_path):
+  x, y = cc.data()
+  runs = []
+  for where, make in (("keras", lambda m: m), ("pipe", lambda m: _pipeline(m, "sequential", 1))):
+    model = cc.mlp()
+    trainer = make(model)
+    trainer.compile(**cc.compiled()())
+    runs.append(_epochs_run(lambda cbs: trainer.fit(x, y, batch_size=16, epochs=4, shuffle=False,
+                                                   verbose=0, callbacks=cbs),
+                            tmp_path / where))
+    runs[-1] += (model.get_weights(),)
+  (k_first, k_second, k_weights), (p_first, p_second, p_weights) = runs
+  assert k_second == [2, 3] and p_second == k_second
+  assert max(float(np.max(np.abs(a - b))) for a, b in zip(k_weights, p_weights)) < 2e-5
+  assert not os.path.exists(tmp_path / "pipe")   # deleted after a finished fit, as Keras's
+
+
+def test_keras_backup_and_restore_with_batch_saves_is_refused(tmp_path):
+  x, y = cc.data()
+  pipe = _pipeline(cc.mlp(), "sequential", 1)
+  pipe.compile(**cc.compiled()())
+  with pytest.raises(ValueError, match=r"save_freq=2\) saves within epochs"):
+    pipe.fit(x, y, batch_size=16, verbose=0,
+             callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2)])
+
+
+def test_trainable_changed_after_compile():
+  x, y = cc.data()
+  model, reference = cc.mlp(), cc.mlp()
+  pipe = _pipeline(model, "sequential", 1)
+  pipe.compile(**cc.compiled()())
+  reference.compile(**cc.compiled()())
+  for m in (model, reference):
+    m.layers[0].trainable = False
+  assert np.allclose(pipe.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-6)
+  assert np.allclose(pipe.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0),
+                     atol=1e-6)
+  with pytest.raises(ValueError, match=r"layer '\w+' changed `trainable` since `compile`"):
+    pipe.fit(x, y, batch_size=16, verbose=0)
+  pipe.compile(**cc.compiled()())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    reference.compile(**cc.compiled()())
+  pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    assert np.allclose(a, b, atol=2e-5)
+
+
+def test_micro_batch_statistics_warn_or_refuse():
+  x, y = cc.data()
+  with pytest.warns(UserWarning, match=r"BatchNormalization .* per micro-batch"):
+    pipe = _pipeline(cc.with_batch_norm(), "gpipe", 2)
+  pipe.compile(**cc.compiled()())
+  pipe.fit(x, y, batch_size=16, verbose=0)
+  with pytest.raises(ValueError, match=r"BatchNormalization .* per micro-batch"):
+    _pipeline(cc.with_batch_norm(), "gpipe", 2, batch_statistics="refuse")
+  # M = 1 and sequential: the mini-batch's statistics, as Keras.
+  case = cc.Case("bn", "bn", model=cc.with_batch_norm)
+  expected = _run_keras(case)
+  for method, m in (cc.SEQUENTIAL, cc.GPIPE_1):
+    assert_same(expected, _run_pipeline(case, method, m), 2e-5)
+
+
+def _embedding_model(seed=0):
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(5, 8),
+                           keras.layers.GlobalAveragePooling1D(),
+                           keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+
+
+def test_embedding_adam_sequential_same_gpipe_documented_difference():
+  rng = np.random.default_rng(0)
+  case = cc.Case("embedding", "embedding", model=_embedding_model,
+                 data=lambda: (rng.integers(0, 5, (64, 6)).astype("int32"),
+                               rng.integers(0, 3, 64)),
+                 compile=cc.compiled(optimizer=lambda: keras.optimizers.Adam(0.01)))
+  data = case.data()
+  case.data = lambda: data
+  expected = _run_keras(case)
+  assert_same(expected, _run_pipeline(case, *cc.SEQUENTIAL), 2e-5)
+  weights = _run_pipeline(case, *cc.GPIPE_1)[0]
+  diff = max(float(np.max(np.abs(a - b))) for a, b in zip(expected[0], weights))
+  assert 1e-3 < diff < 0.1   # README: the dense accumulated gradient against Keras's sparse one
+
+
+def _hub_model(backbone):
+  tokens = backbone.inputs
+  sequence = backbone.output
+  if isinstance(sequence, dict):   # BERT: {"sequence_output", "pooled_output"}
+    sequence = sequence["sequence_output"]
+  pooled = keras.layers.GlobalAveragePooling1D()(sequence)
+  return keras.Model(tokens, keras.layers.Dense(3, name="head")(pooled), name="hub")
+
+
+def _llama(seed=0):
+  keras_hub = pytest.importorskip("keras_hub")
+  keras.utils.set_random_seed(seed)
+  return _hub_model(keras_hub.models.LlamaBackbone(
+      vocabulary_size=32, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+      hidden_dim=16, intermediate_dim=32, max_sequence_length=8))
+
+
+def _bert(seed=0):
+  keras_hub = pytest.importorskip("keras_hub")
+  keras.utils.set_random_seed(seed)
+  return _hub_model(keras_hub.models.BertBackbone(
+      vocabulary_size=32, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+      max_sequence_length=8, dropout=0.0))
+
+
+def _token_data(names):
+  rng = np.random.default_rng(2)
+  x = {"token_ids": rng.integers(1, 32, (32, 8)).astype("int32"),
+       "padding_mask": np.ones((32, 8), "int32")}
+  if "segment_ids" in names:
+    x["segment_ids"] = np.zeros((32, 8), "int32")
+  return x, rng.integers(0, 3, 32)
+
+
+@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
+def test_keras_hub_backbone_same_as_keras(build):
+  names = [t.name for t in build().inputs]
+  case = cc.Case("hub", "hub", model=build, data=lambda: _token_data(names),
+                 compile=cc.compiled(optimizer=lambda: keras.optimizers.Adam(1e-3)),
+                 fit=lambda x, y: {"batch_size": 8})
+  assert_same(_run_keras(case), _run_pipeline(case, *cc.SEQUENTIAL), 5e-5)
