@@ -248,3 +248,20 @@ def test_keras_hub_backbone_same_as_keras(build):
                  compile=cc.compiled(optimizer=lambda: keras.optimizers.Adam(1e-3)),
                  fit=lambda x, y: {"batch_size": 8})
   assert_same(_run_keras(case), _run_pipeline(case, *cc.SEQUENTIAL), 5e-5)
+
+
+def test_pipemare_trains_with_adam_and_says_rescheduling_is_off():
+  x, y = cc.data()
+  pipe = tfpipe.Pipeline(cc.mlp(), num_stages=2, method="pipemare")
+  pipe.compile(**cc.compiled(optimizer=lambda: keras.optimizers.Adam(0.01))())
+  history = pipe.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  assert np.all(np.isfinite(history.history["loss"]))
+  assert pipe.lr_rescheduling == 0 and "lr_rescheduling" not in pipe.summary()
+  sgd = tfpipe.Pipeline(cc.mlp(), num_stages=2, method="pipemare")
+  sgd.compile(**cc.compiled(optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9))())
+  assert "lr_rescheduling=500" in sgd.summary()
+
+
+def test_installed_keras_has_every_internal_tfpipe_reads():
+  from tfpipe import keras_compat
+  assert keras_compat.missing() == []

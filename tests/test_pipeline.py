@@ -227,7 +227,8 @@ def test_weights_land_in_the_user_model_and_evaluate_matches_keras():
   x, y = helpers.as_arrays(bs)
   model = helpers.mlp()
   pipe = tfpipe.Pipeline(model, devices=DEVICES[:2], method="spectrain")
-  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), "sparse_categorical_crossentropy", ["accuracy"])
+  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), "sparse_categorical_crossentropy",
+               metrics=["accuracy"])
   history = pipe.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x, y))
   assert set(history.history) >= {"loss", "accuracy", "val_loss", "val_accuracy",
                                   "samples_per_second"}

@@ -6,7 +6,6 @@ pipeline's loss, metric names, weighting and reduction are Keras's.
 """
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfpipe import keras_compat

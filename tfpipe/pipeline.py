@@ -123,7 +123,14 @@ class Pipeline:
       its delay D (asynchrony acts as momentum, Mitliagkas et al. 2016).
     lr_rescheduling: PipeMare's learning-rate rescheduling over this many
       updates (the gradients of a stage with delay D start scaled by 1/D);
-      None: 500 for "pipemare", else off (0).
+      None: for "pipemare" 500 with an optimizer the rule is written for
+      (momentum SGD, SpecTrain) and off with any other (Adam, ...: PipeMare's
+      discrepancy correction still acts); else off (0). `summary()` says
+      which is in force.
+    batch_statistics: BatchNormalization with micro_batches > 1 normalises
+      each micro-batch by its own statistics (as GPipe does), where Keras
+      uses the mini-batch's: "warn" (default), "refuse", or "micro_batch"
+      (accept silently). With micro_batches=1 it is Keras's.
     discrepancy_decay: "pipemare" only: the decay of the average weight
       change its backward corrects with, in [0, 1).
     executor: "compiled" (one `tf.function` per window of mini-batches runs
@@ -199,6 +206,7 @@ class Pipeline:
                         ("delay_momentum", delay_momentum)):
       if value not in (True, False):
         raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    self._default_rescheduling = lr_rescheduling is None and self.method == "pipemare"
     if lr_rescheduling is None:
       lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING if self.method == "pipemare" else 0
     if (not isinstance(lr_rescheduling, int) or isinstance(lr_rescheduling, bool)
@@ -244,6 +252,12 @@ class Pipeline:
     """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates;
     refuses options that cannot act (no delay, an optimizer their rule is not written for)."""
     delays = mitigations.delays_for(self.policy.schedule, self.num_stages, self.micro_batches)
+    if self._default_rescheduling:   # pipemare's default: on where its rule is written
+      try:
+        mitigations.check_optimizer(optimizer, "lr_rescheduling")
+        self.lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING
+      except ValueError:
+        self.lr_rescheduling = 0
     chosen = [n for n, _ in self._update_options()]
     for name in chosen:
       mitigations.check_optimizer(optimizer, name)
@@ -353,6 +367,11 @@ class Pipeline:
         or steps_per_execution < 1):
       raise ValueError("`steps_per_execution` must be a positive integer or 'auto'. Received: "
                        f"steps_per_execution={steps_per_execution!r}")
+    if isinstance(loss_weights, (list, tuple)) and any(
+        isinstance(w, (str, keras.metrics.Metric)) for w in loss_weights):
+      raise ValueError(
+          f"loss_weights={loss_weights!r} looks like metrics: compile's third argument is "
+          "loss_weights, as in keras.Model.compile; pass metrics=[...] by name")
     if run_eagerly:
       raise ValueError("run_eagerly=True is not supported: a pipeline runs traced stage tasks. "
                        "To step through them in Python use Pipeline(executor='threaded')")
@@ -391,7 +410,7 @@ class Pipeline:
           loss=self.loss if last else None, metrics=self.metrics if last else (),
           loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile,
           replica_devices=self.stage_devices[k], rule=rules[k],
-          reg_trackers=[p.reg_tracker for p in programs] if last else None,
+          reg_trackers=[p.reg_tracker for p in programs if p.reg_tracker] if last else None,
           optimizer_source=optimizer))
     for p in programs:
       p.check_kept_tapes()
@@ -421,7 +440,8 @@ class Pipeline:
   def _reset_metrics(self):
     self.step.reset()
     for p in self.programs[:-1]:
-      p.reg_tracker.reset_state()
+      if p.reg_tracker is not None:
+        p.reg_tracker.reset_state()
 
   def _metric_logs(self, prefix=""):
     return {prefix + k: float(v) for k, v in self.programs[-1].logs().items()}

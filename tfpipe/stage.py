@@ -18,6 +18,16 @@ _TASKS = ("forward", "forward_on", "backward_recompute", "backward_on", "backwar
           "apply_accumulated", "last_step", "infer", "evaluate_last")
 
 
+def _scaled(grad, scale):
+  """`grad` (a tensor or IndexedSlices) times `scale`, in the gradient's dtype."""
+  if isinstance(scale, (int, float)) and scale == 1:
+    return grad
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices,
+                            grad.dense_shape)
+  return grad * tf.cast(scale, grad.dtype)
+
+
 def _is_float(t):
   return tf.as_dtype(t.dtype).is_floating
 
@@ -92,7 +102,8 @@ class StageProgram:
         keras_compat.copy_weight_decay_exclusions(optimizer_source, optimizer,
                                                   self._pairs[:len(self.trainable)])
       optimizer.build(self.trainable)
-      self.reg_tracker = None if self.is_last else keras.metrics.Mean(name=f"s{index}_reg")
+      self.reg_tracker = (keras.metrics.Mean(name=f"s{index}_reg")
+                          if not self.is_last and self._has_losses() else None)
       self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
                       for j, v in enumerate(self.trainable)]
                      if policy.backward == "corrected" else [])
@@ -103,6 +114,35 @@ class StageProgram:
       compiled = tf.function(getattr(self, "_" + name), reduce_retracing=True,
                              jit_compile=jit_compile)
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
+    if jit_compile and self.reg_trackers:   # XLA reads no variable of another device
+      self.last_step = self._adding_reg(self.last_step, lambda out: out[2],
+                                        lambda out, logs: out[:2] + (logs,))
+      self.evaluate_last = self._adding_reg(self.evaluate_last, lambda out: out,
+                                            lambda out, logs: logs)
+
+  def _has_losses(self):
+    """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
+    xs = [tf.zeros([1] + [d or 1 for d in t.shape[1:]], t.dtype) for t in self.model.inputs]
+    _, _, losses = self.model.stateless_call(
+        [tf.convert_to_tensor(v) for v in self.trainable],
+        [tf.convert_to_tensor(v) for v in self.non_trainable], xs[0] if len(xs) == 1 else xs,
+        training=True, return_losses=True)
+    return bool(losses)
+
+  def _adding_reg(self, fn, get, put):
+    """`fn` (an XLA task returning logs without the other stages' regularisation) with it
+    added to the loss, outside XLA."""
+    def call(*args):
+      out = fn(*args)
+      logs = dict(get(out))
+      logs["loss"] = self._with_reg(logs["loss"])
+      return put(out, logs)
+    return call
+
+  def _with_reg(self, loss):
+    for tracker in self.reg_trackers:
+      loss = loss + tf.cast(tracker.result(), loss.dtype)
+    return loss
 
   def task(self, name):
     """Task function `name` for tracing into a larger graph (the compiled executor): the
@@ -374,11 +414,16 @@ class StageProgram:
         ys, reg, _ = self._call(weights, xs, training=True)
         loss = self.loss(y, ys[0], sample_weight=sample_weight)
         total = loss + tf.cast(reg, loss.dtype)
-        scaled = total * tf.cast(scale, total.dtype)
+        same = total.dtype == ys[0].dtype
+        scaled = total * tf.cast(scale, total.dtype) if same else total
       grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
+      if not same:
+        # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
+        # scales its gradients in float64, not rounded to float32 (1e-8 relative).
+        grads = [_scaled(g, scale) for g in grads]
       self._update(grads[:len(weights)], accumulate)
       self._update_metrics(y, ys[0], total, sample_weight)
-      return total, self._input_grads(grads[len(weights):]), self.logs()
+      return total, self._input_grads(grads[len(weights):]), self.logs(in_task=True)
 
   def _infer(self, xs):
     with tf.device(self.device):
@@ -390,7 +435,7 @@ class StageProgram:
       ys, reg, _ = self._call(self.weights(0, "current"), xs, training=False)
       loss = self.loss(y, ys[0], sample_weight=sample_weight) + reg
       self._update_metrics(y, ys[0], loss, sample_weight)
-      return self.logs()
+      return self.logs(in_task=True)
 
   def _update_metrics(self, y, y_pred, loss, sample_weight):
     if self.loss_tracker is not None:
@@ -398,12 +443,13 @@ class StageProgram:
     for metric in self.metrics:
       metric.update_state(y, y_pred, sample_weight=sample_weight)
 
-  def logs(self):
+  def logs(self, in_task=False):
     """The running loss and metric results (what Keras passes to batch hooks); last stage.
-    The loss adds the earlier stages' regularisation (`reg_trackers`)."""
+    The loss adds the earlier stages' regularisation (`reg_trackers`); in an XLA task
+    (`in_task`) that is added outside it (`_adding_reg`)."""
     loss = self.loss_tracker.result()
-    for tracker in self.reg_trackers:
-      loss = loss + tf.cast(tracker.result(), loss.dtype)
+    if not (in_task and self.jit_compile):
+      loss = self._with_reg(loss)
     logs = {"loss": loss}
     for metric in self.metrics:
       result = metric.result()
