@@ -309,6 +309,9 @@ SPECIAL = [
     ("`keras.callbacks.BackupAndRestore` (epoch saves)", "same as Keras: an interrupted `fit` "
      "resumes after the last saved epoch (tfpipe's `BackupAndRestore` runs in its place)"),
     ("`keras.callbacks.BackupAndRestore(save_freq=N)` (batch saves)", "refused"),
+    ("`LambdaCallback` batch hooks", "same as Keras (the running batch logs)"),
+    ("XLA stages (`Pipeline(jit_compile=True)`) with regularisers", "same as Keras (epoch "
+     "and batch logs, within 1e-4)"),
     ("`layer.trainable = False` after `compile`", "`predict` and `evaluate` same as Keras; "
      "`fit` refused until `compile` is called again, then same as Keras"),
     ("gpipe with M > 1 and `BatchNormalization`", "statistics per micro-batch, as GPipe "

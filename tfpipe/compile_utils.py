@@ -82,13 +82,10 @@ class KerasStep:
         self.metrics.build(y_true, y_pred)
         self.metrics.reset_state()
 
-  def all_metrics(self):
-    """What Keras's `model.metrics` lists: the loss tracker, then the compiled metrics."""
-    return [self.loss_tracker] + ([self.metrics] if self.metrics is not None else [])
-
   def reset(self):
-    for m in self.all_metrics():
-      m.reset_state()
+    self.loss_tracker.reset_state()
+    if self.metrics is not None:
+      self.metrics.reset_state()
 
 
 def loss_name(loss):

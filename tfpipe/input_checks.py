@@ -14,6 +14,9 @@ from tfpipe import compile_utils
 
 __all__ = ["check_inputs", "check_labels"]
 
+_STRING_LABELS = ("labels are strings; the loss takes numbers: map them to class indices first "
+                  "(e.g. keras.layers.StringLookup, or numpy.unique(y, return_inverse=True))")
+
 
 def _shape(t):
   return tuple(t.shape)
@@ -69,9 +72,7 @@ def check_labels(y, model, loss, spec=None):
   classes = model.outputs[0].shape[-1]
   if spec is not None and isinstance(spec, tf.TensorSpec):
     if spec.dtype == tf.string:
-      raise ValueError("labels are strings; the loss takes numbers: map them to class indices "
-                       "first (e.g. keras.layers.StringLookup, or numpy.unique(y, "
-                       "return_inverse=True))")
+      raise ValueError(_STRING_LABELS)
     rank = len(model.outputs[0].shape)
     if ("sparse_categorical" in name and spec.shape.rank == rank and spec.shape[-1] is not None
         and spec.shape[-1] > 1):
@@ -82,9 +83,7 @@ def check_labels(y, model, loss, spec=None):
     return
   y = np.asarray(y)
   if y.dtype.kind in "USO":
-    raise ValueError("labels are strings; the loss takes numbers: map them to class indices "
-                     "first (e.g. keras.layers.StringLookup, or numpy.unique(y, "
-                     "return_inverse=True))")
+    raise ValueError(_STRING_LABELS)
   if "sparse_categorical" in name and classes:
     if y.size == 0:
       return

@@ -33,10 +33,14 @@ _BATCH_HOOKS = {"train": ("on_train_batch_begin", "on_train_batch_end", "on_batc
 
 
 def _has_batch_hooks(callback, mode="train"):
-  """True when the callback's class overrides a `mode` batch hook of `keras.callbacks.Callback`."""
+  """True when the callback overrides a `mode` batch hook of `keras.callbacks.Callback`: in
+  its class, or on the instance (`keras.callbacks.LambdaCallback` sets the hooks it is given)."""
   base = keras.callbacks.Callback
-  return any(getattr(type(callback), name, None) is not getattr(base, name)
-             for name in _BATCH_HOOKS[mode])
+  for name in _BATCH_HOOKS[mode]:
+    hook = getattr(callback, name, None)
+    if getattr(hook, "__func__", hook) is not getattr(base, name):
+      return True
+  return False
 
 
 def _reads_batches(cbs, mode):
@@ -394,9 +398,7 @@ class Pipeline:
     self.optimizer = optimizer
     self.step = compile_utils.KerasStep(self.model, loss, metrics, weighted_metrics, loss_weights,
                                         self.devices[-1])
-    self.loss, self.loss_tracker = self.step.loss, self.step.loss_tracker
     self.metrics = [self.step.metrics] if self.step.metrics is not None else []
-    self._compiled_trainable = [id(v) for v in self.model.trainable_variables]
     delays, rules = self._stage_rules(optimizer)
     programs = []
     for k, (sub, device) in enumerate(zip(self.partition.stages, self.devices)):
@@ -407,8 +409,8 @@ class Pipeline:
         stage_optimizer.momentum = mitigations.delay_momentum(stage_optimizer.momentum, delays[k])
       programs.append(stage.StageProgram(
           k, self.num_stages, sub, device, stage_optimizer, self.policy,
-          loss=self.loss if last else None, metrics=self.metrics if last else (),
-          loss_tracker=self.loss_tracker if last else None, jit_compile=self.jit_compile,
+          loss=self.step.loss if last else None, metrics=self.metrics if last else (),
+          loss_tracker=self.step.loss_tracker if last else None, jit_compile=self.jit_compile,
           replica_devices=self.stage_devices[k], rule=rules[k],
           reg_trackers=[p.reg_tracker for p in programs if p.reg_tracker] if last else None,
           optimizer_source=optimizer))
@@ -627,7 +629,7 @@ class Pipeline:
               "`steps_per_epoch` the data can fill, or repeat the dataset") from None
         seconds = time.perf_counter() - start
         logs = self._metric_logs()
-        samples = float(self.loss_tracker.count.numpy())
+        samples = float(self.step.loss_tracker.count.numpy())
         logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
         for p in self.programs:
           p.write_to_model()

@@ -115,10 +115,8 @@ class StageProgram:
                              jit_compile=jit_compile)
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
     if jit_compile and self.reg_trackers:   # XLA reads no variable of another device
-      self.last_step = self._adding_reg(self.last_step, lambda out: out[2],
-                                        lambda out, logs: out[:2] + (logs,))
-      self.evaluate_last = self._adding_reg(self.evaluate_last, lambda out: out,
-                                            lambda out, logs: logs)
+      self.last_step = self._adding_reg(self.last_step)
+      self.evaluate_last = self._adding_reg(self.evaluate_last)
 
   def _has_losses(self):
     """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
@@ -129,14 +127,14 @@ class StageProgram:
         training=True, return_losses=True)
     return bool(losses)
 
-  def _adding_reg(self, fn, get, put):
-    """`fn` (an XLA task returning logs without the other stages' regularisation) with it
-    added to the loss, outside XLA."""
+  def _adding_reg(self, fn):
+    """`fn` (an XLA task whose result is its logs, or ends with them, without the other
+    stages' regularisation) with that added to the loss, outside XLA."""
     def call(*args):
       out = fn(*args)
-      logs = dict(get(out))
-      logs["loss"] = self._with_reg(logs["loss"])
-      return put(out, logs)
+      logs = out if isinstance(out, dict) else out[-1]
+      logs = dict(logs, loss=self._with_reg(logs["loss"]))
+      return logs if isinstance(out, dict) else tuple(out[:-1]) + (logs,)
     return call
 
   def _with_reg(self, loss):
@@ -224,7 +222,8 @@ class StageProgram:
     """
     if state is None:
       state = [tf.convert_to_tensor(v) for v in self.non_trainable]
-    call_weights, call_state = self._as_model_split(weights, state)
+    moved = self._model_split() != self._split   # a layer's `trainable` changed since compile
+    call_weights, call_state = self._as_model_split(weights, state) if moved else (weights, state)
     if len(self.replica_devices) > 1:
       ys, new_state, losses = self._replicated_call(call_weights, call_state, xs, training)
     else:
@@ -232,7 +231,8 @@ class StageProgram:
       ys, new_state, losses = self.model.stateless_call(
           call_weights, call_state, inputs, training=training, return_losses=True)
       ys = tf.nest.flatten(ys)
-    new_state = self._from_model_split(new_state, state)
+    if moved:
+      new_state = self._from_model_split(new_state, state)
     if training and update_state:
       for v, value in zip(self.non_trainable, new_state):
         v.assign(value)
@@ -250,19 +250,15 @@ class StageProgram:
             [id(v) for v in self.model.non_trainable_variables])
 
   def _as_model_split(self, weights, state):
-    """`weights` and `state` (the compile-time split) as Keras's lists are now: the same
-    unless a layer's `trainable` changed since compile (then predict and evaluate still
-    read every variable's own value; `Pipeline.fit` asks for a new compile)."""
-    if self._model_split() == self._split:
-      return weights, state
+    """`weights` and `state` (the compile-time split) as Keras's lists are after a layer's
+    `trainable` changed: predict and evaluate still read every variable's own value
+    (`Pipeline.fit` asks for a new compile)."""
     values = {id(src): value for (src, _), value in zip(self._pairs, list(weights) + list(state))}
     return ([values[id(v)] for v in self.model.trainable_variables],
             [values[id(v)] for v in self.model.non_trainable_variables])
 
   def _from_model_split(self, new_state, state):
     """The non-trainable values after a call, back in the compile-time order."""
-    if self._model_split() == self._split:
-      return new_state
     values = {id(v): value for v, value in zip(self.model.non_trainable_variables, new_state)}
     sources = [src for src, _ in self._pairs[len(self.trainable):]]
     return [values.get(id(src), old) for src, old in zip(sources, state)]
