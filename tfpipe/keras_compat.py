@@ -9,11 +9,22 @@ move: `missing()` names what an installed Keras lacks, and
 `tests/test_keras_compat.py` fails loudly on it.
 """
 
+import contextlib
+
 import keras
 from keras.src.trainers import compile_utils as _compile_utils
+from tensorflow.python.eager import context as _tf_context
 
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
-           "copy_weight_decay_exclusions", "trainer_overrides"]
+           "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "NOT_INLINED",
+           "is_derived"]
+
+# `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
+# function's graph stay calls (instantiated and optimised once), not copies of its body.
+NOT_INLINED = {"_noinline": True}
+
+# The payload TensorFlow puts on an error that only follows another one (a cancelled receive).
+_DERIVED = b"type.googleapis.com/tensorflow.DerivedStatus"
 
 CompileLoss = _compile_utils.CompileLoss
 CompileMetrics = _compile_utils.CompileMetrics
@@ -33,6 +44,7 @@ def missing():
            (_compile_utils, "MetricsList"), (keras.optimizers.Optimizer, "_var_key"),
            (keras.optimizers.Optimizer, "_use_weight_decay"),
            (keras.optimizers.Optimizer, "exclude_from_weight_decay")]
+  needs += [(_tf_context, "FunctionCallOptions"), (_tf_context.Context, "function_call_options")]
   gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
           if not hasattr(owner, name)]
   probe = keras.optimizers.AdamW()
@@ -60,3 +72,30 @@ def trainer_overrides(model):
   """The train-step methods `type(model)` overrides from keras.Model, in Keras's order."""
   return [name for name in _STEP_METHODS
           if getattr(type(model), name, None) is not getattr(keras.Model, name, None)]
+
+
+@contextlib.contextmanager
+def unoptimised_calls():
+  """Function calls made in this context skip Grappler: what the compiled executor's window
+  functions run under. A window's graph is calls of the stages' task functions (each
+  optimised once, with the options it was traced under) and the tensors between them;
+  optimising it again per window shape cost more than half the start-up (measured) and
+  gained nothing. The call options are part of a function's cache key: every call of one
+  function must use the same."""
+  ctx = _tf_context.context()
+  before = ctx.function_call_options
+  config = ctx.config
+  config.graph_options.rewrite_options.disable_meta_optimizer = True
+  ctx.function_call_options = _tf_context.FunctionCallOptions(
+      executor_type=before.executor_type, config_proto=config)
+  try:
+    yield
+  finally:
+    ctx.function_call_options = before
+
+
+def is_derived(error):
+  """Whether a TensorFlow error only followed another one (TensorFlow marks it derived): a
+  function that calls others across devices may report such a cancellation instead of the
+  first error."""
+  return _DERIVED in (getattr(error, "experimental_payloads", None) or {})

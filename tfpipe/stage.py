@@ -15,7 +15,7 @@ __all__ = ["StageProgram"]
 
 _ZERO = tf.UnconnectedGradients.ZERO
 _TASKS = ("forward", "forward_on", "backward_recompute", "backward_on", "backward_blend", "update",
-          "apply_accumulated", "last_step", "infer", "evaluate_last")
+          "apply_accumulated", "last_step", "infer", "evaluate_last", "read_weights")
 
 
 def _scaled(grad, scale):
@@ -110,9 +110,11 @@ class StageProgram:
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
     self.jit_compile = jit_compile
+    self._functions = {}
     for name in _TASKS:
-      compiled = tf.function(getattr(self, "_" + name), reduce_retracing=True,
-                             jit_compile=jit_compile)
+      compiled = self._functions[name] = tf.function(getattr(self, "_" + name), reduce_retracing=True,
+                             jit_compile=jit_compile, autograph=False,
+                             experimental_attributes=keras_compat.NOT_INLINED)
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
     if jit_compile and self.reg_trackers:   # XLA reads no variable of another device
       self.last_step = self._adding_reg(self.last_step)
@@ -145,7 +147,7 @@ class StageProgram:
   def task(self, name):
     """Task function `name` for tracing into a larger graph (the compiled executor): the
     Python body, inlined, or with XLA its compiled function (one XLA call per task)."""
-    return getattr(self, name) if self.jit_compile else getattr(self, "_" + name)
+    return getattr(self, name)
 
   def _placed(self, fn):
     """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
@@ -163,14 +165,15 @@ class StageProgram:
 
     TensorFlow keeps one tape per py_function op for its gradient, so two
     forwards in flight (each kept until its backward) overwrite each other's
-    and the backward fails. Tracing the forward here, in a function of its
-    own (the run keeps its traces for exact batch shapes), finds such ops
-    before any work.
+    and the backward fails. Tracing the forward here (the trace the run then
+    calls, for any batch size) finds such ops before any work.
     """
     if self.policy.recompute or self.is_last:
       return   # recomputed forwards, or the last stage's fused step: no tape outlives a task
-    specs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
-    trace = tf.function(self._forward).get_concrete_function(specs, 0)
+    # The trace the executors then call (a batch of any size is a subtype of this one).
+    weights = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
+    inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
+    trace = self._functions["forward_on"].get_concrete_function(weights, inputs)
     graph = trace.graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     # EagerPyFunc: tf.py_function, whose gradient reads that cache (tf.numpy_function's PyFunc
@@ -203,12 +206,8 @@ class StageProgram:
       return [tf.convert_to_tensor(v) - float(s) * d for v, d in zip(self.trainable, self.deltas)]
     return [tf.convert_to_tensor(v) for v in self.trainable]
 
-  def read_weights(self, s):
-    """The forward's weights as tensors of their own (eager callers keep them for a blend)."""
-    return self._read_weights(s)
-
-  @tf.function
   def _read_weights(self, s):
+    """The forward's weights as tensors of their own: what a kept forward or a blend reads."""
     with tf.device(self.device):
       return [tf.identity(w) for w in self.weights(s, self.policy.forward)]
 

@@ -32,12 +32,16 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tfpipe import schedules
+from tfpipe import keras_compat, schedules
 from tfpipe.runtime import records, timeline, windows as windows_lib
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat
 
-__all__ = ["CompiledRuntime"]
+__all__ = ["CompiledRuntime", "StageFailed"]
+
+
+class StageFailed(RuntimeError):
+  """A stage's task failed in a compiled window; TensorFlow reported only what followed."""
 
 
 class _Feed:
@@ -129,7 +133,7 @@ class CompiledRuntime(Executor):
         self.records += timeline.task_records(events, calls, self._calls, self.epoch)
 
   def _train_windows(self, plan, numbers, batches, M, on_result, before):
-    feed, carry, done = _Feed(batches, labelled=True), {}, 0
+    feed, carry, done = _Feed(batches, labelled=True), {"x": {}, "saved": {}, "g": {}}, 0
     for w, window in enumerate(plan):
       carry, results = self._run(window, numbers[w], carry, feed, M)
       stop = False
@@ -172,8 +176,20 @@ class CompiledRuntime(Executor):
       self._calls[n] = self._describe(window)
       context = self._session.window(n)
     traced = self._train.experimental_get_tracing_count()
-    with context:
-      out, results = self._train(number, carry, inputs, labels, M)
+    # Traced with the stages' call options (their task functions keep them), run without
+    # optimising the window graph itself.
+    self._train.get_concrete_function(number, carry, inputs, labels, M)
+    with context, keras_compat.unoptimised_calls():
+      try:
+        out, results = self._train(number, carry, inputs, labels, M)
+      except tf.errors.OpError as error:
+        if not keras_compat.is_derived(error):
+          raise
+        raise StageFailed(
+            "a stage's computation failed inside a compiled window, and TensorFlow reported "
+            f"only the cancellation that followed it ({_cancelled_line(error)}). "
+            "TensorFlow logs the first error as a warning: run with TF_CPP_MIN_LOG_LEVEL=0 to "
+            "see it, or with executor='threaded', which runs task by task and raises it") from error
     self.traces += self._train.experimental_get_tracing_count() - traced
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
@@ -223,7 +239,7 @@ class CompiledRuntime(Executor):
     (carry, per-batch results)."""
     key = next(key for key, n in self._keys.items() if n == number)
     K, programs = self.K, self.programs
-    flight = {part: dict(carry.get(part, {})) for part in ("x", "saved", "g")}
+    flight = {part: dict(carry[part]) for part in ("x", "saved", "g")}
     kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
 
     def piece(source, b, micro, split_labels):
@@ -263,17 +279,14 @@ class CompiledRuntime(Executor):
             last_parts[unit] = (xs, values[0], sample_weight, scale, s)
             continue
           if program.policy.backward == "blend":   # the backward blends in these weights
-            with tf.device(program.device):
-              weights = program.weights(s, program.policy.forward)
+            weights = program.read_weights(s)
             ys, _, state = program.task("forward_on")(weights, xs)
             flight["saved"][(k, b, micro)] = (xs, weights, state, scale)
           elif program.policy.recompute:
             ys, _, state = program.task("forward")(xs, s)
             flight["saved"][(k, b, micro)] = (xs, [], state, scale)
           else:
-            with tf.device(program.device):
-              weights = program.weights(s, program.policy.forward)
-            ys, state, taped = program.taped_forward(weights, xs)
+            ys, state, taped = program.taped_forward(program.read_weights(s), xs)
             kept[(k, b, micro)] = (taped, state, scale)
           flight["x"][(k + 1, b, micro)] = (ys, scale)
         elif kind == "R":
@@ -352,6 +365,11 @@ class CompiledRuntime(Executor):
       if labels is None:
         results.append(xs)
     return results
+
+
+def _cancelled_line(error):
+  lines = [l.strip() for l in error.message.splitlines()]
+  return next((l for l in lines if "ancel" in l), lines[-1])
 
 
 def _join(values):

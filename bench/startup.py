@@ -1,0 +1,167 @@
+"""Start-up: the first epoch's extra time (tracing and one-off work) vs plain Keras `fit`.
+
+For each model, runner and window, trains two epochs and reports the first
+epoch's time minus the second's (what the first call pays once: tracing,
+graph optimisation, variable creation) and the second epoch's time, beside
+plain Keras `fit` on the same model and data:
+
+  llama:  KerasHub's Llama backbone from config (random weights, no download),
+          12 decoder layers, width 64, 2 heads, sequence 32, vocabulary 1,024,
+          mean-pooled into a 10-class head; batch 16, 64 batches per epoch.
+  resnet: ResNet-20 at half width (tfpipe.models.cnn.resnet20, 20 conv layers)
+          on 32 x 32 x 3 images, batch 32, 32 batches per epoch.
+
+Every pipelined method at K = `--stages`, with the default window
+(steps_per_execution="auto") and `--windows`. Each configuration runs in a
+process of its own (a clean TensorFlow, no traces shared), on K logical CPU
+devices with one intra-op thread each; Keras runs on one device with the same
+budget. Target (issue: start-up): extra time <= 2x Keras's for every method
+and K, and a window of 64 no slower to start than the default (within 20%).
+
+  python bench/startup.py [--models=llama,resnet --stages=2,4 --windows=auto,64
+                           --methods=spectrain,gpipe,...]
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_list("models", ["llama", "resnet"], "models to measure (llama, resnet)")
+flags.DEFINE_list("stages", ["2", "4"], "numbers of stages K")
+flags.DEFINE_list("windows", ["auto", "64"], "steps_per_execution values")
+flags.DEFINE_list("methods", ["sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
+                              "feature_replay", "timeprest", "pipemare", "i_timeprest"],
+                  "pipelined methods")
+flags.DEFINE_integer("layers", 12, "decoder layers of the Llama model")
+flags.DEFINE_integer("timeout", 900, "seconds one configuration may take")
+flags.DEFINE_string("one", None, "internal: run one configuration (JSON) and print its result")
+FLAGS = flags.FLAGS
+
+_SIZES = {"llama": (16, 64), "resnet": (32, 32)}   # batch size, batches per epoch
+
+
+def _model(name, layers):
+  import keras
+  keras.utils.set_random_seed(0)
+  if name == "llama":
+    import keras_hub
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=1024, num_layers=layers, num_query_heads=2, num_key_value_heads=2,
+        hidden_dim=64, intermediate_dim=128, max_sequence_length=32)
+    pooled = keras.layers.GlobalAveragePooling1D()(backbone.output)
+    return keras.Model(backbone.inputs, keras.layers.Dense(10, name="head")(pooled))
+  from tfpipe.models import cnn
+  return cnn.resnet20((32, 32, 3), 10, scale=0.5)
+
+
+def _data(name):
+  import numpy as np
+  rng = np.random.default_rng(0)
+  batch, batches = _SIZES[name]
+  n = batch * batches
+  if name == "llama":
+    x = {"token_ids": rng.integers(1, 1024, (n, 32)).astype("int32"),
+         "padding_mask": np.ones((n, 32), "int32")}
+  else:
+    x = rng.standard_normal((n, 32, 32, 3)).astype("float32")
+  return x, rng.integers(0, 10, n), batch
+
+
+def _one(config):
+  """Trains two epochs of one configuration; returns its timings."""
+  import tfpipe
+  K = config["K"]
+  devices = tfpipe.create_logical_cpus(max(K, 1), intra_op_threads=1)
+  import keras
+  x, y, batch = _data(config["model"])
+  model = _model(config["model"], FLAGS.layers)
+  window = config["window"]
+  compile_args = dict(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+  if config["method"] == "keras":
+    import tensorflow as tf
+    with tf.device(devices[0]):
+      model.compile(**compile_args)
+      runner = model
+  else:
+    runner = tfpipe.Pipeline(model, devices=devices[:K], method=config["method"])
+    runner.compile(steps_per_execution=int(window) if window != "auto" else "auto",
+                   **compile_args)
+  times = []
+  for _ in range(2):
+    start = time.perf_counter()
+    runner.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    times.append(time.perf_counter() - start)
+  return {"first": times[0], "second": times[1], "extra": times[0] - times[1]}
+
+
+def _run(config):
+  command = [sys.executable, os.path.abspath(__file__), f"--one={json.dumps(config)}",
+             f"--layers={FLAGS.layers}"]
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout,
+                          cwd=ROOT)
+  except subprocess.TimeoutExpired:
+    return {"error": f"over {FLAGS.timeout} s"}
+  lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+  if done.returncode or not lines:
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": tail[:120]}
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv):
+  del argv
+  if FLAGS.one:
+    print("RESULT " + json.dumps(_one(json.loads(FLAGS.one))), flush=True)
+    return
+  from bench import results_io
+  for name in FLAGS.models:
+    if name not in _SIZES:
+      raise app.UsageError(f"--models: unknown model {name!r} (llama, resnet)")
+    keras_result = _run({"model": name, "method": "keras", "K": 1, "window": "auto"})
+    if "error" in keras_result:
+      print(f"{name}: keras fit failed: {keras_result['error']}")
+      continue
+    base = keras_result["extra"]
+    title = (f"{name}: Keras fit first-epoch extra {base:.1f} s, second epoch "
+             f"{keras_result['second']:.1f} s")
+    print(title, flush=True)
+    rows = []
+    for K in FLAGS.stages:
+      for method in FLAGS.methods:
+        row = [method, K]
+        extras = {}
+        for window in FLAGS.windows:
+          result = _run({"model": name, "method": method, "K": int(K), "window": window})
+          if "error" in result:
+            row += ["error", "", ""]
+            print(f"  {method} K={K} window={window}: {result['error']}", flush=True)
+            continue
+          extras[window] = result["extra"]
+          row += [f"{result['extra']:.1f}", f"{result['extra'] / base:.1f}",
+                  f"{result['second']:.1f}"]
+          print(f"  {method} K={K} window={window}: extra {result['extra']:.1f} s "
+                f"({result['extra'] / base:.1f}x keras), second epoch {result['second']:.1f} s",
+                flush=True)
+        rows.append(row)
+    header = ["method", "K"]
+    for window in FLAGS.windows:
+      header += [f"extra s (window {window})", "x keras", "2nd epoch s"]
+    print(f"\n{title}")
+    print(results_io.markdown_table(header, rows), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
