@@ -266,11 +266,6 @@ def test_pipemare_trains_with_adam_and_says_rescheduling_is_off():
   assert "lr_rescheduling=500" in sgd.summary()
 
 
-def test_installed_keras_has_every_internal_tfpipe_reads():
-  from tfpipe import keras_compat
-  assert keras_compat.missing() == []
-
-
 def test_xla_stages_report_every_stage_regularisation():
   case = next(c for c in cc.CASES if c.name == "regularisation_losses")
   expected = _run_keras(case)

@@ -1,14 +1,14 @@
 """What `compile` receives: optimizer, loss and metric arguments resolved to objects.
 
 `KerasStep` holds what `keras.Model.compile` builds for the train step (its
-own `CompileLoss` and `CompileMetrics`, through `tfpipe.keras_compat`), so a
+own `CompileLoss` and `CompileMetrics`, through `tfpipe.compat`), so a
 pipeline's loss, metric names, weighting and reduction are Keras's.
 """
 
 import keras
 import tensorflow as tf
 
-from tfpipe import keras_compat
+from tfpipe import compat
 
 __all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metrics", "loss_name",
            "KerasStep", "check_optimizer"]
@@ -61,8 +61,8 @@ class KerasStep:
     self.model, self.device = model, device
     output_names = list(getattr(model, "output_names", None) or [])
     with tf.device(device):
-      self.loss = keras_compat.CompileLoss(loss, loss_weights, output_names=output_names or None)
-      self.metrics = (keras_compat.CompileMetrics(metrics, weighted_metrics,
+      self.loss = compat.CompileLoss(loss, loss_weights, output_names=output_names or None)
+      self.metrics = (compat.CompileMetrics(metrics, weighted_metrics,
                                                   output_names=output_names or None)
                       if metrics is not None or weighted_metrics is not None else None)
       self.loss_tracker = keras.metrics.Mean(name="loss")

@@ -22,6 +22,8 @@ the rate of a schedule raises Keras's own TypeError, as in `model.fit`.
 import keras
 import numpy as np
 
+from tfpipe import compat
+
 __all__ = ["LearningRateLink", "driving", "is_schedule"]
 
 _MISSING = object()
@@ -29,7 +31,7 @@ _MISSING = object()
 
 def is_schedule(optimizer):
   """True when the optimizer's rate is a LearningRateSchedule (not settable, as in Keras)."""
-  return isinstance(optimizer._learning_rate,  # pylint: disable=protected-access
+  return isinstance(compat.learning_rate_value(optimizer),
                     keras.optimizers.schedules.LearningRateSchedule)
 
 
@@ -48,12 +50,12 @@ class LearningRateLink:
     """`updates()`: the last stage's updates so far, counted by the executor (read without
     touching the stage's device, which may be remote)."""
     self.driver, self.stages, self.updates = driver, list(stage_optimizers), updates
-    self._base = int(self.stages[-1]._iterations.numpy()) - updates()  # pylint: disable=protected-access
+    self._base = compat.update_count(self.stages[-1]) - updates()
     self._synced = None
     self._watched = None
 
   def __enter__(self):
-    self._watch(self.driver._learning_rate)  # pylint: disable=protected-access
+    self._watch(compat.learning_rate_value(self.driver))
     return self
 
   def __exit__(self, *exc):
@@ -85,14 +87,12 @@ class LearningRateLink:
     and schedules read)."""
     count = self._base + self.updates()
     if count != self._synced:   # the tf.Variable under Keras's: 40 us, not 90 (once a batch)
-      # `_iterations`: the optimizer's count of updates (`iterations` divides it by
-      # gradient_accumulation_steps when that is set).
-      self.driver._iterations.value.assign(np.int64(count))  # pylint: disable=protected-access
+      compat.set_update_count(self.driver, np.int64(count))
       self._synced = count
 
   def push(self):
     """After a callback hook: the driver's rate to every stage, if it was set."""
-    rate = self.driver._learning_rate  # pylint: disable=protected-access
+    rate = compat.learning_rate_value(self.driver)
     if rate is not self._watched:   # the setter installed a schedule (or a callable)
       for optimizer in self.stages:
         optimizer.learning_rate = rate
@@ -122,7 +122,7 @@ class driving:  # pylint: disable=invalid-name
   def __enter__(self):
     self._before = self.model.__dict__.get("optimizer", _MISSING)
     self.model.optimizer = self.driver
-    self.model._metrics.extend(self.metrics)  # pylint: disable=protected-access
+    compat.model_metrics(self.model).extend(self.metrics)
     return self.driver
 
   def __exit__(self, *exc):
@@ -131,5 +131,5 @@ class driving:  # pylint: disable=invalid-name
     else:
       self.model.optimizer = self._before
     for m in self.metrics:
-      self.model._metrics.remove(m)  # pylint: disable=protected-access
+      compat.model_metrics(self.model).remove(m)
     return False

@@ -38,7 +38,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfpipe import schedules
+from tfpipe import compat, schedules
 
 __all__ = ["StageRule", "stage_delays", "delay_momentum", "lr_factor", "blend_factor",
            "spike_coefficients", "momentum_of", "check_optimizer", "DEFAULT_LR_RESCHEDULING",
@@ -133,7 +133,7 @@ class StageRule:
           s = optimizer.smoothed_gradient(v)
           v.assign_add(rate * (1.0 - a) * (s - g))
         else:   # W was W0 + m; is W0 + a*m - lr*b*g
-          m = optimizer.momentums[optimizer._get_variable_index(v)]
+          m = optimizer.momentums[compat.variable_index(optimizer, v)]
           v.assign_add((a - 1.0) * m - rate * b * g)
     if deltas:
       c = self.discrepancy_decay

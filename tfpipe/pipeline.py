@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import checkpoint as checkpoint_lib, cluster
-from tfpipe import compile_utils, data, devices as devices_lib, input_checks, keras_compat
+from tfpipe import compile_utils, data, devices as devices_lib, input_checks, compat
 from tfpipe import learning_rate
 from tfpipe import layer_profile, mitigations, names, partition as partition_lib, policies
 from tfpipe import runtime, schedules
@@ -156,7 +156,7 @@ class Pipeline:
                batch_statistics="warn"):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
-    overrides = keras_compat.trainer_overrides(model)
+    overrides = compat.trainer_overrides(model)
     if overrides:
       raise ValueError(
           f"{type(model).__name__} overrides {', '.join(overrides)}: a pipeline runs Keras's "

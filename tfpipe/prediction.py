@@ -22,6 +22,8 @@ References:
 import keras
 from keras import ops
 
+from tfpipe import compat
+
 __all__ = ["check", "predict_all", "SUPPORTED"]
 
 SUPPORTED = "tfpipe.optimizers.SpecTrain, keras.optimizers.SGD (momentum > 0), Adam, AdamW"
@@ -50,7 +52,7 @@ def check(optimizer):
 
 
 def _decay(optimizer, variable, lr):
-  if optimizer.weight_decay is None or not optimizer._use_weight_decay(variable):
+  if optimizer.weight_decay is None or not compat.uses_weight_decay(optimizer, variable):
     return None
   return ops.multiply(ops.multiply(lr, ops.cast(optimizer.weight_decay, variable.dtype)),
                       ops.convert_to_tensor(variable))
@@ -79,7 +81,7 @@ def predict_all(optimizer, variables, s):
           optimizer, keras.optimizers.Adam) else None
       steps[dtype] = (ops.cast(s, dtype), lr, rate)
     s_, lr, rate = steps[dtype]
-    index = optimizer._get_variable_index(variable)
+    index = compat.variable_index(optimizer, variable)
     if rate is None:   # momentum SGD: the slot m is the last step, w += m
       step = ops.negative(optimizer.momentums[index])
     else:

@@ -9,7 +9,7 @@ so current, stashed and predicted weights all run the same compiled code.
 import keras
 import tensorflow as tf
 
-from tfpipe import keras_compat, mitigations, prediction
+from tfpipe import compat, mitigations, prediction
 
 __all__ = ["StageProgram"]
 
@@ -99,7 +99,7 @@ class StageProgram:
                              self.trainable + self.non_trainable))
       self._split = self._model_split()
       if optimizer_source is not None:
-        keras_compat.copy_weight_decay_exclusions(optimizer_source, optimizer,
+        compat.copy_weight_decay_exclusions(optimizer_source, optimizer,
                                                   self._pairs[:len(self.trainable)])
       optimizer.build(self.trainable)
       self.reg_tracker = (keras.metrics.Mean(name=f"s{index}_reg")
@@ -112,9 +112,10 @@ class StageProgram:
     self.jit_compile = jit_compile
     self._functions = {}
     for name in _TASKS:
-      compiled = self._functions[name] = tf.function(getattr(self, "_" + name), reduce_retracing=True,
-                             jit_compile=jit_compile, autograph=False,
-                             experimental_attributes=keras_compat.NOT_INLINED)
+      # Traced once per signature, called (not inlined) from the window graph.
+      compiled = self._functions[name] = tf.function(
+          getattr(self, "_" + name), reduce_retracing=True, jit_compile=jit_compile,
+          autograph=False, experimental_attributes=compat.NOT_INLINED)
       setattr(self, name, self._placed(compiled) if jit_compile else compiled)
     if jit_compile and self.reg_trackers:   # XLA reads no variable of another device
       self.last_step = self._adding_reg(self.last_step)
@@ -144,10 +145,12 @@ class StageProgram:
       loss = loss + tf.cast(tracker.result(), loss.dtype)
     return loss
 
-  def task(self, name):
-    """Task function `name` for tracing into a larger graph (the compiled executor): the
-    Python body, inlined, or with XLA its compiled function (one XLA call per task)."""
-    return getattr(self, name)
+  def task(self, name, inline=False):
+    """Task function `name` for a larger graph (the compiled executor): the traced function,
+    which stays one call there; with `inline`, its Python body, traced into the caller (each
+    op named in the caller's scopes: what the profiled timeline reads); with XLA always the
+    compiled function (one XLA call per task)."""
+    return getattr(self, "_" + name) if inline and not self.jit_compile else getattr(self, name)
 
   def _placed(self, fn):
     """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
@@ -378,16 +381,16 @@ class StageProgram:
       joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
       return self._input_grads(joined)
 
-  def taped_forward(self, weights, xs):
+  def taped_forward(self, weights, xs, inline=False):
     """Forward on `weights` under a tape kept for `taped_backward` later in the same graph:
-    returns (outputs, state read, kept)."""
+    returns (outputs, state read, kept). `inline`: see `task`."""
     with tf.device(self.device), tf.GradientTape() as tape:
       float_xs = self._float_inputs(xs)
       tape.watch(list(weights) + float_xs)
-      ys, reg, state = self.task("forward_on")(weights, xs)
+      ys, reg, state = self.task("forward_on", inline)(weights, xs)
     return ys, state, (tape, list(weights), xs, ys, reg)
 
-  def taped_backward(self, kept, dys, scale, accumulate):
+  def taped_backward(self, kept, dys, scale, accumulate, inline=False):
     """The backward through a `taped_forward`'s tape (its own weights), then the update."""
     tape, weights, xs, ys, reg = kept
     with tf.device(self.device):
@@ -395,7 +398,7 @@ class StageProgram:
       targets, out_grads = self._targets(ys, dys, reg, scale)
       grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
                             unconnected_gradients=_ZERO)
-      self.task("update")(grads[:len(weights)], accumulate)
+      self.task("update", inline)(grads[:len(weights)], accumulate)
       return self._input_grads(grads[len(weights):])
 
   def _last_step(self, xs, y, sample_weight, s, scale, accumulate):

@@ -32,7 +32,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tfpipe import keras_compat, schedules
+from tfpipe import compat, schedules
 from tfpipe.runtime import records, timeline, windows as windows_lib
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat
@@ -179,11 +179,11 @@ class CompiledRuntime(Executor):
     # Traced with the stages' call options (their task functions keep them), run without
     # optimising the window graph itself.
     self._train.get_concrete_function(number, carry, inputs, labels, M)
-    with context, keras_compat.unoptimised_calls():
+    with context, (compat.unoptimised_calls() if not self.record else contextlib.nullcontext()):
       try:
         out, results = self._train(number, carry, inputs, labels, M)
       except tf.errors.OpError as error:
-        if not keras_compat.is_derived(error):
+        if not compat.is_derived(error):
           raise
         raise StageFailed(
             "a stage's computation failed inside a compiled window, and TensorFlow reported "
@@ -239,6 +239,7 @@ class CompiledRuntime(Executor):
     (carry, per-batch results)."""
     key = next(key for key, n in self._keys.items() if n == number)
     K, programs = self.K, self.programs
+    inline = self.record   # a profiled window names every op in its task's scope
     flight = {part: dict(carry[part]) for part in ("x", "saved", "g")}
     kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
 
@@ -279,27 +280,28 @@ class CompiledRuntime(Executor):
             last_parts[unit] = (xs, values[0], sample_weight, scale, s)
             continue
           if program.policy.backward == "blend":   # the backward blends in these weights
-            weights = program.read_weights(s)
-            ys, _, state = program.task("forward_on")(weights, xs)
+            weights = program.task("read_weights", inline)(s)
+            ys, _, state = program.task("forward_on", inline)(weights, xs)
             flight["saved"][(k, b, micro)] = (xs, weights, state, scale)
           elif program.policy.recompute:
-            ys, _, state = program.task("forward")(xs, s)
+            ys, _, state = program.task("forward", inline)(xs, s)
             flight["saved"][(k, b, micro)] = (xs, [], state, scale)
           else:
-            ys, state, taped = program.taped_forward(program.read_weights(s), xs)
+            ys, state, taped = program.taped_forward(program.task("read_weights", inline)(s), xs,
+                                                     inline)
             kept[(k, b, micro)] = (taped, state, scale)
           flight["x"][(k + 1, b, micro)] = (ys, scale)
         elif kind == "R":
           continue   # the gradient is a tensor of the graph already
         elif kind == "U":
-          program.task("apply_accumulated")()
+          program.task("apply_accumulated", inline)()
           if last:
             results[b] = (batch_loss.pop(b), program.logs())
         elif last:
           parts = [last_parts.pop(u) for u in units]
           xs, y, sample_weight, scale = (_join([p[i] for p in parts]) for i in range(4))
-          loss, dxs, logs = program.task("last_step")(xs, y, sample_weight, parts[0][4], scale,
-                                                      m is not None)
+          loss, dxs, logs = program.task("last_step", inline)(
+              xs, y, sample_weight, parts[0][4], scale, m is not None)
           if k > 0:
             flight["g"][(k - 1, b, micro)] = dxs
           if m is None:
@@ -312,19 +314,19 @@ class CompiledRuntime(Executor):
           accumulate = m is not None
           if len(units) == 1 and (k,) + units[0] in kept:
             taped, _, scale = kept.pop((k,) + units[0])
-            dxs = program.taped_backward(taped, dys, scale, accumulate)
+            dxs = program.taped_backward(taped, dys, scale, accumulate, inline)
           else:
             parts = [flight["saved"].pop((k,) + u) for u in units]
             scale = _join([p[3] for p in parts])
             if program.policy.backward == "blend":
-              dxs = program.task("backward_blend")(parts[0][1], [(p[0], p[2]) for p in parts],
-                                                   dys, s, scale, accumulate)
+              dxs = program.task("backward_blend", inline)(
+                  parts[0][1], [(p[0], p[2]) for p in parts], dys, s, scale, accumulate)
             elif parts[0][1]:   # the forward's own weights, carried across a window boundary
-              dxs = program.task("backward_on")(parts[0][1], [(parts[0][0], parts[0][2])], dys,
-                                                scale, accumulate)
+              dxs = program.task("backward_on", inline)(
+                  parts[0][1], [(parts[0][0], parts[0][2])], dys, scale, accumulate)
             else:
-              dxs = program.task("backward_recompute")([(p[0], p[2]) for p in parts], dys, s,
-                                                       scale, accumulate)
+              dxs = program.task("backward_recompute", inline)(
+                  [(p[0], p[2]) for p in parts], dys, s, scale, accumulate)
           if k > 0:
             flight["g"][(k - 1, b, micro)] = dxs
     if last_parts or batch_loss:

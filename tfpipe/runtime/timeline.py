@@ -34,6 +34,7 @@ import warnings
 
 import tensorflow as tf
 
+from tfpipe import compat
 from tfpipe.runtime.records import TaskRecord
 
 __all__ = ["scope", "Session", "Event", "task_records"]
@@ -66,17 +67,8 @@ def _task_index(op_name, backward_of):
 
 def _read_trace(path):
   """The profile's trace events (`Event`s) of one `.xplane.pb` file."""
-  # TensorFlow's own converter from the profile (XSpace) to trace events; internal modules,
-  # imported only when a profile is read.
-  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
-  from tensorflow.tsl.profiler.protobuf import trace_events_pb2
-  data, ok = plugin.xspace_to_tools_data([path], "trace_viewer", {})
-  if not ok:
-    raise RuntimeError(f"the profile {path} could not be read: {data[:200]!r}")
-  trace = trace_events_pb2.Trace.FromString(data)
-  return [Event(e.name, e.timestamp_ps * 1e-12, (e.timestamp_ps + e.duration_ps) * 1e-12,
-                dict(e.args)) for e in trace.trace_events]
+  return [Event(name, start * 1e-12, (start + duration) * 1e-12, args)
+          for name, start, duration, args in compat.profile_trace_events(path)]
 
 
 class Session:

@@ -1,12 +1,15 @@
-"""The Keras internals tfpipe reads, in one place.
+"""Every private Keras and TensorFlow internal tfpipe reads, in one place.
 
 tfpipe takes the train step's semantics from Keras's own machinery: the loss
 and metric containers `keras.Model.compile` builds (`CompileLoss`,
 `CompileMetrics`: names, weighting, reduction, "accuracy" resolved from the
-labels' shape), and the optimizer state that `get_config` does not carry
-(`exclude_from_weight_decay`). These live in `keras.src`, which Keras may
-move: `missing()` names what an installed Keras lacks, and
-`tests/test_keras_compat.py` fails loudly on it.
+labels' shape), the optimizer state that `get_config` does not carry
+(`exclude_from_weight_decay`, the update count, a variable's slot index), and
+the model's metric list that callbacks read. From TensorFlow: the call options
+of function calls (the compiled executor's unoptimised window graph), the
+payload that marks a derived error, and the profiler's converter from a
+profile to trace events. Keras and TensorFlow may move these: `missing()`
+names what the installed versions lack, and a test fails loudly on it.
 """
 
 import contextlib
@@ -17,7 +20,8 @@ from tensorflow.python.eager import context as _tf_context
 
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "NOT_INLINED",
-           "is_derived"]
+           "is_derived", "variable_index", "uses_weight_decay", "update_count", "set_update_count",
+           "learning_rate_value", "model_metrics", "profile_trace_events"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -40,17 +44,24 @@ _STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "com
 
 def missing():
   """The Keras internals tfpipe needs that the installed Keras lacks (names), [] when none."""
+  optimizer = keras.optimizers.Optimizer
   needs = [(_compile_utils, "CompileLoss"), (_compile_utils, "CompileMetrics"),
-           (_compile_utils, "MetricsList"), (keras.optimizers.Optimizer, "_var_key"),
-           (keras.optimizers.Optimizer, "_use_weight_decay"),
-           (keras.optimizers.Optimizer, "exclude_from_weight_decay")]
+           (_compile_utils, "MetricsList"), (optimizer, "_var_key"),
+           (optimizer, "_use_weight_decay"), (optimizer, "_get_variable_index"),
+           (optimizer, "exclude_from_weight_decay")]
   needs += [(_tf_context, "FunctionCallOptions"), (_tf_context.Context, "function_call_options")]
   gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
           if not hasattr(owner, name)]
   probe = keras.optimizers.AdamW()
   probe.exclude_from_weight_decay(var_names=["probe"])
-  gone += [f"Optimizer.{a}" for a in (_EXCLUDED_VARIABLES, _EXCLUDED_PATTERN)
-           if not hasattr(probe, a)]
+  gone += [f"Optimizer.{a}" for a in (_EXCLUDED_VARIABLES, _EXCLUDED_PATTERN, "_iterations",
+                                       "_learning_rate") if not hasattr(probe, a)]
+  if not hasattr(keras.Model(), "_metrics"):
+    gone.append("Model._metrics")
+  try:
+    _profiler_modules()
+  except ImportError as error:
+    gone.append(f"the profiler's trace converter ({error})")
   return gone
 
 
@@ -63,7 +74,8 @@ def copy_weight_decay_exclusions(source, target, variable_pairs):
   pattern = getattr(source, _EXCLUDED_PATTERN, None)
   if not keys and pattern is None:
     return
-  excluded = [own for src, own in variable_pairs if keys and source._var_key(src) in keys]  # pylint: disable=protected-access
+  key = source._var_key  # pylint: disable=protected-access
+  excluded = [own for src, own in variable_pairs if keys and key(src) in keys]
   target.exclude_from_weight_decay(var_list=excluded or None)
   setattr(target, _EXCLUDED_PATTERN, pattern)
 
@@ -99,3 +111,56 @@ def is_derived(error):
   function that calls others across devices may report such a cancellation instead of the
   first error."""
   return _DERIVED in (getattr(error, "experimental_payloads", None) or {})
+
+
+# Optimizer internals.
+
+def variable_index(optimizer, variable):
+  """The index of `variable`'s slots (momentums, velocities) in `optimizer`."""
+  return optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+
+
+def uses_weight_decay(optimizer, variable):
+  """Whether `optimizer` decays `variable` (not excluded from weight decay)."""
+  return optimizer._use_weight_decay(variable)  # pylint: disable=protected-access
+
+
+def update_count(optimizer):
+  """`optimizer`'s count of updates, not divided by gradient_accumulation_steps."""
+  return int(optimizer._iterations.numpy())  # pylint: disable=protected-access
+
+
+def set_update_count(optimizer, count):
+  """Sets `optimizer`'s count of updates (`iterations` divides it by
+  gradient_accumulation_steps when that is set): the tf.Variable under Keras's, 40 us, not 90."""
+  optimizer._iterations.value.assign(count)  # pylint: disable=protected-access
+
+
+def learning_rate_value(optimizer):
+  """`optimizer`'s learning rate as stored: a variable, or a schedule."""
+  return optimizer._learning_rate  # pylint: disable=protected-access
+
+
+def model_metrics(model):
+  """The list of metrics `model.metrics` reads (callbacks see the pipeline's through it)."""
+  return model._metrics  # pylint: disable=protected-access
+
+
+# The profiler.
+
+def _profiler_modules():
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
+  from tensorflow.tsl.profiler.protobuf import trace_events_pb2
+  return plugin, trace_events_pb2
+
+
+def profile_trace_events(path):
+  """The trace events of one `.xplane.pb` profile file, through TensorFlow's own converter:
+  [(name, start ps, duration ps, args)]."""
+  plugin, trace_events_pb2 = _profiler_modules()
+  data, ok = plugin.xspace_to_tools_data([path], "trace_viewer", {})
+  if not ok:
+    raise RuntimeError(f"the profile {path} could not be read: {data[:200]!r}")
+  trace = trace_events_pb2.Trace.FromString(data)
+  return [(e.name, e.timestamp_ps, e.duration_ps, dict(e.args)) for e in trace.trace_events]
