@@ -48,17 +48,28 @@ def test_windows_hold_every_task_once_in_stage_order_after_its_data(name, K, M, 
 @pytest.mark.parametrize("name,K,M", SCHEDULES)
 def test_each_window_finishes_its_batches(name, K, M, W):
   schedule, plan = _plan(name, K, M, N=11, W=W)
-  assert [(w.first, w.last) for w in plan] == [(b, min(b + W, 11) - 1) for b in range(0, 11, W)]
+  starts = windows.firsts(11, W)
+  assert [(w.first, w.last) for w in plan] == list(zip(starts, [b - 1 for b in starts[1:]] + [10]))
   for win in plan:
     finished = {t.batch for k, t, _, _ in win.tasks if k == K - 1 and schedules.is_update(t)}
     assert finished == set(range(win.first, win.last + 1))
 
 
+@pytest.mark.parametrize("N,W,expected", [
+    (11, 3, [0, 3, 6, 9, 10]), (12, 3, [0, 3, 6, 9, 10, 11]), (3, 3, [0]), (2, 3, [0]),
+    (4, 3, [0, 3]), (40, 16, [0, 16] + list(range(32, 40))), (5, 1, [0, 1, 2, 3, 4])])
+def test_windows_of_w_then_of_one_batch_so_the_last_window_is_small(N, W, expected):
+  assert windows.firsts(N, W) == expected
+
+
 def test_the_steady_state_windows_trace_alike():
   _, plan = _plan("1f1b", 4, 1, N=40, W=4)
   keys = collections.Counter(w.key for w in plan)
-  assert len(plan) == 10 and len(keys) == 3   # warm-up, 8 alike, and the drain at the end
+  # warm-up, 8 alike of 4 batches, then windows of one batch: one after the change of size,
+  # and the K - 1 = 3 that drain the pipeline (each ends with a stage starting no forward)
+  assert len(plan) == 13 and len(keys) == 6
   assert keys[plan[1].key] == 8
+  assert all(w.first == w.last for w in plan[9:])
 
 
 def test_a_drain_window_finishes_exactly_the_started_batches():
@@ -82,7 +93,9 @@ def _train(executor, window, method="pipedream", n=24, callbacks=None, K=3, **op
 def test_a_window_traces_once_and_is_reused_across_epochs():
   pipe, _, _ = _train("compiled", 4, n=40)
   first = pipe.runtime.traces
-  assert first == 3   # warm-up, steady state (8 windows), end: not one per window (10 windows)
+  # Of 13 windows: warm-up, steady state (8 windows of 4), then windows of one batch: the
+  # change of size, one steady, and the K - 1 = 2 that drain the pipeline
+  assert first == 5
   x, y = helpers.as_arrays(helpers.batches(40))
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=2)
   assert pipe.runtime.traces == first

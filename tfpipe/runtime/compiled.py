@@ -86,8 +86,10 @@ class CompiledRuntime(Executor):
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
-    self._plan = (None, None, None)   # (what it was made for, the windows, their numbers)
+    # (what it was made for, the windows, their numbers, the flush window or None)
+    self._plan = (None, None, None, None)
     self._train = tf.function(self._train_window, autograph=False)
+    self._loop = tf.function(self._train_loop, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
 
@@ -111,8 +113,9 @@ class CompiledRuntime(Executor):
            self.window)
     if self._plan[0] != key:
       plan = windows_lib.plan(schedule, diffs, self.window)
-      self._plan = (key, plan, [self._number(window) for window in plan])
-    _, plan, numbers = self._plan
+      self._plan = (key, plan, [self._number(window) for window in plan],
+                    windows_lib.flush_window(schedule, diffs))
+    _, plan, numbers, flush = self._plan
     for k, tasks in enumerate(schedule):
       keeps = self.programs[k].policy.backward in ("forward", "blend")
       peaks = records.kept_peaks(tasks, diffs[k], keeps, k == self.K - 1)
@@ -125,6 +128,8 @@ class CompiledRuntime(Executor):
       if not self._session.start():
         self._session = None
     try:
+      if flush is not None and self._session is None:
+        return self._train_loops(flush, batches, num_batches, M, on_result, before)
       return self._train_windows(plan, numbers, batches, M, on_result, before)
     finally:
       if self._session is not None:
@@ -152,6 +157,84 @@ class CompiledRuntime(Executor):
             done += 1
         break
     return done
+
+  def _train_loops(self, flush, batches, num_batches, M, on_result, before):
+    """Runs a schedule whose mini-batches finish one by one (`windows.flush_window`): each
+    window of W mini-batches is one call that loops over them (`tf.while_loop`, one
+    iteration at a time), so its graph holds one mini-batch's tasks whatever W is."""
+    number = self._number(flush)
+    updates = [0] * self.K
+    for k, task, _, _ in flush.tasks:
+      updates[k] += schedules.is_update(task)
+    feed, done = _Feed(batches, labelled=True), 0
+    for first in range(0, num_batches, self.window):
+      last = min(first + self.window, num_batches) - 1
+      items = [feed.get(b) for b in range(first, last + 1)]
+      feed.drop_before(last + 1)
+      results = []
+      for group in _same_shapes(items):   # a smaller last batch: a loop of its own
+        results += self._run_loop(number, group, M)
+      for k, count in enumerate(updates):
+        if count:
+          self._updated(k, count * len(items))
+      stop = False
+      for b, (loss, logs) in zip(range(first, last + 1), results):
+        if before is not None:
+          before(b)
+        stop = bool(on_result(b, loss, logs)) or stop
+        done += 1
+      if stop:
+        break
+    return done
+
+  def _run_loop(self, number, items, M):
+    """One loop call over `items` (mini-batches of one shape): [(loss, logs)] per batch.
+    They are stacked into W slots (the last repeated), so every call of one batch shape
+    has one signature and traces once; the loop runs len(items) iterations."""
+    count = len(items)
+    items = items + [items[-1]] * (self.window - count)
+    stack = lambda *values: tf.stack(values)
+    xs = tf.nest.map_structure(stack, *[x for x, _, _ in items])
+    y = tf.nest.map_structure(stack, *[y for _, y, _ in items])
+    weights = (None if items[0][2] is None else
+               tf.nest.map_structure(stack, *[w for _, _, w in items]))
+    n = tf.constant(count, tf.int32)
+    traced = self._loop.experimental_get_tracing_count()
+    self._loop.get_concrete_function(number, n, xs, y, weights, M)
+    with compat.unoptimised_calls():
+      try:
+        losses, logs = self._loop(number, n, xs, y, weights, M)
+      except tf.errors.OpError as error:
+        _raise_clearer(error)
+    self.traces += self._loop.experimental_get_tracing_count() - traced
+    losses = losses.numpy()
+    logs = {name: values.numpy() for name, values in logs.items()}
+    return [(losses[i], {name: values[i] for name, values in logs.items()})
+            for i in range(count)]
+
+  def _train_loop(self, number, n, xs, y, weights, M):
+    """The loop of `_train_loops`: one iteration for each of the first `n` mini-batches, each
+    the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
+    key = next(key for key, i in self._keys.items() if i == number)
+    names = list(self.programs[-1].logs())
+    empty = {"x": {}, "saved": {}, "g": {}}
+
+    def body(i, losses, logs):
+      at = lambda t: tf.gather(t, i)
+      inputs = {0: tf.nest.map_structure(at, xs)}
+      labels = {0: (tf.nest.map_structure(at, y),
+                    None if weights is None else tf.nest.map_structure(at, weights))}
+      _, results = self._trace_tasks(key, empty, inputs, labels, M)
+      loss, batch_logs = results[0]
+      return (i + 1, losses.write(i, tf.cast(loss, tf.float64)),
+              [ta.write(i, tf.cast(batch_logs[name], tf.float64))
+               for ta, name in zip(logs, names)])
+
+    arrays = lambda: tf.TensorArray(tf.float64, size=n)   # n <= W: what is stacked
+    _, losses, logs = tf.while_loop(
+        lambda i, *_: i < n, body, (tf.constant(0), arrays(), [arrays() for _ in names]),
+        parallel_iterations=1)
+    return losses.stack(), {name: ta.stack() for name, ta in zip(names, logs)}
 
   def _number(self, window):
     """The number of `window`'s key: what the traced function takes instead of the key (a large
@@ -183,13 +266,7 @@ class CompiledRuntime(Executor):
       try:
         out, results = self._train(number, carry, inputs, labels, M)
       except tf.errors.OpError as error:
-        if not compat.is_derived(error):
-          raise
-        raise StageFailed(
-            "a stage's computation failed inside a compiled window, and TensorFlow reported "
-            f"only the cancellation that followed it ({_cancelled_line(error)}). "
-            "TensorFlow logs the first error as a warning: run with TF_CPP_MIN_LOG_LEVEL=0 to "
-            "see it, or with executor='threaded', which runs task by task and raises it") from error
+        _raise_clearer(error)
     self.traces += self._train.experimental_get_tracing_count() - traced
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
@@ -238,6 +315,10 @@ class CompiledRuntime(Executor):
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
     (carry, per-batch results)."""
     key = next(key for key, n in self._keys.items() if n == number)
+    return self._trace_tasks(key, carry, inputs, labels, M)
+
+  def _trace_tasks(self, key, carry, inputs, labels, M):
+    """Traces the tasks of window key `key` (see `_train_window`)."""
     K, programs = self.K, self.programs
     inline = self.record   # a profiled window names every op in its task's scope
     flight = {part: dict(carry[part]) for part in ("x", "saved", "g")}
@@ -369,9 +450,30 @@ class CompiledRuntime(Executor):
     return results
 
 
-def _cancelled_line(error):
+def _raise_clearer(error):
+  """Re-raises `error` from a window call; a derived one (a cancellation that followed a
+  stage's error, which TensorFlow may report instead of it) as `StageFailed`, saying so."""
+  if not compat.is_derived(error):
+    raise error
   lines = [l.strip() for l in error.message.splitlines()]
-  return next((l for l in lines if "ancel" in l), lines[-1])
+  line = next((l for l in lines if "ancel" in l), lines[-1])
+  raise StageFailed(
+      "a stage's computation failed inside a compiled window, and TensorFlow reported only "
+      f"the cancellation that followed it ({line}). TensorFlow logs the first error as a "
+      "warning: run with TF_CPP_MIN_LOG_LEVEL=0 to see it, or with executor='threaded', "
+      "which runs task by task and raises it") from error
+
+
+def _same_shapes(items):
+  """`items` (mini-batches) in runs of equal shapes, in order."""
+  signature = lambda item: [tuple(t.shape) for t in tf.nest.flatten(item) if t is not None]
+  runs = []
+  for item in items:
+    if runs and signature(runs[-1][0]) == signature(item):
+      runs[-1].append(item)
+    else:
+      runs.append([item])
+  return runs
 
 
 def _join(values):

@@ -1,7 +1,8 @@
-"""Windows: a verified schedule cut into runs of W mini-batches for the compiled executor.
+"""Windows: a verified schedule cut into runs of mini-batches for the compiled executor.
 
 K: stages, k: stage index, N: mini-batches, W: mini-batches per window,
-b: mini-batch. Window w finishes mini-batches wW .. (w+1)W-1: on every stage
+b: mini-batch. Windows of W mini-batches, then of one (`firsts`): a window
+finishes its mini-batches first..last: on every stage
 it holds the prefix of the stage's task list up to its last task of those
 batches, minus what earlier windows hold. Because each stage keeps its own
 order and the cut ends after a batch's last task on every stage, every task
@@ -24,7 +25,7 @@ import collections
 
 from tfpipe import verify
 
-__all__ = ["Window", "plan", "drain"]
+__all__ = ["Window", "firsts", "plan", "drain", "flush_window"]
 
 Window = collections.namedtuple("Window", ["first", "last", "tasks", "key"])
 Window.__doc__ = """Mini-batches `first`..`last` finish in this window. `tasks`: [(k, task, s,
@@ -46,25 +47,38 @@ def _window(first, last, tasks):
   return Window(first, last, tasks, _key(tasks, first))
 
 
+def firsts(N, size):
+  """The first mini-batch of each window of an epoch of N: windows of `size` while the next
+  window of `size` is not the last of the epoch, then windows of one mini-batch. The steady
+  windows of each size trace alike; only the first and the last window trace apart, and the
+  last (which drains the pipeline) holds one mini-batch, not `size` (start-up: a trace costs
+  what its tasks do). One window when N <= size."""
+  if N <= size:
+    return [0]
+  full = N // size - (N % size == 0)   # windows of `size` before the tail
+  return [w * size for w in range(full)] + list(range(full * size, N))
+
+
 def plan(schedule, diffs, size):
-  """The windows of `size` mini-batches that run `schedule` (verified)."""
+  """The windows (`firsts`) that run `schedule` (verified), `size` mini-batches at most."""
   if not isinstance(size, int) or isinstance(size, bool) or size < 1:
     raise ValueError(f"a window holds a positive number of mini-batches. Received: {size!r}")
   K = len(schedule)
   N = 1 + max(t.batch for t in schedule[0] if t.kind == "F")
   covers = [verify.covered_units(tasks) for tasks in schedule]
+  starts = firsts(N, size)
+  ends = [b - 1 for b in starts[1:]] + [N - 1]
   cuts = [[0] * K]
-  for first in range(0, N, size):
-    last = min(first + size, N) - 1
+  for last in ends:
     cuts.append([1 + max(i for i, t in enumerate(tasks) if t.kind != "S" and t.batch <= last)
                  for tasks in schedule])
   windows, done = [], set()
-  for w, first in enumerate(range(0, N, size)):
+  for w, (first, last) in enumerate(zip(starts, ends)):
     lists = [[t for t in tasks[cuts[w][k]:cuts[w + 1][k]] if t.kind != "S"]
              for k, tasks in enumerate(schedule)]
     tasks = [(k, t, diffs[k].get(t, 0), tuple(covers[k].get(t, ()))) for k, t in
              _order(lists, done)]
-    windows.append(_window(first, min(first + size, N) - 1, tasks))
+    windows.append(_window(first, last, tasks))
   return windows
 
 
@@ -112,3 +126,14 @@ def drain(windows, w):
   if not tasks:
     return None
   return _window(windows[w].last + 1, started - 1, tasks)
+
+
+def flush_window(schedule, diffs):
+  """The window of mini-batch 0 when `schedule` finishes every mini-batch before the next one
+  starts and runs each alike (sequential, gpipe: a flush after each mini-batch), else None.
+  Such a schedule runs as a loop over that window (`tfpipe.runtime.compiled`)."""
+  windows = plan(schedule, diffs, 1)
+  first = windows[0]
+  alike = all(w.key == first.key and all(task.batch == w.first for _, task, _, _ in w.tasks)
+              for w in windows)
+  return first if alike else None
