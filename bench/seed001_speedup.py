@@ -3,7 +3,7 @@
 
 Measures on this machine T_calc (one device's time for a batch), T_comm (moving
 one copy of the weights between two devices) and the time to move one batch
-of activations, predicts each method's speedup with `tfpipe.analytic`
+of activations, predicts each method's speedup with `tfpipe.plan.analytic`
 (eq. 8 for data parallel and ASGD, the layer-wise model for the pipeline),
 then trains each and prints predicted beside measured. ASGD runs last: it
 joins a cluster of local TF servers (2 workers, 1 parameter server). Writes
@@ -39,7 +39,7 @@ def main(argv):
   import keras
   import tensorflow as tf
   import tfpipe
-  from tfpipe import analytic
+  from tfpipe.plan import analytic
   from tfpipe.models import mlp
   from tfpipe.instruments.throughput import ThroughputMeter
   devices = tfpipe.devices.ensure_logical_cpus(2, intra_op_threads=1)

@@ -3,7 +3,7 @@
 For each method: trains seed 000's SNN on scikit-learn's digits with the
 trainer's `run` (the quickstart config, fewer epochs by default), reports
 the best validation accuracy and the median samples/s over epochs; for the
-pipeline methods it asks `tfpipe.simulator` for the samples/s it predicts
+pipeline methods it asks `tfpipe.plan.simulator` for the samples/s it predicts
 for the same schedule from two sets of stage times:
   isolated: each stage's forward and backward timed alone on its device;
   timeline: the median task and transfer times recorded while the method
@@ -39,7 +39,7 @@ FLAGS = flags.FLAGS
 def profile_costs(pipe, batch, micro_batches, repeats):
   """Per-stage forward and backward seconds per mini-batch, measured at the method's unit size."""
   import tensorflow as tf
-  from tfpipe import simulator
+  from tfpipe.plan import simulator
   x, y = batch
   n = int(x.shape[0]) // micro_batches
   xs, y = [x[:n]], y[:n]
@@ -75,7 +75,7 @@ def _on(device, tensors):
 def main(argv):
   del argv
   import numpy as np
-  from tfpipe import simulator
+  from tfpipe.plan import simulator
   from trainers import config as config_lib, main as trainer_main
   rows = []
   for method in FLAGS.methods:

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tfpipe import balance
+from tfpipe.plan import balance
 
 
 def _brute_force(costs, K, boundary=None, last=None):

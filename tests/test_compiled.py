@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from tfpipe import optimizers, policies, schedules
-from tfpipe.runtime import windows
+from tfpipe import optimizers
+from tfpipe.plan import policies, schedules, windows
 import tfpipe
 
 SCHEDULES = [("sequential", 3, 1), ("1f1b", 3, 1), ("1f1b", 4, 2), ("gpipe", 3, 3),

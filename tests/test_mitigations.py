@@ -6,7 +6,8 @@ import pytest
 
 from tests import helpers
 import tfpipe
-from tfpipe import mitigations, optimizers, reference, schedules
+from tfpipe import mitigations, optimizers, reference
+from tfpipe.plan import schedules
 
 LR, MOMENTUM = 0.05, 0.9
 

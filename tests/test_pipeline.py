@@ -9,7 +9,8 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import optimizers, reference, schedules
+from tfpipe import optimizers, reference
+from tfpipe.plan import schedules
 import tfpipe
 
 LR, MOMENTUM = 0.05, 0.9

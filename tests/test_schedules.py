@@ -2,8 +2,8 @@
 
 import pytest
 
-from tfpipe import schedules, verify
-from tfpipe.schedules import Task
+from tfpipe.plan import schedules, verify
+from tfpipe.plan.schedules import Task
 
 
 def _table(schedule):

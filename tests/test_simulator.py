@@ -2,8 +2,8 @@
 
 import pytest
 
-from tfpipe import analytic, schedules, simulator
-from tfpipe.simulator import Costs
+from tfpipe.plan import analytic, schedules, simulator
+from tfpipe.plan.simulator import Costs
 
 
 def _uniform(K, T_F=1.0, T_B=2.0, transfer=0.0):

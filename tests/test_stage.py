@@ -6,7 +6,8 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import policies, stage
+from tfpipe import stage
+from tfpipe.plan import policies
 
 
 def _program(method="vanilla"):

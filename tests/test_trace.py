@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import optimizers, schedules
+from tfpipe import optimizers
+from tfpipe.plan import schedules
 from tfpipe.instruments import trace
 from tests import helpers
 
@@ -45,7 +46,7 @@ def test_traced_run_writes_a_profile_and_a_trace_matching_the_schedule(tmp_path,
     events = json.load(f)["traceEvents"]
   tasks = [e for e in events if e["ph"] == "X"]
   assert {e["args"]["step"] for e in tasks} == {3, 4, 5}
-  policy = tfpipe.policies.policy_for(method, lockstep=options.get("lockstep", False))
+  policy = tfpipe.plan.policies.policy_for(method, lockstep=options.get("lockstep", False))
   schedule = schedules.build(policy.schedule, 3, 4, options.get("micro_batches", 1))
   tids = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
   for k in range(3):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tfpipe import policies, schedules, verify
-from tfpipe.schedules import Task
+from tfpipe.plan import policies, schedules, verify
+from tfpipe.plan.schedules import Task
 
 
 def _check_dependencies(schedule, order):

@@ -4,7 +4,7 @@ from tfpipe import asgd, checkpoint, cluster, devices, multi_worker, optimizers,
 from tfpipe.baselines import DataParallel, Single, create
 from tfpipe.devices import create_logical_cpus, default_devices
 from tfpipe.pipeline import Pipeline
-from tfpipe.policies import PIPELINE_METHODS
+from tfpipe.plan.policies import PIPELINE_METHODS
 
 BASELINE_METHODS = ("single", "dataparallel", "grid")   # not pipelines
 CLUSTER_METHODS = ("asgd",)   # on TF servers of a cluster (tfpipe.cluster); not a pipeline

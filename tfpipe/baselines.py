@@ -5,7 +5,8 @@ import time
 import keras
 import tensorflow as tf
 
-from tfpipe import compile_utils, devices as devices_lib, names
+from tfpipe import compile_utils, devices as devices_lib
+from tfpipe.plan import names
 
 __all__ = ["Single", "DataParallel", "create"]
 

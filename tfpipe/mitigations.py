@@ -38,7 +38,8 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfpipe import compat, schedules
+from tfpipe import compat
+from tfpipe.plan import schedules
 
 __all__ = ["StageRule", "stage_delays", "delay_momentum", "lr_factor", "blend_factor",
            "spike_coefficients", "momentum_of", "check_optimizer", "DEFAULT_LR_RESCHEDULING",

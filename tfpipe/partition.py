@@ -12,7 +12,7 @@ import math
 
 import keras
 
-from tfpipe import balance, names
+from tfpipe.plan import balance, names
 
 __all__ = ["Partition", "graph_nodes", "partition", "split", "STRATEGIES"]
 

@@ -15,11 +15,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import checkpoint as checkpoint_lib, cluster
-from tfpipe import compile_utils, data, devices as devices_lib, input_checks, compat
-from tfpipe import learning_rate
-from tfpipe import layer_profile, mitigations, names, partition as partition_lib, policies
-from tfpipe import runtime, schedules
-from tfpipe import stage
+from tfpipe import compat, compile_utils, data, devices as devices_lib, input_checks
+from tfpipe import layer_profile, learning_rate, mitigations, partition as partition_lib
+from tfpipe import runtime, stage
+from tfpipe.plan import names, policies, schedules
 from tfpipe.instruments import breakdown as breakdown_lib
 from tfpipe.instruments import prediction_error as prediction_error_lib, trace
 
@@ -293,7 +292,7 @@ class Pipeline:
 
   @property
   def schedule_report(self):
-    """The verifier's report on the last schedule run (`tfpipe.verify.Report`), or None."""
+    """The verifier's report on the last schedule run (`tfpipe.plan.verify.Report`), or None."""
     return self.runtime.report if self.runtime else None
 
   @property

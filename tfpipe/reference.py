@@ -34,7 +34,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import mitigations, optimizers, policies, schedules, verify
+from tfpipe import mitigations, optimizers
+from tfpipe.plan import policies, schedules, verify
 
 __all__ = ["reference_train"]
 

@@ -21,7 +21,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import baselines, devices as devices_lib, schedules
+from tfpipe import baselines, devices as devices_lib
+from tfpipe.plan import schedules
 
 __all__ = ["parse_grid", "dense_layers", "GridMLP", "GridParallel", "communication_bytes"]
 

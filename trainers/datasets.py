@@ -8,7 +8,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import names
+from tfpipe.plan import names
 
 __all__ = ["DATASETS", "DataUnavailableError", "Data", "load"]
 

@@ -10,8 +10,8 @@ layers) are nested Keras models, so a pipeline cuts between blocks, as the
 EPFL report partitions ResNet20 into 11 layers and BERT into encoders.
 """
 
-from tfpipe import names
 from tfpipe.models import cnn, mlp, sequence
+from tfpipe.plan import names
 
 __all__ = ["MODELS", "INPUTS", "build"]
 

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tfpipe import verify
+from tfpipe.plan import verify
 
 __all__ = ["Executor"]
 

@@ -1,7 +1,7 @@
 """The compiled executor: one `tf.function` runs a window of the schedule on every stage.
 
 K: stages, k: stage index, b: mini-batch, W: mini-batches per window (see
-`tfpipe.runtime.windows`). Python traces a window's tasks in the verifier's
+`tfpipe.plan.windows`). Python traces a window's tasks in the verifier's
 global order, each stage's ops under its device; TensorFlow's executor then
 runs the stages' ops concurrently, as their data allow (inter-op threads on
 CPU, one stream per GPU, one partitioned function across TF server tasks):
@@ -32,8 +32,9 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tfpipe import compat, schedules
-from tfpipe.runtime import records, timeline, windows as windows_lib
+from tfpipe import compat
+from tfpipe.plan import schedules, windows as windows_lib
+from tfpipe.runtime import records, timeline
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat
 

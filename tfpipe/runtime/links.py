@@ -15,7 +15,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfpipe import schedules
+from tfpipe.plan import schedules
 
 __all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Gate", "Links", "spawn",
            "split", "concat", "copy_to"]

@@ -2,7 +2,7 @@
 
 import collections
 
-from tfpipe import schedules
+from tfpipe.plan import schedules
 
 __all__ = ["TaskRecord", "kept_peaks"]
 

@@ -16,7 +16,7 @@ caller re-raises that first exception with its traceback.
 import collections
 import time
 
-from tfpipe import schedules, verify
+from tfpipe.plan import schedules, verify
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import Links, Skipped, concat, copy_to, spawn
 from tfpipe.runtime.records import TaskRecord

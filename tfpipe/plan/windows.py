@@ -11,7 +11,7 @@ outputs in flight and forwards kept for a later backward cross the boundary
 as carried state (see `tfpipe.runtime.compiled`). A boundary only splits the
 trace: every task reads the weights its stage's order gives it.
 
-Barriers S(t) order time, not data (`tfpipe.schedules.ddg`); a graph has no
+Barriers S(t) order time, not data (`tfpipe.plan.schedules.ddg`); a graph has no
 Python thread to hold, so windows leave them out: the weights read are the
 same.
 
@@ -23,7 +23,7 @@ one trace.
 
 import collections
 
-from tfpipe import verify
+from tfpipe.plan import verify
 
 __all__ = ["Window", "firsts", "plan", "drain", "flush_window"]
 

@@ -5,7 +5,7 @@ b: mini-batch index, M: micro-batches per mini-batch, i: micro-batch index,
 d = K-1-k: the depth of the pipeline below stage k.
 
 A schedule is a list of K task lists. Stage k runs its list in order; a task
-waits only for its data (see `tfpipe.verify`). Task kinds:
+waits only for its data (see `tfpipe.plan.verify`). Task kinds:
 
   F(b[, i])  forward of a mini-batch (or of one of its micro-batches);
   B(b, i)    backward of micro-batch i: its weight gradient is accumulated;
@@ -224,7 +224,7 @@ MICRO_BATCHED = ("1f1b", "gpipe", "timeprest")  # the schedules that take M
 
 def build(name, K, N, M=1):
   """The schedule called `name` for K stages, N mini-batches and M micro-batches each."""
-  from tfpipe import names
+  from tfpipe.plan import names  # pylint: disable=g-import-not-at-top
   name = names.lookup("schedule", name, SCHEDULES)
   _check(K, N, M)
   if name in ("gpipe", "timeprest"):

@@ -20,7 +20,7 @@ stage applied since the forward, as its version difference.
 
 import dataclasses
 
-from tfpipe import names, schedules
+from tfpipe.plan import names, schedules
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
            "PIPELINE_METHODS", "MICRO_BATCH_METHODS", "LOCKSTEP_METHODS", "SPECTRAIN_BACKWARDS",
@@ -51,7 +51,7 @@ _RULES = {
 @dataclasses.dataclass(frozen=True)
 class WeightPolicy:
   method: str
-  schedule: str   # a name in tfpipe.schedules.SCHEDULES
+  schedule: str   # a name in tfpipe.plan.schedules.SCHEDULES
   forward: str    # "current" | "predicted"
   backward: str   # "forward" | "current" | "predicted" | "corrected" | "blend"
 

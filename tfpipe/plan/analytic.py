@@ -3,10 +3,10 @@
 K: stages, M: micro-batches, T_F / T_B: forward / backward time of one
 mini-batch through the whole model, P: data-parallel workers, t_calc: one
 worker's time for a batch, t_comm: moving one copy of the model's parameters.
-The simulator (`tfpipe.simulator`) reproduces each of these from a schedule.
+The simulator (`tfpipe.plan.simulator`) reproduces each of these from a schedule.
 """
 
-from tfpipe import names
+from tfpipe.plan import names
 
 __all__ = ["gpipe_bubble", "step_time", "speedup", "efficiency", "serial_time",
            "data_parallel_time", "data_parallel_speedup", "data_parallel_efficiency",
@@ -100,5 +100,5 @@ def layerwise_speedup(t_calc, K, t_transfer=0.0):
   forward and one gradient back per mini-batch (t_transfer each way, both ways at once), so
   ideally S = T_calc / max(T_calc / K, t_transfer). This assumes enough batches in flight to
   hide the transfers' latency; 1F1B keeps K-k at stage k and hides none of it, so its speedup
-  is lower when t_transfer > 0 (`tfpipe.simulator` gives the exact figure)."""
+  is lower when t_transfer > 0 (`tfpipe.plan.simulator` gives the exact figure)."""
   return t_calc / max(t_calc / K, t_transfer)

@@ -18,7 +18,7 @@ link, overlapped with the next iteration's computation).
 
 import dataclasses
 
-from tfpipe import policies, schedules, verify
+from tfpipe.plan import policies, schedules, verify
 
 __all__ = ["Costs", "Timeline", "simulate", "simulate_method", "simulate_data_parallel",
            "costs_from_records"]

@@ -20,7 +20,7 @@ schedule that fails is refused with a `ScheduleError` naming stage and task.
 import collections
 import dataclasses
 
-from tfpipe import policies, schedules
+from tfpipe.plan import policies, schedules
 
 __all__ = ["ScheduleError", "Report", "verify", "covered_units", "memory_table",
            "format_memory_table"]
