@@ -56,7 +56,7 @@ def test_each_window_finishes_its_batches(name, K, M, W):
 
 
 @pytest.mark.parametrize("N,W,expected", [
-    (11, 3, [0, 3, 6, 9, 10]), (12, 3, [0, 3, 6, 9, 10, 11]), (3, 3, [0]), (2, 3, [0]),
+    (11, 3, [0, 3, 6, 9, 10]), (12, 3, [0, 3, 6, 9, 10, 11]), (3, 3, [0, 1, 2]), (1, 3, [0]),
     (4, 3, [0, 3]), (40, 16, [0, 16] + list(range(32, 40))), (5, 1, [0, 1, 2, 3, 4])])
 def test_windows_of_w_then_of_one_batch_so_the_last_window_is_small(N, W, expected):
   assert windows.firsts(N, W) == expected

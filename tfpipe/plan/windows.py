@@ -48,14 +48,13 @@ def _window(first, last, tasks):
 
 
 def firsts(N, size):
-  """The first mini-batch of each window of an epoch of N: windows of `size` while the next
-  window of `size` is not the last of the epoch, then windows of one mini-batch. The steady
-  windows of each size trace alike; only the first and the last window trace apart, and the
-  last (which drains the pipeline) holds one mini-batch, not `size` (start-up: a trace costs
-  what its tasks do). One window when N <= size."""
-  if N <= size:
-    return [0]
-  full = N // size - (N % size == 0)   # windows of `size` before the tail
+  """The first mini-batch of each window of an epoch of N: windows of `size` while at least
+  one mini-batch is left after them, then windows of one mini-batch (between 1 and `size`
+  of them). The steady windows of each size trace alike, so an epoch traces the warm-up
+  window, one steady window of each size and the windows that drain the pipeline, which hold
+  one mini-batch each, not `size` (start-up: a trace costs what its tasks do). The price: up
+  to `size` window calls at the end of an epoch instead of one."""
+  full = (N - 1) // size   # windows of `size` before the tail
   return [w * size for w in range(full)] + list(range(full * size, N))
 
 
