@@ -102,8 +102,11 @@ def two_input_model(seed=0):
 
 # The executors every weight-rule test runs on: the threaded reference interpreter, and the
 # compiled executor with a window of 3 mini-batches, so batches cross many window boundaries.
-RUNTIMES = [{"executor": "threaded"}, {"executor": "compiled", "steps_per_execution": 3}]
-RUNTIME_IDS = ["threaded", "compiled-w3"]
+# The compiled runtime calls each stage's traced task functions (`inline=False`: what real
+# models get; tiny test models would otherwise be inlined, which the other tests cover).
+RUNTIMES = [{"executor": "threaded"},
+            {"executor": "compiled", "steps_per_execution": 3, "inline": False}]
+RUNTIME_IDS = ["threaded", "compiled-w3-calls"]
 
 
 def pipeline(model, runtime, **options):
@@ -111,4 +114,9 @@ def pipeline(model, runtime, **options):
   import tfpipe
   pipe = tfpipe.Pipeline(model, executor=runtime["executor"], **options)
   window = runtime.get("steps_per_execution", "auto")
-  return pipe, lambda *args, **kwargs: pipe.compile(*args, steps_per_execution=window, **kwargs)
+
+  def compile_(*args, **kwargs):
+    pipe.compile(*args, steps_per_execution=window, **kwargs)
+    if "inline" in runtime:
+      pipe.runtime.inline = runtime["inline"]
+  return pipe, compile_

@@ -182,3 +182,20 @@ def test_every_pipeline_method_runs_on_the_compiled_executor_by_default():
     history = pipe.fit(x, y, batch_size=16, verbose=0)
     assert isinstance(pipe.runtime, tfpipe.runtime.CompiledRuntime), method
     assert np.isfinite(history.history["loss"][0]), method
+
+
+@pytest.mark.parametrize("method", ["spectrain", "gpipe"])
+def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_alike(method):
+  inlined, model_a, _ = _train("compiled", 4, method, n=12)
+  assert inlined.runtime._inlined()   # 4 x Dense(16): a few hundred ops per window
+  inlined.runtime.INLINE_OPS = 1
+  assert not inlined.runtime._inlined()
+  x, y = helpers.as_arrays(helpers.batches(12))
+  model_b = helpers.mlp()
+  called, compile_ = helpers.pipeline(model_b, {"executor": "compiled", "steps_per_execution": 4,
+                                                "inline": False}, num_stages=3, method=method)
+  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+  called.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  assert all(key[1] is False for key in called.runtime._keys)
+  for a, b in zip(model_a.get_weights(), model_b.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -52,12 +52,17 @@ def _pipeline_threads():
 _COMPILED_FAILURE = "boom at call 5|failed inside a compiled window.*executor='threaded'"
 
 
-@pytest.mark.parametrize("method,executor,expected", [
-    ("pipedream", "threaded", "boom at call 5"), ("vanilla", "threaded", "boom at call 5"),
-    ("sequential", "compiled", _COMPILED_FAILURE), ("pipedream", "compiled", _COMPILED_FAILURE)])
-def test_a_failing_stage_stops_the_pipeline(method, executor, expected):
+@pytest.mark.parametrize("method,executor,inline,expected", [
+    ("pipedream", "threaded", None, "boom at call 5"),
+    ("vanilla", "threaded", None, "boom at call 5"),
+    ("pipedream", "compiled", True, "boom at call 5"),
+    ("sequential", "compiled", False, _COMPILED_FAILURE),
+    ("pipedream", "compiled", False, _COMPILED_FAILURE)])
+def test_a_failing_stage_stops_the_pipeline(method, executor, inline, expected):
   pipe = tfpipe.Pipeline(_model(fail_at=5), num_stages=3, method=method, executor=executor)
   pipe.compile(optimizers.SpecTrain(0.01), "sparse_categorical_crossentropy")
+  if inline is not None:
+    pipe.runtime.inline = inline
   x = np.zeros((64 * 16, 8), "float32")
   y = np.zeros(64 * 16, "int64")
   start = time.perf_counter()

@@ -173,11 +173,7 @@ class StageProgram:
     """
     if self.policy.recompute or self.is_last:
       return   # recomputed forwards, or the last stage's fused step: no tape outlives a task
-    # The trace the executors then call (a batch of any size is a subtype of this one).
-    weights = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
-    inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
-    trace = self._functions["forward_on"].get_concrete_function(weights, inputs)
-    graph = trace.graph.as_graph_def()
+    graph = self._forward_trace().graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     # EagerPyFunc: tf.py_function, whose gradient reads that cache (tf.numpy_function's PyFunc
     # has no gradient, so nothing to break).
@@ -193,6 +189,16 @@ class StageProgram:
           "Use a method that recomputes (vanilla, feature_replay, timeprest, spectrain with "
           "spectrain_backward='repredict', or recompute=True for sequential and gpipe), or "
           "write the layer with TensorFlow ops")
+
+  def _forward_trace(self):
+    """The forward's trace that the executors then call (a batch of any size is a subtype)."""
+    weights = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
+    inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
+    return self._functions["forward_on"].get_concrete_function(weights, inputs)
+
+  def forward_ops(self):
+    """Ops in one traced forward of the stage (what an inlined task copies into a window)."""
+    return len(self._forward_trace().graph.get_operations())
 
   # Weights and the stage call.
 

@@ -78,12 +78,20 @@ class CompiledRuntime(Executor):
   `profile_dir` when set.
   """
 
-  def __init__(self, programs, window=16, record=False, maxsize=None):
+  # Windows whose inlined graph would hold at most this many ops (3 x a forward's, per stage
+  # and mini-batch) trace their tasks inline: small stages cost less as copies than as calls.
+  INLINE_OPS = 20000
+
+  def __init__(self, programs, window=16, record=False, maxsize=None, inline="auto"):
     super().__init__(programs, record=record, maxsize=maxsize)
-    self.window = window
+    if inline not in ("auto", True, False):
+      raise ValueError(f"`inline` must be 'auto', True or False. Received: inline={inline!r}")
+    self.window, self.inline = window, inline
+    self._forward_ops = None
+    self._signatures = set()   # (number, argument shapes) already traced
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
-    self._keys = {}   # window key -> its number (the traced function's argument)
+    self._keys = {}   # (window key, inlined) -> its number (the traced function's argument)
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
@@ -201,12 +209,10 @@ class CompiledRuntime(Executor):
                tf.nest.map_structure(stack, *[w for _, _, w in items]))
     n = tf.constant(count, tf.int32)
     traced = self._loop.experimental_get_tracing_count()
-    self._loop.get_concrete_function(number, n, xs, y, weights, M)
-    with compat.unoptimised_calls():
-      try:
-        losses, logs = self._loop(number, n, xs, y, weights, M)
-      except tf.errors.OpError as error:
-        _raise_clearer(error)
+    try:
+      losses, logs = self._call(self._loop, number, n, xs, y, weights, M)
+    except tf.errors.OpError as error:
+      _raise_clearer(error)
     self.traces += self._loop.experimental_get_tracing_count() - traced
     losses = losses.numpy()
     logs = {name: values.numpy() for name, values in logs.items()}
@@ -216,7 +222,7 @@ class CompiledRuntime(Executor):
   def _train_loop(self, number, n, xs, y, weights, M):
     """The loop of `_train_loops`: one iteration for each of the first `n` mini-batches, each
     the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
-    key = next(key for key, i in self._keys.items() if i == number)
+    key, inline = next(key for key, i in self._keys.items() if i == number)
     names = list(self.programs[-1].logs())
     empty = {"x": {}, "saved": {}, "g": {}}
 
@@ -225,7 +231,7 @@ class CompiledRuntime(Executor):
       inputs = {0: tf.nest.map_structure(at, xs)}
       labels = {0: (tf.nest.map_structure(at, y),
                     None if weights is None else tf.nest.map_structure(at, weights))}
-      _, results = self._trace_tasks(key, empty, inputs, labels, M)
+      _, results = self._trace_tasks(key, inline, empty, inputs, labels, M)
       loss, batch_logs = results[0]
       return (i + 1, losses.write(i, tf.cast(loss, tf.float64)),
               [ta.write(i, tf.cast(batch_logs[name], tf.float64))
@@ -238,10 +244,38 @@ class CompiledRuntime(Executor):
     return losses.stack(), {name: ta.stack() for name, ta in zip(names, logs)}
 
   def _number(self, window):
-    """The number of `window`'s key: what the traced function takes instead of the key (a large
-    Python argument is hashed by tf.function on every call; measured: most of a call's cost at
-    K=8). Numbered once per plan."""
-    return self._keys.setdefault(window.key, len(self._keys))
+    """The number of `window`'s key (and whether it is inlined): what the traced function takes
+    instead of the key (a large Python argument is hashed by tf.function on every call;
+    measured: most of a call's cost at K=8). Numbered once per plan."""
+    return self._keys.setdefault((window.key, self._inlined()), len(self._keys))
+
+  def _inlined(self):
+    """Whether windows trace each task's body into their graph rather than a call of the
+    stage's traced function: when profiled (the timeline reads each op's task scope), else as
+    `inline` says; "auto": when the inlined window is small (`INLINE_OPS`). Calls trace and
+    optimise each stage function once, so start-up does not grow with W; each costs a
+    function call per task when it runs (tens of microseconds: felt by tiny stages only)."""
+    if self.record:
+      return True
+    if self.inline != "auto":
+      return self.inline
+    if self._forward_ops is None:
+      self._forward_ops = sum(p.forward_ops() for p in self.programs)
+    return 3 * self._forward_ops * self.window <= self.INLINE_OPS
+
+  def _call(self, function, number, *args):
+    """Calls a window function: inlined windows as they are (their graph optimised as a
+    whole); others traced first (a new signature only) with the stages' call options, which
+    their task calls keep, then run without optimising the window graph itself."""
+    key = next(key for key, n in self._keys.items() if n == number)
+    if key[1]:
+      return function(number, *args)
+    signature = (function is self._loop, number, _signature(args))
+    if signature not in self._signatures:
+      function.get_concrete_function(number, *args)
+      self._signatures.add(signature)
+    with compat.unoptimised_calls():
+      return function(number, *args)
 
   def _run(self, window, number, carry, feed, M):
     """Calls the window's function (`number`: `_number(window)`); returns (carry rebased to the
@@ -260,12 +294,9 @@ class CompiledRuntime(Executor):
       self._calls[n] = self._describe(window)
       context = self._session.window(n)
     traced = self._train.experimental_get_tracing_count()
-    # Traced with the stages' call options (their task functions keep them), run without
-    # optimising the window graph itself.
-    self._train.get_concrete_function(number, carry, inputs, labels, M)
-    with context, (compat.unoptimised_calls() if not self.record else contextlib.nullcontext()):
+    with context:
       try:
-        out, results = self._train(number, carry, inputs, labels, M)
+        out, results = self._call(self._train, number, carry, inputs, labels, M)
       except tf.errors.OpError as error:
         _raise_clearer(error)
     self.traces += self._train.experimental_get_tracing_count() - traced
@@ -315,13 +346,13 @@ class CompiledRuntime(Executor):
   def _train_window(self, number, carry, inputs, labels, M):
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
     (carry, per-batch results)."""
-    key = next(key for key, n in self._keys.items() if n == number)
-    return self._trace_tasks(key, carry, inputs, labels, M)
+    key, inline = next(key for key, n in self._keys.items() if n == number)
+    return self._trace_tasks(key, inline, carry, inputs, labels, M)
 
-  def _trace_tasks(self, key, carry, inputs, labels, M):
-    """Traces the tasks of window key `key` (see `_train_window`)."""
+  def _trace_tasks(self, key, inline, carry, inputs, labels, M):
+    """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as
+    calls of the stages' traced functions."""
     K, programs = self.K, self.programs
-    inline = self.record   # a profiled window names every op in its task's scope
     flight = {part: dict(carry[part]) for part in ("x", "saved", "g")}
     kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
 
@@ -463,6 +494,15 @@ def _raise_clearer(error):
       f"the cancellation that followed it ({line}). TensorFlow logs the first error as a "
       "warning: run with TF_CPP_MIN_LOG_LEVEL=0 to see it, or with executor='threaded', "
       "which runs task by task and raises it") from error
+
+
+def _signature(args):
+  """What a window call's trace depends on besides its number: the structure, shapes and
+  dtypes of its tensors (a Python value in `args` is part of the number's key)."""
+  leaves = tf.nest.flatten(args)
+  return (str(tf.nest.map_structure(lambda _: 0, args)),
+          tuple((tuple(t.shape), t.dtype.name) if hasattr(t, "shape") else repr(t)
+                for t in leaves))
 
 
 def _same_shapes(items):
