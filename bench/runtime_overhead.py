@@ -159,25 +159,27 @@ def _measure(config):
 def _graph_ops_per_batch(runner):
   """Ops (graph nodes, before TensorFlow's graph optimisations; nested functions included)
   that one training step runs: Keras's train function per step, or the compiled executor's
-  largest window (the steady state) per mini-batch. None for the threaded executor."""
+  largest window (the steady state) per mini-batch, or its loop over mini-batches (one
+  mini-batch's tasks: schedules that finish each mini-batch before the next). None for the
+  threaded executor."""
   import tensorflow as tf
   if hasattr(runner, "runtime"):
-    function = getattr(runner.runtime, "_train", None)
-    if function is None:
+    if not hasattr(runner.runtime, "_train"):
       return None
-    concretes = function._list_all_concrete_functions()   # pylint: disable=protected-access
-    per = runner.runtime.window
+    # pylint: disable=protected-access
+    concretes = [(c, runner.runtime.window)
+                 for c in runner.runtime._train._list_all_concrete_functions()]
+    concretes += [(c, 1) for c in runner.runtime._loop._list_all_concrete_functions()]
   else:   # Keras's train step, traced on its own
     specs = (tf.TensorSpec([FLAGS.batch_size, FLAGS.input_dim], tf.float32),
              tf.TensorSpec([FLAGS.batch_size], tf.int64))
-    concretes = [tf.function(lambda x, y: runner.train_step((x, y))).get_concrete_function(
-        *specs)]
-    per = 1
+    concretes = [(tf.function(lambda x, y: runner.train_step((x, y))).get_concrete_function(
+        *specs), 1)]
   counts = []
-  for concrete in concretes:
+  for concrete, per in concretes:
     graph = concrete.graph.as_graph_def()
-    counts.append(len(graph.node) + sum(len(f.node_def) for f in graph.library.function))
-  return max(counts) / per
+    counts.append((len(graph.node) + sum(len(f.node_def) for f in graph.library.function)) / per)
+  return max(counts)
 
 
 def child(config):
