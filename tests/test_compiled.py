@@ -199,3 +199,20 @@ def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_al
   assert all(key[1] is False for key in called.runtime._keys)
   for a, b in zip(model_a.get_weights(), model_b.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_their_functions():
+  from tensorflow.core.protobuf import config_pb2
+  x, y = helpers.as_arrays(helpers.batches(12))
+  pipe, compile_ = helpers.pipeline(helpers.mlp(), {"executor": "compiled",
+                                                    "steps_per_execution": 4, "inline": False},
+                                    num_stages=3, method="spectrain")
+  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  calls = [node for concrete in pipe.runtime._train._list_all_concrete_functions()
+           for node in concrete.graph.as_graph_def().node
+           if node.op in ("PartitionedCall", "StatefulPartitionedCall")]
+  assert len(calls) > 10
+  for node in calls:   # every task call optimises its function
+    config = config_pb2.ConfigProto.FromString(node.attr["config_proto"].s)
+    assert not config.graph_options.rewrite_options.disable_meta_optimizer, node.name

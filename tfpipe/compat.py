@@ -19,7 +19,7 @@ from keras.src.trainers import compile_utils as _compile_utils
 from tensorflow.python.eager import context as _tf_context
 
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
-           "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "NOT_INLINED",
+           "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls", "NOT_INLINED",
            "is_derived", "variable_index", "uses_weight_decay", "update_count", "set_update_count",
            "learning_rate_value", "model_metrics", "profile_trace_events"]
 
@@ -93,17 +93,38 @@ def unoptimised_calls():
   optimised once, with the options it was traced under) and the tensors between them;
   optimising it again per window shape cost more than half the start-up (measured) and
   gained nothing. The call options are part of a function's cache key: every call of one
-  function must use the same."""
+  function must use the same. A window traced on such a call makes its task calls under
+  `optimised_calls`."""
   ctx = _tf_context.context()
   before = ctx.function_call_options
   config = ctx.config
   config.graph_options.rewrite_options.disable_meta_optimizer = True
   ctx.function_call_options = _tf_context.FunctionCallOptions(
       executor_type=before.executor_type, config_proto=config)
+  _OUTER_OPTIONS.append(before)
   try:
     yield
   finally:
+    _OUTER_OPTIONS.pop()
     ctx.function_call_options = before
+
+
+_OUTER_OPTIONS = []   # the call options each open `unoptimised_calls` replaced
+
+
+@contextlib.contextmanager
+def optimised_calls():
+  """Calls traced in this context (inside `unoptimised_calls`: a window traced on its first
+  call) keep the options from before it, so the task functions they call are optimised."""
+  if not _OUTER_OPTIONS:
+    yield
+    return
+  ctx = _tf_context.context()
+  now, ctx.function_call_options = ctx.function_call_options, _OUTER_OPTIONS[-1]
+  try:
+    yield
+  finally:
+    ctx.function_call_options = now
 
 
 def is_derived(error):

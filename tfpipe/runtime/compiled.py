@@ -88,10 +88,10 @@ class CompiledRuntime(Executor):
       raise ValueError(f"`inline` must be 'auto', True or False. Received: inline={inline!r}")
     self.window, self.inline = window, inline
     self._forward_ops = None
-    self._signatures = set()   # (number, argument shapes) already traced
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
     self._keys = {}   # (window key, inlined) -> its number (the traced function's argument)
+    self._inlines = {}   # number -> whether its window is inlined
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
@@ -247,7 +247,10 @@ class CompiledRuntime(Executor):
     """The number of `window`'s key (and whether it is inlined): what the traced function takes
     instead of the key (a large Python argument is hashed by tf.function on every call;
     measured: most of a call's cost at K=8). Numbered once per plan."""
-    return self._keys.setdefault((window.key, self._inlined()), len(self._keys))
+    inline = self._inlined()
+    number = self._keys.setdefault((window.key, inline), len(self._keys))
+    self._inlines[number] = inline
+    return number
 
   def _inlined(self):
     """Whether windows trace each task's body into their graph rather than a call of the
@@ -264,16 +267,11 @@ class CompiledRuntime(Executor):
     return 3 * self._forward_ops * self.window <= self.INLINE_OPS
 
   def _call(self, function, number, *args):
-    """Calls a window function: inlined windows as they are (their graph optimised as a
-    whole); others traced first (a new signature only) with the stages' call options, which
-    their task calls keep, then run without optimising the window graph itself."""
-    key = next(key for key, n in self._keys.items() if n == number)
-    if key[1]:
+    """Calls a window function: an inlined window as it is (its graph optimised as a whole);
+    a window of task calls without optimising its own graph (its trace makes the task calls
+    with the stages' options: `_trace_tasks`)."""
+    if self._inlines[number]:
       return function(number, *args)
-    signature = (function is self._loop, number, _signature(args))
-    if signature not in self._signatures:
-      function.get_concrete_function(number, *args)
-      self._signatures.add(signature)
     with compat.unoptimised_calls():
       return function(number, *args)
 
@@ -352,6 +350,10 @@ class CompiledRuntime(Executor):
   def _trace_tasks(self, key, inline, carry, inputs, labels, M):
     """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as
     calls of the stages' traced functions."""
+    with compat.optimised_calls():   # the task calls' options: their functions are optimised
+      return self._traced_tasks(key, inline, carry, inputs, labels, M)
+
+  def _traced_tasks(self, key, inline, carry, inputs, labels, M):
     K, programs = self.K, self.programs
     flight = {part: dict(carry[part]) for part in ("x", "saved", "g")}
     kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
@@ -494,15 +496,6 @@ def _raise_clearer(error):
       f"the cancellation that followed it ({line}). TensorFlow logs the first error as a "
       "warning: run with TF_CPP_MIN_LOG_LEVEL=0 to see it, or with executor='threaded', "
       "which runs task by task and raises it") from error
-
-
-def _signature(args):
-  """What a window call's trace depends on besides its number: the structure, shapes and
-  dtypes of its tensors (a Python value in `args` is part of the number's key)."""
-  leaves = tf.nest.flatten(args)
-  return (str(tf.nest.map_structure(lambda _: 0, args)),
-          tuple((tuple(t.shape), t.dtype.name) if hasattr(t, "shape") else repr(t)
-                for t in leaves))
 
 
 def _same_shapes(items):
