@@ -52,10 +52,10 @@ def profile_costs(pipe, batch, micro_batches, repeats):
       backward.append(2 * step / 3 * micro_batches)
       break
     f = results_io.median_seconds(lambda: program.forward(xs, 0), repeats)
-    ys, _, state = program.forward(xs, 0)
+    ys, kept = program.forward(xs, 0)
     dys = [tf.ones_like(t) for t in ys]
-    fb = results_io.median_seconds(
-        lambda: program.backward_recompute([(xs, state)], dys, 0, one, False), repeats)
+    fb = results_io.median_seconds(   # a recomputing backward: forward and backward
+        lambda: program.backward([kept.recomputable()], dys, 0, one, False), repeats)
     forward.append(f * micro_batches)
     backward.append(max(fb - f, 0.0) * micro_batches)
     device = pipe.programs[program.index + 1].device

@@ -46,7 +46,7 @@ def test_every_replica_computes_on_its_own_device():
                          stage_replicas={0: 3})
   pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), keras.losses.SparseCategoricalCrossentropy())
   program = pipe.programs[0]
-  graph = program.forward.get_concrete_function(
+  graph = program.task("forward").get_concrete_function(
       [tf.TensorSpec([None, 8], tf.float32)], 0).graph
   devices = {op.device for op in graph.get_operations() if op.type == "MatMul"}
   assert {tf.DeviceSpec.from_string(d).device_index for d in devices} == {0, 1, 2}

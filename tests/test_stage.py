@@ -1,6 +1,7 @@
 """Stage programs: a recomputed forward replays the random draws of the forward it recomputes."""
 
 import keras
+import pytest
 import numpy as np
 import tensorflow as tf
 
@@ -19,22 +20,47 @@ def _program(method="vanilla"):
 def test_recomputed_activations_equal_the_forward_bit_for_bit():
   program = _program()
   x = [tf.constant(np.random.default_rng(0).standard_normal((16, 8)), tf.float32)]
-  first, _, state = program.forward(x, 0)
-  second, _, _ = program.forward(x, 0)   # the seed state has moved on: other masks
+  first, kept = program.forward(x, 0)
+  second, _ = program.forward(x, 0)   # the seed state has moved on: other masks
   assert not np.array_equal(first[0].numpy(), second[0].numpy())
   # Compiled as the forward is (eager ops round differently from the fused graph).
   replay = tf.function(lambda xs, st: program._call(program.weights(0, False), xs, training=True,
                                                     update_state=False, state=st)[0])
-  replayed = replay(x, state)
+  replayed = replay(x, kept.state)
   np.testing.assert_array_equal(replayed[0].numpy(), first[0].numpy())
 
 
 def test_a_recompute_does_not_advance_the_seed_state():
   program = _program()
   x = [tf.ones((4, 8))]
-  _, _, state = program.forward(x, 0)
+  _, kept = program.forward(x, 0)
   before = [v.numpy() for v in program.non_trainable]
-  program.backward_recompute([(x, state)], [tf.ones((4, 3))], 0, tf.constant(1.0, tf.float64),
-                             False)
+  program.backward([kept], [tf.ones((4, 3))], 0, tf.constant(1.0, tf.float64), False)
   for a, b in zip(before, program.non_trainable):
     np.testing.assert_array_equal(a, b.numpy())
+
+
+@pytest.mark.parametrize("method", ["pipedream", "vanilla", "i_timeprest", "spectrain"])
+def test_backward_halves_equal_the_whole_backward(method):
+  """A zero-bubble split: input gradients first (no update), then the weight gradients and the
+  update, give the input gradients and weights of one backward, for every kind of kept state."""
+  def program():
+    return stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
+                              keras.optimizers.SGD(0.1, momentum=0.9),
+                              policies.policy_for(method))
+  whole, split = program(), program()
+  x = [tf.constant(np.random.default_rng(1).standard_normal((6, 8)), tf.float32)]
+  dys = [tf.constant(np.random.default_rng(2).standard_normal((6, 3)), tf.float32)]
+  one = tf.constant(1.0, tf.float64)
+  _, kept = whole.forward(x, 1)
+  expected = whole.backward([kept], dys, 1, one, False)
+  _, kept = split.forward(x, 1)
+  assert kept.tape is not None or whole.ops["F"].keeps != "tape"
+  before = [v.numpy() for v in split.trainable]
+  got = split.backward_input([kept], dys, 1, one)
+  for a, b in zip(before, split.trainable):   # no update yet
+    np.testing.assert_array_equal(a, b.numpy())
+  assert split.backward_weights([kept], dys, 1, one, False) is None
+  np.testing.assert_allclose(got[0].numpy(), expected[0].numpy(), rtol=1e-6, atol=1e-7)
+  helpers.assert_weights_close([v.numpy() for v in split.trainable],
+                               [v.numpy() for v in whole.trainable], rtol=1e-6, atol=1e-7)

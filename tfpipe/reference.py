@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import mitigations, optimizers
-from tfpipe.plan import policies, schedules, verify
+from tfpipe.plan import policies, schedules, tasks, verify
 
 __all__ = ["reference_train"]
 
@@ -171,6 +171,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       rule.gamma = mitigations.delay_momentum(rule.gamma, d)
     rules.append(rule)
   S = [[tf.convert_to_tensor(v) for v in m.non_trainable_variables] for m in stage_models]
+  ops = [tasks.ops(policy, last=k == K - 1) for k in range(K)]   # the executors' table
   updates = [0] * K
   log = []
 
@@ -188,7 +189,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   for _ in range(epochs):
     schedule = schedules.build(policy.schedule, K, N, M)
     diffs = policies.version_differences(policy, schedule, version_difference)
-    covers = [verify.covered_units(tasks) for tasks in schedule]
+    covers = [verify.covered_units(stage_tasks) for stage_tasks in schedule]
     pieces = {b: _pieces(x, y, M) for b, (x, y) in enumerate(batches)}
     outputs, inputs, used, grads_out = {}, {}, {}, {}
     for k, task in verify.verify(schedule).order:
@@ -196,7 +197,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       unit, s, model = (b, i), diffs[k][task], stage_models[k]
       if kind == "F":
         xs = pieces[b][i or 0][0] if k == 0 else outputs.pop((k - 1, unit))
-        w = read(k, policy.forward, s)
+        w = read(k, ops[k]["F"].reads or ops[k]["B"].reads, s)   # "hold": the step's weights
         used[(k, unit)] = (w, updates[k], s)
         if k < K - 1:
           log.append((k, "F", b, i, updates[k]))
@@ -218,19 +219,20 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       forward_w, forward_version, forward_s = used.pop((k, units[0]))
       for u in units[1:]:
         used.pop((k, u))
+      reads = ops[k]["B"].reads
       if k == K - 1:  # forward and backward as one step, with the forward's weights
-        w, version = read(k, policy.forward, forward_s), updates[k]
+        w, version = read(k, reads, forward_s), updates[k]
         log.append((k, "F", b, i, version))
         parts = [([np.concatenate(p) for p in zip(*[xs for xs, _ in parts])], S[k])]
-      elif policy.backward == "forward":
+      elif reads == "kept":
         w, version = forward_w, forward_version
-      elif policy.backward == "blend":
+      elif reads == "blend":
         sigma = mitigations.blend_factor(updates[k] - forward_version)
         w = [(sigma * f + (1.0 - sigma) * c).astype(c.dtype) for f, c in zip(forward_w, W[k])]
         version = updates[k]
       else:
-        d = updates[k] - forward_version if policy.backward == "corrected" else s
-        w, version = read(k, policy.backward, d), updates[k]
+        d = updates[k] - forward_version if reads == "corrected" else s
+        w, version = read(k, reads, d), updates[k]
       log.append((k, "B", b, i, version))
       w_t = [tf.constant(a) for a in w]
       parts = [([tf.constant(x) for x in xs], state) for xs, state in parts]

@@ -6,16 +6,30 @@ functions read the weights explicitly through `keras.Model.stateless_call`,
 so current, stashed and predicted weights all run the same compiled code.
 """
 
+import collections
+
 import keras
 import tensorflow as tf
 
 from tfpipe import compat, mitigations, prediction
+from tfpipe.plan import tasks
 
-__all__ = ["StageProgram"]
+__all__ = ["StageProgram", "Kept"]
 
 _ZERO = tf.UnconnectedGradients.ZERO
-_TASKS = ("forward", "forward_on", "backward_recompute", "backward_on", "backward_blend", "update",
-          "apply_accumulated", "last_step", "infer", "evaluate_last", "read_weights")
+# The traced task functions (`StageProgram.task`).
+_TASKS = ("read_weights", "forward", "forward_on", "backward_on", "update", "apply_accumulated",
+          "last_step", "infer", "evaluate_last")
+
+Kept = collections.namedtuple("Kept", ["xs", "state", "weights", "tape", "ys", "reg"],
+                              defaults=(None, None, None, None))
+Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
+inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
+replays); the `weights` it read (for "tape" and "weights"); for "tape" also the persistent
+gradient `tape` with its outputs `ys` and regularisation `reg`. `Kept.recomputable()` drops
+the tape (what a compiled window carries across its boundary): the backward then recomputes
+the forward on its kept weights, which gives the same values."""
+Kept.recomputable = lambda self: Kept(self.xs, self.state, self.weights)
 
 
 def _scaled(grad, scale):
@@ -35,10 +49,13 @@ def _is_float(t):
 class StageProgram:
   """Stage k of a pipeline: its variables on `device` and its task functions.
 
-  Forward tasks whose backward reads the same weights (`policy.backward ==
-  "forward"`) run under a gradient tape kept until the backward: the
-  backward recomputes nothing and reads the forward's weights exactly (the
-  stash). Other backwards recompute the stage from its saved input.
+  Its operations (`forward`, `backward` or its halves `backward_input` and
+  `backward_weights`, `apply_accumulated`, `last_step`) run what
+  `tfpipe.plan.tasks` says for its policy (`self.ops`): a forward whose
+  backward reads its weights keeps its tape (`Kept`), so the backward
+  recomputes nothing and reads the forward's weights exactly (the stash);
+  other backwards recompute the stage from its kept input. The executors
+  call these operations and nothing else while training.
 
   Backwards of micro-batches add their weight gradients into accumulators
   (`accumulate=True`); `apply_accumulated` then updates once. `scale` (a
@@ -78,6 +95,7 @@ class StageProgram:
       raise ValueError("jit_compile=True compiles a stage for one device; a replicated stage "
                        f"(stage {index} on {self.replica_devices}) runs on several")
     self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
+    self.ops = tasks.ops(policy, last=index == num_stages - 1)   # kind -> what the stage runs
     self.loss_tracker = loss_tracker
     self.is_first, self.is_last = index == 0, index == num_stages - 1
     if policy.predicts:
@@ -106,20 +124,17 @@ class StageProgram:
                           if not self.is_last and self._has_losses() else None)
       self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
                       for j, v in enumerate(self.trainable)]
-                     if policy.backward == "corrected" else [])
+                     if self.ops["B"].reads == "corrected" else [])
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
     self.jit_compile = jit_compile
-    self._functions = {}
+    self._functions, self._traced = {}, {}
     for name in _TASKS:
       # Traced once per signature, called (not inlined) from the window graph.
-      compiled = self._functions[name] = tf.function(
+      traced = self._traced[name] = tf.function(
           getattr(self, "_" + name), reduce_retracing=True, jit_compile=jit_compile,
           autograph=False, experimental_attributes=compat.NOT_INLINED)
-      setattr(self, name, self._placed(compiled) if jit_compile else compiled)
-    if jit_compile and self.reg_trackers:   # XLA reads no variable of another device
-      self.last_step = self._adding_reg(self.last_step)
-      self.evaluate_last = self._adding_reg(self.evaluate_last)
+      self._functions[name] = self._placed(traced) if jit_compile else traced
 
   def _has_losses(self):
     """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
@@ -130,15 +145,15 @@ class StageProgram:
         training=True, return_losses=True)
     return bool(losses)
 
-  def _adding_reg(self, fn):
-    """`fn` (an XLA task whose result is its logs, or ends with them, without the other
-    stages' regularisation) with that added to the loss, outside XLA."""
-    def call(*args):
-      out = fn(*args)
-      logs = out if isinstance(out, dict) else out[-1]
-      logs = dict(logs, loss=self._with_reg(logs["loss"]))
-      return logs if isinstance(out, dict) else tuple(out[:-1]) + (logs,)
-    return call
+  def _with_reg_logs(self, out):
+    """`out` (a task's logs, or a tuple ending with them) with the other stages'
+    regularisation added to the loss outside an XLA task (XLA reads no variable of another
+    device); as it is otherwise (the task added it)."""
+    if not (self.jit_compile and self.reg_trackers):
+      return out
+    logs = out if isinstance(out, dict) else out[-1]
+    logs = dict(logs, loss=self._with_reg(logs["loss"]))
+    return logs if isinstance(out, dict) else tuple(out[:-1]) + (logs,)
 
   def _with_reg(self, loss):
     for tracker in self.reg_trackers:
@@ -150,7 +165,7 @@ class StageProgram:
     which stays one call there; with `inline`, its Python body, traced into the caller (each
     op named in the caller's scopes: what the profiled timeline reads); with XLA always the
     compiled function (one XLA call per task)."""
-    return getattr(self, "_" + name) if inline and not self.jit_compile else getattr(self, name)
+    return getattr(self, "_" + name) if inline and not self.jit_compile else self._functions[name]
 
   def _placed(self, fn):
     """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
@@ -171,7 +186,7 @@ class StageProgram:
     and the backward fails. Tracing the forward here (the trace the run then
     calls, for any batch size) finds such ops before any work.
     """
-    if self.policy.recompute or self.is_last:
+    if self.ops["F"].keeps != "tape":
       return   # recomputed forwards, or the last stage's fused step: no tape outlives a task
     graph = self._forward_trace().graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
@@ -194,7 +209,7 @@ class StageProgram:
     """The forward's trace that the executors then call (a batch of any size is a subtype)."""
     weights = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
     inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
-    return self._functions["forward_on"].get_concrete_function(weights, inputs)
+    return self._traced["forward_on"].get_concrete_function(weights, inputs)
 
   def forward_ops(self):
     """Ops in one traced forward of the stage (what an inlined task copies into a window)."""
@@ -214,11 +229,6 @@ class StageProgram:
     if source == "corrected" and s:
       return [tf.convert_to_tensor(v) - float(s) * d for v, d in zip(self.trainable, self.deltas)]
     return [tf.convert_to_tensor(v) for v in self.trainable]
-
-  def _read_weights(self, s):
-    """The forward's weights as tensors of their own: what a kept forward or a blend reads."""
-    with tf.device(self.device):
-      return [tf.identity(w) for w in self.weights(s, self.policy.forward)]
 
   def _call(self, weights, xs, training, update_state=True, state=None):
     """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
@@ -317,12 +327,68 @@ class StageProgram:
                                          name=f"s{self.index}_accumulator{j}")
                              for j, v in enumerate(self._sources)]
 
-  # Task functions (compiled).
+  # Task functions (traced once per signature; `task` gives them to the executors).
+
+  def _read_weights(self, s):
+    """The forward's weights as tensors of their own: what a kept forward or a blend reads."""
+    with tf.device(self.device):
+      return [tf.identity(w) for w in self.weights(s, self.ops["F"].reads)]
 
   def _forward(self, xs, s):
-    """Returns (outputs, regularisation, the non-trainable state read: kept for a recompute)."""
+    """The training forward on the weights it reads: (outputs, regularisation, the
+    non-trainable state read: kept for a recompute)."""
     with tf.device(self.device):
-      return self._call(self.weights(s, self.policy.forward), xs, training=True)
+      return self._call(self.weights(s, self.ops["F"].reads), xs, training=True)
+
+  def _forward_on(self, weights, xs):
+    """The training forward on `weights` (tensors): (outputs, regularisation, state read)."""
+    with tf.device(self.device):
+      return self._call(weights, xs, training=True)
+
+  def _backward_read(self, kept_weights, s):
+    """The weights a recomputing backward reads (`tasks.StageOp.reads`): the forward's
+    `kept_weights`, their blend with the current ones (`s`: the updates since the forward),
+    or the policy's source `s` updates ahead ("predicted") or back ("corrected")."""
+    reads = self.ops["B"].reads
+    if reads == "kept":
+      return list(kept_weights)
+    if reads == "blend":
+      sigma = mitigations.blend_factor(s)
+      return [w if not s else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
+              for w, v in zip(kept_weights, self.trainable)]
+    return self.weights(s, reads)
+
+  def _backward_on(self, kept_weights, parts, dys, s, scale, accumulate, wrt):
+    """Recomputes the forwards of `parts` [(inputs, state read)] on the backward's weights
+    (`_backward_read`) and takes their gradients `wrt` ("both", "inputs", "weights"); the
+    weight gradients update (or accumulate); returns the input gradients ([] for "weights").
+
+    Each part replays its own forward's random draws; outputs (and input gradients) of
+    several parts (a TiMePReSt mini-batch) join along the batch axis. Regularisation losses
+    are the first part's (weight penalties count once).
+    """
+    with tf.device(self.device):
+      weights = self._backward_read(kept_weights, s)
+      float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
+      with tf.GradientTape() as tape:
+        tape.watch(weights + float_xs)
+        outs = [self._call(weights, xs, training=True, update_state=False, state=state)
+                for xs, state in parts]
+        ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
+                                                for y in zip(*[o[0] for o in outs])]
+        targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
+      sources = ((weights if wrt != "inputs" else []) + (float_xs if wrt != "weights" else []))
+      grads = tape.gradient(targets, sources, output_gradients=out_grads,
+                            unconnected_gradients=_ZERO)
+      if wrt != "inputs":
+        self._update(grads[:len(weights)], accumulate)
+      if wrt == "weights":
+        return []
+      grads = grads[len(weights):] if wrt == "both" else grads
+      n = len(float_xs) // len(parts)
+      per_part = [grads[i * n:(i + 1) * n] for i in range(len(parts))]
+      joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
+      return self._input_grads(joined)
 
   def _update(self, grads, accumulate):
     with tf.device(self.device):
@@ -339,79 +405,11 @@ class StageProgram:
       for a in self.accumulators:
         a.assign(tf.zeros_like(a))
 
-  def _forward_on(self, weights, xs):
-    """The stage's training forward on `weights` (tensors): (outputs, regularisation, the
-    non-trainable state read)."""
-    with tf.device(self.device):
-      return self._call(weights, xs, training=True)
-
-  def _backward_recompute(self, parts, dys, s, scale, accumulate):
-    """Recomputes the forwards of `parts` [(inputs, state read)] with the backward's weights
-    (current, or predicted `s` ahead) and runs their backward (see `_backward_on`)."""
-    with tf.device(self.device):
-      weights = self.weights(s, self.policy.backward)
-    return self._backward_on(weights, parts, dys, scale, accumulate)
-
-  def _backward_blend(self, forward_weights, parts, dys, d, scale, accumulate):
-    """I-TiMePReSt: the backward of `parts` on e^-d * the forward's weights + (1 - e^-d) * the
-    current ones, `d` (a Python number) updates after the forward."""
-    with tf.device(self.device):
-      sigma = mitigations.blend_factor(d)
-      weights = [w if not d else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
-                 for w, v in zip(forward_weights, self.trainable)]
-    return self._backward_on(weights, parts, dys, scale, accumulate)
-
-  def _backward_on(self, weights, parts, dys, scale, accumulate):
-    """Recomputes the forwards of `parts` [(inputs, state read)] on `weights`, runs their
-    backward and updates; returns the input gradients.
-
-    Each part replays its own forward's random draws; outputs (and input
-    gradients) of several parts (a TiMePReSt mini-batch) join along the batch
-    axis. Regularisation losses are the first part's (weight penalties count once).
-    """
-    with tf.device(self.device):
-      weights = list(weights)
-      float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
-      with tf.GradientTape() as tape:
-        tape.watch(weights + float_xs)
-        outs = [self._call(weights, xs, training=True, update_state=False, state=state)
-                for xs, state in parts]
-        ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
-                                                for y in zip(*[o[0] for o in outs])]
-        targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
-      grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
-                            unconnected_gradients=_ZERO)
-      self._update(grads[:len(weights)], accumulate)
-      n = len(float_xs) // len(parts)
-      per_part = [grads[len(weights) + i * n:len(weights) + (i + 1) * n] for i in range(len(parts))]
-      joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
-      return self._input_grads(joined)
-
-  def taped_forward(self, weights, xs, inline=False):
-    """Forward on `weights` under a tape kept for `taped_backward` later in the same graph:
-    returns (outputs, state read, kept). `inline`: see `task`."""
-    with tf.device(self.device), tf.GradientTape() as tape:
-      float_xs = self._float_inputs(xs)
-      tape.watch(list(weights) + float_xs)
-      ys, reg, state = self.task("forward_on", inline)(weights, xs)
-    return ys, state, (tape, list(weights), xs, ys, reg)
-
-  def taped_backward(self, kept, dys, scale, accumulate, inline=False):
-    """The backward through a `taped_forward`'s tape (its own weights), then the update."""
-    tape, weights, xs, ys, reg = kept
-    with tf.device(self.device):
-      float_xs = self._float_inputs(xs)
-      targets, out_grads = self._targets(ys, dys, reg, scale)
-      grads = tape.gradient(targets, weights + float_xs, output_gradients=out_grads,
-                            unconnected_gradients=_ZERO)
-      self.task("update", inline)(grads[:len(weights)], accumulate)
-      return self._input_grads(grads[len(weights):])
-
   def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
     """The last stage's forward, loss, backward and update: returns (loss, input gradients,
     the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
     with tf.device(self.device):
-      weights = self.weights(s, self.policy.forward)
+      weights = self.weights(s, self.ops["B"].reads)
       float_xs = self._float_inputs(xs)
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
@@ -450,7 +448,7 @@ class StageProgram:
   def logs(self, in_task=False):
     """The running loss and metric results (what Keras passes to batch hooks); last stage.
     The loss adds the earlier stages' regularisation (`reg_trackers`); in an XLA task
-    (`in_task`) that is added outside it (`_adding_reg`)."""
+    (`in_task`) that is added outside it (`_with_reg_logs`)."""
     loss = self.loss_tracker.result()
     if not (in_task and self.jit_compile):
       loss = self._with_reg(loss)
@@ -463,26 +461,76 @@ class StageProgram:
         logs[metric.name] = result
     return logs
 
-  # Eager task wrappers.
+  # The stage's operations (`tfpipe.plan.tasks`): what every executor calls, eagerly (the
+  # threaded executor) or while tracing a window (the compiled one; `inline`: see `task`).
 
-  def forward_saved(self, xs, s):
-    """Forward under a tape kept for the backward: returns (ys, state)."""
-    with tf.device(self.device), tf.GradientTape() as tape:
-      float_xs = self._float_inputs(xs)
-      tape.watch(float_xs)
-      ys, reg, _ = self.forward(xs, s)
-    return ys, (tape, xs, ys, reg)
+  def forward(self, xs, s, inline=False):
+    """Task F: the forward on the weights it reads (s: its version difference); returns
+    (outputs, `Kept`: what its backward needs, as the table's `keeps` says)."""
+    keeps = self.ops["F"].keeps
+    if keeps == "inputs":
+      ys, _, state = self.task("forward", inline)(xs, s)
+      return ys, Kept(xs, state)
+    weights = self.task("read_weights", inline)(s)
+    if keeps == "weights":
+      ys, _, state = self.task("forward_on", inline)(weights, xs)
+      return ys, Kept(xs, state, weights)
+    with tf.device(self.device), tf.GradientTape(persistent=True) as tape:
+      tape.watch(list(weights) + self._float_inputs(xs))
+      ys, reg, state = self.task("forward_on", inline)(weights, xs)
+    return ys, Kept(xs, state, list(weights), tape, ys, reg)
 
-  def backward_saved(self, state, dys, scale, accumulate):
-    """Backward through the kept tape with the forward's own weights, then the update."""
-    tape, xs, ys, reg = state
+  def backward(self, parts, dys, s, scale, accumulate, inline=False):
+    """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
+    mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
+    says (`s`: the task's version difference); updates with the weight gradients (adds
+    them to the accumulators with `accumulate`); returns the input gradients."""
+    return self._backward(parts, dys, s, scale, accumulate, "both", inline)
+
+  def backward_input(self, parts, dys, s, scale, inline=False):
+    """The input-gradient half of `backward` (a zero-bubble schedule's B): no update."""
+    return self._backward(parts, dys, s, scale, False, "inputs", inline)
+
+  def backward_weights(self, parts, dys, s, scale, accumulate, inline=False):
+    """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update."""
+    self._backward(parts, dys, s, scale, accumulate, "weights", inline)
+
+  def _backward(self, parts, dys, s, scale, accumulate, wrt, inline):
+    if len(parts) == 1 and parts[0].tape is not None:
+      return self._through_tape(parts[0], dys, scale, accumulate, wrt, inline)
+    weights = parts[0].weights if parts[0].weights is not None else []
+    return self.task("backward_on", inline)(weights, [(p.xs, p.state) for p in parts], dys, s,
+                                            scale, accumulate, wrt)
+
+  def _through_tape(self, kept, dys, scale, accumulate, wrt, inline):
+    """The gradient through a kept forward's tape (its own weights), then the update."""
     with tf.device(self.device):
-      float_xs = self._float_inputs(xs)
-      targets, out_grads = self._targets(ys, dys, reg, scale)
-      grads = tape.gradient(targets, self._sources + float_xs, output_gradients=out_grads,
-                            unconnected_gradients=_ZERO)
-      self.update(grads[:len(self._sources)], accumulate)
-      return self._input_grads(grads[len(self._sources):])
+      float_xs = self._float_inputs(kept.xs)
+      weights = kept.weights if wrt != "inputs" else []
+      targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
+      grads = kept.tape.gradient(targets, weights + (float_xs if wrt != "weights" else []),
+                                 output_gradients=out_grads, unconnected_gradients=_ZERO)
+      if wrt != "inputs":
+        self.task("update", inline)(grads[:len(weights)], accumulate)
+      return [] if wrt == "weights" else self._input_grads(grads[len(weights):])
+
+  def apply_accumulated(self, inline=False):
+    """Task U: one update with the accumulated gradients, which it clears."""
+    return self.task("apply_accumulated", inline)()
+
+  def last_step(self, xs, y, sample_weight, s, scale, accumulate, inline=False):
+    """The last stage's task B (its F only holds the input): forward, loss, backward and
+    update on the forward's weights; returns (loss, input gradients, running logs)."""
+    return self._with_reg_logs(self.task("last_step", inline)(xs, y, sample_weight, s, scale,
+                                                              accumulate))
+
+  def infer(self, xs, inline=False):
+    """The inference forward (current weights, training=False): the outputs."""
+    return self.task("infer", inline)(xs)
+
+  def evaluate_last(self, xs, y, sample_weight, inline=False):
+    """The last stage's evaluation of a batch: the running logs."""
+    return self._with_reg_logs(self.task("evaluate_last", inline)(xs, y, sample_weight))
 
   # Moving weights between the stage and the user's model.
 

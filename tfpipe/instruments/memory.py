@@ -20,6 +20,8 @@ The per-sample sizes come from the layers' static output shapes.
 import keras
 import numpy as np
 
+from tfpipe.plan import tasks as task_table
+
 __all__ = ["FIELDS", "stage_memory", "format_memory"]
 
 FIELDS = ("weights", "versions", "activations", "optimizer", "accumulators")
@@ -60,12 +62,13 @@ def stage_memory(pipeline, batch_size):
   if pipeline.runtime is None:
     raise RuntimeError("compile and fit the pipeline first: the peaks are measured by the run")
   unit = -(-batch_size // pipeline.micro_batches)
-  extra_current = 0 if pipeline.policy.forward == "predicted" else 1
+  ops = task_table.ops(pipeline.policy)
+  extra_current = 0 if ops["F"].reads == "predicted" else 1
   result = []
   for k, program in enumerate(pipeline.programs):
     weights = _bytes(program.trainable) + _bytes(program.non_trainable)
     trainable = _bytes(program.trainable)
-    if pipeline.policy.recompute:
+    if ops["F"].keeps != "tape":
       state = _per_sample(program.model.inputs)
     else:
       state = _per_sample(program.model.inputs) + _per_sample(_layer_outputs(program.model))

@@ -20,7 +20,7 @@ schedule that fails is refused with a `ScheduleError` naming stage and task.
 import collections
 import dataclasses
 
-from tfpipe.plan import policies, schedules
+from tfpipe.plan import policies, schedules, tasks as task_table
 
 __all__ = ["ScheduleError", "Report", "verify", "covered_units", "memory_table",
            "format_memory_table"]
@@ -256,7 +256,7 @@ def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
                                    else None)
     report = verify(schedules.build(policy.schedule, K, N, m))
     # A blend (I-TiMePReSt) keeps the forward's weights until the backward, as a stash.
-    versions = report.peak_versions if policy.backward in ("forward", "blend") else [0] * K
+    versions = report.peak_versions if task_table.keeps_weights(policy) else [0] * K
     table[method] = ("inputs" if policy.recompute else "activations", report.peak_states,
                      versions)
   return table

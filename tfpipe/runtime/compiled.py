@@ -33,7 +33,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import compat
-from tfpipe.plan import schedules, windows as windows_lib
+from tfpipe.plan import schedules, tasks as plan_tasks, windows as windows_lib
 from tfpipe.runtime import records, timeline
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat
@@ -126,7 +126,7 @@ class CompiledRuntime(Executor):
                     windows_lib.flush_window(schedule, diffs))
     _, plan, numbers, flush = self._plan
     for k, tasks in enumerate(schedule):
-      keeps = self.programs[k].policy.backward in ("forward", "blend")
+      keeps = plan_tasks.keeps_weights(self.programs[k].policy)
       peaks = records.kept_peaks(tasks, diffs[k], keeps, k == self.K - 1)
       self.peak_saved[k] = max(self.peak_saved[k], peaks[0])
       self.peak_versions[k] = max(self.peak_versions[k], peaks[1])
@@ -331,7 +331,7 @@ class CompiledRuntime(Executor):
         if last:
           entry = (k, "FB", task.batch, task.micro, counts[k], forwards[0][1])
         else:
-          kept = len(units) == 1 and not self.programs[k].policy.recompute
+          kept = len(units) == 1 and self.programs[k].ops["B"].reads == "kept"
           entry = (k, "B", task.batch, task.micro, forwards[0][0] if kept else counts[k], s)
           if kept and forwards[0][2] is not None:
             backward_of[forwards[0][2]] = j
@@ -355,8 +355,9 @@ class CompiledRuntime(Executor):
 
   def _traced_tasks(self, key, inline, carry, inputs, labels, M):
     K, programs = self.K, self.programs
-    flight = {part: dict(carry[part]) for part in ("x", "saved", "g")}
-    kept, last_parts, pieces, batch_loss, results = {}, {}, {}, {}, {}
+    flight = {"x": dict(carry["x"]), "g": dict(carry["g"])}
+    saved = dict(carry["saved"])   # (k, b, micro) -> (stage.Kept, share)
+    held, pieces, batch_loss, results = {}, {}, {}, {}
 
     def piece(source, b, micro, split_labels):
       """The inputs (or labels and sample weights) of unit (b, micro): the mini-batch, or its
@@ -378,45 +379,35 @@ class CompiledRuntime(Executor):
       return pieces[name][0 if micro is None else micro]
 
     for i, (k, kind, b, micro, s, units) in enumerate(key):
+      program, unit = programs[k], (b, micro)
+      op = program.ops[kind].op   # what the stage runs (tfpipe.plan.tasks)
+      m = None if micro < 0 else micro
+      if op in ("receive", "barrier"):
+        continue   # a gradient is a tensor of the graph already; the graph orders the rest
       with timeline.scope(i):   # names the task's ops in the profile
-        program, unit = programs[k], (b, micro)
-        last = k == K - 1
-        task = schedules.Task(kind, b, None if micro < 0 else micro)
-        m = task.micro
-        if kind == "F":
+        if op in ("hold", "forward"):
           if k == 0:
             xs, share = piece(inputs, b, m, False)
             scale = self._scale(0, share)
           else:
             xs, scale = flight["x"].pop((k, b, micro))
-          if last:
+          if op == "hold":   # the last stage's forward runs with its backward (its step)
             values, _ = piece(labels, b, m, True)
             sample_weight = values[1] if len(values) > 1 else None
-            last_parts[unit] = (xs, values[0], sample_weight, scale, s)
+            held[unit] = (xs, values[0], sample_weight, scale, s)
             continue
-          if program.policy.backward == "blend":   # the backward blends in these weights
-            weights = program.task("read_weights", inline)(s)
-            ys, _, state = program.task("forward_on", inline)(weights, xs)
-            flight["saved"][(k, b, micro)] = (xs, weights, state, scale)
-          elif program.policy.recompute:
-            ys, _, state = program.task("forward", inline)(xs, s)
-            flight["saved"][(k, b, micro)] = (xs, [], state, scale)
-          else:
-            ys, state, taped = program.taped_forward(program.task("read_weights", inline)(s), xs,
-                                                     inline)
-            kept[(k, b, micro)] = (taped, state, scale)
+          ys, kept = program.forward(xs, s, inline)
+          saved[(k, b, micro)] = (kept, scale)
           flight["x"][(k + 1, b, micro)] = (ys, scale)
-        elif kind == "R":
-          continue   # the gradient is a tensor of the graph already
-        elif kind == "U":
-          program.task("apply_accumulated", inline)()
-          if last:
+        elif op == "update":
+          program.apply_accumulated(inline)
+          if k == K - 1:
             results[b] = (batch_loss.pop(b), program.logs())
-        elif last:
-          parts = [last_parts.pop(u) for u in units]
+        elif op == "step":
+          parts = [held.pop(u) for u in units]
           xs, y, sample_weight, scale = (_join([p[i] for p in parts]) for i in range(4))
-          loss, dxs, logs = program.task("last_step", inline)(
-              xs, y, sample_weight, parts[0][4], scale, m is not None)
+          loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0][4], scale,
+                                              m is not None, inline)
           if k > 0:
             flight["g"][(k - 1, b, micro)] = dxs
           if m is None:
@@ -424,30 +415,17 @@ class CompiledRuntime(Executor):
           else:
             weighted = tf.cast(loss, tf.float64) * scale
             batch_loss[b] = weighted if b not in batch_loss else batch_loss[b] + weighted
-        else:
-          dys = flight["g"].pop((k, b, micro))
-          accumulate = m is not None
-          if len(units) == 1 and (k,) + units[0] in kept:
-            taped, _, scale = kept.pop((k,) + units[0])
-            dxs = program.taped_backward(taped, dys, scale, accumulate, inline)
-          else:
-            parts = [flight["saved"].pop((k,) + u) for u in units]
-            scale = _join([p[3] for p in parts])
-            if program.policy.backward == "blend":
-              dxs = program.task("backward_blend", inline)(
-                  parts[0][1], [(p[0], p[2]) for p in parts], dys, s, scale, accumulate)
-            elif parts[0][1]:   # the forward's own weights, carried across a window boundary
-              dxs = program.task("backward_on", inline)(
-                  parts[0][1], [(parts[0][0], parts[0][2])], dys, scale, accumulate)
-            else:
-              dxs = program.task("backward_recompute", inline)(
-                  [(p[0], p[2]) for p in parts], dys, s, scale, accumulate)
+        else:   # "backward"
+          parts = [saved.pop((k,) + u) for u in units]
+          dxs = program.backward([kept for kept, _ in parts], flight["g"].pop((k, b, micro)), s,
+                                 _join([share for _, share in parts]), m is not None, inline)
           if k > 0:
             flight["g"][(k - 1, b, micro)] = dxs
-    if last_parts or batch_loss:
+    if held or batch_loss:
       raise AssertionError("a window cut the last stage's step apart")   # windows.plan prevents it
-    for unit, ((_, weights, xs, _, _), state, scale) in kept.items():
-      flight["saved"][unit] = (xs, weights, state, scale)
+    # Forwards still waiting cross into the next window without their tapes: their backward
+    # recomputes them on the kept inputs, weights and random state (the same values).
+    flight["saved"] = {u: (kept.recomputable(), share) for u, (kept, share) in saved.items()}
     return flight, [results[b] for b in sorted(results)]
 
   # Inference.

@@ -23,13 +23,13 @@ from tfpipe.runtime.records import TaskRecord
 
 __all__ = ["Runtime"]
 
-_Saved = collections.namedtuple("_Saved", ["xs", "tape", "version", "scale", "state", "weights"],
-                                defaults=[None])
-_Saved.__doc__ = """What stage k keeps from a forward for its backward: the stage inputs, the
-kept tape (or None: the backward recomputes), the weight version read, the
-micro-batch's share of its mini-batch, the non-trainable state the forward
-read (its random layers' seeds), so a recomputation draws the same, and the
-weights it read when the backward blends them in (I-TiMePReSt)."""
+_Saved = collections.namedtuple("_Saved", ["kept", "version", "scale"])
+_Saved.__doc__ = """A forward waiting for its backward at stage k: what the stage kept
+(`tfpipe.stage.Kept`), the weight version it read and the micro-batch's share of its
+mini-batch."""
+_Held = collections.namedtuple("_Held", ["xs", "labels", "scale", "s"])
+_Held.__doc__ = """A last-stage forward held for its step: inputs, (labels, sample weights),
+share of the mini-batch and version difference."""
 
 
 class Runtime(Executor):
@@ -83,47 +83,40 @@ class Runtime(Executor):
     def run_task(k, program, last, cover, saved, grads_in, batch_loss, task, logs):
       kind, b, micro = task
       unit, s = (b, micro), diffs[k].get(task, 0)
-      start = time.perf_counter()
-      if kind == "F":
+      start, op = time.perf_counter(), program.ops[kind].op   # tfpipe.plan.tasks
+      if op in ("hold", "forward"):
         xs, y, scale = links.inputs(k, batches, labelled=True, b=b, micro=micro)
         start = time.perf_counter()
-        if last:
-          saved[unit] = (xs, y, scale, s)
+        if op == "hold":
+          saved[unit] = _Held(xs, y, scale, s)
           return logs  # the last stage runs its forward with the backward
-        if program.policy.backward == "blend":
-          weights = program.read_weights(s)
-          ys, _, state_read = program.forward_on(weights, xs)
-          saved[unit] = _Saved(xs, None, self.updates[k], scale, state_read, weights)
-        elif program.policy.recompute:
-          ys, _, state_read = program.forward(xs, s)
-          saved[unit] = _Saved(xs, None, self.updates[k], scale, state_read)
-        else:
-          ys, tape = program.forward_saved(xs, s)
-          saved[unit] = _Saved(xs, tape, self.updates[k], scale, None)
+        ys, kept = program.forward(xs, s)
+        saved[unit] = _Saved(kept, self.updates[k], scale)
         self._note_saved(k, saved, diffs[k])
         self._log(k, "F", task, self.updates[k], s, start)
         fwd[k][0].put((unit, (ys, scale)))
-      elif kind == "R":
+      elif op == "receive":
         grads_in[unit] = bwd[k][1].get(links.cancel(b))[1]
         self._log(k, "R", task, self.updates[k], s, start)
-      elif kind == "S":
+      elif op == "barrier":
         links.barrier.wait(links.cancel(b))
         self._log(k, "S", task, self.updates[k], s, start)
-      elif kind == "U":
+      elif op == "update":
         program.apply_accumulated()
         self._log(k, "U", task, self.updates[k], s, start)
         self._updated(k)
         if last:
           results.put((b, batch_loss.pop(b), logs))
-      elif last:
+      elif op == "step":
         parts = [saved.pop(u) for u in cover[task]]
-        xs = parts[0][0] if len(parts) == 1 else concat([p[0] for p in parts])
-        y, sample_weight = (parts[0][1] if len(parts) == 1 else
-                            (concat([p[1][0] for p in parts]), concat([p[1][1] for p in parts])))
-        scale = sum(p[2] for p in parts)
-        loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0][3],
+        xs = parts[0].xs if len(parts) == 1 else concat([p.xs for p in parts])
+        y, sample_weight = (parts[0].labels if len(parts) == 1 else
+                            (concat([p.labels[0] for p in parts]),
+                             concat([p.labels[1] for p in parts])))
+        scale = sum(p.scale for p in parts)
+        loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0].s,
                                             self._scale(k, scale), micro is not None)
-        self._log(k, "FB", task, self.updates[k], parts[0][3], start)
+        self._log(k, "FB", task, self.updates[k], parts[0].s, start)
         if micro is None:
           self._updated(k)
         if k > 0:
@@ -137,19 +130,9 @@ class Runtime(Executor):
         start = time.perf_counter()
         parts = [saved.pop(u) for u in cover[task]]
         accumulate = micro is not None
-        if program.policy.backward == "blend":
-          dxs = program.backward_blend(parts[0].weights, [(p.xs, p.state) for p in parts], dys, s,
-                                       self._scale(k, sum(p.scale for p in parts)), accumulate)
-          version = self.updates[k]
-        elif len(parts) == 1 and parts[0].tape is not None:
-          part = parts[0]
-          dxs = program.backward_saved(part.tape, dys, self._scale(k, part.scale), accumulate)
-          version = part.version
-        else:
-          scale = sum(p.scale for p in parts)
-          dxs = program.backward_recompute([(p.xs, p.state) for p in parts], dys, s,
-                                           self._scale(k, scale), accumulate)
-          version = self.updates[k]
+        dxs = program.backward([p.kept for p in parts], dys, s,
+                               self._scale(k, sum(p.scale for p in parts)), accumulate)
+        version = parts[0].version if program.ops["B"].reads == "kept" else self.updates[k]
         self._log(k, "B", task, version, s, start)
         if not accumulate:
           self._updated(k)
@@ -170,8 +153,7 @@ class Runtime(Executor):
     """
     self.peak_saved[k] = max(self.peak_saved[k], len(saved))
     versions = {(part.version, diffs.get(schedules.Task("F", *unit), 0))
-                for unit, part in saved.items()
-                if part.tape is not None or part.weights is not None}
+                for unit, part in saved.items() if part.kept.weights is not None}
     self.peak_versions[k] = max(self.peak_versions[k], len(versions))
 
   def infer_epoch(self, batches, num_batches, on_result, with_labels, before=None):

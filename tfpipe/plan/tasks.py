@@ -1,0 +1,79 @@
+"""What a stage computes for each schedule task under a weight policy (pure Python).
+
+The one table the executors (`tfpipe.runtime`), the stage program
+(`tfpipe.stage`) and the slow reference (`tfpipe.reference`) read: a new
+weight rule is one entry here plus its math in the stage, nothing in the
+executors.
+
+Task kinds (`tfpipe.plan.schedules.Task`): F forward, B backward (with the
+update, or adding into the accumulators for a micro-batch), U apply the
+accumulated gradients, R receive a gradient early, S a barrier. At the last
+stage a forward only holds its input: it runs with its backward as one step
+(forward, loss, backward, update).
+
+`StageOp` fields:
+  op:    "forward" | "hold" (the last stage's forward) | "backward" |
+         "step" (the last stage's backward) | "update" | "receive" | "barrier";
+  reads: the weights read (DESIGN.md section 3): "current"; "predicted"
+         (s updates ahead); "kept" (the very weights the forward read: a stash
+         or a reused prediction); "corrected" (current minus d times the
+         average weight change, PipeMare); "blend" (e^-d * the kept weights +
+         (1 - e^-d) * the current ones, I-TiMePReSt). d, the updates since the
+         forward, is the backward's version difference
+         (`policies.version_differences`);
+  keeps: what a forward keeps for its backward: "tape" (its activations: the
+         backward takes its gradient through them, reading "kept" weights),
+         "weights" (the weights it read, and its inputs: the backward blends
+         them) or "inputs" (inputs and random state: the backward recomputes).
+"""
+
+import dataclasses
+
+__all__ = ["StageOp", "op", "ops", "keeps_weights", "BACKWARD_READS"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOp:
+  op: str
+  reads: str = None
+  keeps: str = None
+
+
+# The policy's backward source -> (what the backward reads, what the forward keeps).
+BACKWARD_READS = {
+    "forward": ("kept", "tape"),
+    "current": ("current", "inputs"),
+    "predicted": ("predicted", "inputs"),
+    "corrected": ("corrected", "inputs"),
+    "blend": ("blend", "weights"),
+}
+
+_PLAIN = {"U": StageOp("update"), "R": StageOp("receive"), "S": StageOp("barrier")}
+
+
+def op(policy, kind, last=False):
+  """The `StageOp` of a task of kind `kind` at a stage (`last`: the last stage) under `policy`
+  (`tfpipe.plan.policies.WeightPolicy`)."""
+  if kind in _PLAIN:
+    return _PLAIN[kind]
+  if kind not in ("F", "B"):
+    raise ValueError(f"unknown task kind {kind!r}")
+  if policy.backward not in BACKWARD_READS:
+    raise ValueError(f"policy {policy.method!r} reads unknown backward weights "
+                     f"{policy.backward!r}")
+  reads, keeps = BACKWARD_READS[policy.backward]
+  if last:   # one step: forward and backward on the forward's weights
+    return StageOp("hold", keeps="inputs") if kind == "F" else StageOp("step", policy.forward)
+  if kind == "F":
+    return StageOp("forward", policy.forward, keeps)
+  return StageOp("backward", reads)
+
+
+def ops(policy, last=False):
+  """{kind: StageOp} for every task kind of a stage."""
+  return {kind: op(policy, kind, last) for kind in ("F", "B", "U", "R", "S")}
+
+
+def keeps_weights(policy):
+  """Whether a forward's kept state holds the weights it read (a version to keep)."""
+  return op(policy, "F").keeps in ("tape", "weights")
