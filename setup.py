@@ -12,6 +12,7 @@ setuptools.setup(
     description="Pipelined model parallelism for Keras on TensorFlow: SpecTrain, PipeDream, "
                 "vanilla pipelining and data-parallel baselines",
     packages=setuptools.find_packages(include=["tfpipe", "tfpipe.*", "trainers", "trainers.*"]),
+    package_data={"tfpipe": ["bind_host.c"]},   # the TF servers' bind shim (tfpipe.bind)
     python_requires=">=3.9",
     install_requires=[
         "keras>=3",
@@ -26,7 +27,7 @@ setuptools.setup(
         "cpu": ["tensorflow-cpu>=2.16"],
         "gpu": ["tensorflow[and-cuda]>=2.16"],
         "profile": ["tensorboard-plugin-profile"],
-        "test": ["pytest"],
+        "test": ["pytest", "pytest-xdist"],   # tests run on two workers (-n 2)
     },
     entry_points={"console_scripts": ["tfpipe-train=trainers.main:entry"]},
 )

@@ -7,6 +7,7 @@ process: `python -m tests.cluster_scenarios NAME` prints one JSON line.
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -88,6 +89,29 @@ def dead(local, directory):
   return {"error": error, "seconds": time.time() - killer.when,
           "latest": saver.manager.latest_checkpoint, "good": good,
           "unreachable": [list(t[:2]) for t in cluster.unreachable_tasks(local.spec)]}
+
+
+class _StopAt(keras.callbacks.Callback):
+  """SIGSTOPs worker 1 at `batch`: its process hangs (the kernel still accepts connections)."""
+
+  def __init__(self, local, batch):
+    super().__init__()
+    self.local, self.batch, self.when = local, batch, None
+
+  def on_train_batch_end(self, batch, logs=None):
+    if batch == self.batch and self.when is None:
+      os.kill(self.local.processes[("worker", 1)].pid, signal.SIGSTOP)
+      self.when = time.time()
+
+
+def hung(local):
+  stopper = _StopAt(local, 3)
+  try:
+    _train(cluster.task_devices(local.spec), n=400, epochs=3, callbacks=[stopper])
+    error = None
+  except cluster.WorkerLost as e:
+    error = str(e)
+  return {"error": error, "seconds": time.time() - stopper.when}
 
 
 def mwms(addresses, index):

@@ -128,3 +128,127 @@ def test_a_resumed_run_keeps_the_learning_rate_its_callbacks_set(tmp_path):
   assert float(second.optimizer.learning_rate) == pytest.approx(reduced)
   assert [float(p.optimizer.learning_rate) for p in second.programs] == pytest.approx(
       [reduced] * 3)
+
+
+class _Weights(keras.callbacks.Callback):
+  """The stages' weights at every epoch end."""
+
+  def __init__(self, pipe):
+    super().__init__()
+    self.pipe, self.epochs = pipe, []
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.epochs.append([v.numpy() for p in self.pipe.programs for v in p.trainable])
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory):
+  """A directory holding ckpt-1, ckpt-2, ckpt-3 of a sequential pipeline, and each epoch's
+  weights."""
+  directory = tmp_path_factory.mktemp("three")
+  pipe = _pipeline("sequential", 0)
+  weights = _Weights(pipe)
+  pipe.fit(*_data(), batch_size=16, epochs=3, verbose=0,
+           callbacks=[weights, checkpoint.BackupAndRestore(str(directory), max_to_keep=3)])
+  return directory, weights.epochs
+
+
+def _copy(three_checkpoints, tmp_path):
+  import shutil
+  source, weights = three_checkpoints
+  shutil.copytree(source, tmp_path / "ckpt")
+  return tmp_path / "ckpt", weights
+
+
+def _restore(directory):
+  pipe = _pipeline("sequential", 7)
+  saver = checkpoint.BackupAndRestore(str(directory), max_to_keep=3)
+  saver.attach(pipe)
+  return pipe, saver, saver.restore()
+
+
+def _truncate(path):
+  with open(path, "r+b") as f:
+    f.truncate(max(1, len(f.read()) // 2))
+
+
+def _damage(directory, how):
+  state = directory / "checkpoint"
+  if how == "state_text":
+    state.write_text("this is not a checkpoint state\n{]")
+  elif how == "state_binary":
+    state.write_bytes(b"\xff\xfe\x00\x81garbage\x00")
+  elif how == "state_deleted":
+    state.unlink()
+  elif how == "state_points_elsewhere":
+    state.write_text('model_checkpoint_path: "ckpt-9"\nall_model_checkpoint_paths: "ckpt-9"\n')
+  elif how == "data_truncated":
+    _truncate(next(directory.glob("ckpt-3.data-*")))
+  elif how == "index_truncated":
+    _truncate(directory / "ckpt-3.index")
+
+
+@pytest.mark.parametrize("how, problem, epoch", [
+    ("state_text", "names no checkpoint", 3),
+    ("state_binary", "cannot be read", 3),
+    ("state_deleted", "is missing", 3),
+    ("state_points_elsewhere", "which is not there", 3),
+    ("data_truncated", "ckpt-3 is damaged", 2),
+    ("index_truncated", "ckpt-3 is damaged", 2),
+])
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_with_a_warning(
+    three_checkpoints, tmp_path, how, problem, epoch):
+  directory, weights = _copy(three_checkpoints, tmp_path)
+  _damage(directory, how)
+  with pytest.warns(UserWarning, match=problem) as caught:
+    pipe, saver, done = _restore(directory)
+  assert done == epoch
+  assert f"resuming from {directory / f'ckpt-{epoch}'}" in str(caught[0].message)
+  for a, b in zip([v.numpy() for p in pipe.programs for v in p.trainable], weights[epoch - 1]):
+    np.testing.assert_array_equal(a, b)
+  # The state is rewritten: the next saves count from there and keep the intact ones.
+  saver.save(epoch + 1)
+  assert saver.manager.latest_checkpoint == str(directory / f"ckpt-{epoch + 1}")
+  assert [int(p.rsplit("-", 1)[1]) for p in saver.manager.checkpoints] == list(
+      range(epoch - 1, epoch + 2))
+
+
+def test_a_directory_whose_checkpoints_are_all_damaged_is_refused_not_restarted(
+    three_checkpoints, tmp_path):
+  directory, _ = _copy(three_checkpoints, tmp_path)
+  for data in directory.glob("ckpt-*.data-*"):
+    _truncate(data)
+  with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint in .* can be restored: "
+                     r".*ckpt-3: .*ckpt-2: .*ckpt-1: .*Move the directory away"):
+    _restore(directory)
+  assert len(list(directory.glob("ckpt-*.index"))) == 3   # nothing deleted
+
+
+def test_temporary_directories_of_unfinished_saves_are_removed(three_checkpoints, tmp_path):
+  directory, _ = _copy(three_checkpoints, tmp_path)
+  (directory / "ckpt-4_temp").mkdir()
+  (directory / "ckpt-4_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"x" * 64)
+  _, _, done = _restore(directory)
+  assert done == 3 and not (directory / "ckpt-4_temp").exists()
+
+
+class _Poison(keras.callbacks.Callback):
+  """Makes stage 0's first weight NaN when epoch `epoch` begins (after any restore)."""
+
+  def __init__(self, pipe, epoch):
+    super().__init__()
+    self.pipe, self.epoch = pipe, epoch
+
+  def on_epoch_begin(self, epoch, logs=None):
+    if epoch == self.epoch:
+      weight = self.pipe.programs[0].trainable[0]
+      weight.assign(np.full(weight.shape, np.nan, weight.dtype))
+
+
+def test_an_epoch_with_a_non_finite_loss_is_not_saved(tmp_path):
+  x, y = _data()
+  pipe = _pipeline("sequential", 0)
+  saver = checkpoint.BackupAndRestore(str(tmp_path))
+  with pytest.warns(UserWarning, match=r"epoch 2 ended with loss nan: not saved .*ckpt-1"):
+    pipe.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[_Poison(pipe, 1), saver])
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-1")

@@ -6,8 +6,11 @@ process stays connected to its cluster.
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,6 +52,87 @@ def test_a_dead_worker_stops_training_with_its_name_and_keeps_checkpoints(tmp_pa
   assert result["seconds"] < 30                 # bounded: no hang
   assert result["latest"] == result["good"]     # the last good checkpoint is untouched
   assert result["unreachable"] == [["worker", 1]]
+
+
+def test_a_hung_worker_is_named_within_seconds_and_training_stops():
+  result = _scenario("hung")
+  assert result["error"] and result["error"].startswith("lost /job:worker/task:1 (127.0.0.1:")
+  assert "stopped answering (hung or stopped) and was killed" in result["error"]
+  assert result["seconds"] < 10
+
+
+def _listening(port):
+  """(table, local address) of the sockets listening on `port` (/proc/net/tcp, tcp6)."""
+  found = []
+  for table in ("tcp", "tcp6"):
+    with open(f"/proc/net/{table}") as f:
+      for line in f.read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+          found.append((table, fields[1].split(":")[0]))
+  return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+def test_local_servers_listen_on_127_0_0_1_only_and_die_with_their_parent():
+  # A parent process starts two servers, reports them, and is killed with SIGKILL.
+  code = ("import json, os, time; from tfpipe import cluster; "
+          "c = cluster.LocalCluster({'worker': 2}); "
+          "print(json.dumps({'spec': c.spec, 'pids': [p.pid for p in c.processes.values()]}), "
+          "flush=True); time.sleep(300)")
+  parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+  try:
+    started = json.loads(parent.stdout.readline())
+    ports = [int(a.rpartition(":")[2]) for a in started["spec"]["worker"]]
+    loopback = {("tcp", "0100007F"), ("tcp6", "0000000000000000FFFF00000100007F")}
+    for port in ports:
+      assert _listening(port) and set(_listening(port)) <= loopback, _listening(port)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    alive = started["pids"]
+    while alive and time.monotonic() < deadline:
+      alive = [pid for pid in alive if _alive(pid)]
+      time.sleep(0.1)
+    assert alive == []                                  # no orphans
+    assert all(_listening(port) == [] for port in ports)
+  finally:   # the test's own process group: nothing outlives it
+    if parent.poll() is None:
+      os.killpg(parent.pid, signal.SIGKILL)
+      parent.wait()
+
+
+def _alive(pid):
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split(")")[-1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def test_a_server_whose_port_is_taken_says_which_address():
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps({'worker': [address]})}",
+         "--job=worker", "--task=0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert f"could not listen at {address} (/job:worker/task:0)" in result.stderr
+
+
+def test_a_local_server_that_is_not_ready_in_time_is_named_with_its_deadline():
+  slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    start = time.monotonic()
+    assert cluster.LocalCluster._ready_line(slow, time.monotonic() + 1.0) is None  # pylint: disable=protected-access
+    assert time.monotonic() - start < 3
+  finally:
+    slow.kill()
+    slow.wait()
 
 
 def test_tf_config_is_read_and_checked():

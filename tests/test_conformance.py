@@ -260,7 +260,7 @@ def test_pipemare_trains_with_adam_and_says_rescheduling_is_off():
   pipe.compile(**cc.compiled(optimizer=lambda: keras.optimizers.Adam(0.01))())
   history = pipe.fit(x, y, batch_size=16, epochs=2, verbose=0)
   assert np.all(np.isfinite(history.history["loss"]))
-  assert pipe.lr_rescheduling == 0 and "lr_rescheduling" not in pipe.summary()
+  assert pipe.options.lr_rescheduling == 0 and "lr_rescheduling" not in pipe.summary()
   sgd = tfpipe.Pipeline(cc.mlp(), num_stages=2, method="pipemare")
   sgd.compile(**cc.compiled(optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9))())
   assert "lr_rescheduling=500" in sgd.summary()

@@ -270,6 +270,9 @@ def test_bad_input_errors():
     tfpipe.Pipeline(model, devices=DEVICES[:2], num_stages=3)
   with pytest.raises(ValueError, match="no such local device"):
     tfpipe.Pipeline(model, devices=["/device:CPU:0", "/device:CPU:7"])
+  with pytest.raises(ValueError, match=r"`micro_batches` must be at most 1024 .* Received: "
+                     r"micro_batches=1000000"):   # refused before any planning
+    tfpipe.Pipeline(model, num_stages=2, method="gpipe", micro_batches=10**6)
   pipe = tfpipe.Pipeline(model, num_stages=2, method="spectrain")
   with pytest.raises(ValueError, match="SGD without momentum keeps none"):
     pipe.compile(keras.optimizers.SGD(0.1), "mse")

@@ -212,7 +212,8 @@ def test_trainer_stops_and_resumes_exactly(tmp_path, method):
   main.run(config_lib.TrainConfig(epochs=2, checkpoint_dir=saved, **base))
   history, resumed, lines = main.run(config_lib.TrainConfig(epochs=3, checkpoint_dir=saved,
                                                             **base))
-  assert lines[0] == f"resumed after epoch 2 from {saved}" and len(history["loss"]) == 1
+  assert lines[0] == f"resumed after epoch 2 from {os.path.join(saved, 'ckpt-2')}"
+  assert len(history["loss"]) == 1
   for a, b in zip(resumed.model.get_weights(), whole.model.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
@@ -272,6 +273,101 @@ def test_trainer_exits_naming_a_dead_worker():
     assert time.time() - killed < 60
     assert trainer.returncode == 3, stderr[-3000:]
     assert "error: lost /job:worker/task:1 (127.0.0.1:" in stderr
+
+
+_SMALL = ["--method=pipedream", "--snn_width=16", "--snn_depth=3", "--batch_size=16",
+          "--logdir=", "--verbose=2", "--throughput_window="]
+
+
+def _trainer_on(spec, *args):
+  """A trainer process on the TF servers of `spec` (TF_CONFIG), in its own process group."""
+  import json
+  env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": spec}))
+  return subprocess.Popen([sys.executable, "-m", "trainers.main", "--cluster=tf_config",
+                           *_SMALL, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _until_epoch(trainer, epoch):
+  for line in trainer.stdout:
+    if line.startswith(f"epoch {epoch}/"):
+      return
+  raise AssertionError(f"the trainer ended before epoch {epoch}: {trainer.stderr.read()[-3000:]}")
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_hung_worker_stops_the_trainer_and_sigint_stops_it_sooner(interrupt):
+  import signal
+  import time
+  from tfpipe import cluster
+  with cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
+    trainer = _trainer_on(local.spec, "--steps=20", "--epochs=500")
+    try:
+      _until_epoch(trainer, 2)
+      os.kill(local.processes[("worker", 1)].pid, signal.SIGSTOP)
+      if interrupt:
+        time.sleep(0.5)                    # the trainer now waits on the stopped server
+        trainer.send_signal(signal.SIGINT)
+      start = time.time()
+      _, stderr = trainer.communicate(timeout=60)
+      seconds = time.time() - start
+    finally:
+      if trainer.poll() is None:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+      os.kill(local.processes[("worker", 1)].pid, signal.SIGCONT)
+  if interrupt:
+    assert trainer.returncode == main.INTERRUPTED and "interrupted" in stderr
+    assert seconds < 5                   # 1.5 s of grace, then the exit
+  else:
+    assert trainer.returncode == main.LOST, stderr[-3000:]
+    assert "tfpipe: lost /job:worker/task:1 (127.0.0.1:" in stderr
+    assert "does not answer (stopped or hung)" in stderr
+    assert seconds < 15                  # probed every second, two misses of 2 s
+
+
+def test_a_cluster_spec_naming_dead_ports_is_refused_within_seconds():
+  import socket
+  import time
+  with socket.socket() as silent, socket.socket() as gone:
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)                     # accepts, never answers: a hung server
+    gone.bind(("127.0.0.1", 0))
+    spec = {"worker": [f"127.0.0.1:{silent.getsockname()[1]}",
+                       f"127.0.0.1:{gone.getsockname()[1]}"]}
+    gone.close()                         # nothing listens there any more
+    start = time.time()
+    trainer = _trainer_on(spec, "--steps=1")
+    _, stderr = trainer.communicate(timeout=120)
+  assert trainer.returncode == main.LOST, stderr[-3000:]
+  assert "cannot connect to the cluster: /job:worker/task:0" in stderr
+  assert "does not answer (stopped or hung); /job:worker/task:1" in stderr
+  assert "nothing listens there" in stderr
+  assert time.time() - start < 60        # the probe's 10 s, plus starting Python and TF
+
+
+def test_a_diverged_run_stops_before_saving_and_a_resume_says_what_it_restores(tmp_path):
+  saved = str(tmp_path / "ckpt")
+  small = ["--snn_width=16", "--snn_depth=3", "--batch_size=128", "--logdir=",
+           "--throughput_window=", f"--checkpoint_dir={saved}"]
+  result = _cli(*small, "--epochs=1", "--learning_rate=0.01")
+  assert result.returncode == 0, result.stderr[-3000:]
+  # A resume says so first, and that the saved rate (0.01) beats the command line's.
+  result = _cli(*small, "--epochs=2", "--learning_rate=0.05")
+  assert result.returncode == 0, result.stderr[-3000:]
+  first = result.stdout.index(f"resuming from {os.path.join(saved, 'ckpt-1')} after epoch 1 of 2")
+  assert first < result.stdout.index("epoch 2/2:")
+  assert "the saved learning rate 0.01 overrides --learning_rate=0.05" in result.stdout
+  # A diverging run (fresh directory) stops with code 4 and saves nothing of it.
+  diverging = str(tmp_path / "diverging")
+  result = _cli(*small[:-1], f"--checkpoint_dir={diverging}", "--epochs=3",
+                "--learning_rate=1e30")
+  assert result.returncode == main.DIVERGED, result.stderr[-3000:]
+  assert "error: the loss became nan in epoch 1: training stopped before saving it" in \
+      result.stderr
+  assert not os.path.isdir(diverging) or not any(n.startswith("ckpt-")
+                                                 for n in os.listdir(diverging))
+  assert "epoch 2/3" not in result.stdout
 
 
 def test_dataparallel_across_two_trainer_processes():

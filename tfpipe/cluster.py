@@ -6,29 +6,48 @@ is connected (`connect`); tensors move between stages through TensorFlow's
 own runtime (gRPC). `LocalCluster` starts the servers as processes on
 127.0.0.1 (tests, `--cluster=local:W,P`); `from_tf_config` reads a real
 cluster from `TF_CONFIG`. When a task dies, the next remote call fails and
-`Pipeline.fit` raises `WorkerLost` naming the tasks that no longer answer.
+`Pipeline.fit` raises `WorkerLost` naming the tasks that no longer answer;
+a task that hangs (answers no probe) is named within seconds (`guard`).
+`connect` refuses, within its timeout, a spec naming a task that does not
+answer. TF servers are unauthenticated: anyone who reaches their port can
+run operations there (see README, "Clusters").
 
   python -m tfpipe.cluster --spec='{"worker": ["127.0.0.1:2222"]}' --job=worker --task=0
 starts one server by hand.
 """
 
+import contextlib
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import warnings
 
 import tensorflow as tf
 
-__all__ = ["WorkerLost", "LocalCluster", "connect", "connected_spec", "from_tf_config",
-           "task_devices", "check_devices", "unreachable_tasks", "describe_lost"]
+from tfpipe import bind, liveness
+
+__all__ = ["WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec",
+           "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
+           "describe_lost", "guard", "EXIT_LOST"]
 
 _CONNECTED = {"spec": None}
+_LOCAL = []          # the LocalClusters of this process that are running
+_VERDICTS = {}       # (job, task) -> what the watchdog saw ("silent": hung or stopped)
+EXIT_LOST = 3        # the exit status of a process stopped for a lost task (`guard`)
 
 
 class WorkerLost(RuntimeError):
   """A task of the cluster stopped answering during training."""
+
+
+class ClusterUnreachable(WorkerLost):
+  """A task of a cluster spec does not answer when connecting."""
 
 
 def _free_port():
@@ -37,37 +56,92 @@ def _free_port():
     return s.getsockname()[1]
 
 
+def _what(state):
+  return {"refused": "nothing listens there",
+          "silent": "it accepts connections but its process does not answer (stopped or hung)",
+          "closed": "it closed the connection without answering (not a TensorFlow server?)"}[state]
+
+
 class LocalCluster:
   """TensorFlow servers in local processes: `jobs` maps a job name to its task count.
 
-  Use as a context manager; `spec` is the cluster spec dict, `processes`
-  maps (job, task) to its process. Every server is ready when the
-  constructor returns (or it raises within `timeout` seconds).
+  Use as a context manager; `spec` is the cluster spec dict (every task on
+  127.0.0.1), `processes` maps (job, task) to its process. Every server is
+  ready when the constructor returns, or it raises within `timeout` seconds
+  naming the server and showing its error output. The servers die with
+  this process, even when it is killed (SIGKILL): each watches its parent.
   """
 
-  def __init__(self, jobs, timeout=60.0):
-    if not jobs or any(not isinstance(n, int) or n < 1 for n in jobs.values()):
+  def __init__(self, jobs, timeout=60.0, attempts=3):
+    if not jobs or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
+                       for n in jobs.values()):
       raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
-    self.spec = {job: [f"127.0.0.1:{_free_port()}" for _ in range(n)] for job, n in jobs.items()}
-    self.processes = {}
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    try:
-      for job, addresses in self.spec.items():
-        for task in range(len(addresses)):
-          self.processes[(job, task)] = subprocess.Popen(
-              [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
-               f"--job={job}", f"--task={task}"],
-              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-      deadline = time.time() + timeout
-      for (job, task), process in self.processes.items():
-        line = process.stdout.readline()   # blocks until the server prints "ready" or exits
-        if line.strip() != "ready" or time.time() > deadline:
-          raise RuntimeError(f"the server of /job:{job}/task:{task} did not start "
-                             f"(exit code {process.poll()})")
-    except BaseException:
-      self.stop()
-      raise
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+      raise ValueError(f"`timeout` must be a number of seconds > 0. Received: {timeout!r}")
+    self.processes, self._errors = {}, {}
+    for attempt in range(attempts):
+      self.spec = {job: [f"127.0.0.1:{_free_port()}" for _ in range(n)]
+                   for job, n in jobs.items()}
+      try:
+        self._start(timeout)
+        break
+      except _PortTaken:   # another process took a port between choosing and binding it
+        self.stop()
+        if attempt + 1 == attempts:
+          raise RuntimeError(f"could not start the servers of {jobs}: their ports were taken "
+                             f"{attempts} times in a row") from None
+      except BaseException:
+        self.stop()
+        raise
+    _LOCAL.append(self)
+
+  def _start(self, timeout):
+    env, why = bind.server_env("127.0.0.1", dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                                                 CUDA_VISIBLE_DEVICES=""))
+    if why:
+      warnings.warn(f"the local TF servers listen on every interface, not 127.0.0.1 only: "
+                    f"{why}", UserWarning, stacklevel=3)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    self.processes, self._errors = {}, {}
+    for job, addresses in self.spec.items():
+      for task in range(len(addresses)):
+        errors = self._errors[(job, task)] = tempfile.TemporaryFile(mode="w+")
+        self.processes[(job, task)] = subprocess.Popen(
+            [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
+             f"--job={job}", f"--task={task}", f"--parent={os.getpid()}"],
+            stdout=subprocess.PIPE, stderr=errors, text=True, env=env, cwd=root)
+    deadline = time.monotonic() + timeout
+    for (job, task), process in self.processes.items():
+      line = self._ready_line(process, deadline)
+      if line != "ready":
+        error = self._error_output(job, task)
+        if "address already in use" in error.lower() or "could not listen" in error.lower():
+          raise _PortTaken()
+        state = (f"not ready after {timeout:g} s" if process.poll() is None
+                 else f"exit code {process.poll()}")
+        raise RuntimeError(f"the server of /job:{job}/task:{task} at "
+                           f"{self.spec[job][task]} did not start ({state})"
+                           + (f": {error}" if error else ""))
+
+  @staticmethod
+  def _ready_line(process, deadline):
+    """The server's first line, or None when it exits or the deadline passes first."""
+    while True:
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        return None
+      readable, _, _ = select.select([process.stdout], [], [], min(remaining, 0.5))
+      if readable:
+        line = process.stdout.readline()
+        return line.strip() if line else None
+      if process.poll() is not None:
+        return None
+
+  def _error_output(self, job, task, lines=5):
+    errors = self._errors[(job, task)]
+    errors.seek(0)
+    kept = [l.strip() for l in errors.read().splitlines() if l.strip()]
+    return " | ".join(kept[-lines:])
 
   def __enter__(self):
     return self
@@ -83,12 +157,29 @@ class LocalCluster:
     self.processes[(job, task)].kill()
     self.processes[(job, task)].wait()
 
+  def owns(self, job, task, address):
+    """The process of task (job, task) at `address` when this cluster started it, else None."""
+    if self.spec.get(job, [None] * (task + 1))[task:task + 1] == [address]:
+      return self.processes.get((job, task))
+    return None
+
   def stop(self):
     for process in self.processes.values():
       if process.poll() is None:
         process.kill()
     for process in self.processes.values():
       process.wait()
+      if process.stdout is not None:
+        process.stdout.close()
+    for errors in self._errors.values():
+      errors.close()
+    self._errors = {}
+    if self in _LOCAL:
+      _LOCAL.remove(self)
+
+
+class _PortTaken(Exception):
+  """A local server could not bind its port (another process took it first)."""
 
 
 def from_tf_config(environ=None):
@@ -105,8 +196,41 @@ def from_tf_config(environ=None):
   return spec
 
 
-def connect(spec):
-  """Connects this program to the cluster `spec` (remote devices become usable)."""
+def _tasks(spec):
+  """[(job, task, address)] of a cluster spec, checked."""
+  if not isinstance(spec, dict) or not spec or any(
+      not isinstance(a, (list, tuple)) or not a for a in spec.values()):
+    raise ValueError("a cluster spec maps job names to lists of \"host:port\" addresses. "
+                     f"Received: {spec!r}")
+  tasks = []
+  for job, addresses in spec.items():
+    for task, address in enumerate(addresses):
+      host, _, port = str(address).rpartition(":")
+      if not host or not port.isdigit():
+        raise ValueError(f"/job:{job}/task:{task} has address {address!r}: not host:port")
+      tasks.append((job, task, address))
+  return tasks
+
+
+def connect(spec, timeout=10.0):
+  """Connects this program to the cluster `spec` (remote devices become usable).
+
+  First every task is probed (`tfpipe.liveness.probe`, at most `timeout`
+  seconds): a task that does not answer is named in a `ClusterUnreachable`
+  (nothing listens, or a stopped or hung process), where TensorFlow's own
+  connect would wait for it forever.
+  """
+  tasks = _tasks(spec)
+  states = liveness.probe_all(tasks, timeout)
+  down = [(job, task, address, states[(job, task)]) for job, task, address in tasks
+          if states[(job, task)] != "ok"]
+  if down:
+    raise ClusterUnreachable(
+        "cannot connect to the cluster: " + "; ".join(
+            f"/job:{job}/task:{task} ({address}): {_what(state)}"
+            for job, task, address, state in down)
+        + f" (probed for {timeout:g} s). Start its servers first "
+        "(python -m tfpipe.cluster --spec=... --job=... --task=...)")
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec(spec), rpc_layer="grpc")
   tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)
@@ -143,31 +267,93 @@ def check_devices(devices, spec):
 
 
 def unreachable_tasks(spec, timeout=2.0):
-  """(job, task, address) of the tasks whose server does not accept a connection."""
-  lost = []
-  for job, addresses in spec.items():
-    for task, address in enumerate(addresses):
-      host, _, port = address.rpartition(":")
-      try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-      except OSError:
-        lost.append((job, task, address))
-  return lost
+  """(job, task, address, state) of the tasks whose server does not answer a probe
+  (`tfpipe.liveness`: state "refused", "silent" or "closed")."""
+  tasks = _tasks(spec)
+  states = liveness.probe_all(tasks, timeout)
+  return [(job, task, address, states[(job, task)]) for job, task, address in tasks
+          if states[(job, task)] != "ok"]
+
+
+def _used_tasks(devices):
+  """[(job, task, address)] of the connected cluster that `devices` name."""
+  spec = connected_spec() or {}
+  used = []
+  for d in devices:
+    parsed = tf.DeviceSpec.from_string(d)
+    key = (parsed.job, parsed.task or 0)
+    if parsed.job in spec and key not in [(j, t) for j, t, _ in used]:
+      used.append(key + (spec[parsed.job][key[1]],))
+  return used
 
 
 def describe_lost(error, devices):
   """A `WorkerLost` naming the tasks that stopped answering, for the `error` of a remote call;
   None when every task of the connected cluster still answers (the error is another one)."""
   spec = connected_spec() or {}
-  used = {(tf.DeviceSpec.from_string(d).job, tf.DeviceSpec.from_string(d).task or 0)
-          for d in devices}
-  unreachable = unreachable_tasks(spec)
+  used = {(j, t) for j, t, _ in _used_tasks(devices)}
+  unreachable = unreachable_tasks(spec) if spec else []
   lost = [t for t in unreachable if (t[0], t[1]) in used] or unreachable
   if not lost:
     return None
-  names = ", ".join(f"/job:{j}/task:{t} ({a})" for j, t, a in lost)
-  return WorkerLost(f"lost {names}: its server stopped answering during training "
+  names = ", ".join(f"/job:{j}/task:{t} ({a})" for j, t, a, _ in lost)
+  hung = [f"/job:{j}/task:{t}" for j, t, _, _ in lost if _VERDICTS.get((j, t)) == "silent"]
+  how = (f"{', '.join(hung)} stopped answering (hung or stopped) and was killed; "
+         if hung else "")
+  return WorkerLost(f"lost {names}: {how}its server stopped answering during training "
                     f"({type(error).__name__}: {str(error).splitlines()[0]})")
+
+
+@contextlib.contextmanager
+def guard(devices, interval=1.0, timeout=2.0, misses=2):
+  """Watches the cluster tasks that `devices` name while the body runs (training).
+
+  A task that stops answering (`tfpipe.liveness.Watchdog`: within
+  interval + misses * timeout seconds, 5 s by default) leaves the body's
+  remote calls waiting forever, so it is named at once on stderr; then a
+  server this process started (`LocalCluster`) is killed, which fails the
+  waiting call (`describe_lost` then names the task in a `WorkerLost`), and
+  for any other server the process exits with status `EXIT_LOST` (3): its
+  TensorFlow runtime cannot take back the call. No devices on a cluster:
+  nothing is watched.
+  """
+  def on_lost(lost):
+    for job, task, _, state in lost:
+      _VERDICTS[(job, task)] = state
+    names = "; ".join(f"/job:{j}/task:{t} ({a}): {_what(s)}" for j, t, a, s in lost)
+    print(f"tfpipe: lost {names}", file=sys.stderr, flush=True)
+    owned = [p for j, t, a, _ in lost for c in list(_LOCAL) for p in [c.owns(j, t, a)] if p]
+    if len(owned) == len(lost):
+      for process in owned:
+        process.kill()
+      return
+    print("tfpipe: a remote call waits on it and cannot be cancelled: exiting with status "
+          f"{EXIT_LOST}", file=sys.stderr, flush=True)
+    os._exit(EXIT_LOST)
+
+  with liveness.Watchdog(_used_tasks(devices), on_lost, interval, timeout, misses):
+    yield
+
+
+def _watch_parent(parent):
+  """Exits this server when process `parent` is gone (killed too: SIGKILL leaves no chance to
+  stop its children): at once through Linux's parent-death signal, else within 0.2 s."""
+  try:
+    import ctypes
+    import signal
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    pass
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(0.2)
+    os._exit(0)
+
+  if os.getppid() != parent:
+    os._exit(0)
+  threading.Thread(target=watch, name="tfpipe-parent", daemon=True).start()
 
 
 def _serve(argv):
@@ -176,10 +362,31 @@ def _serve(argv):
   parser.add_argument("--spec", required=True, help="cluster spec as JSON")
   parser.add_argument("--job", required=True)
   parser.add_argument("--task", type=int, required=True)
+  parser.add_argument("--parent", type=int, default=None,
+                      help="exit when the process with this PID exits")
+  parser.add_argument("--every_interface", action="store_true",
+                      help="listen on every interface (TensorFlow's default), not only on the "
+                           "address the spec gives this task")
   args = parser.parse_args(argv)
+  if args.parent is not None:
+    _watch_parent(args.parent)
+  spec = json.loads(args.spec)
+  address = spec[args.job][args.task]
+  if not args.every_interface and "TFPIPE_BIND_HOST" not in os.environ:
+    env, why = bind.server_env(address.rpartition(":")[0].strip("[]"))
+    if why is None:   # again, with the bind shim loaded: listen on the spec's address only
+      os.execve(sys.executable, [sys.executable, "-m", "tfpipe.cluster"] + list(argv), env)
+    print(f"warning: listening on every interface, not only {address}: {why}",
+          file=sys.stderr, flush=True)
   tf.config.threading.set_intra_op_parallelism_threads(1)
-  server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(args.spec)), job_name=args.job,
-                                task_index=args.task, start=True)
+  try:
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=args.job,
+                                  task_index=args.task, start=True)
+  except (tf.errors.OpError, RuntimeError) as e:
+    print(f"error: could not listen at {address} (/job:{args.job}/task:{args.task}): "
+          f"{str(e).splitlines()[0]} (is the port taken by another process?)", file=sys.stderr,
+          flush=True)
+    sys.exit(1)
   print("ready", flush=True)
   server.join()
 

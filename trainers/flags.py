@@ -86,6 +86,9 @@ def define_flags():
                       "save every --checkpoint_every epochs here, and resume from the latest "
                       "checkpoint found here")
   flags.DEFINE_integer("checkpoint_every", 1, "epochs between checkpoints")
+  flags.DEFINE_bool("stop_on_nan", True,
+                    "stop (exit code 4) when an epoch's loss is not finite, before saving it; "
+                    "--nostop_on_nan trains on (a non-finite epoch is still never saved)")
   flags.DEFINE_integer("intra_op_threads", 1, "threads per op (1: one core per logical CPU)")
   flags.DEFINE_integer("verbose", 2, "0: silent, 1: progress bar, 2: one line per epoch")
 

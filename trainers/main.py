@@ -3,7 +3,10 @@
 Prints one line per epoch (loss, accuracy, samples/s), a summary table at the
 end, and writes every epoch's numbers as TensorBoard scalars under --logdir.
 Exit codes: 0 done, 2 a usage error (a bad flag, value or combination; the
-message names it), 3 a TF server of the cluster was lost.
+message names it; a checkpoint directory none of whose checkpoints can be
+restored), 3 a TF server of the cluster was lost, hung or did not answer, 4
+the loss became non-finite (--stop_on_nan), 130 interrupted (SIGINT: within
+two seconds, whatever the run is waiting on).
 """
 
 import contextlib
@@ -17,6 +20,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from trainers import flags as trainer_flags  # noqa: E402
+from trainers import interrupts  # noqa: E402
 from trainers.config import TrainConfig  # noqa: E402
 
 
@@ -201,16 +205,28 @@ def _train(config, tools, spec=None):
   else:
     train, fit_options = (data.train.repeat() if config.steps else data.train), {}
   saver = checkpoint_callback(config)
+  guard = report.StopOnNonFinite() if config.stop_on_nan else None
   history = trainer.fit(*(train if isinstance(train, tuple) else (train,)), **fit_options,
                         epochs=config.epochs, steps_per_epoch=config.steps,
                         validation_data=data.validation,
                         callbacks=[report.EpochReport(config)] + tools.callbacks() +
+                        [report.ResumeReport(config, saver)] + ([guard] if guard else []) +
                         ([saver] if saver else []),
                         verbose=1 if config.verbose == 1 else 0)
+  if guard is not None and guard.stopped:
+    epoch, loss = guard.stopped
+    kept = getattr(saver, "manager", None)
+    kept = f"; the last checkpoint ({kept.latest_checkpoint}) is kept" if kept else ""
+    raise Diverged(f"the loss became {loss} in epoch {epoch}: training stopped before saving "
+                   f"it{kept}. Lower --learning_rate, or pass --nostop_on_nan to train on")
   lines = tools.finish(trainer)
   if getattr(saver, "restored_epoch", None):
-    lines.insert(0, f"resumed after epoch {saver.restored_epoch} from {config.checkpoint_dir}")
+    lines.insert(0, f"resumed after epoch {saver.restored_epoch} from {saver.restored_path}")
   return history.history, trainer, lines
+
+
+class Diverged(RuntimeError):
+  """Training stopped on a non-finite loss (--stop_on_nan); exit code `DIVERGED`."""
 
 
 def make_optimizer(config):
@@ -245,6 +261,9 @@ def checkpoint_callback(config):
 
 
 USAGE_ERROR = 2   # every usage error exits with this code
+LOST = 3          # a TF server of the cluster was lost (or did not answer)
+DIVERGED = 4      # the loss became non-finite (--stop_on_nan)
+INTERRUPTED = 130  # SIGINT, as a shell reports it
 HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort")
 
 
@@ -273,17 +292,24 @@ def main(argv):
     _usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config = TrainConfig.from_flags(trainer_flags.FLAGS)
   from trainers import datasets
+  interrupts.exit_on_interrupt(INTERRUPTED)
   try:
     history, _, lines = run(config)
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED
   except (datasets.DataUnavailableError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return USAGE_ERROR
+  except Diverged as e:
+    print(f"error: {e}", file=sys.stderr)
+    return DIVERGED
   except Exception as e:  # pylint: disable=broad-except
     import tfpipe
     if not isinstance(e, tfpipe.cluster.WorkerLost):
       raise
     print(f"error: {e}", file=sys.stderr)
-    return 3
+    return LOST
   from trainers import report
   print(report.format_table(config, history))
   for line in lines:

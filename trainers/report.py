@@ -1,11 +1,12 @@
 """What the trainer shows: a line per epoch, TensorBoard scalars, a summary table."""
 
+import math
 import os
 
 import keras
 import tensorflow as tf
 
-__all__ = ["EpochReport", "format_table"]
+__all__ = ["EpochReport", "StopOnNonFinite", "ResumeReport", "format_table"]
 
 
 class EpochReport(keras.callbacks.Callback):
@@ -28,6 +29,42 @@ class EpochReport(keras.callbacks.Callback):
         for key, value in logs.items():
           tf.summary.scalar(key, value, step=epoch)
       self.writer.flush()
+
+
+class StopOnNonFinite(keras.callbacks.Callback):
+  """Stops training after an epoch whose loss is not finite (--stop_on_nan); placed before
+  the checkpoint callback, which does not save such an epoch either. `stopped`: (epoch, loss)."""
+
+  def __init__(self):
+    super().__init__()
+    self.stopped = None
+
+  def on_epoch_end(self, epoch, logs=None):
+    loss = (logs or {}).get("loss")
+    if loss is not None and not math.isfinite(float(loss)) and self.stopped is None:
+      self.stopped = (epoch + 1, float(loss))
+      self.model.stop_training = True
+
+
+class ResumeReport(keras.callbacks.Callback):
+  """Says, when training starts, that it resumes from a checkpoint (`saver`, restored before
+  the first hook) and which saved settings override the command line."""
+
+  def __init__(self, config, saver):
+    super().__init__()
+    self.config, self.saver = config, saver
+
+  def on_train_begin(self, logs=None):
+    done = getattr(self.saver, "restored_epoch", None)
+    if not done:
+      return
+    print(f"resuming from {self.saver.restored_path} after epoch {done} of "
+          f"{self.config.epochs}", flush=True)
+    rate = self.saver.restored_rate
+    if rate is not None and not math.isclose(rate, self.config.learning_rate, rel_tol=1e-6):
+      print(f"the saved learning rate {rate:g} overrides --learning_rate="
+            f"{self.config.learning_rate:g} (the rate in force when the checkpoint was saved; "
+            "use a new --checkpoint_dir to start over with yours)", flush=True)
 
 
 def format_table(config, history):

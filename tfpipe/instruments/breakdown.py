@@ -21,7 +21,7 @@ with the same fields; pure Python.
 
 import dataclasses
 
-__all__ = ["CATEGORIES", "Breakdown", "breakdown", "combine", "format_breakdown"]
+__all__ = ["CATEGORIES", "Breakdown", "breakdown", "combine", "of_epochs", "format_breakdown"]
 
 CATEGORIES = ("compute", "transfer", "idle_transfer", "idle_imbalance")
 _COMPUTE = ("F", "B", "FB", "U")
@@ -123,6 +123,16 @@ def combine(results):
   shares = [{c: sum(r.shares[k][c] * r.seconds for r in results) / seconds for c in CATEGORIES}
             for k in range(K)]
   return Breakdown(seconds, shares)
+
+
+def of_epochs(records, chosen, num_stages):
+  """The breakdown of the `chosen` records' span in each epoch (from their first start to their
+  last end), over all of a fit's `records`, combined over epochs."""
+  windows = {}
+  for r in chosen:
+    lo, hi = windows.get(r.epoch, (r.start, r.end))
+    windows[r.epoch] = (min(lo, r.start), max(hi, r.end))
+  return combine(breakdown(records, num_stages, w) for w in windows.values())
 
 
 def format_breakdown(result, title="time breakdown (share of wall time)"):

@@ -23,14 +23,18 @@ import dataclasses
 from tfpipe.plan import names, schedules
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
-           "PIPELINE_METHODS", "MICRO_BATCH_METHODS", "LOCKSTEP_METHODS", "SPECTRAIN_BACKWARDS",
-           "VERSION_DIFFERENCES"]
+           "PIPELINE_METHODS", "MICRO_BATCH_METHODS", "MAX_MICRO_BATCHES", "LOCKSTEP_METHODS",
+           "SPECTRAIN_BACKWARDS", "VERSION_DIFFERENCES"]
 
 PIPELINE_METHODS = ("sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
                     "feature_replay", "timeprest", "pipemare", "i_timeprest")
 MICRO_BATCH_METHODS = ("gpipe", "timeprest", "i_timeprest", "vanilla", "pipedream", "spectrain",
                        "pipemare")
 DEFAULT_MICRO_BATCHES = {"gpipe": 4, "timeprest": 4, "i_timeprest": 4}
+# Each micro-batch is a task of every stage, planned and verified per mini-batch: past this
+# the plan alone takes seconds (M=4000: 2.6 s per verify) while the bubble, (K-1)/(M+K-1), is
+# already below 1% for K <= 11.
+MAX_MICRO_BATCHES = 1024
 SPECTRAIN_BACKWARDS = ("reuse", "repredict")
 VERSION_DIFFERENCES = ("paper", "exact")
 
@@ -118,6 +122,11 @@ def micro_batches_for(policy, micro_batches=None):
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(
         f"`micro_batches` must be a positive integer. Received: micro_batches={micro_batches!r}")
+  if micro_batches > MAX_MICRO_BATCHES:
+    raise ValueError(
+        f"`micro_batches` must be at most {MAX_MICRO_BATCHES} (each micro-batch is a task of "
+        "every stage; beyond that planning alone is slow and the bubble no smaller). Received: "
+        f"micro_batches={micro_batches}")
   if micro_batches > 1 and policy.method not in MICRO_BATCH_METHODS:
     raise ValueError(
         f"method {policy.method!r} has no micro-batched schedule (micro-batches work with "

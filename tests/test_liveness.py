@@ -1,0 +1,123 @@
+"""The RPC-level probe and the watchdog, against stand-in servers on 127.0.0.1.
+
+A stand-in "gRPC server" answers the HTTP/2 preface with a SETTINGS frame
+as a TF server does; a "stopped" one accepts connections (the kernel does)
+and never answers, as a SIGSTOPped or hung server does. Real servers:
+tests/test_cluster.py.
+"""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from tfpipe import cluster, liveness
+
+
+class StandIn:
+  """A listening socket on 127.0.0.1 that answers like a gRPC server while `answering`."""
+
+  def __init__(self, answering=True):
+    self.answering = answering
+    self.sock = socket.socket()
+    self.sock.bind(("127.0.0.1", 0))
+    self.sock.listen(16)
+    self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+    self.held, self.closed = [], False
+    threading.Thread(target=self._serve, daemon=True).start()
+
+  def _serve(self):
+    while not self.closed:
+      try:
+        conn, _ = self.sock.accept()
+      except OSError:
+        return
+      if self.answering:
+        conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")   # an empty SETTINGS frame
+        conn.close()
+      else:
+        self.held.append(conn)   # accepted, never answered
+
+  def close(self):
+    self.closed = True
+    self.sock.close()
+    for conn in self.held:
+      conn.close()
+
+
+@pytest.fixture
+def servers():
+  made = []
+  yield lambda answering=True: made.append(StandIn(answering)) or made[-1]
+  for server in made:
+    server.close()
+
+
+def _dead_address():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return f"127.0.0.1:{s.getsockname()[1]}"   # closed again: nothing listens
+
+
+def test_probe_tells_answering_silent_and_absent_servers_apart(servers):
+  assert liveness.probe(servers().address) == "ok"
+  start = time.monotonic()
+  assert liveness.probe(servers(answering=False).address, timeout=0.5) == "silent"
+  assert time.monotonic() - start < 2    # bounded by its timeout
+  assert liveness.probe(_dead_address()) == "refused"
+
+
+def test_probe_all_probes_in_parallel(servers):
+  silent = [servers(answering=False) for _ in range(4)]
+  tasks = [("worker", i, s.address) for i, s in enumerate(silent)] + [
+      ("ps", 0, servers().address)]
+  start = time.monotonic()
+  states = liveness.probe_all(tasks, timeout=1.0)
+  assert time.monotonic() - start < 3.0   # not 4 x 1 s one after another
+  assert states == {("worker", 0): "silent", ("worker", 1): "silent", ("worker", 2): "silent",
+                    ("worker", 3): "silent", ("ps", 0): "ok"}
+
+
+def test_connect_names_every_task_that_does_not_answer_within_its_timeout(servers):
+  silent, absent = servers(answering=False), _dead_address()
+  spec = {"worker": [servers().address, silent.address, absent]}
+  start = time.monotonic()
+  with pytest.raises(cluster.ClusterUnreachable) as info:
+    cluster.connect(spec, timeout=1.0)
+  assert time.monotonic() - start < 5
+  message = str(info.value)
+  assert f"/job:worker/task:1 ({silent.address}): it accepts connections but its process " \
+         "does not answer (stopped or hung)" in message
+  assert f"/job:worker/task:2 ({absent}): nothing listens there" in message
+  assert "/job:worker/task:0" not in message
+  assert cluster.connected_spec() != spec   # never connected
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ({}, "maps job names to lists"), ({"worker": "127.0.0.1:1"}, "maps job names to lists"),
+    ({"worker": ["localhost"]}, "'localhost': not host:port")])
+def test_connect_refuses_a_malformed_spec(spec, problem):
+  with pytest.raises(ValueError, match=problem):
+    cluster.connect(spec)
+
+
+def test_the_watchdog_names_a_task_that_stops_answering_within_seconds(servers):
+  good, going = servers(), servers()
+  seen = []
+  tasks = [("worker", 0, good.address), ("worker", 1, going.address)]
+  with liveness.Watchdog(tasks, seen.append, interval=0.2, timeout=0.5, misses=2) as dog:
+    time.sleep(0.6)
+    assert seen == []                  # both answer
+    going.answering = False
+    stopped = time.monotonic()
+    while not seen and time.monotonic() - stopped < 10:
+      time.sleep(0.05)
+  assert seen == [[("worker", 1, going.address, "silent")]]
+  assert time.monotonic() - stopped < 3   # interval + misses x timeout, with slack
+  assert dog.lost == seen[0]
+
+
+def test_a_watchdog_without_tasks_starts_no_thread():
+  with liveness.Watchdog([], lambda lost: None) as dog:
+    assert dog._thread is None   # pylint: disable=protected-access

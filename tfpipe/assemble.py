@@ -1,0 +1,89 @@
+"""A Pipeline's `compile`: its arguments checked, then a stage program per stage and the
+executor that runs them.
+
+Each stage gets its own copy of the optimizer (same config, its
+`exclude_from_weight_decay` choices) on its device, the last stage Keras's own
+loss and metric containers (`tfpipe.compile_utils.KerasStep`).
+"""
+
+import keras
+import tensorflow as tf
+
+from tfpipe import compile_utils, mitigations, runtime, stage
+from tfpipe.instruments import prediction_error as prediction_error_lib
+
+__all__ = ["check_compile_arguments", "programs", "executor"]
+
+
+def check_compile_arguments(model, loss_weights, run_eagerly, steps_per_execution, jit_compile,
+                            auto_scale_loss):
+  """Refuses `compile` arguments a pipeline cannot honour, naming them."""
+  if steps_per_execution != "auto" and (
+      not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool)
+      or steps_per_execution < 1):
+    raise ValueError("`steps_per_execution` must be a positive integer or 'auto'. Received: "
+                     f"steps_per_execution={steps_per_execution!r}")
+  if isinstance(loss_weights, (list, tuple)) and any(
+      isinstance(w, (str, keras.metrics.Metric)) for w in loss_weights):
+    raise ValueError(
+        f"loss_weights={loss_weights!r} looks like metrics: compile's third argument is "
+        "loss_weights, as in keras.Model.compile; pass metrics=[...] by name")
+  if run_eagerly:
+    raise ValueError("run_eagerly=True is not supported: a pipeline runs traced stage tasks. "
+                     "To step through them in Python use Pipeline(executor='threaded')")
+  if jit_compile != "auto":
+    raise ValueError(f"jit_compile={jit_compile!r}: XLA is a Pipeline option "
+                     "(Pipeline(..., jit_compile=True)), not a compile argument")
+  if len(model.outputs) != 1:
+    raise ValueError(
+        f"tfpipe trains models with one output; {model.name!r} has "
+        f"{len(model.outputs)} ({', '.join(model.output_names)}): multi-output "
+        "models (and their lists or dicts of losses and metrics) are not supported")
+  if auto_scale_loss and model.dtype_policy.name == "mixed_float16":
+    raise ValueError(
+        "a mixed_float16 model trains with loss scaling (Keras wraps its optimizer in a "
+        "LossScaleOptimizer), which skips updates on an overflow anywhere in the model: not "
+        "supported in a pipeline. Use the mixed_bfloat16 policy (no loss scaling) or float32")
+
+
+def programs(pipe, optimizer, step):
+  """One `tfpipe.stage.StageProgram` per stage of `pipe`, the last with `step`'s loss and
+  metrics; refuses a stage whose forward cannot keep its tape."""
+  options, K = pipe.options, pipe.num_stages
+  delays, rules = options.stage_rules(optimizer, K)
+  metrics = [step.metrics] if step.metrics is not None else []
+  result = []
+  for k, (sub, device) in enumerate(zip(pipe.partition.stages, pipe.devices)):
+    last = k == K - 1
+    with tf.device(device):  # the optimizer's step counter and slots live with the stage
+      stage_optimizer = compile_utils.clone_optimizer(optimizer)
+    if options.delay_momentum:
+      stage_optimizer.momentum = mitigations.delay_momentum(stage_optimizer.momentum, delays[k])
+    result.append(stage.StageProgram(
+        k, K, sub, device, stage_optimizer, options.policy,
+        loss=step.loss if last else None, metrics=metrics if last else (),
+        loss_tracker=step.loss_tracker if last else None, jit_compile=pipe.jit_compile,
+        replica_devices=pipe.stage_devices[k], rule=rules[k],
+        reg_trackers=[p.reg_tracker for p in result if p.reg_tracker] if last else None,
+        optimizer_source=optimizer))
+  for p in result:
+    p.check_kept_tapes()
+  return result
+
+
+def executor(pipe, stage_programs, window):
+  """The executor `pipe.options` names on `stage_programs`, with the prediction error's hook."""
+  options = pipe.options
+  maxsize = max(pipe.num_stages, options.micro_batches)
+  if options.executor == "compiled":
+    result = runtime.CompiledRuntime(stage_programs, window=window, record=options.record,
+                                     maxsize=maxsize)
+  else:
+    result = runtime.Runtime(stage_programs, record=options.record, maxsize=maxsize)
+  recorder = options.prediction_error
+  if recorder is not None:
+    for p in stage_programs:
+      prediction_error_lib.check(p.optimizer)
+    result.update_hooks.append(
+        lambda k, program: recorder.observe_optimizer(k, program.trainable, program.optimizer))
+  return result

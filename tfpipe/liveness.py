@@ -1,0 +1,106 @@
+"""Is a TF server alive? An RPC-level probe, and a watchdog that names a dead or hung task.
+
+A TCP connect is no answer: the kernel accepts connections for a stopped
+(SIGSTOP) or hung process. `probe` speaks the first step of gRPC's
+HTTP/2: it sends the client preface and waits for the server's SETTINGS
+frame, which only the running server process writes. States:
+  "ok":      the server answered;
+  "refused": nothing listens there (or the host is unreachable);
+  "silent":  the port accepts connections but the process does not answer
+             within the timeout (stopped, hung, or not a gRPC server);
+  "closed":  the connection was closed without an answer.
+
+`Watchdog` probes the tasks a run uses every `interval` seconds from a
+daemon thread; after `misses` probes in a row without an answer it calls
+`on_lost(lost)` with [(job, task, address, state)]. A remote call to a
+hung server never returns, so the caller decides what unblocks it (see
+`tfpipe.cluster.guard`).
+"""
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+__all__ = ["probe", "probe_all", "Watchdog", "STATES"]
+
+STATES = ("ok", "refused", "silent", "closed")
+
+# The HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113 section 3.4).
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_SETTINGS = 0x4
+
+
+def probe(address, timeout=2.0):
+  """The state of the gRPC server at "host:port" (see the module docstring), within `timeout`
+  seconds."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout
+  try:
+    conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+  except OSError:
+    return "refused"
+  try:
+    conn.sendall(_PREFACE)
+    header = b""
+    while len(header) < 9:
+      conn.settimeout(max(0.01, deadline - time.monotonic()))
+      chunk = conn.recv(9 - len(header))
+      if not chunk:
+        return "closed"
+      header += chunk
+    return "ok" if header[3] == _SETTINGS else "closed"
+  except socket.timeout:
+    return "silent"
+  except OSError:
+    return "closed"
+  finally:
+    conn.close()
+
+
+def probe_all(tasks, timeout=2.0):
+  """{(job, task): state} of `tasks` [(job, task, address)], probed in parallel."""
+  if not tasks:
+    return {}
+  with concurrent.futures.ThreadPoolExecutor(min(16, len(tasks))) as pool:
+    states = pool.map(lambda t: probe(t[2], timeout), tasks)
+    return {(job, task): state for (job, task, _), state in zip(tasks, states)}
+
+
+class Watchdog:
+  """Probes `tasks` [(job, task, address)] every `interval` seconds while running (a context
+  manager); `on_lost([(job, task, address, state)])` once, after `misses` probes in a row
+  without an answer from any of them (each probe waits `timeout` seconds)."""
+
+  def __init__(self, tasks, on_lost, interval=1.0, timeout=2.0, misses=2):
+    self.tasks, self.on_lost = list(tasks), on_lost
+    self.interval, self.timeout, self.misses = interval, timeout, misses
+    self.lost = None
+    self._stop = threading.Event()
+    self._thread = None
+
+  def __enter__(self):
+    if self.tasks:
+      self._thread = threading.Thread(target=self._run, name="tfpipe-watchdog", daemon=True)
+      self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+
+  def _run(self):
+    missed = {}
+    while not self._stop.wait(self.interval):
+      states = probe_all(self.tasks, self.timeout)
+      if self._stop.is_set():
+        return
+      for key, state in states.items():
+        missed[key] = missed.get(key, 0) + 1 if state != "ok" else 0
+      lost = [(job, task, address, states[(job, task)]) for job, task, address in self.tasks
+              if missed[(job, task)] >= self.misses]
+      if lost:
+        self.lost = lost
+        self.on_lost(lost)
+        return

@@ -1,0 +1,133 @@
+"""A Pipeline's training options, checked when it is built (`tfpipe.Pipeline`'s arguments).
+
+Bad values are refused here with the option's name and value, before any
+TensorFlow work; what the options mean is documented on `tfpipe.Pipeline`.
+"""
+
+import warnings
+
+import keras
+
+from tfpipe import mitigations, runtime
+from tfpipe.instruments import prediction_error as prediction_error_lib, trace
+from tfpipe.plan import names, policies
+
+__all__ = ["Options"]
+
+
+def _all_layers(model):
+  """Every layer of `model`, nested models' layers included."""
+  for layer in model.layers:
+    yield layer
+    if hasattr(layer, "layers"):
+      yield from _all_layers(layer)
+
+
+class Options:
+  """The method's weight policy and micro-batches, its mitigations, the executor and the
+  instruments, as a `tfpipe.Pipeline` was asked for them."""
+
+  def __init__(self, model, method="spectrain", spectrain_backward="reuse",
+               version_difference="paper", micro_batches=None, recompute=None, lockstep=False,
+               record=False, trace_steps=None, trace_dir=None, prediction_error=None,
+               executor=None, spike_compensation=False, delay_momentum=False,
+               lr_rescheduling=None, discrepancy_decay=None, batch_statistics="warn"):
+    self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
+    self.method = self.policy.method
+    self.micro_batches = policies.micro_batches_for(self.policy, micro_batches)
+    self.version_difference = names.lookup(
+        "version_difference", version_difference, policies.VERSION_DIFFERENCES)
+    if self.policy.predicts and self.micro_batches > 1 and self.version_difference == "paper":
+      raise ValueError(
+          "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
+          f"micro_batches={self.micro_batches} use version_difference='exact'")
+    self._set_mitigations(spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay)
+    self._check_batch_statistics(model, batch_statistics)
+    self.trace_steps = trace.parse_steps(trace_steps)
+    if self.trace_steps is not None and not trace_dir:
+      raise ValueError(f"`trace_steps={trace_steps!r}` needs a `trace_dir` to write the trace to")
+    self.trace_dir = trace_dir
+    self.record = bool(record) or self.trace_steps is not None
+    self.executor = names.lookup("executor", executor or "compiled", runtime.EXECUTORS)
+    if prediction_error is True:
+      prediction_error = prediction_error_lib.PredictionError()
+    if prediction_error not in (None, False) and not isinstance(
+        prediction_error, prediction_error_lib.PredictionError):
+      raise ValueError("`prediction_error` must be True or a tfpipe.instruments.prediction_error."
+                       f"PredictionError. Received: {prediction_error!r}")
+    self.prediction_error = prediction_error or None
+
+  def _set_mitigations(self, spike_compensation, delay_momentum, lr_rescheduling,
+                       discrepancy_decay):
+    for name, value in (("spike_compensation", spike_compensation),
+                        ("delay_momentum", delay_momentum)):
+      if value not in (True, False):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    self._default_rescheduling = lr_rescheduling is None and self.method == "pipemare"
+    if lr_rescheduling is None:
+      lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING if self.method == "pipemare" else 0
+    if (not isinstance(lr_rescheduling, int) or isinstance(lr_rescheduling, bool)
+        or lr_rescheduling < 0):
+      raise ValueError("`lr_rescheduling` must be a number of updates >= 0. Received: "
+                       f"lr_rescheduling={lr_rescheduling!r}")
+    if discrepancy_decay is not None and self.method != "pipemare":
+      raise ValueError("`discrepancy_decay` is PipeMare's discrepancy correction (method="
+                       f"'pipemare'). Received: method={self.method!r}")
+    if discrepancy_decay is None:
+      discrepancy_decay = mitigations.DEFAULT_DISCREPANCY_DECAY
+    if (not isinstance(discrepancy_decay, (int, float)) or isinstance(discrepancy_decay, bool)
+        or not 0 <= discrepancy_decay < 1):
+      raise ValueError("`discrepancy_decay` must be in [0, 1). Received: "
+                       f"discrepancy_decay={discrepancy_decay!r}")
+    self.spike_compensation, self.delay_momentum = spike_compensation, delay_momentum
+    self.lr_rescheduling, self.discrepancy_decay = lr_rescheduling, float(discrepancy_decay)
+
+  def _check_batch_statistics(self, model, batch_statistics):
+    """BatchNormalization with micro-batches normalises each micro-batch by its own statistics
+    (as GPipe does), where Keras uses the mini-batch's: "warn" (default) says so, "refuse"
+    refuses, "micro_batch" accepts it silently."""
+    choice = names.lookup("batch_statistics", batch_statistics, ("warn", "refuse", "micro_batch"))
+    found = [l.name for l in _all_layers(model) if isinstance(l, keras.layers.BatchNormalization)]
+    if self.micro_batches == 1 or not found or choice == "micro_batch":
+      return
+    message = (f"BatchNormalization ({', '.join(found)}) with micro_batches={self.micro_batches} "
+               "normalises per micro-batch (as GPipe does), not over the mini-batch as Keras "
+               "does: training differs from Keras's. Pass batch_statistics='micro_batch' to "
+               "accept it, or micro_batches=1")
+    if choice == "refuse":
+      raise ValueError(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+  def update_options(self):
+    """The options in force that change a stage's update: [(name, value)]."""
+    return [(n, v) for n, v in (("spike_compensation", self.spike_compensation),
+                                ("delay_momentum", self.delay_momentum),
+                                ("lr_rescheduling", self.lr_rescheduling)) if v]
+
+  def stage_rules(self, optimizer, num_stages):
+    """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates;
+    refuses options that cannot act (no delay, an optimizer their rule is not written for)."""
+    delays = mitigations.delays_for(self.policy.schedule, num_stages, self.micro_batches)
+    if self._default_rescheduling:   # pipemare's default: on where its rule is written
+      try:
+        mitigations.check_optimizer(optimizer, "lr_rescheduling")
+        self.lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING
+      except ValueError:
+        self.lr_rescheduling = 0
+    chosen = [n for n, _ in self.update_options()]
+    for name in chosen:
+      mitigations.check_optimizer(optimizer, name)
+    if chosen and not any(delays):
+      raise ValueError(f"{chosen[0]} acts on delayed updates, and method {self.method!r} at "
+                       f"{num_stages} stages delays none")
+    decay = self.discrepancy_decay if self.method == "pipemare" else None
+    return delays, [mitigations.StageRule(d, self.spike_compensation, self.lr_rescheduling, decay)
+                    for d in delays]
+
+  def describe(self, num_stages):
+    """The summary's first line: method, stages, micro-batches and update options in force."""
+    micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+    on = [n if v is True else f"{n}={v}" for n, v in self.update_options()]
+    on += [f"discrepancy_decay={self.discrepancy_decay}"] if self.method == "pipemare" else []
+    micro += f", {', '.join(on)}" if on else ""
+    return f"tfpipe.Pipeline: method={self.method}, {num_stages} stages{micro}"
