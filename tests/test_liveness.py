@@ -121,3 +121,13 @@ def test_the_watchdog_names_a_task_that_stops_answering_within_seconds(servers):
 def test_a_watchdog_without_tasks_starts_no_thread():
   with liveness.Watchdog([], lambda lost: None) as dog:
     assert dog._thread is None   # pylint: disable=protected-access
+
+
+def test_asgd_refuses_a_cluster_whose_servers_do_not_answer(servers):
+  import tfpipe
+  from tests import helpers
+  silent = servers(answering=False)
+  with pytest.raises(cluster.ClusterUnreachable, match=r"/job:ps/task:0 \(127\.0\.0\.1:\d+\): "
+                     r"nothing listens there"):
+    tfpipe.create(helpers.mlp(), "asgd", spec={"worker": [silent.address],
+                                               "ps": [_dead_address()]})

@@ -51,6 +51,8 @@ class ASGD:
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     weights = model.get_weights()   # before joining the cluster
     self.spec = _chief_spec(spec)
+    # Its servers answer first (TensorFlow would wait for a missing one forever).
+    cluster_lib.check_answering({job: a for job, a in self.spec.items() if job != "chief"})
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(self.spec), task_type="chief", task_id=0, rpc_layer="grpc")
     self.strategy = tf.distribute.ParameterServerStrategy(resolver)

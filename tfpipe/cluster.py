@@ -34,7 +34,7 @@ from tfpipe import bind, liveness
 
 __all__ = ["WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec",
            "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
-           "describe_lost", "guard", "EXIT_LOST"]
+           "describe_lost", "guard", "check_answering", "EXIT_LOST"]
 
 _CONNECTED = {"spec": None}
 _LOCAL = []          # the LocalClusters of this process that are running
@@ -212,14 +212,10 @@ def _tasks(spec):
   return tasks
 
 
-def connect(spec, timeout=10.0):
-  """Connects this program to the cluster `spec` (remote devices become usable).
-
-  First every task is probed (`tfpipe.liveness.probe`, at most `timeout`
-  seconds): a task that does not answer is named in a `ClusterUnreachable`
-  (nothing listens, or a stopped or hung process), where TensorFlow's own
-  connect would wait for it forever.
-  """
+def check_answering(spec, timeout=5.0):
+  """Refuses (`ClusterUnreachable`, within `timeout` seconds) a cluster `spec` naming a task
+  whose server does not answer a probe (`tfpipe.liveness.probe`): nothing listens, or a
+  stopped or hung process, which TensorFlow would wait for forever."""
   tasks = _tasks(spec)
   states = liveness.probe_all(tasks, timeout)
   down = [(job, task, address, states[(job, task)]) for job, task, address in tasks
@@ -231,6 +227,12 @@ def connect(spec, timeout=10.0):
             for job, task, address, state in down)
         + f" (probed for {timeout:g} s). Start its servers first "
         "(python -m tfpipe.cluster --spec=... --job=... --task=...)")
+
+
+def connect(spec, timeout=5.0):
+  """Connects this program to the cluster `spec` (remote devices become usable), once every
+  task answers (`check_answering`, within `timeout` seconds)."""
+  check_answering(spec, timeout)
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec(spec), rpc_layer="grpc")
   tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)
