@@ -54,7 +54,7 @@ def test_backward_halves_equal_the_whole_backward(method):
   one = tf.constant(1.0, tf.float64)
   _, kept = whole.forward(x, 1)
   expected = whole.backward([kept], dys, 1, one, False)
-  _, kept = split.forward(x, 1)
+  _, kept = split.forward(x, 1, split=True)
   assert kept.tape is not None or whole.ops["F"].keeps != "tape"
   before = [v.numpy() for v in split.trainable]
   got = split.backward_input([kept], dys, 1, one)

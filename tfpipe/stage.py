@@ -25,10 +25,11 @@ Kept = collections.namedtuple("Kept", ["xs", "state", "weights", "tape", "ys", "
                               defaults=(None, None, None, None))
 Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
 inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
-replays); the `weights` it read (for "tape" and "weights"); for "tape" also the persistent
-gradient `tape` with its outputs `ys` and regularisation `reg`. `Kept.recomputable()` drops
-the tape (what a compiled window carries across its boundary): the backward then recomputes
-the forward on its kept weights, which gives the same values."""
+replays); the `weights` it read (for "tape" and "weights"); for "tape" also the gradient
+`tape` (persistent when the backward runs as two halves) with its outputs `ys` and
+regularisation `reg`. `Kept.recomputable()` drops the tape (what a compiled window carries
+across its boundary): the backward then recomputes the forward on its kept weights, which
+gives the same values."""
 Kept.recomputable = lambda self: Kept(self.xs, self.state, self.weights)
 
 
@@ -464,9 +465,15 @@ class StageProgram:
   # The stage's operations (`tfpipe.plan.tasks`): what every executor calls, eagerly (the
   # threaded executor) or while tracing a window (the compiled one; `inline`: see `task`).
 
-  def forward(self, xs, s, inline=False):
+  def forward(self, xs, s, inline=False, split=False):
     """Task F: the forward on the weights it reads (s: its version difference); returns
-    (outputs, `Kept`: what its backward needs, as the table's `keeps` says)."""
+    (outputs, `Kept`: what its backward needs, as the table's `keeps` says).
+
+    `split`: its backward will run as two halves (`backward_input`, then
+    `backward_weights`: a zero-bubble schedule), so a kept tape is persistent.
+    Only then: under a persistent tape TensorFlow builds higher-order gradient
+    functions for every stage call (measured: 4x the ops, twice the start-up).
+    """
     keeps = self.ops["F"].keeps
     if keeps == "inputs":
       ys, _, state = self.task("forward", inline)(xs, s)
@@ -475,7 +482,7 @@ class StageProgram:
     if keeps == "weights":
       ys, _, state = self.task("forward_on", inline)(weights, xs)
       return ys, Kept(xs, state, weights)
-    with tf.device(self.device), tf.GradientTape(persistent=True) as tape:
+    with tf.device(self.device), tf.GradientTape(persistent=split) as tape:
       tape.watch(list(weights) + self._float_inputs(xs))
       ys, reg, state = self.task("forward_on", inline)(weights, xs)
     return ys, Kept(xs, state, list(weights), tape, ys, reg)
@@ -488,7 +495,8 @@ class StageProgram:
     return self._backward(parts, dys, s, scale, accumulate, "both", inline)
 
   def backward_input(self, parts, dys, s, scale, inline=False):
-    """The input-gradient half of `backward` (a zero-bubble schedule's B): no update."""
+    """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
+    tape must be persistent (`forward(..., split=True)`)."""
     return self._backward(parts, dys, s, scale, False, "inputs", inline)
 
   def backward_weights(self, parts, dys, s, scale, accumulate, inline=False):
