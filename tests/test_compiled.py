@@ -60,6 +60,7 @@ def test_each_window_finishes_its_batches(name, K, M, W):
     (4, 3, [0, 3]), (40, 16, [0, 16] + list(range(32, 40))), (5, 1, [0, 1, 2, 3, 4])])
 def test_windows_of_w_then_of_one_batch_so_the_last_window_is_small(N, W, expected):
   assert windows.firsts(N, W) == expected
+  assert windows.firsts(N, W, singles=False) == list(range(0, N, W))
 
 
 def test_the_steady_state_windows_trace_alike():
@@ -80,25 +81,31 @@ def test_a_drain_window_finishes_exactly_the_started_batches():
   assert {t.batch for _, t, _, _ in last.tasks} == {4, 5}
 
 
-def _train(executor, window, method="pipedream", n=24, callbacks=None, K=3, **options):
+def _train(executor, window, method="pipedream", n=24, callbacks=None, K=3, inline=None,
+           **options):
   x, y = helpers.as_arrays(helpers.batches(n))
   model = helpers.mlp()
-  pipe, compile_ = helpers.pipeline(model, {"executor": executor, "steps_per_execution": window},
-                                    num_stages=K, method=method, **options)
+  runtime = {"executor": executor, "steps_per_execution": window}
+  if inline is not None:
+    runtime["inline"] = inline
+  pipe, compile_ = helpers.pipeline(model, runtime, num_stages=K, method=method, **options)
   compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
   history = pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=callbacks)
   return pipe, model, history
 
 
-def test_a_window_traces_once_and_is_reused_across_epochs():
-  pipe, _, _ = _train("compiled", 4, n=40)
-  first = pipe.runtime.traces
-  # Of 13 windows: warm-up, steady state (8 windows of 4), then windows of one batch: the
-  # change of size, one steady, and the K - 1 = 2 that drain the pipeline
-  assert first == 5
+@pytest.mark.parametrize("inline, traces", [
+    # Of 13 windows of stage calls: warm-up, steady state (8 windows of 4), then windows of
+    # one batch: the change of size, one steady, and the K - 1 = 2 that drain the pipeline.
+    (False, 5),
+    # Inlined: 10 windows of 4: warm-up, steady state (8), the last with the drain.
+    (True, 3)])
+def test_a_window_traces_once_and_is_reused_across_epochs(inline, traces):
+  pipe, _, _ = _train("compiled", 4, n=40, inline=inline)
+  assert pipe.runtime.traces == traces
   x, y = helpers.as_arrays(helpers.batches(40))
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=2)
-  assert pipe.runtime.traces == first
+  assert pipe.runtime.traces == traces
 
 
 @pytest.mark.parametrize("method,options", [("pipedream", {}), ("vanilla", {}),

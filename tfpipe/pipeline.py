@@ -8,6 +8,8 @@ the options live in `tfpipe.options`, `compile`'s work in `tfpipe.assemble`,
 the data in `tfpipe.fit_data`, the epoch loop in `tfpipe.fit_loop`.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -298,15 +300,22 @@ class Pipeline:
       initial_epoch = max(initial_epoch, fit_loop.restore(self, callbacks))
       link = learning_rate.LearningRateLink(self.optimizer, [p.optimizer for p in self.programs],
                                             lambda: self.runtime.updates[-1])
-      try:
-        with link, cluster.guard(self._remote()):   # a hung server is named within seconds
-          return fit_loop.train(self, dataset, num_batches, schedule, diffs, cbs, link, epochs,
-                                initial_epoch, steps_per_epoch, validation, validation_freq)
-      except tf.errors.OpError as e:   # a stage's task died: name it when it is a lost server
-        lost = cluster.describe_lost(e, self._remote()) if self._remote() else None
-        if lost is None:
-          raise
-        raise lost from e
+      with link, self._watched():
+        return fit_loop.train(self, dataset, num_batches, schedule, diffs, cbs, link, epochs,
+                              initial_epoch, steps_per_epoch, validation, validation_freq)
+
+  @contextlib.contextmanager
+  def _watched(self):
+    """The body's remote calls: a hung server is named within seconds (`cluster.guard`), a
+    task that died raises `cluster.WorkerLost` naming it."""
+    try:
+      with cluster.guard(self._remote()):
+        yield
+    except tf.errors.OpError as e:
+      lost = cluster.describe_lost(e, self._remote()) if self._remote() else None
+      if lost is None:
+        raise
+      raise lost from e
 
   def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                steps=None, callbacks=None, return_dict=False):
@@ -321,7 +330,8 @@ class Pipeline:
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
       fit_loop.choose_window(self, fit_loop.reads_batches(cbs, "test"))
-      logs = fit_loop.evaluate(self, dataset, num_batches, cbs)
+      with self._watched():
+        logs = fit_loop.evaluate(self, dataset, num_batches, cbs)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
   def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -336,4 +346,5 @@ class Pipeline:
     with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
-      return fit_loop.predict(self, dataset, num_batches, cbs)
+      with self._watched():
+        return fit_loop.predict(self, dataset, num_batches, cbs)

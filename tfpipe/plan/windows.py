@@ -47,25 +47,29 @@ def _window(first, last, tasks):
   return Window(first, last, tasks, _key(tasks, first))
 
 
-def firsts(N, size):
+def firsts(N, size, singles=True):
   """The first mini-batch of each window of an epoch of N: windows of `size` while at least
   one mini-batch is left after them, then windows of one mini-batch (between 1 and `size`
   of them). The steady windows of each size trace alike, so an epoch traces the warm-up
   window, one steady window of each size and the windows that drain the pipeline, which hold
   one mini-batch each, not `size` (start-up: a trace costs what its tasks do). The price: up
-  to `size` window calls at the end of an epoch instead of one."""
+  to `size` window calls at the end of an epoch instead of one, and a forward kept for its
+  backward that crosses a boundary is recomputed. Without `singles`: windows of `size`, the
+  last one shorter (for windows cheap to trace: inlined small stages)."""
+  if not singles:
+    return list(range(0, N, size))
   full = (N - 1) // size   # windows of `size` before the tail
   return [w * size for w in range(full)] + list(range(full * size, N))
 
 
-def plan(schedule, diffs, size):
+def plan(schedule, diffs, size, singles=True):
   """The windows (`firsts`) that run `schedule` (verified), `size` mini-batches at most."""
   if not isinstance(size, int) or isinstance(size, bool) or size < 1:
     raise ValueError(f"a window holds a positive number of mini-batches. Received: {size!r}")
   K = len(schedule)
   N = 1 + max(t.batch for t in schedule[0] if t.kind == "F")
   covers = [verify.covered_units(tasks) for tasks in schedule]
-  starts = firsts(N, size)
+  starts = firsts(N, size, singles)
   ends = [b - 1 for b in starts[1:]] + [N - 1]
   cuts = [[0] * K]
   for last in ends:

@@ -123,10 +123,14 @@ class CompiledRuntime(Executor):
     further batch starts. Returns the number of mini-batches trained.
     """
     self._start_epoch(schedule)
-    size = self.window if self._inlined() else min(self.window, self.CALL_WINDOW)
-    key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size)
+    # Inlined windows (small stages, cheap to trace) run whole; windows of stage calls
+    # trace CALL_WINDOW mini-batches at most and end an epoch in windows of one.
+    inlined = self._inlined()
+    size = self.window if inlined else min(self.window, self.CALL_WINDOW)
+    key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size,
+           inlined)
     if self._plan[0] != key:
-      plan = windows_lib.plan(schedule, diffs, size)
+      plan = windows_lib.plan(schedule, diffs, size, singles=not inlined)
       self._plan = (key, plan, [self._number(window) for window in plan],
                     windows_lib.flush_window(schedule, diffs))
     _, plan, numbers, flush = self._plan
