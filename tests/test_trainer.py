@@ -394,6 +394,38 @@ def test_dataparallel_across_two_trainer_processes():
   assert len(losses[0]) == 2 and losses[0] == losses[1]   # one synchronous training
 
 
+def test_a_hung_dataparallel_peer_is_named_and_the_other_worker_exits():
+  import json
+  import signal
+  import time
+  from tfpipe import cluster
+  addresses = [f"127.0.0.1:{cluster._free_port()}" for _ in range(2)]  # pylint: disable=protected-access
+  runs = []
+  for index in range(2):
+    env = dict(os.environ, TF_CONFIG=json.dumps(
+        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
+    runs.append(subprocess.Popen(
+        [sys.executable, "-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
+         "--snn_width=16", "--snn_depth=3", "--batch_size=32", "--steps=4", "--epochs=1000",
+         "--logdir=", "--verbose=2", "--throughput_window="], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+  try:
+    _until_epoch(runs[0], 2)
+    os.kill(runs[1].pid, signal.SIGSTOP)   # worker 1 hangs; worker 0 waits in an all-reduce
+    stopped = time.time()
+    _, stderr = runs[0].communicate(timeout=60)
+    seconds = time.time() - stopped
+  finally:
+    for run in runs:
+      if run.poll() is None:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+  assert runs[0].returncode == main.LOST, stderr[-3000:]
+  assert f"tfpipe: lost /job:worker/task:1 ({addresses[1]}): it accepts connections but its " \
+         "process does not answer (stopped or hung)" in stderr
+  assert seconds < 15
+
+
 def test_asgd_with_parameter_servers_trains_the_quickstart_model():
   # No --cluster: asgd starts its default local cluster, 2 workers and 1 parameter server.
   result = _cli("--flagfile=configs/quickstart.cfg", "--method=asgd", "--epochs=4",

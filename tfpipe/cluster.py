@@ -34,7 +34,7 @@ from tfpipe import bind, liveness
 
 __all__ = ["WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec",
            "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
-           "describe_lost", "guard", "check_answering", "EXIT_LOST"]
+           "describe_lost", "guard", "watch", "check_answering", "EXIT_LOST"]
 
 _CONNECTED = {"spec": None}
 _LOCAL = []          # the LocalClusters of this process that are running
@@ -306,7 +306,6 @@ def describe_lost(error, devices):
                     f"({type(error).__name__}: {str(error).splitlines()[0]})")
 
 
-@contextlib.contextmanager
 def guard(devices, interval=1.0, timeout=2.0, misses=2):
   """Watches the cluster tasks that `devices` name while the body runs (training).
 
@@ -319,6 +318,13 @@ def guard(devices, interval=1.0, timeout=2.0, misses=2):
   TensorFlow runtime cannot take back the call. No devices on a cluster:
   nothing is watched.
   """
+  return watch(_used_tasks(devices), interval, timeout, misses)
+
+
+@contextlib.contextmanager
+def watch(tasks, interval=1.0, timeout=2.0, misses=2):
+  """`guard` over `tasks` [(job, task, address)] of any cluster (e.g. the peers of a
+  MultiWorkerMirroredStrategy worker)."""
   def on_lost(lost):
     for job, task, _, state in lost:
       _VERDICTS[(job, task)] = state
@@ -333,7 +339,7 @@ def guard(devices, interval=1.0, timeout=2.0, misses=2):
           f"{EXIT_LOST}", file=sys.stderr, flush=True)
     os._exit(EXIT_LOST)
 
-  with liveness.Watchdog(_used_tasks(devices), on_lost, interval, timeout, misses):
+  with liveness.Watchdog(tasks, on_lost, interval, timeout, misses):
     yield
 
 

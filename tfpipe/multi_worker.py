@@ -14,11 +14,14 @@ The strategy must exist before TensorFlow runs any op: call
 `make_strategy()` at the start of the program (the trainer does).
 """
 
+import json
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import compile_utils, data, epochs as epochs_lib
+from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib
 
 __all__ = ["make_strategy", "MultiWorkerDataParallel"]
 
@@ -101,5 +104,18 @@ class MultiWorkerDataParallel:
         cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
       return losses, samples
 
-    return epochs_lib.run_epochs(self.model, self._trained, epochs, num_batches, callbacks,
-                                 verbose, train_epoch)
+    with cluster_lib.watch(_peers()):   # a hung peer would stall every all-reduce forever
+      return epochs_lib.run_epochs(self.model, self._trained, epochs, num_batches, callbacks,
+                                   verbose, train_epoch)
+
+
+def _peers():
+  """[(job, task, address)] of the other tasks in TF_CONFIG's cluster (none without it)."""
+  try:
+    spec = cluster_lib.from_tf_config()
+    me = json.loads(os.environ["TF_CONFIG"]).get("task", {})
+  except (ValueError, KeyError):
+    return []
+  return [(job, task, address) for job, addresses in spec.items()
+          for task, address in enumerate(addresses)
+          if (job, task) != (me.get("type"), me.get("index"))]
