@@ -34,7 +34,8 @@ from tfpipe import bind, liveness
 
 __all__ = ["WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec",
            "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
-           "describe_lost", "guard", "watch", "check_answering", "EXIT_LOST"]
+           "describe_lost", "describe_state", "guard", "watch", "check_answering",
+           "EXIT_LOST"]
 
 _CONNECTED = {"spec": None}
 _LOCAL = []          # the LocalClusters of this process that are running
@@ -56,7 +57,8 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _what(state):
+def describe_state(state):
+  """What a probe state (`tfpipe.liveness.STATES`) says of a task, in words."""
   return {"refused": "nothing listens there",
           "silent": "it accepts connections but its process does not answer (stopped or hung)",
           "closed": "it closed the connection without answering (not a TensorFlow server?)"}[state]
@@ -223,7 +225,7 @@ def check_answering(spec, timeout=5.0):
   if down:
     raise ClusterUnreachable(
         "cannot connect to the cluster: " + "; ".join(
-            f"/job:{job}/task:{task} ({address}): {_what(state)}"
+            f"/job:{job}/task:{task} ({address}): {describe_state(state)}"
             for job, task, address, state in down)
         + f" (probed for {timeout:g} s). Start its servers first "
         "(python -m tfpipe.cluster --spec=... --job=... --task=...)")
@@ -328,7 +330,7 @@ def watch(tasks, interval=1.0, timeout=2.0, misses=2):
   def on_lost(lost):
     for job, task, _, state in lost:
       _VERDICTS[(job, task)] = state
-    names = "; ".join(f"/job:{j}/task:{t} ({a}): {_what(s)}" for j, t, a, s in lost)
+    names = "; ".join(f"/job:{j}/task:{t} ({a}): {describe_state(s)}" for j, t, a, s in lost)
     print(f"tfpipe: lost {names}", file=sys.stderr, flush=True)
     owned = [p for j, t, a, _ in lost for c in list(_LOCAL) for p in [c.owns(j, t, a)] if p]
     if len(owned) == len(lost):
