@@ -223,12 +223,14 @@ class StageProgram:
     own step, `tfpipe.prediction`); "corrected" back by `s` updates of the average weight
     change (PipeMare). Any other source (the forward's own, a blend) reads "current" here.
 
-    `s` is a Python number, so each value traces once and s = 0 costs nothing.
+    `s` is a Python number, so each value traces once and s = 0 costs nothing; for
+    "corrected" it may be a scalar tensor (one trace for every s: `_backward`).
     """
     if source == "predicted" and s:
       return prediction.predict_all(self.optimizer, self.trainable, s)
-    if source == "corrected" and s:
-      return [tf.convert_to_tensor(v) - float(s) * d for v, d in zip(self.trainable, self.deltas)]
+    if source == "corrected" and not (isinstance(s, (int, float)) and not s):
+      return [tf.convert_to_tensor(v) - tf.cast(s, d.dtype) * d
+              for v, d in zip(self.trainable, self.deltas)]
     return [tf.convert_to_tensor(v) for v in self.trainable]
 
   def _call(self, weights, xs, training, update_state=True, state=None):
@@ -354,8 +356,12 @@ class StageProgram:
     if reads == "kept":
       return list(kept_weights)
     if reads == "blend":
-      sigma = mitigations.blend_factor(s)
-      return [w if not s else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
+      if isinstance(s, (int, float)):
+        sigma = mitigations.blend_factor(s)
+        return [w if not s else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
+                for w, v in zip(kept_weights, self.trainable)]
+      sigma = tf.exp(-tf.cast(s, tf.float64))   # mitigations.blend_factor, as a tensor
+      return [tf.cast(sigma, w.dtype) * w + tf.cast(1.0 - sigma, w.dtype) * tf.convert_to_tensor(v)
               for w, v in zip(kept_weights, self.trainable)]
     return self.weights(s, reads)
 
@@ -507,6 +513,11 @@ class StageProgram:
     if len(parts) == 1 and parts[0].tape is not None:
       return self._through_tape(parts[0], dys, scale, accumulate, wrt, inline)
     weights = parts[0].weights if parts[0].weights is not None else []
+    if self.ops["B"].reads in ("corrected", "blend"):
+      # s: the updates since the forward, which vary over warm-up, steady state and drain; as
+      # a tensor the backward traces once for all of them.
+      with tf.device(self.device):
+        s = tf.constant(float(s), tf.float64)
     return self.task("backward_on", inline)(weights, [(p.xs, p.state) for p in parts], dys, s,
                                             scale, accumulate, wrt)
 
