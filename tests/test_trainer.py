@@ -426,6 +426,25 @@ def test_a_hung_dataparallel_peer_is_named_and_the_other_worker_exits():
   assert seconds < 15
 
 
+def test_a_dataparallel_worker_whose_peer_never_starts_is_stopped_naming_it():
+  import json
+  import signal
+  import time
+  from tfpipe import cluster
+  addresses = [f"127.0.0.1:{cluster._free_port()}" for _ in range(2)]  # pylint: disable=protected-access
+  env = dict(os.environ, TF_CONFIG=json.dumps(
+      {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 0}}))
+  start = time.time()
+  result = subprocess.run(
+      [sys.executable, "-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
+       "--cluster_timeout=3", "--snn_width=16", "--snn_depth=3", "--steps=1", "--logdir="],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, start_new_session=True)
+  assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+  assert ("tfpipe: the cluster's workers did not all start within 3 s: /job:worker/task:1 "
+          f"({addresses[1]}): nothing listens there") in result.stderr
+  assert time.time() - start < 60   # the 3 s, plus starting Python and TensorFlow
+
+
 def test_asgd_with_parameter_servers_trains_the_quickstart_model():
   # No --cluster: asgd starts its default local cluster, 2 workers and 1 parameter server.
   result = _cli("--flagfile=configs/quickstart.cfg", "--method=asgd", "--epochs=4",

@@ -57,11 +57,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def describe_state(state):
-  """What a probe state (`tfpipe.liveness.STATES`) says of a task, in words."""
-  return {"refused": "nothing listens there",
-          "silent": "it accepts connections but its process does not answer (stopped or hung)",
-          "closed": "it closed the connection without answering (not a TensorFlow server?)"}[state]
+describe_state = liveness.describe_state
 
 
 class LocalCluster:

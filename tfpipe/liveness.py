@@ -18,11 +18,14 @@ hung server never returns, so the caller decides what unblocks it (see
 """
 
 import concurrent.futures
+import os
+import signal
 import socket
+import sys
 import threading
 import time
 
-__all__ = ["probe", "probe_all", "Watchdog", "STATES"]
+__all__ = ["probe", "probe_all", "Watchdog", "STATES", "describe_state", "await_tasks"]
 
 STATES = ("ok", "refused", "silent", "closed")
 
@@ -56,6 +59,14 @@ def probe(address, timeout=2.0):
     return "closed"
   finally:
     conn.close()
+
+
+def describe_state(state):
+  """What a probe state says of a task, in words."""
+  return {"refused": "nothing listens there",
+          "silent": "it accepts connections but its process does not answer (stopped or hung)",
+          "closed": "it closed the connection without answering (not a TensorFlow server?)",
+          "ok": "it answers"}[state]
 
 
 def probe_all(tasks, timeout=2.0):
@@ -104,3 +115,31 @@ class Watchdog:
         self.lost = lost
         self.on_lost(lost)
         return
+
+
+def await_tasks(tasks, timeout, parent):
+  """Waits until every task of `tasks` [(job, task, address)] has answered a probe once; if
+  some have not within `timeout` seconds, names them on stderr and terminates process
+  `parent` (SIGKILL), which waits on them in a call TensorFlow cannot cancel. Run as a
+  process of its own (`python liveness.py`: the standard library only), since that call may
+  hold Python's lock."""
+  waiting, deadline = list(tasks), time.monotonic() + timeout
+  while waiting:
+    states = probe_all(waiting, timeout=2.0)
+    waiting = [t for t in waiting if states[(t[0], t[1])] != "ok"]
+    if waiting and time.monotonic() > deadline:
+      names = "; ".join(f"/job:{job}/task:{task} ({address}): "
+                        f"{describe_state(states[(job, task)])}" for job, task, address in waiting)
+      print(f"tfpipe: the cluster's workers did not all start within {timeout:g} s: {names}",
+            file=sys.stderr, flush=True)
+      os.kill(parent, signal.SIGKILL)   # TensorFlow may catch SIGTERM (preemption notices)
+      return 1
+    if waiting:
+      time.sleep(0.5)
+  return 0
+
+
+if __name__ == "__main__":   # python liveness.py TASKS_JSON TIMEOUT PARENT_PID
+  import json
+  sys.exit(await_tasks([tuple(t) for t in json.loads(sys.argv[1])], float(sys.argv[2]),
+                       int(sys.argv[3])))

@@ -16,21 +16,34 @@ The strategy must exist before TensorFlow runs any op: call
 
 import json
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib
+from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib, liveness
 
 __all__ = ["make_strategy", "MultiWorkerDataParallel"]
 
 _STRATEGY = {"strategy": None}
 
 
-def make_strategy():
-  """The process's MultiWorkerMirroredStrategy (from TF_CONFIG), created once."""
+def make_strategy(timeout=120.0):
+  """The process's MultiWorkerMirroredStrategy (from TF_CONFIG), created once.
+
+  Its workers start in any order, and TensorFlow waits for the others inside
+  a call that holds Python's lock and cannot be cancelled. So a small process
+  (`tfpipe.liveness.await_tasks`) probes the other workers until each has
+  answered once: if one has not within `timeout` seconds, it names it on
+  stderr and kills this process (SIGKILL: TensorFlow may catch SIGTERM).
+  """
   if _STRATEGY["strategy"] is None:
+    peers = _peers()
+    if peers:
+      subprocess.Popen([sys.executable, liveness.__file__, json.dumps(peers), str(timeout),
+                        str(os.getpid())])
     _STRATEGY["strategy"] = tf.distribute.MultiWorkerMirroredStrategy()
   return _STRATEGY["strategy"]
 

@@ -12,6 +12,7 @@ class TrainConfig:
   num_stages: int = 2
   devices: Optional[Sequence[str]] = None
   cluster: Optional[str] = None
+  cluster_timeout: float = 120.0
   grid: str = "2x2"
   stage_replicas: Sequence[str] = ()
   partition: str = "uniform"

@@ -17,6 +17,9 @@ def define_flags():
   flags.DEFINE_string("cluster", None,
                       "pipeline stages on TF servers: local:W starts W worker processes on "
                       "127.0.0.1 (one stage each); tf_config connects to TF_CONFIG's cluster")
+  flags.DEFINE_float("cluster_timeout", 120.0,
+                     "--method=dataparallel --cluster=tf_config: seconds to wait for every "
+                     "worker to start (then the missing ones are named and this one stops)")
   flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (seed 004), e.g. 2x2")
   flags.DEFINE_list("stage_replicas", [],
                     "STAGE:R pairs: run stage STAGE data parallel on R devices (hybrid), e.g. 0:2")
@@ -93,6 +96,7 @@ def define_flags():
   flags.DEFINE_integer("verbose", 2, "0: silent, 1: progress bar, 2: one line per epoch")
 
   flags.register_validator("num_stages", lambda v: v >= 1, "--num_stages must be >= 1")
+  flags.register_validator("cluster_timeout", lambda v: v > 0, "--cluster_timeout must be > 0")
   flags.register_validator("batch_size", lambda v: v >= 1, "--batch_size must be >= 1")
   flags.register_validator("micro_batches", lambda v: v is None or v >= 1,
                            "--micro_batches must be >= 1")

@@ -84,7 +84,8 @@ def run(config):
     raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
                      "has none")
   if _multi_worker(config):
-    tfpipe.multi_worker.make_strategy()  # before any TensorFlow op; each worker has its CPU
+    # Before any TensorFlow op; each worker has its CPU. Waits for every worker to start.
+    tfpipe.multi_worker.make_strategy(timeout=config.cluster_timeout)
   else:
     setup_devices(config)
   with _cluster(config) as placed:
