@@ -65,13 +65,19 @@ def refuse(local):
 
 
 class _KillAt(keras.callbacks.Callback):
-  def __init__(self, local, batch):
+  """Kills worker 1 at `batch`, or with `stop` SIGSTOPs it: its process hangs (the kernel
+  still accepts connections)."""
+
+  def __init__(self, local, batch, stop=False):
     super().__init__()
-    self.local, self.batch, self.when = local, batch, None
+    self.local, self.batch, self.stop, self.when = local, batch, stop, None
 
   def on_train_batch_end(self, batch, logs=None):
     if batch == self.batch and self.when is None:
-      self.local.kill("worker", 1)
+      if self.stop:
+        os.kill(self.local.processes[("worker", 1)].pid, signal.SIGSTOP)
+      else:
+        self.local.kill("worker", 1)
       self.when = time.time()
 
 
@@ -91,21 +97,8 @@ def dead(local, directory):
           "unreachable": [list(t[:2]) for t in cluster.unreachable_tasks(local.spec)]}
 
 
-class _StopAt(keras.callbacks.Callback):
-  """SIGSTOPs worker 1 at `batch`: its process hangs (the kernel still accepts connections)."""
-
-  def __init__(self, local, batch):
-    super().__init__()
-    self.local, self.batch, self.when = local, batch, None
-
-  def on_train_batch_end(self, batch, logs=None):
-    if batch == self.batch and self.when is None:
-      os.kill(self.local.processes[("worker", 1)].pid, signal.SIGSTOP)
-      self.when = time.time()
-
-
 def hung(local):
-  stopper = _StopAt(local, 3)
+  stopper = _KillAt(local, 3, stop=True)
   try:
     _train(cluster.task_devices(local.spec), n=400, epochs=3, callbacks=[stopper])
     error = None

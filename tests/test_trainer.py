@@ -370,19 +370,27 @@ def test_a_diverged_run_stops_before_saving_and_a_resume_says_what_it_restores(t
   assert "epoch 2/3" not in result.stdout
 
 
-def test_dataparallel_across_two_trainer_processes():
+def _dataparallel_workers(epochs, count=2, wait=120):
+  """(addresses, processes): the first `count` of two data-parallel trainer workers of one
+  TF_CONFIG cluster, each in a session of its own."""
   import json
   from tfpipe import cluster
   addresses = [f"127.0.0.1:{cluster._free_port()}" for _ in range(2)]  # pylint: disable=protected-access
   runs = []
-  for index in range(2):
+  for index in range(count):
     env = dict(os.environ, TF_CONFIG=json.dumps(
         {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
     runs.append(subprocess.Popen(
         [sys.executable, "-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
-         "--snn_width=16", "--snn_depth=3", "--batch_size=32", "--steps=4", "--epochs=2",
-         "--logdir=", "--verbose=2", "--throughput_window="], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+         f"--cluster_timeout={wait}", "--snn_width=16", "--snn_depth=3", "--batch_size=32",
+         "--steps=4", f"--epochs={epochs}", "--logdir=", "--verbose=2",
+         "--throughput_window="], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True))
+  return addresses, runs
+
+
+def test_dataparallel_across_two_trainer_processes():
+  _, runs = _dataparallel_workers(epochs=2)
   outputs = []
   for run in runs:
     out, err = run.communicate(timeout=300)
@@ -395,20 +403,9 @@ def test_dataparallel_across_two_trainer_processes():
 
 
 def test_a_hung_dataparallel_peer_is_named_and_the_other_worker_exits():
-  import json
   import signal
   import time
-  from tfpipe import cluster
-  addresses = [f"127.0.0.1:{cluster._free_port()}" for _ in range(2)]  # pylint: disable=protected-access
-  runs = []
-  for index in range(2):
-    env = dict(os.environ, TF_CONFIG=json.dumps(
-        {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
-    runs.append(subprocess.Popen(
-        [sys.executable, "-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
-         "--snn_width=16", "--snn_depth=3", "--batch_size=32", "--steps=4", "--epochs=1000",
-         "--logdir=", "--verbose=2", "--throughput_window="], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+  addresses, runs = _dataparallel_workers(epochs=1000)
   try:
     _until_epoch(runs[0], 2)
     os.kill(runs[1].pid, signal.SIGSTOP)   # worker 1 hangs; worker 0 waits in an all-reduce
@@ -427,21 +424,19 @@ def test_a_hung_dataparallel_peer_is_named_and_the_other_worker_exits():
 
 
 def test_a_dataparallel_worker_whose_peer_never_starts_is_stopped_naming_it():
-  import json
   import signal
   import time
-  from tfpipe import cluster
-  addresses = [f"127.0.0.1:{cluster._free_port()}" for _ in range(2)]  # pylint: disable=protected-access
-  env = dict(os.environ, TF_CONFIG=json.dumps(
-      {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 0}}))
   start = time.time()
-  result = subprocess.run(
-      [sys.executable, "-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
-       "--cluster_timeout=3", "--snn_width=16", "--snn_depth=3", "--steps=1", "--logdir="],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, start_new_session=True)
-  assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+  addresses, (run,) = _dataparallel_workers(epochs=1, count=1, wait=3)   # 1 never starts
+  try:
+    _, stderr = run.communicate(timeout=120)
+  finally:
+    if run.poll() is None:
+      os.killpg(run.pid, signal.SIGKILL)
+      run.wait()
+  assert run.returncode == -signal.SIGKILL, stderr[-3000:]
   assert ("tfpipe: the cluster's workers did not all start within 3 s: /job:worker/task:1 "
-          f"({addresses[1]}): nothing listens there") in result.stderr
+          f"({addresses[1]}): nothing listens there") in stderr
   assert time.time() - start < 60   # the 3 s, plus starting Python and TensorFlow
 
 
