@@ -64,3 +64,37 @@ def test_backward_halves_equal_the_whole_backward(method):
   np.testing.assert_allclose(got[0].numpy(), expected[0].numpy(), rtol=1e-6, atol=1e-7)
   helpers.assert_weights_close([v.numpy() for v in split.trainable],
                                [v.numpy() for v in whole.trainable], rtol=1e-6, atol=1e-7)
+
+
+def _ancestors(op):
+  seen, todo = set(), [op]
+  while todo:
+    o = todo.pop()
+    for parent in [t.op for t in o.inputs] + list(o.control_inputs):
+      if parent.name not in seen:
+        seen.add(parent.name)
+        todo.append(parent)
+  return seen
+
+
+@pytest.mark.parametrize("method", ["vanilla", "i_timeprest"])
+def test_a_backward_updates_only_after_its_input_gradients(method):
+  """Inside one backward the update waits for the input gradients: otherwise TensorFlow may
+  run it first and the input gradients read the updated weights."""
+  program = stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
+                               keras.optimizers.SGD(0.1, momentum=0.9),
+                               policies.policy_for(method))
+  x = [tf.ones((6, 8))]
+  _, kept = program.forward(x, 1)
+  args = ([] if kept.weights is None else kept.weights, [(kept.xs, kept.state)],
+          [tf.ones((6, 3))], tf.constant(1.0, tf.float64), tf.constant(1.0, tf.float64),
+          False, "both")
+  graph = program._functions["backward_on"].get_concrete_function(*args).graph
+  outputs = [t.op.inputs[0].op.name if t.op.type == "Identity" else t.op.name
+             for t in graph.outputs if t.dtype == tf.float32]   # the input gradients
+  writes = [op for op in graph.get_operations()
+            if op.type in ("AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp")]
+  assert outputs and writes
+  for op in writes:
+    before = _ancestors(op)
+    assert all(name in before for name in outputs), op.name
