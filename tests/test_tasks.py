@@ -15,6 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RULES = {
     "sequential": ("current", "tape", "kept"),
     "gpipe": ("current", "tape", "kept"),
+    "1f1b": ("current", "tape", "kept"),
+    "zb": ("current", "tape", "kept"),
     "vanilla": ("current", "inputs", "current"),
     "pipedream": ("current", "tape", "kept"),
     "spectrain": ("predicted", "tape", "kept"),
@@ -34,7 +36,9 @@ def test_every_method_has_a_rule_here():
 def test_the_table_gives_each_method_its_weight_rule(method):
   policy = policies.policy_for(method)
   forward, backward = tasks.op(policy, "F"), tasks.op(policy, "B")
-  assert (forward.op, backward.op) == ("forward", "backward")
+  split = method == "zb"   # zero-bubble: B gives the input gradient, W the weights'
+  assert (forward.op, backward.op) == ("forward", "backward_input" if split else "backward")
+  assert tasks.op(policy, "W") == tasks.StageOp("backward_weights", backward.reads)
   assert (forward.reads, forward.keeps, backward.reads) == RULES[method]
   assert tasks.keeps_weights(policy) == (RULES[method][1] != "inputs")
   last = tasks.ops(policy, last=True)

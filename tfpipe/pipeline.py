@@ -40,8 +40,10 @@ class Pipeline:
       its batch over them, the weights are shared and the gradients summed,
       as the SpecTrain paper does for VGG16's slow first stage. Works with
       every method; the weight rule is unchanged.
-    method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe",
-      "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
+    method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
+      (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
+      kept at stage k), "zb" (zero-bubble ZB-H1: backwards split into input
+      and weight halves, the weight halves filling the bubble), "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
       "timeprest" (DESIGN.md section 3), "pipemare" (vanilla's schedule, the
       backward on weights corrected back to the forward's, PipeMare) or
       "i_timeprest" (TiMePReSt's schedule, the backward on a blend of the
@@ -56,12 +58,12 @@ class Pipeline:
       stage from its saved input: one extra forward per backward).
     version_difference: "paper" (seed 000 eq. 5-6) or "exact" (counted from
       the schedule).
-    micro_batches: M, micro-batches per mini-batch: for "gpipe" and
-      "timeprest" (default 4), and for "vanilla", "pipedream" and
+    micro_batches: M, micro-batches per mini-batch: for "gpipe", "1f1b",
+      "zb" and "timeprest" (default 4), and for "vanilla", "pipedream" and
       "spectrain" (default 1), whose stages then accumulate the M gradients
       and update once per mini-batch (SpecTrain needs version_difference="exact").
     recompute: keep only stage inputs and recompute the forward before the
-      backward ("sequential", "gpipe"); None takes the method's rule.
+      backward (the synchronous methods); None takes the method's rule.
     lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
       on all stages, as the DDG paper runs them (same weights, other timing).
     profile_batch_size: the batch size at which "profile" measures layers.

@@ -191,7 +191,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     diffs = policies.version_differences(policy, schedule, version_difference)
     covers = [verify.covered_units(stage_tasks) for stage_tasks in schedule]
     pieces = {b: _pieces(x, y, M) for b, (x, y) in enumerate(batches)}
-    outputs, inputs, used, grads_out = {}, {}, {}, {}
+    outputs, inputs, used, grads_out, halves = {}, {}, {}, {}, {}
     for k, task in verify.verify(schedule).order:
       kind, b, i = task
       unit, s, model = (b, i), diffs[k][task], stage_models[k]
@@ -208,6 +208,9 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
           inputs[(k, unit)] = (xs, None)   # the last stage runs its forward with the backward
         continue
       if kind in ("R", "S"):
+        continue
+      if kind == "W":   # a split backward's weight half: what its B computed, accumulated
+        A[k] = [a + g for a, g in zip(A[k], halves.pop((k, unit)))]
         continue
       if kind == "U":
         update(k, A[k])
@@ -250,7 +253,9 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
                              for y, g in zip(ys, grads_out.pop((k, unit)))])
       grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
       weight_grads = [g.numpy() for g in grads[:len(w_t)]]
-      if i is None:
+      if ops[k]["B"].op == "backward_input":   # its W adds them (no update comes between)
+        halves[(k, unit)] = weight_grads
+      elif i is None:
         update(k, weight_grads)
       else:
         A[k] = [a + g for a, g in zip(A[k], weight_grads)]

@@ -485,10 +485,12 @@ class StageProgram:
     (outputs, `Kept`: what its backward needs, as the table's `keeps` says).
 
     `split`: its backward will run as two halves (`backward_input`, then
-    `backward_weights`: a zero-bubble schedule), so a kept tape is persistent.
-    Only then: under a persistent tape TensorFlow builds higher-order gradient
-    functions for every stage call (measured: 4x the ops, twice the start-up).
+    `backward_weights`: a zero-bubble schedule, where the table says so), so a
+    kept tape is persistent. Only then: under a persistent tape TensorFlow
+    builds higher-order gradient functions for every stage call (measured: 4x
+    the ops, twice the start-up).
     """
+    split = split or self.ops["B"].op == "backward_input"
     keeps = self.ops["F"].keeps
     if keeps == "inputs":
       ys, _, state = self.task("forward", inline)(xs, s)

@@ -27,7 +27,7 @@ def define_flags():
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", "paper", "spectrain version difference: paper, exact")
   flags.DEFINE_integer("micro_batches", None,
-                       "micro-batches per mini-batch (gpipe, timeprest: default 4; vanilla, "
+                       "micro-batches per mini-batch (gpipe, 1f1b, zb, timeprest: default 4; vanilla, "
                        "pipedream, spectrain: default 1)")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")

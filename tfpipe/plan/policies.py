@@ -23,14 +23,17 @@ import dataclasses
 from tfpipe.plan import names, schedules
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
-           "PIPELINE_METHODS", "MICRO_BATCH_METHODS", "MAX_MICRO_BATCHES", "LOCKSTEP_METHODS",
+           "PIPELINE_METHODS", "SYNCHRONOUS_METHODS", "MICRO_BATCH_METHODS", "MAX_MICRO_BATCHES",
+           "LOCKSTEP_METHODS",
            "SPECTRAIN_BACKWARDS", "VERSION_DIFFERENCES"]
 
-PIPELINE_METHODS = ("sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
-                    "feature_replay", "timeprest", "pipemare", "i_timeprest")
-MICRO_BATCH_METHODS = ("gpipe", "timeprest", "i_timeprest", "vanilla", "pipedream", "spectrain",
-                       "pipemare")
-DEFAULT_MICRO_BATCHES = {"gpipe": 4, "timeprest": 4, "i_timeprest": 4}
+PIPELINE_METHODS = ("sequential", "gpipe", "1f1b", "zb", "vanilla", "pipedream", "spectrain",
+                    "ddg", "feature_replay", "timeprest", "pipemare", "i_timeprest")
+# The methods with no stale weight: each equals training on whole mini-batches.
+SYNCHRONOUS_METHODS = ("sequential", "gpipe", "1f1b", "zb")
+MICRO_BATCH_METHODS = ("gpipe", "1f1b", "zb", "timeprest", "i_timeprest", "vanilla", "pipedream",
+                       "spectrain", "pipemare")
+DEFAULT_MICRO_BATCHES = {"gpipe": 4, "1f1b": 4, "zb": 4, "timeprest": 4, "i_timeprest": 4}
 # Each micro-batch is a task of every stage, planned and verified per mini-batch: past this
 # the plan alone takes seconds (M=4000: 2.6 s per verify) while the bubble, (K-1)/(M+K-1), is
 # already below 1% for K <= 11.
@@ -42,6 +45,8 @@ VERSION_DIFFERENCES = ("paper", "exact")
 _RULES = {
     "sequential": ("sequential", "current", "forward"),
     "gpipe": ("gpipe", "current", "forward"),
+    "1f1b": ("1f1b_flush", "current", "forward"),
+    "zb": ("zb_h1", "current", "forward"),
     "vanilla": ("1f1b", "current", "current"),
     "pipedream": ("1f1b", "current", "forward"),
     "ddg": ("ddg", "current", "forward"),
@@ -65,6 +70,11 @@ class WeightPolicy:
     return self.backward != "forward"
 
   @property
+  def splits_backward(self):
+    """True when the schedule splits each backward into B (input gradient) and W (weights)."""
+    return self.schedule in schedules.SPLIT_BACKWARD
+
+  @property
   def predicts(self):
     return "predicted" in (self.forward, self.backward)
 
@@ -77,7 +87,7 @@ def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=Fals
 
   `recompute=True` keeps only stage inputs and recomputes the forward before
   the backward: allowed where the recomputed forward reads the same weights
-  as the original one (sequential, gpipe: no update comes between them).
+  as the original one (the `SYNCHRONOUS_METHODS`: no update comes between them).
   Methods whose backward reads other weights than the forward (vanilla,
   feature_replay, timeprest, spectrain "repredict") always recompute.
 
@@ -103,7 +113,7 @@ def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=Fals
     policy = dataclasses.replace(policy, schedule="ddg_lockstep")
   if recompute is None or recompute == policy.recompute:
     return policy
-  if recompute and method in ("sequential", "gpipe"):
+  if recompute and method in SYNCHRONOUS_METHODS:
     return dataclasses.replace(policy, backward="current")
   if recompute:
     raise ValueError(

@@ -11,6 +11,9 @@ waits only for its data (see `tfpipe.plan.verify`). Task kinds:
   B(b, i)    backward of micro-batch i: its weight gradient is accumulated;
   B(b)       backward of the whole mini-batch b (all its micro-batches, if
              any), followed by the stage's update;
+  W(b, i)    the weight-gradient half of micro-batch i's backward, accumulated
+             (zero-bubble schedules: their B(b, i) then gives the stage input's
+             gradient only);
   U(b)       the update with the gradients accumulated over b's micro-batches;
   R(b[, i])  receive b's output gradient now, ahead of its backward (DDG);
   S(t)       a barrier: every stage waits at S(t) until all stages reach it
@@ -25,15 +28,17 @@ thread timing: the runtime and the slow reference loop agree exactly.
 
 import collections
 
-__all__ = ["Task", "sequential", "one_f_one_b", "gpipe", "ddg", "ddg_lockstep", "timeprest", "build",
-           "SCHEDULES", "MICRO_BATCHED", "is_update", "exact_version_differences",
+__all__ = ["Task", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush", "zero_bubble_h1",
+           "ddg", "ddg_lockstep", "timeprest", "build",
+           "SCHEDULES", "MICRO_BATCHED", "ALWAYS_MICRO", "SPLIT_BACKWARD", "is_update",
+           "exact_version_differences",
            "updates_since_forward",
            "paper_version_difference", "timeprest_version_difference", "micro_batches",
            "micro_sizes"]
 
 
 class Task(collections.namedtuple("Task", ["kind", "batch", "micro"], defaults=(None,))):
-  """One task of one stage: kind "F", "B", "U", "R" or "S", a mini-batch (S: a step), and a
+  """One task of one stage: kind "F", "B", "W", "U", "R" or "S", a mini-batch (S: a step), and a
   micro-batch or None."""
 
   __slots__ = ()
@@ -139,6 +144,72 @@ def gpipe(K, N, M):
   return stages
 
 
+def one_f_one_b_flush(K, N, M):
+  """1F1B with a flush (PipeDream-Flush, DAPPLE; Megatron-LM's default): per mini-batch, the
+  1F1B order over its M micro-batches, then one update; the next mini-batch starts after it.
+
+  Stage k starts with min(d, M) forwards (d = K-1-k), then alternates one forward and one
+  backward, then runs the backwards left. K = 3, N = 1, M = 4:
+
+  ```
+  stage 0: F0.0 F0.1 F0.2 .    .    B0.0 F0.3 .    B0.1 .    B0.2 .    B0.3 U0
+  stage 1: .    F0.0 F0.1 .    B0.0 F0.2 B0.1 F0.3 B0.2 .    B0.3 U0
+  stage 2: .    .    F0.0B0.0 F0.1B0.1 F0.2B0.2 F0.3B0.3 U0
+  ```
+  Like GPipe no update comes inside a mini-batch (it equals training on whole mini-batches)
+  and the bubble is the same, (K-1)/(M+K-1); but stage k keeps at most min(K-k, M)
+  micro-batches' activations instead of M.
+  """
+  _check(K, N, M)
+  stages = []
+  for k in range(K):
+    warm, tasks = min(K - 1 - k, M), []
+    for b in range(N):
+      tasks += [Task("F", b, i) for i in range(warm)]
+      for i in range(M):
+        if i + warm < M:
+          tasks.append(Task("F", b, i + warm))
+        tasks.append(Task("B", b, i))
+      tasks.append(Task("U", b))
+    stages.append(tasks)
+  return stages
+
+
+def zero_bubble_h1(K, N, M):
+  """ZB-H1 (Qi et al., ICLR 2024), per mini-batch and with a flush: the backward splits into B
+  (the gradient for the stage input, on the critical path: stage k-1 waits for it) and W (the
+  weight gradient, accumulated); a stage runs 1F1B's F and B order and lets its W tasks trail
+  its B tasks by k, so the later stages, which idle longest at the end of 1F1B, run their
+  deferred W there instead. The last stage's B is its whole step (forward, loss, backward:
+  it has no W). K = 3, N = 1, M = 4:
+
+  ```
+  stage 0: F0.0 F0.1 F0.2 .    .    B0.0 W0.0 F0.3 B0.1 W0.1 B0.2 W0.2 B0.3 W0.3 U0
+  stage 1: .    F0.0 F0.1 .    B0.0 F0.2 B0.1 W0.0 F0.3 B0.2 W0.1 B0.3 W0.2 W0.3 U0
+  stage 2: .    .    F0.0B0.0 F0.1B0.1 F0.2B0.2 F0.3B0.3 U0
+  ```
+  Stage k keeps min(K-k, M) + min(k, M) micro-batches at most (their forwards run, their W
+  not yet): at most K, 1F1B's peak at stage 0. The update follows the last W.
+  """
+  _check(K, N, M)
+  stages = []
+  for k in range(K):
+    warm, lag, tasks = min(K - 1 - k, M), (0 if k == K - 1 else k), []
+    for b in range(N):
+      tasks += [Task("F", b, i) for i in range(warm)]
+      for i in range(M):
+        if i + warm < M:
+          tasks.append(Task("F", b, i + warm))
+        tasks.append(Task("B", b, i))
+        if k < K - 1 and i >= lag:
+          tasks.append(Task("W", b, i - lag))
+      if k < K - 1:
+        tasks += [Task("W", b, i) for i in range(max(0, M - lag), M)]
+      tasks.append(Task("U", b))
+    stages.append(tasks)
+  return stages
+
+
 def ddg(K, N, lockstep=False):
   """Decoupled backpropagation with delayed gradients (DDG, EPFL report table 3).
 
@@ -217,9 +288,12 @@ def timeprest(K, N, M):
   return stages
 
 
-SCHEDULES = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe, "ddg": ddg,
+SCHEDULES = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe,
+             "1f1b_flush": one_f_one_b_flush, "zb_h1": zero_bubble_h1, "ddg": ddg,
              "ddg_lockstep": ddg_lockstep, "timeprest": timeprest}
-MICRO_BATCHED = ("1f1b", "gpipe", "timeprest")  # the schedules that take M
+MICRO_BATCHED = ("1f1b", "gpipe", "1f1b_flush", "zb_h1", "timeprest")  # the schedules that take M
+ALWAYS_MICRO = ("gpipe", "1f1b_flush", "zb_h1", "timeprest")   # built with M (M = 1 too)
+SPLIT_BACKWARD = ("zb_h1",)   # backwards split into B and W tasks
 
 
 def build(name, K, N, M=1):
@@ -227,7 +301,7 @@ def build(name, K, N, M=1):
   from tfpipe.plan import names  # pylint: disable=g-import-not-at-top
   name = names.lookup("schedule", name, SCHEDULES)
   _check(K, N, M)
-  if name in ("gpipe", "timeprest"):
+  if name in ALWAYS_MICRO:
     return SCHEDULES[name](K, N, M)
   if name == "1f1b":
     return one_f_one_b(K, N, M)

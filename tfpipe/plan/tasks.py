@@ -6,13 +6,16 @@ weight rule is one entry here plus its math in the stage, nothing in the
 executors.
 
 Task kinds (`tfpipe.plan.schedules.Task`): F forward, B backward (with the
-update, or adding into the accumulators for a micro-batch), U apply the
-accumulated gradients, R receive a gradient early, S a barrier. At the last
+update, or adding into the accumulators for a micro-batch), W the weight half
+of a split backward (zero-bubble schedules: their B gives the stage input's
+gradient only), U apply the accumulated gradients, R receive a gradient early,
+S a barrier. At the last
 stage a forward only holds its input: it runs with its backward as one step
 (forward, loss, backward, update).
 
 `StageOp` fields:
   op:    "forward" | "hold" (the last stage's forward) | "backward" |
+         "backward_input" and "backward_weights" (a split backward's B and W) |
          "step" (the last stage's backward) | "update" | "receive" | "barrier";
   reads: the weights read (DESIGN.md section 3): "current"; "predicted"
          (s updates ahead); "kept" (the very weights the forward read: a stash
@@ -56,22 +59,24 @@ def op(policy, kind, last=False):
   (`tfpipe.plan.policies.WeightPolicy`)."""
   if kind in _PLAIN:
     return _PLAIN[kind]
-  if kind not in ("F", "B"):
+  if kind not in ("F", "B", "W"):
     raise ValueError(f"unknown task kind {kind!r}")
   if policy.backward not in BACKWARD_READS:
     raise ValueError(f"policy {policy.method!r} reads unknown backward weights "
                      f"{policy.backward!r}")
   reads, keeps = BACKWARD_READS[policy.backward]
-  if last:   # one step: forward and backward on the forward's weights
+  if last and kind != "W":   # one step: forward and backward on the forward's weights
     return StageOp("hold", keeps="inputs") if kind == "F" else StageOp("step", policy.forward)
   if kind == "F":
     return StageOp("forward", policy.forward, keeps)
-  return StageOp("backward", reads)
+  if kind == "W":
+    return StageOp("backward_weights", reads)
+  return StageOp("backward_input" if policy.splits_backward else "backward", reads)
 
 
 def ops(policy, last=False):
   """{kind: StageOp} for every task kind of a stage."""
-  return {kind: op(policy, kind, last) for kind in ("F", "B", "U", "R", "S")}
+  return {kind: op(policy, kind, last) for kind in ("F", "B", "W", "U", "R", "S")}
 
 
 def keeps_weights(policy):

@@ -67,7 +67,7 @@ def _structure(schedule):
   for k, tasks in enumerate(schedule):
     seen = set()
     for t in tasks:
-      if t.kind not in "FBURS" or len(t.kind) != 1:
+      if t.kind not in "FBWURS" or len(t.kind) != 1:
         raise ScheduleError(f"stage {k}: unknown task kind {t.kind!r} in {t}")
       if t in seen:
         raise ScheduleError(f"stage {k} runs {t} twice")
@@ -104,6 +104,7 @@ def _structure(schedule):
           f"stage 0 has {diff[1] or 'none'} (every stage must pass the same barriers in order)")
     updates = {t.batch for t in tasks if t.kind == "U"}
     micro_backwards = _micro_backwards(tasks)
+    _check_weight_halves(k, K, tasks, micro_backwards)
     for t in tasks:
       if t.kind == "B" and t.micro is not None and t.batch not in updates:
         raise ScheduleError(f"stage {k}: {t} accumulates a gradient that no U{t.batch} applies")
@@ -125,6 +126,34 @@ def _structure(schedule):
           f"({', '.join(str(schedules.Task('F', *u)) for u in units_)})")
 
 
+def _weight_halves(tasks):
+  """Mini-batch -> its W tasks (the weight-gradient halves of a zero-bubble schedule)."""
+  result = collections.defaultdict(list)
+  for t in tasks:
+    if t.kind == "W":
+      result[t.batch].append(t)
+  return result
+
+
+def _check_weight_halves(k, K, tasks, micro_backwards):
+  """A stage splits a mini-batch's backwards into B and W halves for all its micro-batches or
+  none; each W follows its B; the last stage never splits (its B is its whole step)."""
+  halves, seen = _weight_halves(tasks), set()
+  for t in tasks:
+    if t.kind == "W":
+      if k == K - 1:
+        raise ScheduleError(f"stage {k} is the last stage: its B is its whole step ({t})")
+      if schedules.Task("B", t.batch, t.micro) not in seen:
+        raise ScheduleError(f"stage {k}: {t} comes before its {schedules.Task('B', *t[1:])}")
+    seen.add(t)
+  for b, ws in halves.items():
+    wanted = {o.micro for o in micro_backwards[b]}
+    if {w.micro for w in ws} != wanted:
+      missing = sorted(wanted - {w.micro for w in ws})
+      raise ScheduleError(f"stage {k}: mini-batch {b} splits some backwards into B and W but not "
+                          f"{schedules.Task('B', b, missing[0]) if missing else 'all'}")
+
+
 def verify(schedule, capacity=None):
   """Checks `schedule` (see the module docstring); returns its `Report`.
 
@@ -139,6 +168,8 @@ def verify(schedule, capacity=None):
   bwd = [collections.deque() for _ in range(K - 1)]   # items sent k+1 -> k
   cover = [covered_units(tasks) for tasks in schedule]
   micro_backwards = [_micro_backwards(tasks) for tasks in schedule]
+  halves = [_weight_halves(tasks) for tasks in schedule]
+  split = [{(w.batch, w.micro) for ws in h.values() for w in ws} for h in halves]
   done = [set() for _ in range(K)]
   received = [set() for _ in range(K)]
   pos = [0] * K
@@ -181,8 +212,10 @@ def verify(schedule, capacity=None):
     if t.kind == "B":
       if k > 0 and len(bwd[k - 1]) >= capacity:
         return f"its output link to stage {k - 1} is full"
+    if t.kind == "W" and schedules.Task("B", *unit) not in done[k]:
+      return f"waits for its own {schedules.Task('B', *unit)}"
     if t.kind == "U":
-      for o in micro_backwards[k][t.batch]:
+      for o in micro_backwards[k][t.batch] + halves[k][t.batch]:
         if o not in done[k]:
           return f"waits for its own {o}"
     return None
@@ -208,7 +241,11 @@ def verify(schedule, capacity=None):
         bwd[k - 1].append(unit)
         in_flight[k - 1][1] = max(in_flight[k - 1][1], len(bwd[k - 1]))
       for u in cover[k][t]:
-        peaks["stale"][k] = max(peaks["stale"][k], updates[k] - held[k].pop(u))
+        peaks["stale"][k] = max(peaks["stale"][k], updates[k] - held[k][u])
+        if u not in split[k]:   # a split backward's state stays until its W
+          del held[k][u]
+    elif t.kind == "W":
+      del held[k][unit]
     if schedules.is_update(t):
       updates[k] += 1
     done[k].add(t)
@@ -252,7 +289,7 @@ def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
   table = {}
   for method in methods:
     policy = policies.policy_for(method)
-    m = policies.micro_batches_for(policy, M if policy.schedule in ("gpipe", "timeprest")
+    m = policies.micro_batches_for(policy, M if policy.schedule in schedules.ALWAYS_MICRO
                                    else None)
     report = verify(schedules.build(policy.schedule, K, N, m))
     # A blend (I-TiMePReSt) keeps the forward's weights until the backward, as a stash.

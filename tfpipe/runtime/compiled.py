@@ -341,8 +341,8 @@ class CompiledRuntime(Executor):
         self._forwards[unit] = (counts[k], s, j)
         if not last:
           entry = (k, "F", task.batch, task.micro, counts[k], s)
-      elif task.kind == "U":
-        entry = (k, "U", task.batch, task.micro, counts[k], s)
+      elif task.kind in ("U", "W"):
+        entry = (k, task.kind, task.batch, task.micro, counts[k], s)
       elif task.kind == "B":
         forwards = [self._forwards.pop((k,) + u) for u in units]
         if last:
@@ -375,6 +375,7 @@ class CompiledRuntime(Executor):
     flight = {"x": dict(carry["x"]), "g": dict(carry["g"])}
     saved = dict(carry["saved"])   # (k, b, micro) -> (stage.Kept, share)
     held, pieces, batch_loss, results = {}, {}, {}, {}
+    halves = {}   # (k, b, micro) -> the output gradients a split backward's W reads
 
     def piece(source, b, micro, split_labels):
       """The inputs (or labels and sample weights) of unit (b, micro): the mini-batch, or its
@@ -432,14 +433,22 @@ class CompiledRuntime(Executor):
           else:
             weighted = tf.cast(loss, tf.float64) * scale
             batch_loss[b] = weighted if b not in batch_loss else batch_loss[b] + weighted
-        else:   # "backward"
-          parts = [saved.pop((k,) + u) for u in units]
-          dxs = program.backward([kept for kept, _ in parts], flight["g"].pop((k, b, micro)), s,
-                                 _join([share for _, share in parts]), m is not None, inline)
+        elif op == "backward_weights":   # a split backward's W: its B left state and dys
+          kept, share = saved.pop((k, b, micro))
+          program.backward_weights([kept], halves.pop((k, b, micro)), s, share, True, inline)
+        else:   # "backward", or a split backward's B ("backward_input")
+          dys, split = flight["g"].pop((k, b, micro)), op == "backward_input"
+          parts = [saved[(k,) + u] if split else saved.pop((k,) + u) for u in units]
+          kept, share = [kept for kept, _ in parts], _join([share for _, share in parts])
+          if split:
+            halves[(k, b, micro)] = dys
+            dxs = program.backward_input(kept, dys, s, share, inline)
+          else:
+            dxs = program.backward(kept, dys, s, share, m is not None, inline)
           if k > 0:
             flight["g"][(k - 1, b, micro)] = dxs
-    if held or batch_loss:
-      raise AssertionError("a window cut the last stage's step apart")   # windows.plan prevents it
+    if held or batch_loss or halves:
+      raise AssertionError("a window cut a last-stage step or a split backward apart")   # windows.plan prevents it
     # Forwards still waiting cross into the next window without their tapes: their backward
     # recomputes them on the kept inputs, weights and random state (the same values).
     flight["saved"] = {u: (kept.recomputable(), share) for u, (kept, share) in saved.items()}

@@ -22,7 +22,7 @@ sending stage k, with version and s None. The compiled executor's come from the 
 def kept_peaks(tasks, diffs, keeps_weights, last):
   """(most forward states kept at once, most weight versions among them) for one stage's list.
 
-  A forward's state lives until the backward that covers it. With
+  A forward's state lives until the backward that covers it (a split backward's W). With
   `keeps_weights` (the backward reads the forward's weights) each state
   holds the version it read, or its prediction (version, s); otherwise it
   holds inputs only. The last stage runs forward and backward as one step.
@@ -30,14 +30,17 @@ def kept_peaks(tasks, diffs, keeps_weights, last):
   if last:
     return 0, 0
   held, updates, peak_states, peak_versions = {}, 0, 0, 0
+  split = {(t.batch, t.micro) for t in tasks if t.kind == "W"}
   for task in tasks:
     unit = (task.batch, task.micro)
+    if task.kind == "W":
+      held.pop(unit, None)
     if task.kind == "F":
       held[unit] = (updates, diffs.get(task, 0))
       peak_states = max(peak_states, len(held))
       if keeps_weights:
         peak_versions = max(peak_versions, len(set(held.values())))
-    elif task.kind == "B":
+    elif task.kind == "B" and unit not in split:
       for u in ([unit] if task.micro is not None else
                 [u for u in list(held) if u[0] == task.batch]):
         held.pop(u, None)

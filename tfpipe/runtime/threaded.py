@@ -125,16 +125,23 @@ class Runtime(Executor):
           results.put((b, loss, logs))
         else:
           batch_loss[b] += scale * float(loss)
-      else:
+      elif op == "backward_weights":   # a split backward's W: its B kept the state and dys
+        part, dys = saved.pop(unit), grads_in.pop(("W",) + unit)
+        program.backward_weights([part.kept], dys, s, self._scale(k, part.scale), True)
+        self._log(k, "W", task, self._version(program, [part], k), s, start)
+      else:   # "backward", or a split backward's B ("backward_input")
         dys = grads_in.pop(unit) if unit in grads_in else bwd[k][1].get(links.cancel(b))[1]
         start = time.perf_counter()
-        parts = [saved.pop(u) for u in cover[task]]
-        accumulate = micro is not None
-        dxs = program.backward([p.kept for p in parts], dys, s,
-                               self._scale(k, sum(p.scale for p in parts)), accumulate)
-        version = parts[0].version if program.ops["B"].reads == "kept" else self.updates[k]
-        self._log(k, "B", task, version, s, start)
-        if not accumulate:
+        scale = lambda parts: self._scale(k, sum(p.scale for p in parts))
+        if op == "backward_input":
+          parts = [saved[u] for u in cover[task]]
+          grads_in[("W",) + unit] = dys
+          dxs = program.backward_input([p.kept for p in parts], dys, s, scale(parts))
+        else:
+          parts = [saved.pop(u) for u in cover[task]]
+          dxs = program.backward([p.kept for p in parts], dys, s, scale(parts), micro is not None)
+        self._log(k, "B", task, self._version(program, parts, k), s, start)
+        if micro is None:
           self._updated(k)
         if k > 0:
           bwd[k - 1][0].put((unit, dxs))
@@ -143,6 +150,10 @@ class Runtime(Executor):
     sent = [([t.batch for t in schedule[k] if t.kind == "F"],
              [t.batch for t in schedule[k + 1] if t.kind == "B"]) for k in range(K - 1)]
     return self._execute(links, worker, num_batches, on_result, sent, before, record=True)
+
+  def _version(self, program, parts, k):
+    """The weight version a backward read: its forward's (a kept tape) or the current one."""
+    return parts[0].version if program.ops["B"].reads == "kept" else self.updates[k]
 
   def _note_saved(self, k, saved, diffs):
     """Tracks the peak count of kept forward states and of weight versions they hold.

@@ -1,0 +1,80 @@
+"""The synchronous schedules production pipelines use: 1F1B with a flush and zero-bubble
+(ZB-H1). Verified for every K <= 16 and M <= 64 on links of one item; each equals plain Keras
+at the mini-batch size on both executors, and its reference rule."""
+
+import functools
+import re
+
+import keras
+import numpy as np
+import pytest
+
+from tests import helpers
+from tests.test_pipeline import _assert_equals_keras, _dropout_pipe, _stage_weights, LR, MOMENTUM
+from tfpipe import optimizers, reference
+from tfpipe.plan import schedules, verify
+
+SYNC = {"1f1b": "1f1b_flush", "zb": "zb_h1"}
+
+
+@pytest.mark.parametrize("name", sorted(SYNC.values()))
+def test_every_schedule_verifies_up_to_16_stages_and_64_micro_batches(name):
+  for K in range(1, 17):
+    for M in (1, 2, 3, 4, 7, 8, 16, 31, 64):
+      report = verify.verify(schedules.build(name, K, 2, M), capacity=1)
+      assert report.staleness == [0] * K   # no update inside a mini-batch
+      if name == "1f1b_flush":   # stage k keeps at most min(K-k, M) micro-batches
+        assert report.peak_states[:K - 1] == [min(K - k, M) for k in range(K - 1)]
+      else:   # ZB-H1's W tasks trail by k: more kept, but at most K (1F1B's stage-0 peak)
+        for k in range(K - 1):
+          assert min(K - k, M) <= report.peak_states[k] <= min(K, M)
+
+
+def _clock_rows(function):
+  """The stage rows of the clock table in `function`'s docstring: task names in order."""
+  rows = re.findall(r"stage \d: (.*)", function.__doc__)
+  return [re.findall(r"[FBWU]\d+(?:\.\d+)?", row) for row in rows]
+
+
+@pytest.mark.parametrize("function", [schedules.one_f_one_b_flush, schedules.zero_bubble_h1])
+def test_the_clock_table_in_the_docstring_is_the_schedule(function):
+  built = [[str(t) for t in tasks] for tasks in function(3, 1, 4)]
+  assert _clock_rows(function) == built
+
+
+def test_zero_bubble_splits_every_backward_but_the_last_stages():
+  schedule = schedules.zero_bubble_h1(4, 2, 4)
+  for k, tasks in enumerate(schedule):
+    halves = [t for t in tasks if t.kind == "W"]
+    assert len(halves) == (0 if k == 3 else 8)
+    for w in halves:   # each W after its own B, trailing it by k backwards at most
+      assert tasks.index(schedules.Task("B", w.batch, w.micro)) < tasks.index(w)
+
+
+@pytest.mark.parametrize("method", sorted(SYNC))
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_synchronous_schedules_equal_keras_at_the_mini_batch_size(method, build, recompute,
+                                                                  runtime):
+  # In float64, as gpipe's case says: micro-batch sums round differently from one mean.
+  pipe = _assert_equals_keras(functools.partial(build, dtype="float64"), 3, method,
+                              loss_dtype="float64", micro_batches=4, recompute=recompute,
+                              runtime=runtime)
+  assert pipe.policy.schedule == SYNC[method] and pipe.policy.recompute == recompute
+
+
+@pytest.mark.parametrize("method", sorted(SYNC))
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_synchronous_schedules_with_dropout_recompute_equal_their_reference_rule(method, runtime):
+  bs = helpers.batches(8)
+  x, y = helpers.as_arrays(bs)
+  options = {"micro_batches": 2, "recompute": True}
+  pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
+  loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method,
+                                          float(np.float32(LR)), MOMENTUM, **options)
+  compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  for actual, ref in zip(_stage_weights(pipe), expected):
+    helpers.assert_weights_close(actual, ref, rtol=1e-12, atol=1e-14)
