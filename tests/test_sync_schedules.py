@@ -12,7 +12,7 @@ import pytest
 from tests import helpers
 from tests.test_pipeline import _assert_equals_keras, _dropout_pipe, _stage_weights, LR, MOMENTUM
 from tfpipe import optimizers, reference
-from tfpipe.plan import schedules, verify
+from tfpipe.plan import schedules, simulator, verify
 
 SYNC = {"1f1b": "1f1b_flush", "zb": "zb_h1"}
 
@@ -26,7 +26,7 @@ def test_every_schedule_verifies_up_to_16_stages_and_64_micro_batches(name):
       if name == "1f1b_flush":   # stage k keeps at most min(K-k, M) micro-batches
         assert report.peak_states[:K - 1] == [min(K - k, M) for k in range(K - 1)]
       else:   # ZB-H1's W tasks trail by k: more kept, but at most K (1F1B's stage-0 peak)
-        for k in range(K - 1):
+        for k in range(K):
           assert min(K - k, M) <= report.peak_states[k] <= min(K, M)
 
 
@@ -42,13 +42,26 @@ def test_the_clock_table_in_the_docstring_is_the_schedule(function):
   assert _clock_rows(function) == built
 
 
-def test_zero_bubble_splits_every_backward_but_the_last_stages():
-  schedule = schedules.zero_bubble_h1(4, 2, 4)
+def test_zero_bubble_splits_every_backward_and_trails_by_the_stage_index():
+  schedule = schedules.zero_bubble_h1(4, 2, 8)
   for k, tasks in enumerate(schedule):
     halves = [t for t in tasks if t.kind == "W"]
-    assert len(halves) == (0 if k == 3 else 8)
-    for w in halves:   # each W after its own B, trailing it by k backwards at most
-      assert tasks.index(schedules.Task("B", w.batch, w.micro)) < tasks.index(w)
+    assert len(halves) == 16
+    for w in halves:   # each W after its own B; k later backwards come between (fewer at the end)
+      after = tasks.index(schedules.Task("B", w.batch, w.micro))
+      between = [t for t in tasks[after + 1:tasks.index(w)] if t.kind == "B"]
+      assert len(between) == min(k, 7 - w.micro)
+
+
+@pytest.mark.parametrize("K,M", [(2, 8), (4, 4), (4, 8), (8, 16)])
+def test_simulated_bubbles_equal_the_closed_forms(K, M):
+  """Unit F, B and W (a backward is 2 forwards, half of it the input gradient): 1F1B and GPipe
+  idle (K-1)/(M+K-1) of the time, ZB-H1 (K-1)/(3M+K-1) (a third when M >> K)."""
+  costs = simulator.Costs([1.0] * K, [2.0] * K)
+  bubble = lambda method: simulator.simulate_method(method, costs, 3, micro_batches=M).bubble
+  assert bubble("gpipe") == pytest.approx((K - 1) / (M + K - 1))
+  assert bubble("1f1b") == pytest.approx((K - 1) / (M + K - 1))
+  assert bubble("zb") == pytest.approx((K - 1) / (3 * M + K - 1))
 
 
 @pytest.mark.parametrize("method", sorted(SYNC))

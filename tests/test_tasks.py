@@ -42,7 +42,9 @@ def test_the_table_gives_each_method_its_weight_rule(method):
   assert (forward.reads, forward.keeps, backward.reads) == RULES[method]
   assert tasks.keeps_weights(policy) == (RULES[method][1] != "inputs")
   last = tasks.ops(policy, last=True)
-  assert (last["F"].op, last["B"].op, last["B"].reads) == ("hold", "step", RULES[method][0])
+  assert (last["F"].op, last["B"].op, last["B"].reads) == (
+      "hold", "step_input" if split else "step", RULES[method][0])
+  assert last["W"] == tasks.StageOp("step_weights", RULES[method][0])
   assert [tasks.op(policy, kind).op for kind in "URS"] == ["update", "receive", "barrier"]
 
 

@@ -253,7 +253,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
                              for y, g in zip(ys, grads_out.pop((k, unit)))])
       grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
       weight_grads = [g.numpy() for g in grads[:len(w_t)]]
-      if ops[k]["B"].op == "backward_input":   # its W adds them (no update comes between)
+      if ops[k]["B"].op in ("backward_input", "step_input"):   # its W adds them
         halves[(k, unit)] = weight_grads
       elif i is None:
         update(k, weight_grads)

@@ -19,7 +19,7 @@ __all__ = ["StageProgram", "Kept"]
 _ZERO = tf.UnconnectedGradients.ZERO
 # The traced task functions (`StageProgram.task`).
 _TASKS = ("read_weights", "forward", "forward_on", "backward_on", "update", "apply_accumulated",
-          "last_step", "infer", "evaluate_last")
+          "last_step", "step_on", "infer", "evaluate_last")
 
 Kept = collections.namedtuple("Kept", ["xs", "state", "weights", "tape", "ys", "reg"],
                               defaults=(None, None, None, None))
@@ -333,9 +333,11 @@ class StageProgram:
   # Task functions (traced once per signature; `task` gives them to the executors).
 
   def _read_weights(self, s):
-    """The forward's weights as tensors of their own: what a kept forward or a blend reads."""
+    """The forward's weights as tensors of their own: what a kept forward or a blend reads
+    (the last stage: its step's)."""
     with tf.device(self.device):
-      return [tf.identity(w) for w in self.weights(s, self.ops["F"].reads)]
+      return [tf.identity(w) for w in self.weights(s, self.ops["F"].reads or
+                                                   self.ops["B"].reads)]
 
   def _forward(self, xs, s):
     """The training forward on the weights it reads: (outputs, regularisation, the
@@ -442,6 +444,19 @@ class StageProgram:
       self._update_after(grads[len(weights):], grads[:len(weights)], accumulate)
       self._update_metrics(y, ys[0], total, sample_weight)
       return total, self._input_grads(grads[len(weights):]), self.logs(in_task=True)
+
+  def _step_on(self, weights, xs, y, sample_weight, scale):
+    """The last stage's forward, loss and metrics on `weights` (tensors), for a split step
+    (`last_step_input`): (the target of its gradients, the loss, the running logs)."""
+    with tf.device(self.device):
+      ys, reg, _ = self._call(weights, xs, training=True)
+      loss = self.loss(y, ys[0], sample_weight=sample_weight)
+      total = loss + tf.cast(reg, loss.dtype)
+      # As `_last_step`: a loss of another dtype than the outputs scales the gradients.
+      self._step_scales_loss = total.dtype == ys[0].dtype
+      target = total * tf.cast(scale, total.dtype) if self._step_scales_loss else total
+      self._update_metrics(y, ys[0], total, sample_weight)
+      return target, total, self.logs(in_task=True)
 
   def _infer(self, xs):
     with tf.device(self.device):
@@ -554,6 +569,31 @@ class StageProgram:
     update on the forward's weights; returns (loss, input gradients, running logs)."""
     return self._with_reg_logs(self.task("last_step", inline)(xs, y, sample_weight, s, scale,
                                                               accumulate))
+
+  def last_step_input(self, xs, y, sample_weight, s, scale, inline=False):
+    """A split step's B (zero-bubble schedules): the last stage's forward, loss, metrics and
+    input gradients, no update; returns (loss, input gradients, running logs, `Kept` with
+    the persistent tape `last_step_weights` takes the weight gradients from)."""
+    weights = list(self.task("read_weights", inline)(s))
+    float_xs = self._float_inputs(xs)
+    with tf.device(self.device), tf.GradientTape(persistent=True) as tape:
+      tape.watch(weights + float_xs)
+      target, loss, logs = self.task("step_on", inline)(weights, xs, y, sample_weight, scale)
+    with tf.device(self.device):
+      grads = tape.gradient(target, float_xs, unconnected_gradients=_ZERO)
+      if not self._step_scales_loss:
+        grads = [_scaled(g, scale) for g in grads]
+    kept = Kept(xs, None, weights, tape, [target], None)
+    return loss, self._input_grads(grads), self._with_reg_logs(logs), kept
+
+  def last_step_weights(self, kept, scale, accumulate, inline=False):
+    """A split step's W: the weight gradients from `last_step_input`'s tape, then the update
+    (or the accumulators)."""
+    with tf.device(self.device):
+      grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
+      if not self._step_scales_loss:
+        grads = [_scaled(g, scale) for g in grads]
+      self.task("update", inline)(grads, accumulate)
 
   def infer(self, xs, inline=False):
     """The inference forward (current weights, training=False): the outputs."""

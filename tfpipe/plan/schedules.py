@@ -176,35 +176,36 @@ def one_f_one_b_flush(K, N, M):
 
 
 def zero_bubble_h1(K, N, M):
-  """ZB-H1 (Qi et al., ICLR 2024), per mini-batch and with a flush: the backward splits into B
-  (the gradient for the stage input, on the critical path: stage k-1 waits for it) and W (the
-  weight gradient, accumulated); a stage runs 1F1B's F and B order and lets its W tasks trail
-  its B tasks by k, so the later stages, which idle longest at the end of 1F1B, run their
-  deferred W there instead. The last stage's B is its whole step (forward, loss, backward:
-  it has no W). K = 3, N = 1, M = 4:
+  """ZB-H1 (Qi et al., ICLR 2024), per mini-batch and with a flush: each backward splits into
+  B (the gradient for the stage input, on the critical path: stage k-1 waits for it; at the
+  last stage the forward, loss and that gradient) and W (the weight gradient, accumulated).
+  A stage runs 1F1B's F and B order and lets its W tasks trail its B tasks by k, so the later
+  stages, which idle longest at the end of 1F1B, run their deferred W there instead.
+  K = 3, N = 1, M = 4:
 
   ```
   stage 0: F0.0 F0.1 F0.2 .    .    B0.0 W0.0 F0.3 B0.1 W0.1 B0.2 W0.2 B0.3 W0.3 U0
   stage 1: .    F0.0 F0.1 .    B0.0 F0.2 B0.1 W0.0 F0.3 B0.2 W0.1 B0.3 W0.2 W0.3 U0
-  stage 2: .    .    F0.0B0.0 F0.1B0.1 F0.2B0.2 F0.3B0.3 U0
+  stage 2: .    .    F0.0B0.0 F0.1B0.1 F0.2B0.2 W0.0 F0.3B0.3 W0.1 W0.2 W0.3 U0
   ```
-  Stage k keeps min(K-k, M) + min(k, M) micro-batches at most (their forwards run, their W
-  not yet): at most K, 1F1B's peak at stage 0. The update follows the last W.
+  With B and W each as long as a forward the bubble is (K-1)/(3M+K-1), a third of 1F1B's
+  when M >> K (the paper's ZB-H1); stage k keeps min(K-k, M) + min(k, M) micro-batches at
+  most (their forward run, their W not yet), at most min(K, M): 1F1B's peak at stage 0.
+  The update follows the last W.
   """
   _check(K, N, M)
   stages = []
   for k in range(K):
-    warm, lag, tasks = min(K - 1 - k, M), (0 if k == K - 1 else k), []
+    warm, tasks = min(K - 1 - k, M), []
     for b in range(N):
       tasks += [Task("F", b, i) for i in range(warm)]
       for i in range(M):
         if i + warm < M:
           tasks.append(Task("F", b, i + warm))
         tasks.append(Task("B", b, i))
-        if k < K - 1 and i >= lag:
-          tasks.append(Task("W", b, i - lag))
-      if k < K - 1:
-        tasks += [Task("W", b, i) for i in range(max(0, M - lag), M)]
+        if i >= k:
+          tasks.append(Task("W", b, i - k))
+      tasks += [Task("W", b, i) for i in range(max(0, M - k), M)]
       tasks.append(Task("U", b))
     stages.append(tasks)
   return stages

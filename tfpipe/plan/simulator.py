@@ -8,7 +8,8 @@ one item at a time (a transfer thread per direction). Times scale with the
 share of the mini-batch a task covers (1/M for a micro-batch). At the last
 stage a forward only receives; its backward runs forward and backward as
 one step. A backward that recomputes (vanilla, feature_replay, timeprest,
-recompute=True) costs its stage's forward time more. A barrier S(t) (lock-step
+recompute=True) costs its stage's forward time more. A split backward (zero-bubble)
+runs as B, `input_share` of the backward, and W, the rest. A barrier S(t) (lock-step
 DDG) ends when the last stage reaches it.
 
 `simulate_data_parallel` models seed 001's synchronous data parallelism
@@ -27,11 +28,14 @@ __all__ = ["Costs", "Timeline", "simulate", "simulate_method", "simulate_data_pa
 @dataclasses.dataclass
 class Costs:
   """Seconds per mini-batch: forward[k], backward[k] (without recomputation), transfer[k] across
-  cut k -> k+1 (the gradient back takes the same), update: one optimizer update."""
+  cut k -> k+1 (the gradient back takes the same), update: one optimizer update; input_share:
+  the part of a backward that a split backward's B takes (the stage input's gradient), the
+  rest being its W (the weight gradient); about half for matrix products."""
   forward: list
   backward: list
   transfer: list = None
   update: float = 0.0
+  input_share: float = 0.5
 
   def __post_init__(self):
     K = len(self.forward)
@@ -43,6 +47,8 @@ class Costs:
       raise ValueError(f"need one transfer time per cut ({K - 1}). Received: {self.transfer}")
     if min(list(self.forward) + list(self.backward) + self.transfer + [self.update]) < 0:
       raise ValueError("times must be >= 0")
+    if not 0.0 <= self.input_share <= 1.0:
+      raise ValueError(f"input_share must be in [0, 1]. Received: {self.input_share}")
 
 
 @dataclasses.dataclass
@@ -98,6 +104,7 @@ def simulate(schedule, costs, recompute=False):
   M = schedules.micro_batches(schedule)
   order = verify.verify(schedule).order
   covers = [verify.covered_units(tasks) for tasks in schedule]
+  split = [any(t.kind == "W" for t in tasks) for tasks in schedule]
   free, busy = [0.0] * K, [0.0] * K
   fwd_link, bwd_link = [0.0] * (K - 1), [0.0] * (K - 1)
   arrived_fwd, arrived_bwd, ended, barrier = {}, {}, {}, {}
@@ -123,12 +130,16 @@ def simulate(schedule, costs, recompute=False):
       start = max(start, arrived_bwd.pop((k, unit)))
     elif task.kind == "B":
       share = _share(covers[k][task], M)
+      part = costs.input_share if split[k] else 1.0
       if k == K - 1:
-        seconds = (costs.forward[k] + costs.backward[k]) * share
+        seconds = (costs.forward[k] + costs.backward[k] * part) * share
       else:
         if (k, unit) in arrived_bwd:
           start = max(start, arrived_bwd.pop((k, unit)))
-        seconds = (costs.backward[k] + (costs.forward[k] if recompute else 0.0)) * share
+        seconds = (costs.backward[k] * part + (costs.forward[k] if recompute else 0.0)) * share
+    elif task.kind == "W":   # a split backward's weight half (it recomputes too)
+      again = costs.forward[k] if recompute and k < K - 1 else 0.0
+      seconds = (costs.backward[k] * (1.0 - costs.input_share) + again) * _share([unit], M)
     elif task.kind == "U":
       seconds = costs.update
     elif task.kind == "S":  # every stage has run its tasks before S(t) when the first one passes
@@ -195,17 +206,23 @@ def costs_from_records(records, num_stages, micro_batches=1, recompute=False):
              if r.kind == kind and r.stage == k]
     return statistics.median(times) if times else None
 
-  forward, backward, transfer = [], [], []
+  forward, backward, transfer, shares = [], [], [], []
   for k in range(K):
     if k == K - 1:
       forward.append(0.0)
       backward.append(median("FB", k) or 0.0)
       continue
-    f, b = median("F", k), median("B", k)
+    f, b, w = median("F", k), median("B", k), median("W", k)
     if f is None or b is None:
       raise ValueError(f"no forward or backward of stage {k} in the records")
     forward.append(f)
-    backward.append(max(0.0, b - f) if recompute else b)
+    b = max(0.0, b - f) if recompute else b
+    if w is not None:   # a split backward: B and W, each recomputing with `recompute`
+      w = max(0.0, w - f) if recompute else w
+      shares.append(b / (b + w) if b + w else 0.5)
+      b += w
+    backward.append(b)
     moves = [t for t in (median("XF", k), median("XB", k + 1)) if t is not None]
     transfer.append(sum(moves) / len(moves) if moves else 0.0)
-  return Costs(forward, backward, transfer, median("U", 0) or 0.0)
+  return Costs(forward, backward, transfer, median("U", 0) or 0.0,
+               sum(shares) / len(shares) if shares else 0.5)

@@ -16,7 +16,8 @@ stage a forward only holds its input: it runs with its backward as one step
 `StageOp` fields:
   op:    "forward" | "hold" (the last stage's forward) | "backward" |
          "backward_input" and "backward_weights" (a split backward's B and W) |
-         "step" (the last stage's backward) | "update" | "receive" | "barrier";
+         "step" (the last stage's backward; split: "step_input" and
+         "step_weights") | "update" | "receive" | "barrier";
   reads: the weights read (DESIGN.md section 3): "current"; "predicted"
          (s updates ahead); "kept" (the very weights the forward read: a stash
          or a reused prediction); "corrected" (current minus d times the
@@ -65,8 +66,12 @@ def op(policy, kind, last=False):
     raise ValueError(f"policy {policy.method!r} reads unknown backward weights "
                      f"{policy.backward!r}")
   reads, keeps = BACKWARD_READS[policy.backward]
-  if last and kind != "W":   # one step: forward and backward on the forward's weights
-    return StageOp("hold", keeps="inputs") if kind == "F" else StageOp("step", policy.forward)
+  if last:   # one step: forward and backward on the forward's weights (split: B, then W)
+    if kind == "F":
+      return StageOp("hold", keeps="inputs")
+    if kind == "W":
+      return StageOp("step_weights", policy.forward)
+    return StageOp("step_input" if policy.splits_backward else "step", policy.forward)
   if kind == "F":
     return StageOp("forward", policy.forward, keeps)
   if kind == "W":

@@ -137,12 +137,10 @@ def _weight_halves(tasks):
 
 def _check_weight_halves(k, K, tasks, micro_backwards):
   """A stage splits a mini-batch's backwards into B and W halves for all its micro-batches or
-  none; each W follows its B; the last stage never splits (its B is its whole step)."""
+  none; each W follows its B."""
   halves, seen = _weight_halves(tasks), set()
   for t in tasks:
     if t.kind == "W":
-      if k == K - 1:
-        raise ScheduleError(f"stage {k} is the last stage: its B is its whole step ({t})")
       if schedules.Task("B", t.batch, t.micro) not in seen:
         raise ScheduleError(f"stage {k}: {t} comes before its {schedules.Task('B', *t[1:])}")
     seen.add(t)

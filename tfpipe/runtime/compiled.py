@@ -421,11 +421,16 @@ class CompiledRuntime(Executor):
           program.apply_accumulated(inline)
           if k == K - 1:
             results[b] = (batch_loss.pop(b), program.logs())
-        elif op == "step":
+        elif op in ("step", "step_input"):
           parts = [held.pop(u) for u in units]
           xs, y, sample_weight, scale = (_join([p[i] for p in parts]) for i in range(4))
-          loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0][4], scale,
-                                              m is not None, inline)
+          if op == "step_input":   # a split step: its W takes the weight gradients
+            loss, dxs, logs, kept = program.last_step_input(xs, y, sample_weight, parts[0][4],
+                                                            scale, inline)
+            saved[(k, b, micro)] = (kept, scale)
+          else:
+            loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0][4], scale,
+                                                m is not None, inline)
           if k > 0:
             flight["g"][(k - 1, b, micro)] = dxs
           if m is None:
@@ -433,6 +438,9 @@ class CompiledRuntime(Executor):
           else:
             weighted = tf.cast(loss, tf.float64) * scale
             batch_loss[b] = weighted if b not in batch_loss else batch_loss[b] + weighted
+        elif op == "step_weights":   # a split step's W
+          kept, share = saved.pop((k, b, micro))
+          program.last_step_weights(kept, share, True, inline)
         elif op == "backward_weights":   # a split backward's W: its B left state and dys
           kept, share = saved.pop((k, b, micro))
           program.backward_weights([kept], halves.pop((k, b, micro)), s, share, True, inline)

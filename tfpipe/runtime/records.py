@@ -27,10 +27,10 @@ def kept_peaks(tasks, diffs, keeps_weights, last):
   holds the version it read, or its prediction (version, s); otherwise it
   holds inputs only. The last stage runs forward and backward as one step.
   """
-  if last:
+  split = {(t.batch, t.micro) for t in tasks if t.kind == "W"}
+  if last and not split:   # a split step keeps its tape for its W
     return 0, 0
   held, updates, peak_states, peak_versions = {}, 0, 0, 0
-  split = {(t.batch, t.micro) for t in tasks if t.kind == "W"}
   for task in tasks:
     unit = (task.batch, task.micro)
     if task.kind == "W":

@@ -107,15 +107,20 @@ class Runtime(Executor):
         self._updated(k)
         if last:
           results.put((b, batch_loss.pop(b), logs))
-      elif op == "step":
+      elif op in ("step", "step_input"):
         parts = [saved.pop(u) for u in cover[task]]
         xs = parts[0].xs if len(parts) == 1 else concat([p.xs for p in parts])
         y, sample_weight = (parts[0].labels if len(parts) == 1 else
                             (concat([p.labels[0] for p in parts]),
                              concat([p.labels[1] for p in parts])))
         scale = sum(p.scale for p in parts)
-        loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0].s,
-                                            self._scale(k, scale), micro is not None)
+        if op == "step_input":   # a split step: its W takes the weight gradients
+          loss, dxs, logs, kept = program.last_step_input(xs, y, sample_weight, parts[0].s,
+                                                          self._scale(k, scale))
+          saved[unit] = _Saved(kept, self.updates[k], scale)
+        else:
+          loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0].s,
+                                              self._scale(k, scale), micro is not None)
         self._log(k, "FB", task, self.updates[k], parts[0].s, start)
         if micro is None:
           self._updated(k)
@@ -125,6 +130,10 @@ class Runtime(Executor):
           results.put((b, loss, logs))
         else:
           batch_loss[b] += scale * float(loss)
+      elif op == "step_weights":   # a split step's W
+        part = saved.pop(unit)
+        program.last_step_weights(part.kept, self._scale(k, part.scale), True)
+        self._log(k, "W", task, part.version, s, start)
       elif op == "backward_weights":   # a split backward's W: its B kept the state and dys
         part, dys = saved.pop(unit), grads_in.pop(("W",) + unit)
         program.backward_weights([part.kept], dys, s, self._scale(k, part.scale), True)
