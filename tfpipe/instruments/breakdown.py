@@ -1,7 +1,7 @@
 """Time breakdown per stage from a recorded timeline (SpecTrain paper section 4.3, fig. 10).
 
 K: stages, k: stage index. The wall time of a window splits, per stage, into
-  compute:        the stage's tasks (F, B, FB, U); transfers that overlap
+  compute:        the stage's tasks (F, B, W, FB, U); transfers that overlap
                   them are hidden and count here, as in the paper;
   transfer:       waiting while the awaited tensor is being copied across
                   the link (P2P transfer time not hidden by compute);
@@ -24,7 +24,7 @@ import dataclasses
 __all__ = ["CATEGORIES", "Breakdown", "breakdown", "combine", "of_epochs", "format_breakdown"]
 
 CATEGORIES = ("compute", "transfer", "idle_transfer", "idle_imbalance")
-_COMPUTE = ("F", "B", "FB", "U")
+_COMPUTE = ("F", "B", "W", "FB", "U")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,106 @@
+"""The synchronous schedules side by side: GPipe, 1F1B with a flush, zero-bubble ZB-H1.
+
+Trains one MLP (default 8 x 512 SELU on synthetic data, batch 256) with each
+schedule at K stages and M micro-batches (default 4 and 8) on K logical CPUs
+(one intra-op thread each), compiled executor, and prints per schedule:
+  kept:      the most micro-batches of activations each stage kept at once
+             (measured by the runtime), beside the verifier's count;
+  bubble:    1 - compute share of the stages' time, from the recorded timeline
+             (`Pipeline.breakdown`) of the last epoch;
+  simulated: the simulator's bubble and samples/s for the same schedule from the
+             stage times recorded in that run (`simulator.costs_from_records`),
+             and its error against the measured samples/s;
+  closed:    the closed form with unit F, B, W: (K-1)/(M+K-1) for GPipe and 1F1B,
+             (K-1)/(3M+K-1) for ZB-H1;
+  samples/s: of an unrecorded run (the median of its epochs after the first), and
+             its ratio to GPipe's.
+All equal plain Keras at the mini-batch size (tests/test_sync_schedules.py). With
+more stages than cores (4 stages on this 2-core machine) the stages share cores: the
+measured bubble then mixes schedule idling with waiting for a core.
+
+  python bench/sync_schedules.py [--stages=4 --micro_batches=8 --epochs=3]
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+flags.DEFINE_list("methods", ["gpipe", "1f1b", "zb"], "synchronous pipeline methods")
+flags.DEFINE_integer("stages", 4, "K")
+flags.DEFINE_integer("micro_batches", 8, "M")
+flags.DEFINE_integer("width", 512, "units per layer")
+flags.DEFINE_integer("depth", 8, "hidden layers")
+flags.DEFINE_integer("batch_size", 256, "mini-batch size")
+flags.DEFINE_integer("batches", 16, "mini-batches per epoch")
+flags.DEFINE_integer("epochs", 3, "epochs per run (the first traces)")
+FLAGS = flags.FLAGS
+
+
+def _closed_form(method, K, M):
+  return (K - 1) / (3 * M + K - 1) if method == "zb" else (K - 1) / (M + K - 1)
+
+
+def main(argv):
+  del argv
+  import tfpipe
+  tfpipe.devices.ensure_logical_cpus(FLAGS.stages, intra_op_threads=1)
+  import keras
+  from tfpipe.models import mlp
+  from tfpipe.plan import policies, schedules, simulator, verify
+
+  K, M, bs = FLAGS.stages, FLAGS.micro_batches, FLAGS.batch_size
+  rng = np.random.default_rng(0)
+  n = bs * FLAGS.batches
+  x, y = rng.standard_normal((n, 64)).astype("float32"), rng.integers(0, 10, n)
+
+  def train(method, record):
+    keras.utils.set_random_seed(0)
+    pipe = tfpipe.Pipeline(mlp.snn((64,), 10, width=FLAGS.width, depth=FLAGS.depth),
+                           num_stages=K, method=method, micro_batches=M, record=record)
+    pipe.compile(keras.optimizers.SGD(0.01, momentum=0.9),
+                 keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = pipe.fit(x, y, batch_size=bs, epochs=FLAGS.epochs, verbose=0, shuffle=False)
+    return pipe, history.history["samples_per_second"]
+
+  rows, rates = [], {}
+  for method in FLAGS.methods:
+    policy = policies.policy_for(method)
+    paper = verify.verify(schedules.build(policy.schedule, K, 2, M)).peak_states
+    pipe, rate = train(method, record=False)
+    rates[method] = statistics.median(rate[1:])
+    kept = list(pipe.runtime.peak_saved)
+    recorded, _ = train(method, record=True)
+    shares = recorded.breakdown(steps=f"{(FLAGS.epochs - 1) * FLAGS.batches},"
+                                      f"{FLAGS.epochs * FLAGS.batches - 1}")
+    bubble = 1.0 - statistics.mean(s["compute"] for s in shares.shares)
+    last_epoch = [r for r in recorded.records if r.epoch == FLAGS.epochs - 1]
+    costs = simulator.costs_from_records(last_epoch, K, M, recompute=policy.recompute)
+    sim = simulator.simulate_method(method, costs, FLAGS.batches, micro_batches=M)
+    predicted = sim.samples_per_second(bs)
+    rows.append((method, kept, paper, bubble, sim.bubble, _closed_form(method, K, M),
+                 rates[method], predicted))
+    print(f"{method}: done ({rates[method]:.0f} samples/s)", flush=True)
+
+  print(f"\nsnn {FLAGS.depth} x {FLAGS.width}, batch {bs}, K={K}, M={M}, "
+        f"{FLAGS.batches} mini-batches per epoch, compiled executor")
+  head = (f"{'method':<8}{'kept per stage (run / verifier)':<34}{'bubble':>8}{'simulated':>10}"
+          f"{'closed':>8}{'samples/s':>11}{'x gpipe':>9}{'sim err':>9}")
+  print(head)
+  for method, kept, paper, bubble, sim_bubble, closed, rate, predicted in rows:
+    base = rates.get("gpipe")
+    ratio = f"{rate / base:.2f}" if base else "-"
+    kept_text = " ".join(map(str, kept)) + " / " + " ".join(map(str, paper))
+    print(f"{method:<8}{kept_text:<34}{bubble:>8.3f}{sim_bubble:>10.3f}{closed:>8.3f}"
+          f"{rate:>11.0f}{ratio:>9}{predicted / rate - 1:>+9.0%}")
+
+
+if __name__ == "__main__":
+  app.run(main)
