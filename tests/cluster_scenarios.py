@@ -43,6 +43,24 @@ def equal(local):
   return result
 
 
+def replicas(local):
+  """Two replicas of a 2-stage 1F1B pipeline, each on two server processes, against Keras at
+  the global batch (float64)."""
+  x, y = helpers.as_arrays(helpers.batches(6))
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  expected = helpers.sequential_mlp(dtype="float64")
+  expected.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss())
+  expected.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  pipe = tfpipe.Pipeline(helpers.sequential_mlp(dtype="float64"),
+                         devices=cluster.task_devices(local.spec), method="1f1b",
+                         micro_batches=2, data_parallel=2)
+  pipe.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss())
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  return {"gap": max(float(np.max(np.abs(a - b)))
+                     for a, b in zip(pipe.model.get_weights(), expected.get_weights())),
+          "stage_devices": pipe.stage_devices}
+
+
 def refuse(local):
   messages = []
   for devices in (["/job:worker/task:0/device:CPU:0", "/job:worker/task:2/device:CPU:0"],
@@ -137,7 +155,7 @@ def main(name, *args):
   if name == "mwms":
     mwms(*args)
   tfpipe.create_logical_cpus(2)
-  with cluster.LocalCluster({"worker": 2}) as local:
+  with cluster.LocalCluster({"worker": 4 if name == "replicas" else 2}) as local:
     cluster.connect(local.spec)
     result = globals()[name](local, *args)
     print(json.dumps(result), flush=True)

@@ -76,3 +76,11 @@ def test_sync_schedules():
   # kept micro-batches at stage 0, measured / verified: gpipe M, 1f1b min(K, M), zb min(K, M)
   assert (rows["gpipe"][1], rows["1f1b"][1], rows["zb"][1]) == ("4", "2", "2")
   assert rows["gpipe"][-2] == "1.00"   # samples/s x gpipe
+
+
+def test_data_parallel_pipeline():
+  out = _bench("data_parallel_pipeline.py", "--batches=3", "--epochs=2", "--width=16",
+               "--depth=2", "--batch_size=16", "--micro_batches=2")
+  rows = [line for line in out.splitlines() if line.startswith(("R=", "MirroredStrategy"))]
+  assert [r.split()[0] for r in rows[-3:]] == ["R=2", "R=1", "MirroredStrategy"]
+  assert rows[-2].split()[-1] == "1.00"

@@ -34,6 +34,14 @@ def test_two_process_pipeline_equals_one_process():
     assert "/job:worker/replica:0/task:1" in result[method]["stage1_device"]
 
 
+def test_pipeline_replicas_on_server_processes_equal_keras():
+  result = _scenario("replicas")
+  assert result["gap"] < 1e-9
+  # replica r's stage k on task 2r + k: each replica on two processes of its own
+  assert [[d.split("/")[3] for d in devices] for devices in result["stage_devices"]] == [
+      ["task:0", "task:2"], ["task:1", "task:3"]]
+
+
 def test_devices_the_cluster_lacks_are_refused_before_training():
   result = _scenario("refuse")
   task, job, breakdown = result["messages"]

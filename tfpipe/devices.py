@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 __all__ = ["create_logical_cpus", "ensure_logical_cpus", "default_devices", "resolve_devices",
-           "parse_stage_replicas", "resolve_stage_devices"]
+           "parse_stage_replicas", "resolve_stage_devices", "resolve_pipeline_replicas"]
 
 
 def create_logical_cpus(n, intra_op_threads=1):
@@ -165,3 +165,30 @@ def resolve_stage_devices(devices, num_stages, stage_replicas=None):
     stage_devices.append(flat[i:i + r])
     i += r
   return stage_devices, replicas
+
+
+def resolve_pipeline_replicas(devices, num_stages, replicas):
+  """The devices of every stage of `replicas` copies of a K-stage pipeline (data parallel x
+  pipeline): `devices` holds R x K devices, replica by replica (None: the first R x K
+  local ones). Returns the stage devices, stage k's being replica r's k-th device for every r."""
+  if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+    raise ValueError(f"`data_parallel` must be a positive integer. Received: "
+                     f"data_parallel={replicas!r}")
+  if devices is not None and not isinstance(devices, str):
+    total = len(list(devices))
+    if total % replicas:
+      raise ValueError(f"{total} devices cannot hold {replicas} equal pipeline replicas "
+                       f"(data_parallel={replicas}): give R x K devices, replica by replica")
+    K = total // replicas
+    if num_stages is not None and num_stages != K:
+      raise ValueError(f"{total} devices make {replicas} replicas of {K} stages, not "
+                       f"num_stages={num_stages}")
+    flat = resolve_devices(devices, None)
+  else:
+    K = num_stages
+    if devices is None and (not isinstance(K, int) or K < 1):
+      resolve_devices(devices, K)  # the same clear error
+    flat = resolve_devices(devices, None if devices is not None else K * replicas)
+  _refuse_shared(flat)
+  return [[flat[r * K + k] for r in range(replicas)] for k in range(K)]
+

@@ -64,7 +64,7 @@ def check_fit_arguments(pipe, epochs, initial_epoch, validation_freq, batch_size
     raise ValueError(
         f"`batch_size` must be at least micro_batches={micro_batches}. Received: "
         f"batch_size={batch_size}")
-  most = max(pipe.stage_replicas.values(), default=1)
+  most = max(list(pipe.stage_replicas.values()) + [pipe.data_parallel])
   if isinstance(batch_size, int) and batch_size // micro_batches < most:
     raise ValueError(
         f"a replicated stage splits each (micro-)batch over {most} devices: `batch_size` must "

@@ -40,6 +40,15 @@ class Pipeline:
       its batch over them, the weights are shared and the gradients summed,
       as the SpecTrain paper does for VGG16's slow first stage. Works with
       every method; the weight rule is unchanged.
+    data_parallel: R, replicas of the whole pipeline (data parallel x
+      pipeline, as Megatron and DeepSpeed run them) on R x K devices, given
+      replica by replica: each replica takes 1/R of every (micro-)batch, its
+      activations and gradients flow between its own stages, and each stage's
+      gradients add up over its replicas before the stage's one update (the
+      variables live on replica 0's device: TensorFlow sends the weights to
+      the others and sums their gradients there). Equals the method at the
+      global batch; not with stage_replicas, nor with "timeprest" and
+      "i_timeprest" (a step that joins several forwards).
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
       (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
       kept at stage k), "zb" (zero-bubble ZB-H1: backwards split into input
@@ -120,7 +129,7 @@ class Pipeline:
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
                stage_replicas=None, jit_compile=None, executor=None, spike_compensation=False,
                delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None,
-               batch_statistics="warn"):
+               batch_statistics="warn", data_parallel=1):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     overrides = compat.trainer_overrides(model)
@@ -134,8 +143,13 @@ class Pipeline:
         model, method, spectrain_backward, version_difference, micro_batches, recompute,
         lockstep, record, trace_steps, trace_dir, prediction_error, executor,
         spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay, batch_statistics)
-    self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
-        devices, num_stages, stage_replicas)
+    self.data_parallel = _data_parallel(data_parallel, stage_replicas, self.policy)
+    if self.data_parallel > 1:
+      self.stage_devices, self.stage_replicas = devices_lib.resolve_pipeline_replicas(
+          devices, num_stages, self.data_parallel), {}
+    else:
+      self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
+          devices, num_stages, stage_replicas)
     self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
     self.num_stages = len(self.devices)
     self._check_cluster()
@@ -146,7 +160,8 @@ class Pipeline:
         model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
     if jit_compile is None:
       jit_compile = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
-                        for d in self.devices) and not self.stage_replicas
+                        for d in self.devices) and not self.stage_replicas and \
+          self.data_parallel == 1
     self.jit_compile = jit_compile
     self._fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
     self.runtime = None
@@ -350,3 +365,21 @@ class Pipeline:
                                          verbose=verbose, epochs=1, steps=num_batches)
       with self._watched():
         return fit_loop.predict(self, dataset, num_batches, cbs)
+
+
+def _data_parallel(replicas, stage_replicas, policy):
+  """R, checked: a positive integer, not with `stage_replicas`, nor with a schedule whose last
+  stage joins several forwards in one step (their replicas' parts would interleave)."""
+  if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+    raise ValueError(f"`data_parallel` must be a positive integer. Received: "
+                     f"data_parallel={replicas!r}")
+  if replicas > 1 and stage_replicas:
+    raise ValueError("data_parallel replicates every stage already; it does not combine with "
+                     f"stage_replicas. Received: data_parallel={replicas}, "
+                     f"stage_replicas={stage_replicas!r}")
+  if replicas > 1 and policy.schedule == "timeprest":
+    raise ValueError(f"method {policy.method!r} runs one last-stage step over several "
+                     f"forwards, which data_parallel does not split. Received: "
+                     f"data_parallel={replicas}")
+  return replicas
+

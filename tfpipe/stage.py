@@ -70,6 +70,12 @@ class StageProgram:
   parts add up on the way back, so the update is the one of the whole batch.
   Non-trainable state (BatchNorm statistics) becomes the replicas' mean;
   regularisation losses are the first replica's (weight penalties count once).
+  `grouped` (data-parallel replicas of the whole pipeline): the batch is split
+  once, at stage 0; between stages each replica's part travels on its own
+  (a stage's inputs and outputs are the replicas' lists one after another, so
+  replica r of stage k feeds replica r of stage k+1 directly), and the last
+  stage joins them for the loss. The gradients still add up on the variables'
+  device: the update is the whole batch's.
 
   `rule` (`tfpipe.mitigations.StageRule`): what an update does beyond the
   optimizer's step (spike compensation, PipeMare's rescheduling and its
@@ -86,7 +92,7 @@ class StageProgram:
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
                metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
-               rule=None, reg_trackers=None, optimizer_source=None):
+               rule=None, reg_trackers=None, optimizer_source=None, grouped=False):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
     if self.replica_devices[0] != device:
@@ -104,8 +110,12 @@ class StageProgram:
     self.rule = rule or mitigations.StageRule()
     if self.is_last and loss is None:
       raise ValueError("the last stage needs a loss")
-    self._float_in = [_is_float(t) for t in model.inputs]
-    self._float_out = [_is_float(t) for t in model.outputs]
+    R = len(self.replica_devices)
+    self._groups_in = R if grouped and not self.is_first else 1   # input lists, one per replica
+    self._groups_out = R if grouped and not self.is_last else 1
+    self.grouped_in, self.grouped_out = self._groups_in > 1, self._groups_out > 1
+    self._float_in = [_is_float(t) for t in model.inputs] * self._groups_in
+    self._float_out = [_is_float(t) for t in model.outputs] * self._groups_out
     self.reg_trackers = list(reg_trackers or [])
     with tf.device(device):
       self.trainable = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_{v.name}")
@@ -209,7 +219,8 @@ class StageProgram:
   def _forward_trace(self):
     """The forward's trace that the executors then call (a batch of any size is a subtype)."""
     weights = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
-    inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype) for t in self.model.inputs]
+    inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype)
+              for t in self.model.inputs] * self._groups_in
     return self._traced["forward_on"].get_concrete_function(weights, inputs)
 
   def forward_ops(self):
@@ -262,7 +273,9 @@ class StageProgram:
               for l in losses]
     reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
     if losses and update_state and self.reg_tracker is not None:
-      self.reg_tracker.update_state(reg, sample_weight=tf.shape(xs[0])[0])
+      size = len(xs) // self._groups_in   # the samples of every replica's inputs
+      self.reg_tracker.update_state(
+          reg, sample_weight=tf.add_n([tf.shape(x)[0] for x in xs[::size]]))
     return ys, reg, state
 
   def _model_split(self):
@@ -285,15 +298,21 @@ class StageProgram:
     return [values.get(id(src), old) for src, old in zip(sources, state)]
 
   def _replicated_call(self, weights, state, xs, training):
-    """The stage on each replica's share of the batch (the first n % R get one more)."""
+    """The stage on each replica's share of the batch (the first n % R get one more), or on
+    each replica's own inputs (`grouped`)."""
     R = len(self.replica_devices)
-    n = tf.shape(xs[0])[0]
-    sizes = tf.stack([n // R + tf.cast(i < n % R, n.dtype) for i in range(R)])
-    parts = [tf.split(x, sizes, num=R) for x in xs]
+    if self._groups_in > 1:
+      size = len(xs) // R
+      replica_inputs = [list(xs[r * size:(r + 1) * size]) for r in range(R)]
+    else:
+      n = tf.shape(xs[0])[0]
+      sizes = tf.stack([n // R + tf.cast(i < n % R, n.dtype) for i in range(R)])
+      parts = [tf.split(x, sizes, num=R) for x in xs]
+      replica_inputs = [[p[r] for p in parts] for r in range(R)]
     outputs, states, first_losses = [], [], None
     for r, device in enumerate(self.replica_devices):
       with tf.device(device):
-        inputs = [p[r] for p in parts]
+        inputs = replica_inputs[r]
         ys, new_state, losses = self.model.stateless_call(
             weights, state, inputs[0] if len(inputs) == 1 else inputs, training=training,
             return_losses=True)
@@ -301,7 +320,8 @@ class StageProgram:
       states.append(new_state)
       first_losses = losses if first_losses is None else first_losses
     with tf.device(self.device):
-      ys = [tf.concat(list(pieces), 0) for pieces in zip(*outputs)]
+      ys = ([y for out in outputs for y in out] if self._groups_out > 1 else
+            [tf.concat(list(pieces), 0) for pieces in zip(*outputs)])
       new_state = [tf.add_n(list(values)) / R if values[0].dtype.is_floating else values[0]
                    for values in zip(*states)]
     return ys, new_state, first_losses

@@ -15,6 +15,7 @@ class TrainConfig:
   cluster_timeout: float = 120.0
   grid: str = "2x2"
   stage_replicas: Sequence[str] = ()
+  data_parallel: int = 1
   partition: str = "uniform"
   spectrain_backward: str = "reuse"
   version_difference: str = "paper"

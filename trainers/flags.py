@@ -23,6 +23,9 @@ def define_flags():
   flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (seed 004), e.g. 2x2")
   flags.DEFINE_list("stage_replicas", [],
                     "STAGE:R pairs: run stage STAGE data parallel on R devices (hybrid), e.g. 0:2")
+  flags.DEFINE_integer("data_parallel", 1,
+                       "pipelines: R replicas of the whole pipeline on R x num_stages devices, "
+                       "each taking 1/R of every batch (data parallel x pipeline)")
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", "paper", "spectrain version difference: paper, exact")
@@ -96,6 +99,7 @@ def define_flags():
   flags.DEFINE_integer("verbose", 2, "0: silent, 1: progress bar, 2: one line per epoch")
 
   flags.register_validator("num_stages", lambda v: v >= 1, "--num_stages must be >= 1")
+  flags.register_validator("data_parallel", lambda v: v >= 1, "--data_parallel must be >= 1")
   flags.register_validator("cluster_timeout", lambda v: v > 0, "--cluster_timeout must be > 0")
   flags.register_validator("batch_size", lambda v: v >= 1, "--batch_size must be >= 1")
   flags.register_validator("micro_batches", lambda v: v is None or v >= 1,
@@ -112,9 +116,9 @@ def define_flags():
   flags.register_validator("discrepancy_decay", lambda v: v is None or 0 <= v < 1,
                            "--discrepancy_decay must be in [0, 1)")
   flags.register_multi_flags_validator(
-      ["devices", "num_stages", "stage_replicas"],
-      lambda f: f["devices"] is None or len(f["devices"]) == f["num_stages"] + sum(
-          int(p.split(":")[1]) - 1 for p in f["stage_replicas"] if p.count(":") == 1 and
-          p.split(":")[1].isdigit()),
+      ["devices", "num_stages", "stage_replicas", "data_parallel"],
+      lambda f: f["devices"] is None or len(f["devices"]) == f["num_stages"] * f[
+          "data_parallel"] + sum(int(p.split(":")[1]) - 1 for p in f["stage_replicas"]
+                                 if p.count(":") == 1 and p.split(":")[1].isdigit()),
       "--devices must list one device per stage (--num_stages), R for a stage replicated R "
-      "times (--stage_replicas)")
+      "times (--stage_replicas), R x num_stages for --data_parallel=R")

@@ -31,7 +31,7 @@ def setup_devices(config):
   if tf.config.list_physical_devices("GPU"):
     return
   replicas = tfpipe.devices.parse_stage_replicas(config.stage_replicas)
-  wanted = config.num_stages + sum(r - 1 for r in replicas.values())
+  wanted = config.num_stages * config.data_parallel + sum(r - 1 for r in replicas.values())
   if config.method == "grid":
     n_b, n_m = tfpipe.tensor_parallel.parse_grid(config.grid)
     wanted = n_b * n_m
@@ -68,6 +68,7 @@ def _method_options(config, tools):
               version_difference=config.version_difference, micro_batches=config.micro_batches,
               recompute={"auto": None, "true": True, "false": False}[config.recompute],
               lockstep=config.lockstep, stage_replicas=config.stage_replicas,
+              data_parallel=config.data_parallel,
               profile_batch_size=config.batch_size,
               executor=None if config.executor == "auto" else config.executor,
               **tools.pipeline_options())
@@ -83,6 +84,9 @@ def run(config):
   if config.stage_replicas and config.method in tfpipe.BASELINE_METHODS:
     raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
                      "has none")
+  if config.data_parallel > 1 and config.method not in tfpipe.PIPELINE_METHODS:
+    raise ValueError(f"--data_parallel replicates a pipeline; --method={config.method} is not "
+                     "one (for plain data parallelism use --method=dataparallel)")
   if _multi_worker(config):
     # Before any TensorFlow op; each worker has its CPU. Waits for every worker to start.
     tfpipe.multi_worker.make_strategy(timeout=config.cluster_timeout)

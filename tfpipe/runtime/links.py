@@ -145,10 +145,15 @@ def concat(values):
 
 
 def copy_to(device, payload):
-  """Copies a payload's tensors onto `device`: a tensor list or (tensor list, scale)."""
+  """Copies a payload's tensors onto `device`: a tensor list or (tensor list, scale). With a
+  list of R devices (replicas of a pipeline) the list is R equal groups, group r to device r."""
   tensors, meta = payload if isinstance(payload, tuple) else (payload, None)
-  with tf.device(device):
-    copied = [tf.identity(t) if t is not None else None for t in tensors]
+  devices = [device] if isinstance(device, str) else list(device)
+  size = max(1, len(tensors) // len(devices))
+  copied = []
+  for i, t in enumerate(tensors):
+    with tf.device(devices[min(i // size, len(devices) - 1)]):
+      copied.append(tf.identity(t) if t is not None else None)
   return copied if meta is None else (copied, meta)
 
 

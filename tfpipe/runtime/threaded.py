@@ -160,6 +160,13 @@ class Runtime(Executor):
              [t.batch for t in schedule[k + 1] if t.kind == "B"]) for k in range(K - 1)]
     return self._execute(links, worker, num_batches, on_result, sent, before, record=True)
 
+  def _receivers(self, k, forward):
+    """Where stage k takes what crosses a cut: its device, or its replicas' devices when the
+    items travel as one group per replica (data-parallel pipelines)."""
+    program = self.programs[k]
+    grouped = program.grouped_in if forward else program.grouped_out
+    return program.replica_devices if grouped else program.device
+
   def _version(self, program, parts, k):
     """The weight version a backward read: its forward's (a kept tape) or the current one."""
     return parts[0].version if program.ops["B"].reads == "kept" else self.updates[k]
@@ -227,11 +234,11 @@ class Runtime(Executor):
       for k in range(self.K):
         launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
       for k in range(self.K - 1):
-        launch(lambda k=k: transfer(*links.forward[k], self.programs[k + 1].device,
+        launch(lambda k=k: transfer(*links.forward[k], self._receivers(k + 1, forward=True),
                                     sent[k][0], k, "XF"), f"tfpipe-fwd{k}")
         if sent[k][1]:
-          launch(lambda k=k: transfer(*links.backward[k], self.programs[k].device, sent[k][1],
-                                      k + 1, "XB"), f"tfpipe-bwd{k}")
+          launch(lambda k=k: transfer(*links.backward[k], self._receivers(k, forward=False),
+                                      sent[k][1], k + 1, "XB"), f"tfpipe-bwd{k}")
       for b in range(num_batches):
         if before is not None:
           before(b)

@@ -1,0 +1,86 @@
+"""Data parallel x pipeline: R replicas of a K-stage pipeline on R x K devices, each stage's
+gradients summed over its replicas before its update; equal to the method at the global batch."""
+
+import dataclasses
+import functools
+
+import keras
+import numpy as np
+import pytest
+
+from tests import helpers
+from tests.conftest import DEVICES
+from tests.test_pipeline import _assert_equals_keras, _stage_weights, LR, MOMENTUM
+from tfpipe import optimizers, reference
+import tfpipe
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_replicated_synchronous_pipelines_equal_keras_at_the_global_batch(method, build,
+                                                                          runtime):
+  # 2 replicas x 2 stages; 18 samples per batch, 2 micro-batches of 9, split 5 + 4 over the
+  # replicas: uneven parts weigh by their size. float64, as gpipe's case says.
+  pipe = _assert_equals_keras(functools.partial(build, dtype="float64"), 2, method,
+                              loss_dtype="float64", micro_batches=2, batch_size=18,
+                              runtime=runtime, data_parallel=2)
+  assert pipe.stage_devices == [[DEVICES[0], DEVICES[2]], [DEVICES[1], DEVICES[3]]]
+
+
+@pytest.mark.parametrize("method", ["pipedream", "vanilla"])
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_replicated_asynchronous_pipelines_follow_their_rule_at_the_global_batch(method,
+                                                                                 runtime):
+  """An asynchronous method's replicas are its stages at R times the batch: the weight rule
+  (and its staleness) is unchanged."""
+  bs = helpers.batches(10)
+  x, y = helpers.as_arrays(bs)
+  # float64 (two replicas' gradient sums round otherwise than one mean: see gpipe's case),
+  # with the reference given the optimizer's float32 learning rate.
+  pipe, compile_ = helpers.pipeline(helpers.sequential_mlp(dtype="float64"), runtime,
+                                    num_stages=2, method=method, data_parallel=2)
+  loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method,
+                                          float(np.float32(LR)), MOMENTUM)
+  compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  for actual, ref in zip(_stage_weights(pipe), expected):
+    helpers.assert_weights_close(actual, ref, rtol=1e-9, atol=1e-11)
+
+
+def test_replicated_pipeline_predicts_and_evaluates_as_keras():
+  model = helpers.sequential_mlp()
+  x, y = helpers.as_arrays(helpers.batches(4))
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="1f1b", data_parallel=2)
+  pipe.compile(keras.optimizers.SGD(LR), "sparse_categorical_crossentropy")
+  np.testing.assert_allclose(pipe.predict(x, batch_size=16, verbose=0),
+                             model.predict(x, batch_size=16, verbose=0), rtol=1e-5, atol=1e-6)
+  model.compile(keras.optimizers.SGD(LR), "sparse_categorical_crossentropy")
+  assert pipe.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(
+      model.evaluate(x, y, batch_size=16, verbose=0), rel=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"data_parallel": 0}, "data_parallel=0"),
+    ({"data_parallel": "2"}, "data_parallel='2'"),
+    ({"data_parallel": 2, "stage_replicas": {0: 2}}, "stage_replicas"),
+    ({"data_parallel": 2, "method": "timeprest"}, "'timeprest'"),
+    ({"data_parallel": 3, "devices": DEVICES}, "4 devices cannot hold 3"),
+    ({"data_parallel": 2, "devices": DEVICES, "num_stages": 3}, "not num_stages=3"),
+])
+def test_bad_data_parallel_options_are_refused_by_name(options, message):
+  options = dict({"num_stages": 2} if "devices" not in options else {}, **options)
+  with pytest.raises(ValueError, match=message):
+    tfpipe.Pipeline(helpers.sequential_mlp(), **options)
+
+
+def test_the_trainer_runs_replicated_pipelines_and_refuses_them_for_baselines():
+  from trainers import config as config_lib, main
+  config = config_lib.TrainConfig(model="snn", dataset="digits", method="1f1b", num_stages=2,
+                                  data_parallel=2, snn_width=16, snn_depth=3, batch_size=16,
+                                  steps=3, epochs=1, verbose=0, logdir="")
+  history, trainer, _ = main.run(config)
+  assert trainer.data_parallel == 2 and history["loss"][0] > 0
+  with pytest.raises(ValueError, match="--data_parallel replicates a pipeline"):
+    main.run(dataclasses.replace(config, method="single"))
