@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from tests import helpers
+from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _dropout_pipe, _stage_weights, LR, MOMENTUM
 from tfpipe import optimizers, reference
 from tfpipe.plan import schedules, simulator, verify
+import tfpipe
 
 SYNC = {"1f1b": "1f1b_flush", "zb": "zb_h1"}
 
@@ -64,9 +66,9 @@ def test_simulated_bubbles_equal_the_closed_forms(K, M):
   assert bubble("zb") == pytest.approx((K - 1) / (3 * M + K - 1))
 
 
-@pytest.mark.parametrize("method", sorted(SYNC))
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
+@pytest.mark.parametrize("method,build,recompute", [
+    ("1f1b", helpers.sequential_mlp, False), ("1f1b", helpers.skip_model, True),
+    ("zb", helpers.sequential_mlp, True), ("zb", helpers.skip_model, False)])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
 def test_synchronous_schedules_equal_keras_at_the_mini_batch_size(method, build, recompute,
                                                                   runtime):
@@ -91,3 +93,48 @@ def test_synchronous_schedules_with_dropout_recompute_equal_their_reference_rule
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, ref in zip(_stage_weights(pipe), expected):
     helpers.assert_weights_close(actual, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_interleaved_verifies_for_every_device_count_chunk_count_and_micro_batches():
+  for K in (1, 2, 3, 4, 8, 16):
+    for V in (1, 2, 3, 4):
+      for M in sorted({K, 2 * K, 3 * K, 64 - 64 % K}):
+        schedule = schedules.interleaved(K * V, 2, M, V)
+        report = verify.verify(schedule, capacity=1)
+        assert report.staleness == [0] * (K * V)
+        assert [k % K for lane in schedule.lanes for k, _ in lane[:1]] == list(range(K))
+
+
+def test_interleaved_lanes_are_the_clock_table_and_the_stages_their_projection():
+  schedule = schedules.interleaved(4, 1, 2, 2)
+  rows = re.findall(r"device \d: (.*)", schedules.interleaved.__doc__)
+  assert [row.split() for row in rows] == [[f"{k}.{t}" for k, t in lane]
+                                           for lane in schedule.lanes]
+  for k, tasks in enumerate(schedule):
+    assert tasks == [t for lane in schedule.lanes for s, t in lane if s == k]
+
+
+def test_interleaved_needs_micro_batches_in_groups_of_the_devices():
+  with pytest.raises(ValueError, match="multiple of the 2 devices. Received: micro_batches=3"):
+    schedules.interleaved(4, 1, 3, 2)
+  with pytest.raises(ValueError, match="virtual stages work with interleaved"):
+    tfpipe.Pipeline(helpers.sequential_mlp(), num_stages=2, method="1f1b", virtual_stages=2)
+
+
+@pytest.mark.parametrize("K,V,M", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (8, 2, 16)])
+def test_simulated_interleaved_bubble_equals_the_closed_form(K, V, M):
+  """Each of the K x V chunks takes 1/V of a stage's time: idle (K-1)/(VM+K-1), V times less
+  than 1F1B's (K-1)/(M+K-1) for M >> K."""
+  costs = simulator.Costs([1.0 / V] * (K * V), [2.0 / V] * (K * V))
+  timeline = simulator.simulate(schedules.interleaved(K * V, 3, M, V), costs)
+  assert timeline.bubble == pytest.approx((K - 1) / (V * M + K - 1))
+
+
+@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_interleaved_equals_keras_at_the_mini_batch_size(build, runtime):
+  # 2 devices x 2 chunks: stages 0 and 2 share a device, 1 and 3 the other.
+  pipe = _assert_equals_keras(functools.partial(build, dtype="float64"), 2, "interleaved",
+                              loss_dtype="float64", micro_batches=4, runtime=runtime,
+                              virtual_stages=2)
+  assert pipe.num_stages == 4 and pipe.devices == [DEVICES[0], DEVICES[1]] * 2

@@ -16,6 +16,7 @@ RULES = {
     "sequential": ("current", "tape", "kept"),
     "gpipe": ("current", "tape", "kept"),
     "1f1b": ("current", "tape", "kept"),
+    "interleaved": ("current", "tape", "kept"),
     "zb": ("current", "tape", "kept"),
     "vanilla": ("current", "inputs", "current"),
     "pipedream": ("current", "tape", "kept"),

@@ -55,9 +55,10 @@ def stage_delays(schedule):
   return [max([s for t, s in d.items() if t.kind == "F"], default=0) for d in diffs]
 
 
-def delays_for(schedule_name, K, M=1):
-  """D_k of the steady state of schedule `schedule_name` (enough mini-batches to reach it)."""
-  return stage_delays(schedules.build(schedule_name, K, 2 * K + 4, M))
+def delays_for(schedule_name, K, M=1, V=1):
+  """D_k of the steady state of schedule `schedule_name` (enough mini-batches to reach it; V:
+  stages per device)."""
+  return stage_delays(schedules.build(schedule_name, K, 2 * K + 4, M, V))
 
 
 def delay_momentum(momentum, delay):

@@ -31,8 +31,10 @@ class Options:
                version_difference="paper", micro_batches=None, recompute=None, lockstep=False,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
                executor=None, spike_compensation=False, delay_momentum=False,
-               lr_rescheduling=None, discrepancy_decay=None, batch_statistics="warn"):
-    self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
+               lr_rescheduling=None, discrepancy_decay=None, batch_statistics="warn",
+               virtual_stages=None):
+    self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep,
+                                      virtual_stages)
     self.method = self.policy.method
     self.micro_batches = policies.micro_batches_for(self.policy, micro_batches)
     self.version_difference = names.lookup(
@@ -107,7 +109,8 @@ class Options:
   def stage_rules(self, optimizer, num_stages):
     """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates;
     refuses options that cannot act (no delay, an optimizer their rule is not written for)."""
-    delays = mitigations.delays_for(self.policy.schedule, num_stages, self.micro_batches)
+    delays = mitigations.delays_for(self.policy.schedule, num_stages, self.micro_batches,
+                                    self.policy.virtual_stages)
     if self._default_rescheduling:   # pipemare's default: on where its rule is written
       try:
         mitigations.check_optimizer(optimizer, "lr_rescheduling")

@@ -91,7 +91,11 @@ def split(model, cuts):
     for t in live_out:
       out = tensor_map[id(t)]
       if any(out is x for x in stage_inputs):  # pass-through of a skip connection
-        out = keras.layers.Identity(name=f"stage{j}_pass{len(stage_outputs)}")(out)
+        # In the tensor's own dtype: a layer of the default policy would round a float64
+        # (or float16) tensor to float32 and back.
+        floating = keras.backend.is_float_dtype(out.dtype)
+        out = keras.layers.Identity(name=f"stage{j}_pass{len(stage_outputs)}",
+                                    dtype=out.dtype if floating else None)(out)
       stage_outputs.append(out)
     stages.append(keras.Model(stage_inputs[0] if len(stage_inputs) == 1 else stage_inputs,
                               stage_outputs[0] if len(stage_outputs) == 1 else stage_outputs,

@@ -17,7 +17,7 @@ from tfpipe import assemble, checkpoint as checkpoint_lib, cluster, compat, comp
 from tfpipe import devices as devices_lib, fit_data, fit_loop, layer_profile, learning_rate
 from tfpipe import options as options_lib, partition as partition_lib
 from tfpipe.instruments import breakdown as breakdown_lib, trace
-from tfpipe.plan import policies, schedules
+from tfpipe.plan import policies
 
 __all__ = ["Pipeline"]
 
@@ -40,6 +40,9 @@ class Pipeline:
       its batch over them, the weights are shared and the gradients summed,
       as the SpecTrain paper does for VGG16's slow first stage. Works with
       every method; the weight rule is unchanged.
+    virtual_stages: V for "interleaved" (default 2): the model is cut into V x K
+      stages, stage s on device s mod K; `num_stages` and `devices` count
+      devices. micro_batches must be a multiple of K.
     data_parallel: R, replicas of the whole pipeline (data parallel x
       pipeline, as Megatron and DeepSpeed run them) on R x K devices, given
       replica by replica: each replica takes 1/R of every (micro-)batch, its
@@ -51,7 +54,8 @@ class Pipeline:
       "i_timeprest" (a step that joins several forwards).
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
       (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
-      kept at stage k), "zb" (zero-bubble ZB-H1: backwards split into input
+      kept at stage k), "interleaved" (interleaved 1F1B: `virtual_stages` V
+      model chunks per device, K x V stages, the bubble V times smaller), "zb" (zero-bubble ZB-H1: backwards split into input
       and weight halves, the weight halves filling the bubble), "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
       "timeprest" (DESIGN.md section 3), "pipemare" (vanilla's schedule, the
       backward on weights corrected back to the forward's, PipeMare) or
@@ -129,7 +133,7 @@ class Pipeline:
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
                stage_replicas=None, jit_compile=None, executor=None, spike_compensation=False,
                delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None,
-               batch_statistics="warn", data_parallel=1):
+               batch_statistics="warn", data_parallel=1, virtual_stages=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     overrides = compat.trainer_overrides(model)
@@ -142,11 +146,20 @@ class Pipeline:
     self.options = options_lib.Options(
         model, method, spectrain_backward, version_difference, micro_batches, recompute,
         lockstep, record, trace_steps, trace_dir, prediction_error, executor,
-        spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay, batch_statistics)
+        spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay, batch_statistics,
+        virtual_stages)
     self.data_parallel = _data_parallel(data_parallel, stage_replicas, self.policy)
+    V = self.policy.virtual_stages
+    if V > 1 and (stage_replicas or self.data_parallel > 1):
+      raise ValueError(f"virtual stages (method {self.method!r}, virtual_stages={V}) do not "
+                       "combine with stage_replicas or data_parallel yet")
     if self.data_parallel > 1:
       self.stage_devices, self.stage_replicas = devices_lib.resolve_pipeline_replicas(
           devices, num_stages, self.data_parallel), {}
+    elif V > 1:   # V stages per device: device d holds stages d, d + K, ...
+      flat = devices_lib.resolve_devices(devices, num_stages)
+      self.stage_devices, self.stage_replicas = [[flat[s % len(flat)]]
+                                                 for s in range(V * len(flat))], {}
     else:
       self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
           devices, num_stages, stage_replicas)
@@ -302,8 +315,8 @@ class Pipeline:
                                             class_weight=class_weight)
     validation = (fit_data.validation(self, validation_data, batch_size, validation_batch_size,
                                       validation_steps) if validation_data is not None else None)
-    schedule = schedules.build(self.policy.schedule, self.num_stages, num_batches,
-                               self.micro_batches)
+    schedule = policies.build_schedule(self.policy, self.num_stages, num_batches,
+                                       self.micro_batches)
     diffs = policies.version_differences(self.policy, schedule, self.options.version_difference)
     verbose = 1 if verbose == "auto" else verbose
     callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)

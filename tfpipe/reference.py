@@ -157,7 +157,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   K, N = len(stage_models), len(batches)
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
-  delays = mitigations.delays_for(policy.schedule, K, M)
+  delays = mitigations.delays_for(policy.schedule, K, M, policy.virtual_stages)
   if lr_rescheduling is None:
     lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING if method == "pipemare" else 0
   if discrepancy_decay is None:
@@ -187,7 +187,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     updates[k] += 1
 
   for _ in range(epochs):
-    schedule = schedules.build(policy.schedule, K, N, M)
+    schedule = policies.build_schedule(policy, K, N, M)
     diffs = policies.version_differences(policy, schedule, version_difference)
     covers = [verify.covered_units(stage_tasks) for stage_tasks in schedule]
     pieces = {b: _pieces(x, y, M) for b, (x, y) in enumerate(batches)}

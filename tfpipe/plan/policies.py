@@ -23,17 +23,20 @@ import dataclasses
 from tfpipe.plan import names, schedules
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
+           "build_schedule", "VIRTUAL_STAGE_METHODS",
            "PIPELINE_METHODS", "SYNCHRONOUS_METHODS", "MICRO_BATCH_METHODS", "MAX_MICRO_BATCHES",
            "LOCKSTEP_METHODS",
            "SPECTRAIN_BACKWARDS", "VERSION_DIFFERENCES"]
 
-PIPELINE_METHODS = ("sequential", "gpipe", "1f1b", "zb", "vanilla", "pipedream", "spectrain",
-                    "ddg", "feature_replay", "timeprest", "pipemare", "i_timeprest")
+PIPELINE_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "vanilla", "pipedream",
+                    "spectrain", "ddg", "feature_replay", "timeprest", "pipemare", "i_timeprest")
 # The methods with no stale weight: each equals training on whole mini-batches.
-SYNCHRONOUS_METHODS = ("sequential", "gpipe", "1f1b", "zb")
-MICRO_BATCH_METHODS = ("gpipe", "1f1b", "zb", "timeprest", "i_timeprest", "vanilla", "pipedream",
-                       "spectrain", "pipemare")
-DEFAULT_MICRO_BATCHES = {"gpipe": 4, "1f1b": 4, "zb": 4, "timeprest": 4, "i_timeprest": 4}
+SYNCHRONOUS_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb")
+MICRO_BATCH_METHODS = ("gpipe", "1f1b", "interleaved", "zb", "timeprest", "i_timeprest", "vanilla",
+                       "pipedream", "spectrain", "pipemare")
+DEFAULT_MICRO_BATCHES = {"gpipe": 4, "1f1b": 4, "interleaved": 4, "zb": 4, "timeprest": 4,
+                         "i_timeprest": 4}
+VIRTUAL_STAGE_METHODS = {"interleaved": 2}   # method -> its default V (chunks per device)
 # Each micro-batch is a task of every stage, planned and verified per mini-batch: past this
 # the plan alone takes seconds (M=4000: 2.6 s per verify) while the bubble, (K-1)/(M+K-1), is
 # already below 1% for K <= 11.
@@ -46,6 +49,7 @@ _RULES = {
     "sequential": ("sequential", "current", "forward"),
     "gpipe": ("gpipe", "current", "forward"),
     "1f1b": ("1f1b_flush", "current", "forward"),
+    "interleaved": ("interleaved", "current", "forward"),
     "zb": ("zb_h1", "current", "forward"),
     "vanilla": ("1f1b", "current", "current"),
     "pipedream": ("1f1b", "current", "forward"),
@@ -63,6 +67,7 @@ class WeightPolicy:
   schedule: str   # a name in tfpipe.plan.schedules.SCHEDULES
   forward: str    # "current" | "predicted"
   backward: str   # "forward" | "current" | "predicted" | "corrected" | "blend"
+  virtual_stages: int = 1   # V: stages (model chunks) per device (interleaved schedules)
 
   @property
   def recompute(self):
@@ -82,7 +87,8 @@ class WeightPolicy:
 LOCKSTEP_METHODS = ("ddg", "feature_replay")
 
 
-def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=False):
+def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=False,
+               virtual_stages=None):
   """The weight policy of a pipeline method (DESIGN.md section 3).
 
   `recompute=True` keeps only stage inputs and recomputes the forward before
@@ -111,6 +117,16 @@ def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=Fals
     policy = WeightPolicy(method, *_RULES[method])
   if lockstep:
     policy = dataclasses.replace(policy, schedule="ddg_lockstep")
+  if virtual_stages is not None and method not in VIRTUAL_STAGE_METHODS:
+    raise ValueError(f"method {method!r} runs one stage per device; virtual stages work with "
+                     f"{', '.join(VIRTUAL_STAGE_METHODS)}. Received: "
+                     f"virtual_stages={virtual_stages!r}")
+  if method in VIRTUAL_STAGE_METHODS:
+    V = VIRTUAL_STAGE_METHODS[method] if virtual_stages is None else virtual_stages
+    if not isinstance(V, int) or isinstance(V, bool) or V < 1:
+      raise ValueError(f"`virtual_stages` must be a positive integer. Received: "
+                       f"virtual_stages={V!r}")
+    policy = dataclasses.replace(policy, virtual_stages=V)
   if recompute is None or recompute == policy.recompute:
     return policy
   if recompute and method in SYNCHRONOUS_METHODS:
@@ -166,3 +182,10 @@ def version_differences(policy, schedule, mode="paper"):
         "micro-batches use version_difference='exact'")
   return [{t: (schedules.paper_version_difference(k, K, t.kind) if t.kind in "FB" else 0)
            for t in tasks} for k, tasks in enumerate(schedule)]
+
+
+def build_schedule(policy, K, N, M=1):
+  """The schedule of `policy` for K stages (K / V devices with virtual stages), N mini-batches
+  of M micro-batches."""
+  return schedules.build(policy.schedule, K, N, M, policy.virtual_stages)
+

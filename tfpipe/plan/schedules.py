@@ -28,7 +28,8 @@ thread timing: the runtime and the slow reference loop agree exactly.
 
 import collections
 
-__all__ = ["Task", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush", "zero_bubble_h1",
+__all__ = ["Task", "Schedule", "lanes", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush",
+           "interleaved", "zero_bubble_h1",
            "ddg", "ddg_lockstep", "timeprest", "build",
            "SCHEDULES", "MICRO_BATCHED", "ALWAYS_MICRO", "SPLIT_BACKWARD", "is_update",
            "exact_version_differences",
@@ -211,6 +212,69 @@ def zero_bubble_h1(K, N, M):
   return stages
 
 
+class Schedule(list):
+  """A schedule (a list of per-stage task lists) whose stages share devices: `lanes[d]` is
+  the order in which device d runs its stages' tasks, as (stage, task) pairs; each stage's
+  list is its tasks in that order. Plain lists run one stage per device."""
+
+  def __init__(self, stages, lanes):
+    super().__init__(stages)
+    self.lanes = lanes
+
+
+def lanes(schedule):
+  """Per device, the (stage, task) order it runs: `Schedule.lanes`, else one stage each."""
+  return getattr(schedule, "lanes", None) or [[(k, t) for t in tasks]
+                                              for k, tasks in enumerate(schedule)]
+
+
+def interleaved(S, N, M, V):
+  """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21), with a flush per mini-batch: S =
+  K x V stages on K devices, device d holding the V chunks d, d + K, ..., (V-1)K + d.
+
+  Each device runs its chunks' micro-batches in groups of K: forwards take chunk 0's
+  micro-batches 0..K-1, then chunk 1's, ..., then chunk 0's K..2K-1; backwards the same with
+  the chunks reversed. Device d warms up with min((K-1-d) x 2 + (V-1) x K, MV) forwards, then
+  alternates one forward and one backward, then runs the backwards left; one update per chunk.
+  K = 2, V = 2 (S = 4), N = 1, M = 2, as device lanes ("s.t": task t of stage s):
+
+  ```
+  device 0: 0.F0.0 0.F0.1 2.F0.0 2.F0.1 2.B0.0 2.B0.1 0.B0.0 0.B0.1 0.U0 2.U0
+  device 1: 1.F0.0 1.F0.1 3.F0.0 3.B0.0 3.F0.1 3.B0.1 1.B0.0 1.B0.1 1.U0 3.U0
+  ```
+  The bubble is (K-1)/(VM + K-1) with equal chunk times, V times smaller than 1F1B's for
+  M >> K, for V times the transfers. M must be a multiple of K.
+  """
+  _check(S, N, M)
+  if not isinstance(V, int) or isinstance(V, bool) or V < 1 or S % V:
+    raise ValueError(f"`virtual_stages` must be a positive integer dividing the {S} stages. "
+                     f"Received: virtual_stages={V!r}")
+  K = S // V
+  if M % K:
+    raise ValueError(f"the interleaved schedule runs micro-batches in groups of one per device: "
+                     f"micro_batches must be a multiple of the {K} devices. Received: "
+                     f"micro_batches={M}")
+
+  def unit(i, backward):
+    chunk = (i // K) % V
+    return ((V - 1 - chunk) if backward else chunk), (i // (K * V)) * K + i % K
+
+  device_lanes = []
+  for d in range(K):
+    warm, lane = min((K - 1 - d) * 2 + (V - 1) * K, M * V), []
+    for b in range(N):
+      forward = lambda i: (unit(i, False)[0] * K + d, Task("F", b, unit(i, False)[1]))
+      backward = lambda i: (unit(i, True)[0] * K + d, Task("B", b, unit(i, True)[1]))
+      lane += [forward(i) for i in range(warm)]
+      for i in range(M * V - warm):
+        lane += [forward(warm + i), backward(i)]
+      lane += [backward(i) for i in range(M * V - warm, M * V)]
+      lane += [(v * K + d, Task("U", b)) for v in range(V)]
+    device_lanes.append(lane)
+  stages = [[t for lane in device_lanes for s, t in lane if s == k] for k in range(S)]
+  return Schedule(stages, device_lanes)
+
+
 def ddg(K, N, lockstep=False):
   """Decoupled backpropagation with delayed gradients (DDG, EPFL report table 3).
 
@@ -290,18 +354,24 @@ def timeprest(K, N, M):
 
 
 SCHEDULES = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe,
-             "1f1b_flush": one_f_one_b_flush, "zb_h1": zero_bubble_h1, "ddg": ddg,
+             "1f1b_flush": one_f_one_b_flush, "interleaved": interleaved,
+             "zb_h1": zero_bubble_h1, "ddg": ddg,
              "ddg_lockstep": ddg_lockstep, "timeprest": timeprest}
-MICRO_BATCHED = ("1f1b", "gpipe", "1f1b_flush", "zb_h1", "timeprest")  # the schedules that take M
-ALWAYS_MICRO = ("gpipe", "1f1b_flush", "zb_h1", "timeprest")   # built with M (M = 1 too)
+MICRO_BATCHED = ("1f1b", "gpipe", "1f1b_flush", "interleaved", "zb_h1", "timeprest")  # the schedules that take M
+ALWAYS_MICRO = ("gpipe", "1f1b_flush", "interleaved", "zb_h1", "timeprest")   # built with M (M = 1 too)
 SPLIT_BACKWARD = ("zb_h1",)   # backwards split into B and W tasks
 
 
-def build(name, K, N, M=1):
-  """The schedule called `name` for K stages, N mini-batches and M micro-batches each."""
+def build(name, K, N, M=1, V=1):
+  """The schedule called `name` for K stages, N mini-batches and M micro-batches each (V:
+  stages per device, for "interleaved")."""
   from tfpipe.plan import names  # pylint: disable=g-import-not-at-top
   name = names.lookup("schedule", name, SCHEDULES)
   _check(K, N, M)
+  if name == "interleaved":
+    return interleaved(K, N, M, V)
+  if V != 1:
+    raise ValueError(f"the {name!r} schedule runs one stage per device. Received: V={V}")
   if name in ALWAYS_MICRO:
     return SCHEDULES[name](K, N, M)
   if name == "1f1b":

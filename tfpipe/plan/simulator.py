@@ -58,6 +58,7 @@ class Timeline:
   busy: list       # per stage: seconds computing
   batches: int     # N
   transfers: list = dataclasses.field(default_factory=list)  # (sending k, "XF"|"XB", unit, start, end)
+  devices: int = None   # devices the stages run on (None: one per stage)
 
   def records(self):
     """The timeline as the runtime records it (`tfpipe.runtime.TaskRecord`s, epoch 0): the
@@ -81,8 +82,9 @@ class Timeline:
 
   @property
   def bubble(self):
-    """The share of stage time idle: 1 - busy / (K * makespan)."""
-    return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
+    """The share of device time idle: 1 - busy / (devices * makespan)."""
+    devices = self.devices or len(self.busy)
+    return 1.0 - sum(self.busy) / (devices * self.makespan) if self.makespan else 0.0
 
   @property
   def step_time(self):
@@ -105,7 +107,9 @@ def simulate(schedule, costs, recompute=False):
   order = verify.verify(schedule).order
   covers = [verify.covered_units(tasks) for tasks in schedule]
   split = [any(t.kind == "W" for t in tasks) for tasks in schedule]
-  free, busy = [0.0] * K, [0.0] * K
+  lanes = schedules.lanes(schedule)   # stages sharing a device run one task at a time
+  device = {k: d for d, lane in enumerate(lanes) for k, _ in lane}
+  free, busy = [0.0] * len(lanes), [0.0] * K
   fwd_link, bwd_link = [0.0] * (K - 1), [0.0] * (K - 1)
   arrived_fwd, arrived_bwd, ended, barrier = {}, {}, {}, {}
   tasks = []
@@ -120,7 +124,7 @@ def simulate(schedule, costs, recompute=False):
 
   for k, task in order:
     unit = (task.batch, task.micro)
-    start, seconds = free[k], 0.0
+    start, seconds = free[device[k]], 0.0
     if task.kind == "F":
       if k > 0:
         start = max(start, arrived_fwd.pop((k - 1, unit)))
@@ -145,7 +149,7 @@ def simulate(schedule, costs, recompute=False):
     elif task.kind == "S":  # every stage has run its tasks before S(t) when the first one passes
       start = barrier.setdefault(task, max(free))
     end = start + seconds
-    free[k], busy[k] = end, busy[k] + seconds
+    free[device[k]], busy[k] = end, busy[k] + seconds
     ended[(k, task)] = end
     tasks.append((k, task, start, end))
     if task.kind == "F" and k < K - 1:
@@ -156,7 +160,7 @@ def simulate(schedule, costs, recompute=False):
                                         costs.transfer[k - 1] * _share(covers[k][task], M),
                                         k, "XB", unit)
   N = len({t.batch for t in schedule[0]})
-  return Timeline(tasks, max(free), busy, N, transfers)
+  return Timeline(tasks, max(free), busy, N, transfers, len(lanes))
 
 
 def simulate_method(method, costs, num_batches, micro_batches=None, recompute=None,
@@ -164,7 +168,7 @@ def simulate_method(method, costs, num_batches, micro_batches=None, recompute=No
   """The timeline of `method` (its schedule and recomputation) over `num_batches` mini-batches."""
   policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
   M = policies.micro_batches_for(policy, micro_batches)
-  schedule = schedules.build(policy.schedule, len(costs.forward), num_batches, M)
+  schedule = policies.build_schedule(policy, len(costs.forward), num_batches, M)
   return simulate(schedule, costs, recompute=policy.recompute)
 
 

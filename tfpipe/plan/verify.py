@@ -249,24 +249,34 @@ def verify(schedule, capacity=None):
     done[k].add(t)
     order.append((k, t))
 
-  pending, queued = collections.deque(range(K)), set(range(K))
+  # Each device runs its lane in order (a stage per device, or several: `schedules.Schedule`).
+  lanes = schedules.lanes(schedule)
+  shared = len(lanes) != K
+  lane_of = {k: d for d, lane in enumerate(lanes) for k, _ in lane}
+  at = [0] * len(lanes)
+  pending, queued = collections.deque(range(len(lanes))), set(range(len(lanes)))
   while pending:
-    k = pending.popleft()
-    queued.discard(k)
-    progressed, barrier = False, False
-    while pos[k] < len(schedule[k]) and blocked(k, schedule[k][pos[k]]) is None:
-      barrier = barrier or schedule[k][pos[k]].kind == "S"
-      run(k, schedule[k][pos[k]])
+    d = pending.popleft()
+    queued.discard(d)
+    progressed, barrier, ran = False, False, set()
+    while at[d] < len(lanes[d]) and blocked(*lanes[d][at[d]]) is None:
+      k, t = lanes[d][at[d]]
+      barrier = barrier or t.kind == "S"
+      run(k, t)
       pos[k] += 1
+      at[d] += 1
       progressed = True
+      ran.add(k)
     if progressed:
-      for j in (range(K) if barrier else (k - 1, k + 1)):
-        if 0 <= j < K and j not in queued:
+      wake = (range(len(lanes)) if barrier or shared else
+              {lane_of[j] for k in ran for j in (k - 1, k + 1) if 0 <= j < K})
+      for j in wake:
+        if j not in queued:
           pending.append(j)
           queued.add(j)
-  if any(pos[k] < len(schedule[k]) for k in range(K)):
-    stuck = "; ".join(f"stage {k} at {schedule[k][pos[k]]} ({blocked(k, schedule[k][pos[k]])})"
-                      for k in range(K) if pos[k] < len(schedule[k]))
+  if any(at[d] < len(lane) for d, lane in enumerate(lanes)):
+    heads = [lane[at[d]] for d, lane in enumerate(lanes) if at[d] < len(lane)]
+    stuck = "; ".join(f"stage {k} at {t} ({blocked(k, t)})" for k, t in heads)
     raise ScheduleError(f"schedule deadlocks: no stage can run its next task: {stuck}")
   return Report(order, peaks["states"], peaks["versions"], peaks["stale"],
                 [tuple(p) for p in in_flight])
@@ -282,14 +292,21 @@ def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
   k; versions[k] the most distinct weight versions they were computed with,
   which a method whose backward reads its forward's weights must keep (0
   where the backward reads the current or a new predicted version).
+  Interleaved (V stages per device) is in the default table only where K
+  stages make K/V devices and M is a multiple of them; asked for by name
+  otherwise, its error says why.
   """
   N = N or 2 * K + 2
   table = {}
+  requested = () if methods is policies.PIPELINE_METHODS else tuple(methods)
   for method in methods:
     policy = policies.policy_for(method)
     m = policies.micro_batches_for(policy, M if policy.schedule in schedules.ALWAYS_MICRO
                                    else None)
-    report = verify(schedules.build(policy.schedule, K, N, m))
+    V = policy.virtual_stages
+    if V > 1 and (K % V or m % (K // V)) and method not in requested:
+      continue   # the K stages do not make V chunks per device in groups of M micro-batches
+    report = verify(policies.build_schedule(policy, K, N, m))
     # A blend (I-TiMePReSt) keeps the forward's weights until the backward, as a stash.
     versions = report.peak_versions if task_table.keeps_weights(policy) else [0] * K
     table[method] = ("inputs" if policy.recompute else "activations", report.peak_states,

@@ -67,16 +67,17 @@ class Runtime(Executor):
                   lead=schedules.lead(schedule))
     fwd, bwd, results, gate = links.forward, links.backward, links.results, links.gate
 
-    def worker(k):
-      program, last = self.programs[k], k == K - 1
-      cover = verify.covered_units(schedule[k])
-      saved, grads_in, batch_loss = {}, {}, collections.defaultdict(float)
+    lanes = schedules.lanes(schedule)   # a device's stages run their tasks in its lane's order
+
+    def worker(d):
+      stages = {k: (self.programs[k], k == K - 1, verify.covered_units(schedule[k]), {}, {},
+                    collections.defaultdict(float)) for k in {k for k, _ in lanes[d]}}
       logs = None
-      for task in schedule[k]:
+      for k, task in lanes[d]:
         if gate.gone(task.batch):
           continue
         try:
-          logs = run_task(k, program, last, cover, saved, grads_in, batch_loss, task, logs)
+          logs = run_task(k, *stages[k], task, logs)
         except Skipped:
           continue
 
@@ -158,7 +159,8 @@ class Runtime(Executor):
 
     sent = [([t.batch for t in schedule[k] if t.kind == "F"],
              [t.batch for t in schedule[k + 1] if t.kind == "B"]) for k in range(K - 1)]
-    return self._execute(links, worker, num_batches, on_result, sent, before, record=True)
+    return self._execute(links, worker, num_batches, on_result, sent, before, record=True,
+                         workers=len(lanes))
 
   def _receivers(self, k, forward):
     """Where stage k takes what crosses a cut: its device, or its replicas' devices when the
@@ -207,7 +209,8 @@ class Runtime(Executor):
     sent = [(list(range(num_batches)), []) for _ in range(K - 1)]
     self._execute(links, worker, num_batches, on_result, sent, before)
 
-  def _execute(self, links, worker, num_batches, on_result, sent, before=None, record=False):
+  def _execute(self, links, worker, num_batches, on_result, sent, before=None, record=False,
+               workers=None):
     """Runs the stage workers and the transfer threads; hands results to `on_result`.
 
     `sent[k]`: the batch of every item that crosses cut k forward and backward
@@ -231,7 +234,7 @@ class Runtime(Executor):
 
     done = 0
     with spawn(links.stop) as launch:
-      for k in range(self.K):
+      for k in range(workers or self.K):   # a worker per stage, or per device (its lane)
         launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
       for k in range(self.K - 1):
         launch(lambda k=k: transfer(*links.forward[k], self._receivers(k + 1, forward=True),
