@@ -138,3 +138,27 @@ def test_interleaved_equals_keras_at_the_mini_batch_size(build, runtime):
                               loss_dtype="float64", micro_batches=4, runtime=runtime,
                               virtual_stages=2)
   assert pipe.num_stages == 4 and pipe.devices == [DEVICES[0], DEVICES[1]] * 2
+
+
+@pytest.mark.parametrize("method,options", [
+    ("1f1b", {}), ("zb", {}), ("interleaved", {"virtual_stages": 2}),
+    ("1f1b", {"data_parallel": 2})], ids=["1f1b", "zb", "interleaved", "1f1b-R2"])
+def test_synchronous_schedules_train_a_keras_hub_backbone_as_keras(method, options):
+  """KerasHub's Llama backbone (from config, random weights) with a pooled head: weights,
+  history, evaluation and predictions as Keras's own fit. Momentum SGD: its step on the
+  embedding is the same for Keras's sparse gradient and the micro-batches' summed dense one
+  (Adam's is not: README, the Keras contract)."""
+  from tests import conformance_cases as cc
+  from tests.test_conformance import _fit_args, _llama, _run_keras, _token_data, assert_same
+  names = [t.name for t in _llama().inputs]
+  case = cc.Case("hub", "hub", model=_llama, data=lambda: _token_data(names),
+                 compile=cc.compiled(optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
+                 fit=lambda x, y: {"batch_size": 8})
+  x, y = case.data()
+  model = case.model()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=2, **options)
+  pipe.compile(**case.compile())
+  history = pipe.fit(x, y, **_fit_args(case, x, y))
+  logs = pipe.evaluate(x, y, verbose=0, return_dict=True)
+  assert_same(_run_keras(case), (model.get_weights(), history.history, logs,
+                                 pipe.predict(x, verbose=0)), 5e-5)
