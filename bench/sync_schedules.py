@@ -1,8 +1,9 @@
-"""The synchronous schedules side by side: GPipe, 1F1B with a flush, zero-bubble ZB-H1.
+"""The synchronous schedules side by side: GPipe, 1F1B with a flush, interleaved 1F1B, ZB-H1.
 
 Trains one MLP (default 8 x 512 SELU on synthetic data, batch 256) with each
 schedule at K stages and M micro-batches (default 4 and 8) on K logical CPUs
-(one intra-op thread each), compiled executor, and prints per schedule:
+(one intra-op thread each; interleaved: V x K stages, V per device), compiled executor, and
+prints per schedule:
   kept:      the most micro-batches of activations each stage kept at once
              (measured by the runtime), beside the verifier's count;
   bubble:    1 - compute share of the stages' time, from the recorded timeline
@@ -11,7 +12,7 @@ schedule at K stages and M micro-batches (default 4 and 8) on K logical CPUs
              stage times recorded in that run (`simulator.costs_from_records`),
              and its error against the measured samples/s;
   closed:    the closed form with unit F, B, W: (K-1)/(M+K-1) for GPipe and 1F1B,
-             (K-1)/(3M+K-1) for ZB-H1;
+             (K-1)/(VM+K-1) for interleaved, (K-1)/(3M+K-1) for ZB-H1;
   samples/s: of an unrecorded run (the median of its epochs after the first), and
              its ratio to GPipe's.
 All equal plain Keras at the mini-batch size (tests/test_sync_schedules.py). With
@@ -33,8 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-flags.DEFINE_list("methods", ["gpipe", "1f1b", "zb"], "synchronous pipeline methods")
-flags.DEFINE_integer("stages", 4, "K")
+flags.DEFINE_list("methods", ["gpipe", "1f1b", "interleaved", "zb"],
+                  "synchronous pipeline methods")
+flags.DEFINE_integer("stages", 4, "K (devices)")
+flags.DEFINE_integer("virtual_stages", 2, "V, stages per device for interleaved")
 flags.DEFINE_integer("micro_batches", 8, "M")
 flags.DEFINE_integer("width", 512, "units per layer")
 flags.DEFINE_integer("depth", 8, "hidden layers")
@@ -44,8 +47,8 @@ flags.DEFINE_integer("epochs", 3, "epochs per run (the first traces)")
 FLAGS = flags.FLAGS
 
 
-def _closed_form(method, K, M):
-  return (K - 1) / (3 * M + K - 1) if method == "zb" else (K - 1) / (M + K - 1)
+def _closed_form(method, K, M, V):
+  return (K - 1) / ({"zb": 3 * M, "interleaved": V * M}.get(method, M) + K - 1)
 
 
 def main(argv):
@@ -54,17 +57,19 @@ def main(argv):
   tfpipe.devices.ensure_logical_cpus(FLAGS.stages, intra_op_threads=1)
   import keras
   from tfpipe.models import mlp
-  from tfpipe.plan import policies, schedules, simulator, verify
+  from tfpipe.plan import policies, simulator, verify
 
-  K, M, bs = FLAGS.stages, FLAGS.micro_batches, FLAGS.batch_size
+  K, M, V, bs = FLAGS.stages, FLAGS.micro_batches, FLAGS.virtual_stages, FLAGS.batch_size
   rng = np.random.default_rng(0)
   n = bs * FLAGS.batches
   x, y = rng.standard_normal((n, 64)).astype("float32"), rng.integers(0, 10, n)
 
   def train(method, record):
     keras.utils.set_random_seed(0)
+    chunks = {"virtual_stages": V} if method in policies.VIRTUAL_STAGE_METHODS else {}
     pipe = tfpipe.Pipeline(mlp.snn((64,), 10, width=FLAGS.width, depth=FLAGS.depth),
-                           num_stages=K, method=method, micro_batches=M, record=record)
+                           num_stages=K, method=method, micro_batches=M, record=record,
+                           **chunks)
     pipe.compile(keras.optimizers.SGD(0.01, momentum=0.9),
                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = pipe.fit(x, y, batch_size=bs, epochs=FLAGS.epochs, verbose=0, shuffle=False)
@@ -72,33 +77,37 @@ def main(argv):
 
   rows, rates = [], {}
   for method in FLAGS.methods:
-    policy = policies.policy_for(method)
-    paper = verify.verify(schedules.build(policy.schedule, K, 2, M)).peak_states
+    policy = policies.policy_for(
+        method, virtual_stages=V if method in policies.VIRTUAL_STAGE_METHODS else None)
+    S = K * policy.virtual_stages   # stages
+    paper = verify.verify(policies.build_schedule(policy, S, 2, M)).peak_states
     pipe, rate = train(method, record=False)
     rates[method] = statistics.median(rate[1:])
     kept = list(pipe.runtime.peak_saved)
     recorded, _ = train(method, record=True)
     shares = recorded.breakdown(steps=f"{(FLAGS.epochs - 1) * FLAGS.batches},"
                                       f"{FLAGS.epochs * FLAGS.batches - 1}")
-    bubble = 1.0 - statistics.mean(s["compute"] for s in shares.shares)
+    # per device: its stages' compute shares add up (they run one at a time)
+    bubble = 1.0 - sum(s["compute"] for s in shares.shares) / K
     last_epoch = [r for r in recorded.records if r.epoch == FLAGS.epochs - 1]
-    costs = simulator.costs_from_records(last_epoch, K, M, recompute=policy.recompute)
-    sim = simulator.simulate_method(method, costs, FLAGS.batches, micro_batches=M)
+    costs = simulator.costs_from_records(last_epoch, S, M, recompute=policy.recompute)
+    sim = simulator.simulate_method(method, costs, FLAGS.batches, micro_batches=M,
+                                    virtual_stages=policy.virtual_stages if S > K else None)
     predicted = sim.samples_per_second(bs)
-    rows.append((method, kept, paper, bubble, sim.bubble, _closed_form(method, K, M),
+    rows.append((method, kept, paper, bubble, sim.bubble, _closed_form(method, K, M, V),
                  rates[method], predicted))
     print(f"{method}: done ({rates[method]:.0f} samples/s)", flush=True)
 
-  print(f"\nsnn {FLAGS.depth} x {FLAGS.width}, batch {bs}, K={K}, M={M}, "
+  print(f"\nsnn {FLAGS.depth} x {FLAGS.width}, batch {bs}, K={K}, M={M}, V={V}, "
         f"{FLAGS.batches} mini-batches per epoch, compiled executor")
-  head = (f"{'method':<8}{'kept per stage (run / verifier)':<34}{'bubble':>8}{'simulated':>10}"
+  head = (f"{'method':<12}{'kept per stage (run / verifier)':<40}{'bubble':>8}{'simulated':>10}"
           f"{'closed':>8}{'samples/s':>11}{'x gpipe':>9}{'sim err':>9}")
   print(head)
   for method, kept, paper, bubble, sim_bubble, closed, rate, predicted in rows:
     base = rates.get("gpipe")
     ratio = f"{rate / base:.2f}" if base else "-"
     kept_text = " ".join(map(str, kept)) + " / " + " ".join(map(str, paper))
-    print(f"{method:<8}{kept_text:<34}{bubble:>8.3f}{sim_bubble:>10.3f}{closed:>8.3f}"
+    print(f"{method:<12}{kept_text:<40}{bubble:>8.3f}{sim_bubble:>10.3f}{closed:>8.3f}"
           f"{rate:>11.0f}{ratio:>9}{predicted / rate - 1:>+9.0%}")
 
 

@@ -69,12 +69,14 @@ def test_staleness(tmp_path):
 
 def test_sync_schedules():
   out = _bench("sync_schedules.py", "--stages=2", "--micro_batches=4", "--batches=3",
-               "--epochs=2", "--width=16", "--depth=2", "--batch_size=16")
+               "--epochs=2", "--width=16", "--depth=3", "--batch_size=16")
+  methods = ("gpipe", "1f1b", "interleaved", "zb")
   rows = {line.split()[0]: line.split() for line in out.splitlines()
-          if line.split() and line.split()[0] in ("gpipe", "1f1b", "zb")}
-  assert set(rows) == {"gpipe", "1f1b", "zb"}
+          if line.split() and line.split()[0] in methods}
+  assert set(rows) == set(methods)
   # kept micro-batches at stage 0, measured / verified: gpipe M, 1f1b min(K, M), zb min(K, M)
   assert (rows["gpipe"][1], rows["1f1b"][1], rows["zb"][1]) == ("4", "2", "2")
+  assert rows["interleaved"].index("/") == 5   # 4 stages on 2 devices
   assert rows["gpipe"][-2] == "1.00"   # samples/s x gpipe
 
 

@@ -74,12 +74,17 @@ def test_bad_data_parallel_options_are_refused_by_name(options, message):
     tfpipe.Pipeline(helpers.sequential_mlp(), **options)
 
 
-def test_the_trainer_runs_replicated_pipelines_and_refuses_them_for_baselines():
+def test_the_trainer_runs_replicated_and_interleaved_pipelines_and_refuses_bad_ones():
   from trainers import config as config_lib, main
   config = config_lib.TrainConfig(model="snn", dataset="digits", method="1f1b", num_stages=2,
                                   data_parallel=2, snn_width=16, snn_depth=3, batch_size=16,
                                   steps=3, epochs=1, verbose=0, logdir="")
   history, trainer, _ = main.run(config)
   assert trainer.data_parallel == 2 and history["loss"][0] > 0
+  history, trainer, _ = main.run(dataclasses.replace(config, method="interleaved",
+                                                     data_parallel=1, virtual_stages=2))
+  assert trainer.num_stages == 4 and len(set(trainer.devices)) == 2 and history["loss"][0] > 0
   with pytest.raises(ValueError, match="--data_parallel replicates a pipeline"):
     main.run(dataclasses.replace(config, method="single"))
+  with pytest.raises(ValueError, match="virtual stages work with interleaved"):
+    main.run(dataclasses.replace(config, data_parallel=1, virtual_stages=2))

@@ -16,6 +16,7 @@ class TrainConfig:
   grid: str = "2x2"
   stage_replicas: Sequence[str] = ()
   data_parallel: int = 1
+  virtual_stages: Optional[int] = None
   partition: str = "uniform"
   spectrain_backward: str = "reuse"
   version_difference: str = "paper"

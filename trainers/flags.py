@@ -26,11 +26,15 @@ def define_flags():
   flags.DEFINE_integer("data_parallel", 1,
                        "pipelines: R replicas of the whole pipeline on R x num_stages devices, "
                        "each taking 1/R of every batch (data parallel x pipeline)")
+  flags.DEFINE_integer("virtual_stages", None,
+                       "--method=interleaved: model chunks per device (default 2); the model "
+                       "is cut into num_stages x virtual_stages stages")
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", "paper", "spectrain version difference: paper, exact")
   flags.DEFINE_integer("micro_batches", None,
-                       "micro-batches per mini-batch (gpipe, 1f1b, zb, timeprest: default 4; vanilla, "
+                       "micro-batches per mini-batch (gpipe, 1f1b, interleaved, zb, timeprest: default 4; "
+                       "vanilla, "
                        "pipedream, spectrain: default 1)")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")
@@ -100,6 +104,8 @@ def define_flags():
 
   flags.register_validator("num_stages", lambda v: v >= 1, "--num_stages must be >= 1")
   flags.register_validator("data_parallel", lambda v: v >= 1, "--data_parallel must be >= 1")
+  flags.register_validator("virtual_stages", lambda v: v is None or v >= 1,
+                           "--virtual_stages must be >= 1")
   flags.register_validator("cluster_timeout", lambda v: v > 0, "--cluster_timeout must be > 0")
   flags.register_validator("batch_size", lambda v: v >= 1, "--batch_size must be >= 1")
   flags.register_validator("micro_batches", lambda v: v is None or v >= 1,

@@ -68,7 +68,7 @@ def _method_options(config, tools):
               version_difference=config.version_difference, micro_batches=config.micro_batches,
               recompute={"auto": None, "true": True, "false": False}[config.recompute],
               lockstep=config.lockstep, stage_replicas=config.stage_replicas,
-              data_parallel=config.data_parallel,
+              data_parallel=config.data_parallel, virtual_stages=config.virtual_stages,
               profile_batch_size=config.batch_size,
               executor=None if config.executor == "auto" else config.executor,
               **tools.pipeline_options())

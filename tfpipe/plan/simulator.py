@@ -164,9 +164,10 @@ def simulate(schedule, costs, recompute=False):
 
 
 def simulate_method(method, costs, num_batches, micro_batches=None, recompute=None,
-                    spectrain_backward="reuse", lockstep=False):
-  """The timeline of `method` (its schedule and recomputation) over `num_batches` mini-batches."""
-  policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
+                    spectrain_backward="reuse", lockstep=False, virtual_stages=None):
+  """The timeline of `method` (its schedule and recomputation) over `num_batches` mini-batches
+  (`costs`: one entry per stage, V per device with `virtual_stages`)."""
+  policy = policies.policy_for(method, spectrain_backward, recompute, lockstep, virtual_stages)
   M = policies.micro_batches_for(policy, micro_batches)
   schedule = policies.build_schedule(policy, len(costs.forward), num_batches, M)
   return simulate(schedule, costs, recompute=policy.recompute)
