@@ -1,8 +1,9 @@
-"""The synchronous schedules side by side: GPipe, 1F1B with a flush, interleaved 1F1B, ZB-H1.
+"""The synchronous schedules side by side: GPipe, 1F1B with a flush, interleaved 1F1B, ZB-H1, ZB-V.
 
 Trains one MLP (default 8 x 512 SELU on synthetic data, batch 256) with each
 schedule at K stages and M micro-batches (default 4 and 8) on K logical CPUs
-(one intra-op thread each; interleaved: V x K stages, V per device), compiled executor, and
+(one intra-op thread each; interleaved: V x K stages, V per device; zbv: 2K stages in a V),
+compiled executor, and
 prints per schedule:
   kept:      the most micro-batches of activations each stage kept at once
              (measured by the runtime), beside the verifier's count;
@@ -12,7 +13,8 @@ prints per schedule:
              stage times recorded in that run (`simulator.costs_from_records`),
              and its error against the measured samples/s;
   closed:    the closed form with unit F, B, W: (K-1)/(M+K-1) for GPipe and 1F1B,
-             (K-1)/(VM+K-1) for interleaved, (K-1)/(3M+K-1) for ZB-H1;
+             (K-1)/(VM+K-1) for interleaved, (K-1)/(3M+K-1) for ZB-H1 (ZB-V: none;
+             its order is found by list scheduling, `schedules.zero_bubble_v`);
   samples/s: of an unrecorded run (the median of its epochs after the first), and
              its ratio to GPipe's.
 All equal plain Keras at the mini-batch size (tests/test_sync_schedules.py). With
@@ -34,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-flags.DEFINE_list("methods", ["gpipe", "1f1b", "interleaved", "zb"],
+flags.DEFINE_list("methods", ["gpipe", "1f1b", "interleaved", "zb", "zbv"],
                   "synchronous pipeline methods")
 flags.DEFINE_integer("stages", 4, "K (devices)")
 flags.DEFINE_integer("virtual_stages", 2, "V, stages per device for interleaved")
@@ -48,6 +50,8 @@ FLAGS = flags.FLAGS
 
 
 def _closed_form(method, K, M, V):
+  if method == "zbv":
+    return float("nan")
   return (K - 1) / ({"zb": 3 * M, "interleaved": V * M}.get(method, M) + K - 1)
 
 
@@ -66,7 +70,7 @@ def main(argv):
 
   def train(method, record):
     keras.utils.set_random_seed(0)
-    chunks = {"virtual_stages": V} if method in policies.VIRTUAL_STAGE_METHODS else {}
+    chunks = {"virtual_stages": V} if method == "interleaved" else {}
     pipe = tfpipe.Pipeline(mlp.snn((64,), 10, width=FLAGS.width, depth=FLAGS.depth),
                            num_stages=K, method=method, micro_batches=M, record=record,
                            **chunks)
@@ -77,8 +81,7 @@ def main(argv):
 
   rows, rates = [], {}
   for method in FLAGS.methods:
-    policy = policies.policy_for(
-        method, virtual_stages=V if method in policies.VIRTUAL_STAGE_METHODS else None)
+    policy = policies.policy_for(method, virtual_stages=V if method == "interleaved" else None)
     S = K * policy.virtual_stages   # stages
     paper = verify.verify(policies.build_schedule(policy, S, 2, M)).peak_states
     pipe, rate = train(method, record=False)

@@ -70,7 +70,7 @@ def test_staleness(tmp_path):
 def test_sync_schedules():
   out = _bench("sync_schedules.py", "--stages=2", "--micro_batches=4", "--batches=3",
                "--epochs=2", "--width=16", "--depth=3", "--batch_size=16")
-  methods = ("gpipe", "1f1b", "interleaved", "zb")
+  methods = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
   rows = {line.split()[0]: line.split() for line in out.splitlines()
           if line.split() and line.split()[0] in methods}
   assert set(rows) == set(methods)

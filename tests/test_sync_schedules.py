@@ -162,3 +162,32 @@ def test_synchronous_schedules_train_a_keras_hub_backbone_as_keras(method, optio
   logs = pipe.evaluate(x, y, verbose=0, return_dict=True)
   assert_same(_run_keras(case), (model.get_weights(), history.history, logs,
                                  pipe.predict(x, verbose=0)), 5e-5)
+
+
+def test_zero_bubble_v_verifies_and_idles_less_than_zb_h1():
+  for K in (1, 2, 3, 4, 8, 16):
+    for M in (1, 2, 3, 8, 64):
+      schedule = schedules.zero_bubble_v(2 * K, 2, M)
+      report = verify.verify(schedule, capacity=1)
+      assert report.staleness == [0] * (2 * K)
+      for d, lane in enumerate(schedule.lanes):   # device d holds stages d and 2K-1-d
+        assert {k for k, _ in lane} == {d, 2 * K - 1 - d}
+  for K, M in ((2, 4), (4, 8), (8, 16)):
+    zbv = simulator.simulate(schedules.zero_bubble_v(2 * K, 3, M),
+                             simulator.Costs([0.5] * (2 * K), [1.0] * (2 * K))).bubble
+    assert zbv < (K - 1) / (3 * M + K - 1)   # ZB-H1's closed form with the same F, B, W
+
+
+def test_zero_bubble_v_lanes_are_the_clock_table():
+  rows = re.findall(r"device \d: (.*)", schedules.zero_bubble_v.__doc__)
+  assert [row.split() for row in rows] == [[f"{k}.{t}" for k, t in lane]
+                                           for lane in schedules.zero_bubble_v(4, 1, 2).lanes]
+
+
+@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_zero_bubble_v_equals_keras_at_the_mini_batch_size(build, runtime):
+  # 2 devices in a V: stages 0 and 3 on the first, 1 and 2 on the second.
+  pipe = _assert_equals_keras(functools.partial(build, dtype="float64"), 2, "zbv",
+                              loss_dtype="float64", micro_batches=4, runtime=runtime)
+  assert pipe.devices == [DEVICES[0], DEVICES[1], DEVICES[1], DEVICES[0]]

@@ -18,6 +18,7 @@ RULES = {
     "1f1b": ("current", "tape", "kept"),
     "interleaved": ("current", "tape", "kept"),
     "zb": ("current", "tape", "kept"),
+    "zbv": ("current", "tape", "kept"),
     "vanilla": ("current", "inputs", "current"),
     "pipedream": ("current", "tape", "kept"),
     "spectrain": ("predicted", "tape", "kept"),
@@ -37,7 +38,7 @@ def test_every_method_has_a_rule_here():
 def test_the_table_gives_each_method_its_weight_rule(method):
   policy = policies.policy_for(method)
   forward, backward = tasks.op(policy, "F"), tasks.op(policy, "B")
-  split = method == "zb"   # zero-bubble: B gives the input gradient, W the weights'
+  split = method in ("zb", "zbv")   # zero-bubble: B gives the input gradient, W the weights'
   assert (forward.op, backward.op) == ("forward", "backward_input" if split else "backward")
   assert tasks.op(policy, "W") == tasks.StageOp("backward_weights", backward.reads)
   assert (forward.reads, forward.keeps, backward.reads) == RULES[method]

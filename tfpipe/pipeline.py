@@ -17,7 +17,7 @@ from tfpipe import assemble, checkpoint as checkpoint_lib, cluster, compat, comp
 from tfpipe import devices as devices_lib, fit_data, fit_loop, layer_profile, learning_rate
 from tfpipe import options as options_lib, partition as partition_lib
 from tfpipe.instruments import breakdown as breakdown_lib, trace
-from tfpipe.plan import policies
+from tfpipe.plan import policies, schedules
 
 __all__ = ["Pipeline"]
 
@@ -40,9 +40,9 @@ class Pipeline:
       its batch over them, the weights are shared and the gradients summed,
       as the SpecTrain paper does for VGG16's slow first stage. Works with
       every method; the weight rule is unchanged.
-    virtual_stages: V for "interleaved" (default 2): the model is cut into V x K
-      stages, stage s on device s mod K; `num_stages` and `devices` count
-      devices. micro_batches must be a multiple of K.
+    virtual_stages: V for "interleaved" (default 2; "zbv": 2 only): the
+      model is cut into V x K stages (interleaved: stage s on device s mod K,
+      micro_batches a multiple of K); `num_stages` and `devices` count devices.
     data_parallel: R, replicas of the whole pipeline (data parallel x
       pipeline, as Megatron and DeepSpeed run them) on R x K devices, given
       replica by replica: each replica takes 1/R of every (micro-)batch, its
@@ -55,7 +55,9 @@ class Pipeline:
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
       (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
       kept at stage k), "interleaved" (interleaved 1F1B: `virtual_stages` V
-      model chunks per device, K x V stages, the bubble V times smaller), "zb" (zero-bubble ZB-H1: backwards split into input
+      model chunks per device, K x V stages, the bubble V times smaller),
+      "zbv" (zero-bubble ZB-V: two stages per device in a V, device d
+      holding stages d and 2K-1-d, backwards split as "zb"'s), "zb" (zero-bubble ZB-H1: backwards split into input
       and weight halves, the weight halves filling the bubble), "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
       "timeprest" (DESIGN.md section 3), "pipemare" (vanilla's schedule, the
       backward on weights corrected back to the forward's, PipeMare) or
@@ -156,10 +158,10 @@ class Pipeline:
     if self.data_parallel > 1:
       self.stage_devices, self.stage_replicas = devices_lib.resolve_pipeline_replicas(
           devices, num_stages, self.data_parallel), {}
-    elif V > 1:   # V stages per device: device d holds stages d, d + K, ...
+    elif V > 1:   # V stages per device (interleaved: d, d + K, ...; zbv: d and 2K-1-d)
       flat = devices_lib.resolve_devices(devices, num_stages)
-      self.stage_devices, self.stage_replicas = [[flat[s % len(flat)]]
-                                                 for s in range(V * len(flat))], {}
+      where = schedules.device_of(self.policy.schedule, V * len(flat), V)
+      self.stage_devices, self.stage_replicas = [[flat[d]] for d in where], {}
     else:
       self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
           devices, num_stages, stage_replicas)

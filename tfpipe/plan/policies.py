@@ -28,15 +28,16 @@ __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differenc
            "LOCKSTEP_METHODS",
            "SPECTRAIN_BACKWARDS", "VERSION_DIFFERENCES"]
 
-PIPELINE_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "vanilla", "pipedream",
-                    "spectrain", "ddg", "feature_replay", "timeprest", "pipemare", "i_timeprest")
+PIPELINE_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "zbv", "vanilla",
+                    "pipedream", "spectrain", "ddg", "feature_replay", "timeprest", "pipemare",
+                    "i_timeprest")
 # The methods with no stale weight: each equals training on whole mini-batches.
-SYNCHRONOUS_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb")
-MICRO_BATCH_METHODS = ("gpipe", "1f1b", "interleaved", "zb", "timeprest", "i_timeprest", "vanilla",
-                       "pipedream", "spectrain", "pipemare")
-DEFAULT_MICRO_BATCHES = {"gpipe": 4, "1f1b": 4, "interleaved": 4, "zb": 4, "timeprest": 4,
-                         "i_timeprest": 4}
-VIRTUAL_STAGE_METHODS = {"interleaved": 2}   # method -> its default V (chunks per device)
+SYNCHRONOUS_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "zbv")
+MICRO_BATCH_METHODS = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "timeprest", "i_timeprest",
+                       "vanilla", "pipedream", "spectrain", "pipemare")
+DEFAULT_MICRO_BATCHES = {"gpipe": 4, "1f1b": 4, "interleaved": 4, "zb": 4, "zbv": 4,
+                         "timeprest": 4, "i_timeprest": 4}
+VIRTUAL_STAGE_METHODS = {"interleaved": 2, "zbv": 2}   # method -> its default V (per device)
 # Each micro-batch is a task of every stage, planned and verified per mini-batch: past this
 # the plan alone takes seconds (M=4000: 2.6 s per verify) while the bubble, (K-1)/(M+K-1), is
 # already below 1% for K <= 11.
@@ -51,6 +52,7 @@ _RULES = {
     "1f1b": ("1f1b_flush", "current", "forward"),
     "interleaved": ("interleaved", "current", "forward"),
     "zb": ("zb_h1", "current", "forward"),
+    "zbv": ("zb_v", "current", "forward"),
     "vanilla": ("1f1b", "current", "current"),
     "pipedream": ("1f1b", "current", "forward"),
     "ddg": ("ddg", "current", "forward"),
@@ -126,6 +128,8 @@ def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=Fals
     if not isinstance(V, int) or isinstance(V, bool) or V < 1:
       raise ValueError(f"`virtual_stages` must be a positive integer. Received: "
                        f"virtual_stages={V!r}")
+    if method == "zbv" and V != 2:
+      raise ValueError(f"ZB-V places two stages on each device. Received: virtual_stages={V}")
     policy = dataclasses.replace(policy, virtual_stages=V)
   if recompute is None or recompute == policy.recompute:
     return policy
