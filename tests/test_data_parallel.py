@@ -15,16 +15,20 @@ from tfpipe import optimizers, reference
 import tfpipe
 
 
-@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb", "interleaved", "zbv"])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
 def test_replicated_synchronous_pipelines_equal_keras_at_the_global_batch(method, runtime):
   # 2 replicas x 2 stages of a model whose cut carries two tensors; 18 samples per batch, 2
   # micro-batches of 9, split 5 + 4 over the replicas: uneven parts weigh by their size.
   # float64, as gpipe's case says.
+  # interleaved and zbv: 2 stages on each of a replica's 2 devices.
   pipe = _assert_equals_keras(functools.partial(helpers.skip_model, dtype="float64"), 2, method,
                               loss_dtype="float64", micro_batches=2, batch_size=18,
                               runtime=runtime, data_parallel=2)
-  assert pipe.stage_devices == [[DEVICES[0], DEVICES[2]], [DEVICES[1], DEVICES[3]]]
+  first, second = [DEVICES[0], DEVICES[2]], [DEVICES[1], DEVICES[3]]
+  assert pipe.stage_devices == {"interleaved": [first, second, first, second],
+                                "zbv": [first, second, second, first]}.get(method,
+                                                                           [first, second])
 
 
 @pytest.mark.parametrize("method", ["pipedream", "vanilla"])
@@ -64,6 +68,7 @@ def test_replicated_pipeline_predicts_and_evaluates_as_keras():
     ({"data_parallel": 0}, "data_parallel=0"),
     ({"data_parallel": "2"}, "data_parallel='2'"),
     ({"data_parallel": 2, "stage_replicas": {0: 2}}, "stage_replicas"),
+    ({"method": "interleaved", "stage_replicas": {0: 2}}, "virtual stages"),
     ({"data_parallel": 2, "method": "timeprest"}, "'timeprest'"),
     ({"data_parallel": 3, "devices": DEVICES}, "4 devices cannot hold 3"),
     ({"data_parallel": 2, "devices": DEVICES, "num_stages": 3}, "not num_stages=3"),

@@ -79,13 +79,18 @@ def test_synchronous_schedules_equal_keras_at_the_mini_batch_size(method, build,
   assert pipe.policy.schedule == SYNC[method] and pipe.policy.recompute == recompute
 
 
-@pytest.mark.parametrize("method", sorted(SYNC))
+@pytest.mark.parametrize("method", sorted(SYNC) + ["interleaved", "zbv"])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
 def test_synchronous_schedules_with_dropout_recompute_equal_their_reference_rule(method, runtime):
   bs = helpers.batches(8)
   x, y = helpers.as_arrays(bs)
   options = {"micro_batches": 2, "recompute": True}
-  pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
+  if method in ("interleaved", "zbv"):   # 4 stages on 2 devices, the first three drawing masks
+    pipe, compile_ = helpers.pipeline(helpers.dropout_mlp(dtype="float64"), runtime,
+                                      num_stages=2, method=method, partition=[0, 2, 4, 6, 7],
+                                      **options)
+  else:
+    pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
   expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method,
                                           float(np.float32(LR)), MOMENTUM, **options)

@@ -152,16 +152,16 @@ class Pipeline:
         virtual_stages)
     self.data_parallel = _data_parallel(data_parallel, stage_replicas, self.policy)
     V = self.policy.virtual_stages
-    if V > 1 and (stage_replicas or self.data_parallel > 1):
+    if V > 1 and stage_replicas:
       raise ValueError(f"virtual stages (method {self.method!r}, virtual_stages={V}) do not "
-                       "combine with stage_replicas or data_parallel yet")
-    if self.data_parallel > 1:
-      self.stage_devices, self.stage_replicas = devices_lib.resolve_pipeline_replicas(
-          devices, num_stages, self.data_parallel), {}
-    elif V > 1:   # V stages per device (interleaved: d, d + K, ...; zbv: d and 2K-1-d)
-      flat = devices_lib.resolve_devices(devices, num_stages)
-      where = schedules.device_of(self.policy.schedule, V * len(flat), V)
-      self.stage_devices, self.stage_replicas = [[flat[d]] for d in where], {}
+                       f"combine with stage_replicas. Received: stage_replicas={stage_replicas!r}")
+    if self.data_parallel > 1 or V > 1:
+      per_device = (devices_lib.resolve_pipeline_replicas(devices, num_stages, self.data_parallel)
+                    if self.data_parallel > 1 else
+                    [[d] for d in devices_lib.resolve_devices(devices, num_stages)])
+      # V stages per device (interleaved: d, d + K, ...; zbv: d and 2K-1-d)
+      where = schedules.device_of(self.policy.schedule, V * len(per_device), V)
+      self.stage_devices, self.stage_replicas = [per_device[d] for d in where], {}
     else:
       self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
           devices, num_stages, stage_replicas)
