@@ -17,6 +17,9 @@ import pytest
 from tfpipe import cluster
 import tfpipe
 
+# Multi-process timings: never beside another multi-process test (setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

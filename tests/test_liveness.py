@@ -14,6 +14,9 @@ import pytest
 
 from tfpipe import cluster, liveness
 
+# Multi-process timings: never beside another multi-process test (setup.cfg).
+pytestmark = pytest.mark.xdist_group("processes")
+
 
 class StandIn:
   """A listening socket on 127.0.0.1 that answers like a gRPC server while `answering`."""

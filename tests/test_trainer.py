@@ -10,6 +10,9 @@ import pytest
 import tfpipe
 from trainers import config as config_lib, datasets, main
 
+# Multi-process timings: never beside another multi-process test (setup.cfg).
+_PROCESSES = pytest.mark.xdist_group("processes")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -250,6 +253,7 @@ def test_pipeline_stages_on_local_tf_servers():
   assert "--cluster=local:3 starts 3 servers, one per stage, but --num_stages=2" in result.stderr
 
 
+@_PROCESSES
 def test_trainer_exits_naming_a_dead_worker():
   import json
   import time
@@ -295,6 +299,7 @@ def _until_epoch(trainer, epoch):
   raise AssertionError(f"the trainer ended before epoch {epoch}: {trainer.stderr.read()[-3000:]}")
 
 
+@_PROCESSES
 @pytest.mark.parametrize("interrupt", [False, True])
 def test_a_hung_worker_stops_the_trainer_and_sigint_stops_it_sooner(interrupt):
   import signal
@@ -326,6 +331,7 @@ def test_a_hung_worker_stops_the_trainer_and_sigint_stops_it_sooner(interrupt):
     assert seconds < 15                  # probed every second, two misses of 2 s
 
 
+@_PROCESSES
 def test_a_cluster_spec_naming_dead_ports_is_refused_within_seconds():
   import socket
   import time
@@ -389,6 +395,7 @@ def _dataparallel_workers(epochs, count=2, wait=120):
   return addresses, runs
 
 
+@_PROCESSES
 def test_dataparallel_across_two_trainer_processes():
   _, runs = _dataparallel_workers(epochs=2)
   outputs = []
@@ -402,6 +409,7 @@ def test_dataparallel_across_two_trainer_processes():
   assert len(losses[0]) == 2 and losses[0] == losses[1]   # one synchronous training
 
 
+@_PROCESSES
 def test_a_hung_dataparallel_peer_is_named_and_the_other_worker_exits():
   import signal
   import time
@@ -423,6 +431,7 @@ def test_a_hung_dataparallel_peer_is_named_and_the_other_worker_exits():
   assert seconds < 15
 
 
+@_PROCESSES
 def test_a_dataparallel_worker_whose_peer_never_starts_is_stopped_naming_it():
   import signal
   import time

@@ -235,7 +235,7 @@ class Runtime(Executor):
     done = 0
     with spawn(links.stop) as launch:
       for k in range(workers or self.K):   # a worker per stage, or per device (its lane)
-        launch(lambda k=k: worker(k), f"tfpipe-stage{k}")
+        launch(lambda k=k: worker(k), f"tfpipe-{'device' if workers else 'stage'}{k}")
       for k in range(self.K - 1):
         launch(lambda k=k: transfer(*links.forward[k], self._receivers(k + 1, forward=True),
                                     sent[k][0], k, "XF"), f"tfpipe-fwd{k}")
