@@ -171,3 +171,16 @@ def test_multi_worker_mirrored_data_parallelism_across_two_processes():
   assert results[0]["loss"] == results[1]["loss"]            # one synchronous training
   assert results[0]["checksum"] == results[1]["checksum"]
   assert results[0]["gap_to_single"] < 1e-5                    # = one device, global batch
+
+
+def test_liveness_settings_are_checked_and_kept():
+  before = dict(cluster.LIVENESS)
+  try:
+    cluster.set_liveness(interval=0.5, timeout=1.0, misses=4)
+    assert cluster.LIVENESS == {"interval": 0.5, "timeout": 1.0, "misses": 4}
+    for bad, name in (({"misses": 0}, "misses=0"), ({"timeout": -1}, "-1"),
+                      ({"interval": True}, "True")):
+      with pytest.raises(ValueError, match=name):
+        cluster.set_liveness(**bad)
+  finally:
+    cluster.set_liveness(**before)

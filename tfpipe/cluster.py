@@ -35,7 +35,7 @@ from tfpipe import bind, liveness
 __all__ = ["WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec",
            "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
            "describe_lost", "describe_state", "guard", "watch", "check_answering",
-           "EXIT_LOST"]
+           "set_liveness", "LIVENESS", "EXIT_LOST"]
 
 _CONNECTED = {"spec": None}
 _LOCAL = []          # the LocalClusters of this process that are running
@@ -304,11 +304,27 @@ def describe_lost(error, devices):
                     f"({type(error).__name__}: {str(error).splitlines()[0]})")
 
 
-def guard(devices, interval=1.0, timeout=2.0, misses=2):
+# The watchdog's probes during training (`guard`): every `interval` s, each waiting `timeout`
+# s for an answer; `misses` silent ones in a row lose the task. `set_liveness` changes them.
+LIVENESS = {"interval": 1.0, "timeout": 2.0, "misses": 2}
+
+
+def set_liveness(interval=1.0, timeout=2.0, misses=2):
+  """How `guard` watches tasks from now on (a slow or loaded network may need more misses)."""
+  for name, value in (("interval", interval), ("timeout", timeout)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+      raise ValueError(f"`{name}` must be a positive number of seconds. Received: {value!r}")
+  if isinstance(misses, bool) or not isinstance(misses, int) or misses < 1:
+    raise ValueError(f"`misses` must be a positive integer. Received: misses={misses!r}")
+  LIVENESS.update(interval=float(interval), timeout=float(timeout), misses=misses)
+
+
+def guard(devices, interval=None, timeout=None, misses=None):
   """Watches the cluster tasks that `devices` name while the body runs (training).
 
   A task that stops answering (`tfpipe.liveness.Watchdog`: within
-  interval + misses * timeout seconds, 5 s by default) leaves the body's
+  interval + misses * timeout seconds, 5 s by default; None takes
+  `LIVENESS`, see `set_liveness`) leaves the body's
   remote calls waiting forever, so it is named at once on stderr; then a
   server this process started (`LocalCluster`) is killed, which fails the
   waiting call (`describe_lost` then names the task in a `WorkerLost`), and
@@ -316,7 +332,9 @@ def guard(devices, interval=1.0, timeout=2.0, misses=2):
   TensorFlow runtime cannot take back the call. No devices on a cluster:
   nothing is watched.
   """
-  return watch(_used_tasks(devices), interval, timeout, misses)
+  chosen = {"interval": interval, "timeout": timeout, "misses": misses}
+  settings = {k: LIVENESS[k] if v is None else v for k, v in chosen.items()}
+  return watch(_used_tasks(devices), **settings)
 
 
 @contextlib.contextmanager

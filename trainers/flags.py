@@ -20,6 +20,9 @@ def define_flags():
   flags.DEFINE_float("cluster_timeout", 120.0,
                      "--method=dataparallel --cluster=tf_config: seconds to wait for every "
                      "worker to start (then the missing ones are named and this one stops)")
+  flags.DEFINE_integer("liveness_misses", 2,
+                       "--cluster: probes (2 s each, one a second) a TF server may leave "
+                       "unanswered in a row before training stops naming it")
   flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (seed 004), e.g. 2x2")
   flags.DEFINE_list("stage_replicas", [],
                     "STAGE:R pairs: run stage STAGE data parallel on R devices (hybrid), e.g. 0:2")
@@ -107,6 +110,7 @@ def define_flags():
   flags.register_validator("virtual_stages", lambda v: v is None or v >= 1,
                            "--virtual_stages must be >= 1")
   flags.register_validator("cluster_timeout", lambda v: v > 0, "--cluster_timeout must be > 0")
+  flags.register_validator("liveness_misses", lambda v: v >= 1, "--liveness_misses must be >= 1")
   flags.register_validator("batch_size", lambda v: v >= 1, "--batch_size must be >= 1")
   flags.register_validator("micro_batches", lambda v: v is None or v >= 1,
                            "--micro_batches must be >= 1")

@@ -81,6 +81,7 @@ def run(config):
   from trainers import instruments
 
   tools = instruments.Instruments(config)
+  tfpipe.cluster.set_liveness(misses=config.liveness_misses)
   if config.stage_replicas and config.method in tfpipe.BASELINE_METHODS:
     raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
                      "has none")
