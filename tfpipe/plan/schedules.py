@@ -162,18 +162,25 @@ def one_f_one_b_flush(K, N, M):
   micro-batches' activations instead of M.
   """
   _check(K, N, M)
-  stages = []
-  for k in range(K):
-    warm, tasks = min(K - 1 - k, M), []
-    for b in range(N):
-      tasks += [Task("F", b, i) for i in range(warm)]
-      for i in range(M):
-        if i + warm < M:
-          tasks.append(Task("F", b, i + warm))
-        tasks.append(Task("B", b, i))
-      tasks.append(Task("U", b))
-    stages.append(tasks)
-  return stages
+  return [_flushed_1f1b(k, K, N, M, None) for k in range(K)]
+
+
+def _flushed_1f1b(k, K, N, M, lag):
+  """Stage k's list of 1F1B with a flush; with `lag`, each B(b, i) is followed by the W of
+  micro-batch i - lag (the rest after the last B): the zero-bubble split."""
+  warm, tasks = min(K - 1 - k, M), []
+  for b in range(N):
+    tasks += [Task("F", b, i) for i in range(warm)]
+    for i in range(M):
+      if i + warm < M:
+        tasks.append(Task("F", b, i + warm))
+      tasks.append(Task("B", b, i))
+      if lag is not None and i >= lag:
+        tasks.append(Task("W", b, i - lag))
+    if lag is not None:
+      tasks += [Task("W", b, i) for i in range(max(0, M - lag), M)]
+    tasks.append(Task("U", b))
+  return tasks
 
 
 def zero_bubble_h1(K, N, M):
@@ -195,21 +202,7 @@ def zero_bubble_h1(K, N, M):
   The update follows the last W.
   """
   _check(K, N, M)
-  stages = []
-  for k in range(K):
-    warm, tasks = min(K - 1 - k, M), []
-    for b in range(N):
-      tasks += [Task("F", b, i) for i in range(warm)]
-      for i in range(M):
-        if i + warm < M:
-          tasks.append(Task("F", b, i + warm))
-        tasks.append(Task("B", b, i))
-        if i >= k:
-          tasks.append(Task("W", b, i - k))
-      tasks += [Task("W", b, i) for i in range(max(0, M - k), M)]
-      tasks.append(Task("U", b))
-    stages.append(tasks)
-  return stages
+  return [_flushed_1f1b(k, K, N, M, lag=k) for k in range(K)]
 
 
 class Schedule(list):
