@@ -119,10 +119,12 @@ class BackupAndRestore(keras.callbacks.Callback):
       self._rate = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="learning_rate")
     stages = {}
     for k, program in enumerate(pipeline.programs):
-      # deltas: PipeMare's average weight change (empty for other methods).
+      # deltas: PipeMare's average weight change; previous: 2BW's second weight buffer
+      # (empty for other methods).
       stages[f"stage{k}"] = tf.train.Checkpoint(
           weights=list(program.trainable), state=list(program.non_trainable),
-          optimizer=list(program.optimizer.variables), deltas=list(program.deltas))
+          optimizer=list(program.optimizer.variables), deltas=list(program.deltas),
+          previous=list(program.previous))
     self._checkpoint = tf.train.Checkpoint(epochs_done=self._epochs, learning_rate=self._rate,
                                            **stages)
     self._remove_temporaries()

@@ -36,6 +36,7 @@ class Options:
     self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep,
                                       virtual_stages)
     self.method = self.policy.method
+    self._micro_batches_asked, self._batch_statistics = micro_batches, batch_statistics
     self.micro_batches = policies.micro_batches_for(self.policy, micro_batches)
     self.version_difference = names.lookup(
         "version_difference", version_difference, policies.VERSION_DIFFERENCES)
@@ -83,6 +84,13 @@ class Options:
                        f"discrepancy_decay={discrepancy_decay!r}")
     self.spike_compensation, self.delay_momentum = spike_compensation, delay_momentum
     self.lr_rescheduling, self.discrepancy_decay = lr_rescheduling, float(discrepancy_decay)
+
+  def set_stages(self, model, num_stages):
+    """Checks M against K once K is known ("2bw" takes its default M from it)."""
+    M = policies.micro_batches_for(self.policy, self._micro_batches_asked, num_stages)
+    if M != self.micro_batches:
+      self.micro_batches = M
+      self._check_batch_statistics(model, self._batch_statistics)
 
   def _check_batch_statistics(self, model, batch_statistics):
     """BatchNormalization with micro-batches normalises each micro-batch by its own statistics

@@ -167,6 +167,7 @@ class Pipeline:
           devices, num_stages, stage_replicas)
     self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
     self.num_stages = len(self.devices)
+    self.options.set_stages(model, self.num_stages)
     self._check_cluster()
     profiler = None
     if partition == "profile":

@@ -153,8 +153,8 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     weights the task read (for a prediction: the count it was made at).
   """
   policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
-  M = policies.micro_batches_for(policy, micro_batches)
   K, N = len(stage_models), len(batches)
+  M = policies.micro_batches_for(policy, micro_batches, K)
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
   delays = mitigations.delays_for(policy.schedule, K, M, policy.virtual_stages)
@@ -175,14 +175,23 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   updates = [0] * K
   log = []
 
+  P = [[w.copy() for w in ws] for ws in W]   # 2BW: each stage's weights before its last update
+
   def read(k, source, s):
     if source == "predicted" and s:
       return rules[k].predict(W[k], s)
     if source == "corrected":
       return [(w - s * e).astype(w.dtype) for w, e in zip(W[k], rules[k].E)]
+    if source == "delayed" and not s:
+      return [p.copy() for p in P[k]]
     return [w.copy() for w in W[k]]
 
+  def version(k, source, s):
+    """The update count of the weights `read` gives (2BW's second buffer: one less)."""
+    return updates[k] - (source == "delayed" and not s and updates[k] > 0)
+
   def update(k, grads):
+    P[k] = [w.copy() for w in W[k]]
     rules[k].update(W[k], grads)
     updates[k] += 1
 
@@ -197,10 +206,11 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       unit, s, model = (b, i), diffs[k][task], stage_models[k]
       if kind == "F":
         xs = pieces[b][i or 0][0] if k == 0 else outputs.pop((k - 1, unit))
-        w = read(k, ops[k]["F"].reads or ops[k]["B"].reads, s)   # "hold": the step's weights
-        used[(k, unit)] = (w, updates[k], s)
+        source = ops[k]["F"].reads or ops[k]["B"].reads   # "hold": the step's weights
+        w = read(k, source, s)
+        used[(k, unit)] = (w, version(k, source, s), s)
         if k < K - 1:
-          log.append((k, "F", b, i, updates[k]))
+          log.append((k, "F", b, i, version(k, source, s)))
           inputs[(k, unit)] = (xs, S[k])
           ys, S[k] = _run(model, [tf.constant(a) for a in w], S[k], xs)
           outputs[(k, unit)] = [y.numpy() for y in ys]
@@ -224,19 +234,19 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
         used.pop((k, u))
       reads = ops[k]["B"].reads
       if k == K - 1:  # forward and backward as one step, with the forward's weights
-        w, version = read(k, reads, forward_s), updates[k]
-        log.append((k, "F", b, i, version))
+        w, read_version = read(k, reads, forward_s), version(k, reads, forward_s)
+        log.append((k, "F", b, i, read_version))
         parts = [([np.concatenate(p) for p in zip(*[xs for xs, _ in parts])], S[k])]
       elif reads == "kept":
-        w, version = forward_w, forward_version
+        w, read_version = forward_w, forward_version
       elif reads == "blend":
         sigma = mitigations.blend_factor(updates[k] - forward_version)
         w = [(sigma * f + (1.0 - sigma) * c).astype(c.dtype) for f, c in zip(forward_w, W[k])]
-        version = updates[k]
+        read_version = updates[k]
       else:
         d = updates[k] - forward_version if reads == "corrected" else s
-        w, version = read(k, reads, d), updates[k]
-      log.append((k, "B", b, i, version))
+        w, read_version = read(k, reads, d), updates[k]
+      log.append((k, "B", b, i, read_version))
       w_t = [tf.constant(a) for a in w]
       parts = [([tf.constant(x) for x in xs], state) for xs, state in parts]
       floats = [x for xs, _ in parts for x in xs if x.dtype.is_floating] if k > 0 else []

@@ -136,6 +136,9 @@ class StageProgram:
       self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
                       for j, v in enumerate(self.trainable)]
                      if self.ops["B"].reads == "corrected" else [])
+      # PipeDream-2BW's second buffer: the weights before the latest update ("delayed").
+      self.previous = ([tf.Variable(v, trainable=False, name=f"s{index}_previous{j}")
+                        for j, v in enumerate(self.trainable)] if policy.keeps_previous else [])
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
     self.jit_compile = jit_compile
@@ -232,7 +235,9 @@ class StageProgram:
   def weights(self, s, source):
     """The weights a task reads: "current"; "predicted" `s` updates ahead (the optimizer's
     own step, `tfpipe.prediction`); "corrected" back by `s` updates of the average weight
-    change (PipeMare). Any other source (the forward's own, a blend) reads "current" here.
+    change (PipeMare); "delayed" one update old (2BW: the weights before the latest update
+    when s = 0, else the current ones). Any other source (the forward's own, a blend) reads
+    "current" here.
 
     `s` is a Python number, so each value traces once and s = 0 costs nothing; for
     "corrected" it may be a scalar tensor (one trace for every s: `_backward`).
@@ -242,6 +247,8 @@ class StageProgram:
     if source == "corrected" and not (isinstance(s, (int, float)) and not s):
       return [tf.convert_to_tensor(v) - tf.cast(s, d.dtype) * d
               for v, d in zip(self.trainable, self.deltas)]
+    if source == "delayed" and not s:   # mini-batch b after b updates: W^(b-1), the 2nd buffer
+      return [tf.convert_to_tensor(p) for p in self.previous]
     return [tf.convert_to_tensor(v) for v in self.trainable]
 
   def _call(self, weights, xs, training, update_state=True, state=None):
@@ -277,6 +284,12 @@ class StageProgram:
       self.reg_tracker.update_state(
           reg, sample_weight=tf.add_n([tf.shape(x)[0] for x in xs[::size]]))
     return ys, reg, state
+
+  def read_version(self, updates, s):
+    """The update count of the weights a forward (the last stage: its step) reads, `updates`
+    applied so far and `s` its version difference: one less from 2BW's second buffer."""
+    reads = self.ops["F"].reads or self.ops["B"].reads
+    return updates - (reads == "delayed" and not s and updates > 0)
 
   def _model_split(self):
     """Which of this stage's variables Keras now lists as trainable (ids, in its order)."""
@@ -434,10 +447,17 @@ class StageProgram:
         for a, g in zip(self.accumulators, grads):
           a.assign_add(tf.cast(g, a.dtype))
       else:
+        self._keep_previous()
         self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
+
+  def _keep_previous(self):
+    """2BW: the weights about to be updated become the second buffer."""
+    for p, v in zip(self.previous, self.trainable):
+      p.assign(v)
 
   def _apply_accumulated(self):
     with tf.device(self.device):
+      self._keep_previous()
       self.rule.apply(self.optimizer, [tf.convert_to_tensor(a) for a in self.accumulators],
                       self.trainable, self.deltas)
       for a in self.accumulators:
@@ -628,6 +648,7 @@ class StageProgram:
   def load_from_model(self):
     for src, own in self._pairs:
       own.assign(src.numpy())
+    self._keep_previous()   # 2BW: no update yet, so the second buffer holds the same weights
 
   def write_to_model(self):
     for dst, own in self._pairs:

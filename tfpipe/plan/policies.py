@@ -14,6 +14,11 @@ A policy says where the forward's weights come from ("current" or
                discrepancy correction), recomputed;
   "blend":     e^-d * the forward's weights + (1 - e^-d) * the current ones,
                d updates after the forward (I-TiMePReSt), recomputed.
+A forward that reads "delayed" reads W^(b-1) for mini-batch b at every stage
+(PipeDream-2BW's double-buffered weights): the current weights when the
+stage has applied b - 1 updates (s = 1), the weights before its latest
+update when it has applied b (s = 0); s, the updates still to come for
+earlier mini-batches, is the schedule's exact version difference.
 A backward that reads "corrected" or "blend" weights gets d, the updates its
 stage applied since the forward, as its version difference.
 """
@@ -30,11 +35,11 @@ __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differenc
 
 PIPELINE_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "zbv", "vanilla",
                     "pipedream", "spectrain", "ddg", "feature_replay", "timeprest", "pipemare",
-                    "i_timeprest")
+                    "i_timeprest", "2bw")
 # The methods with no stale weight: each equals training on whole mini-batches.
 SYNCHRONOUS_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "zbv")
 MICRO_BATCH_METHODS = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "timeprest", "i_timeprest",
-                       "vanilla", "pipedream", "spectrain", "pipemare")
+                       "vanilla", "pipedream", "spectrain", "pipemare", "2bw")
 DEFAULT_MICRO_BATCHES = {"gpipe": 4, "1f1b": 4, "interleaved": 4, "zb": 4, "zbv": 4,
                          "timeprest": 4, "i_timeprest": 4}
 VIRTUAL_STAGE_METHODS = {"interleaved": 2, "zbv": 2}   # method -> its default V (per device)
@@ -60,6 +65,7 @@ _RULES = {
     "timeprest": ("timeprest", "current", "current"),
     "pipemare": ("1f1b", "current", "corrected"),
     "i_timeprest": ("timeprest", "current", "blend"),
+    "2bw": ("1f1b", "delayed", "forward"),
 }
 
 
@@ -67,7 +73,7 @@ _RULES = {
 class WeightPolicy:
   method: str
   schedule: str   # a name in tfpipe.plan.schedules.SCHEDULES
-  forward: str    # "current" | "predicted"
+  forward: str    # "current" | "predicted" | "delayed"
   backward: str   # "forward" | "current" | "predicted" | "corrected" | "blend"
   virtual_stages: int = 1   # V: stages (model chunks) per device (interleaved schedules)
 
@@ -84,6 +90,11 @@ class WeightPolicy:
   @property
   def predicts(self):
     return "predicted" in (self.forward, self.backward)
+
+  @property
+  def keeps_previous(self):
+    """True when a stage keeps its weights from before its latest update (2BW's 2nd buffer)."""
+    return self.forward == "delayed"
 
 
 LOCKSTEP_METHODS = ("ddg", "feature_replay")
@@ -145,9 +156,13 @@ def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=Fals
       "Received: recompute=False")
 
 
-def micro_batches_for(policy, micro_batches=None):
-  """M for `policy`: the method's default when None; checked against what the method supports."""
+def micro_batches_for(policy, micro_batches=None, num_stages=None):
+  """M for `policy`: the method's default when None; checked against what the method supports
+  (`num_stages`: K, when known: "2bw" needs M >= K - 1 and defaults to K, PipeDream-2BW's
+  m >= d)."""
   if micro_batches is None:
+    if policy.method == "2bw":
+      return max(1, num_stages or 1)
     return DEFAULT_MICRO_BATCHES.get(policy.method, 1)
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(
@@ -161,6 +176,12 @@ def micro_batches_for(policy, micro_batches=None):
     raise ValueError(
         f"method {policy.method!r} has no micro-batched schedule (micro-batches work with "
         f"{', '.join(MICRO_BATCH_METHODS)}). Received: micro_batches={micro_batches}")
+  if policy.method == "2bw" and num_stages and micro_batches < num_stages - 1:
+    raise ValueError(
+        f"method '2bw' reads weights one update old at every stage, which two buffers hold "
+        f"only when a mini-batch has at least K - 1 = {num_stages - 1} micro-batches "
+        f"(PipeDream-2BW's m >= d). Received: micro_batches={micro_batches} at {num_stages} "
+        "stages")
   return micro_batches
 
 
@@ -176,6 +197,8 @@ def version_differences(policy, schedule, mode="paper"):
   K = len(schedule)
   if policy.backward in ("corrected", "blend"):
     return schedules.updates_since_forward(schedule)
+  if policy.keeps_previous:
+    return schedules.exact_version_differences(schedule)
   if not policy.predicts:
     return [{t: 0 for t in tasks} for tasks in schedule]
   if mode == "exact":

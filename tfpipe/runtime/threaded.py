@@ -92,9 +92,10 @@ class Runtime(Executor):
           saved[unit] = _Held(xs, y, scale, s)
           return logs  # the last stage runs its forward with the backward
         ys, kept = program.forward(xs, s)
-        saved[unit] = _Saved(kept, self.updates[k], scale)
+        version = program.read_version(self.updates[k], s)
+        saved[unit] = _Saved(kept, version, scale)
         self._note_saved(k, saved, diffs[k])
-        self._log(k, "F", task, self.updates[k], s, start)
+        self._log(k, "F", task, version, s, start)
         fwd[k][0].put((unit, (ys, scale)))
       elif op == "receive":
         grads_in[unit] = bwd[k][1].get(links.cancel(b))[1]
@@ -118,11 +119,12 @@ class Runtime(Executor):
         if op == "step_input":   # a split step: its W takes the weight gradients
           loss, dxs, logs, kept = program.last_step_input(xs, y, sample_weight, parts[0].s,
                                                           self._scale(k, scale))
-          saved[unit] = _Saved(kept, self.updates[k], scale)
+          saved[unit] = _Saved(kept, program.read_version(self.updates[k], parts[0].s), scale)
         else:
           loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0].s,
                                               self._scale(k, scale), micro is not None)
-        self._log(k, "FB", task, self.updates[k], parts[0].s, start)
+        self._log(k, "FB", task, program.read_version(self.updates[k], parts[0].s), parts[0].s,
+                  start)
         if micro is None:
           self._updated(k)
         if k > 0:
