@@ -1,22 +1,31 @@
-"""Accuracy under staleness: every asynchronous method and mitigation against data parallelism,
-on offline tasks hard enough to separate them, at K = 2, 4, 8 stages, over several seeds.
+"""Accuracy under staleness: every asynchronous method and mitigation against synchronous
+training, on five offline tasks of different kinds, at K = 2, 4, 8 stages, two learning rates
+per task, over several seeds; and advice chosen on some tasks, tested on the others.
 
-Tasks (trainers/datasets.py): `classes` (20 classes of Gaussian clusters) and `teacher`
-(labels of a fixed random deep network), with the 8 x 256 ReLU `mlp`. Every option trains
-with the same learning rate, batch size and epochs; its score is the best validation
-accuracy of its run (as in the SpecTrain paper's table 1), averaged over the seeds, with the
-spread (sample standard deviation) beside it, and the gap to `dataparallel` of the same
-optimizer. samples/s: training samples per second over epochs 2.. (validation included),
-the best over the seeds (other work on the machine only slows a run, as with `timeit`),
-measured in the same process one run after another, so compare within a K only.
+Tasks (trainers/datasets.py), each with its model: `classes` (20 classes of Gaussian
+clusters) and `teacher` (labels of a fixed random deep network) with the 8 x 256 ReLU `mlp`;
+`regions` (Voronoi regions of random centres) with a deeper 12 x 256 mlp; `shapes` (16 x 16
+images of shifted noisy templates) with `small_cnn`; `counting` (which key token occurs
+most often in a sequence) with the attention model `counter`. Every option of a setting
+(task, learning rate) trains with the same rate, batch size and epochs; its score is the best
+validation accuracy of its run (as in the SpecTrain paper's table 1), averaged over the seeds,
+with the spread (sample standard deviation) beside it, and the gap to the synchronous
+reference of the same optimizer and rate (`single` and `dataparallel`, both plain Keras at the
+global batch). samples/s: training samples per second over epochs 2.. (validation included),
+the best over the seeds, measured in the same process one run after another, so compare
+within a K only.
+
+Advice (`bench/staleness_advice.py`): per optimizer family, options ranked by their worst gap
+over the settings of the `--choose_on` tasks; the chosen option's worst gap on the
+`--held_out` tasks says whether it transfers.
 
 Each finished run is appended to bench/results/staleness_runs.jsonl, and a run already
 there is not repeated: the benchmark can be stopped and resumed. Writes
 bench/results/staleness.md and staleness_<task>.png (validation accuracy per epoch at K=4,
-mean over the seeds).
+mean over the seeds, at the task's first learning rate).
 
-  python bench/staleness.py [--tasks=classes,teacher --stages=2,4,8 --seeds=0,1,2
-                             --epochs=15 --options=default]
+  python bench/staleness.py [--tasks=classes,teacher,shapes,regions,counting --stages=2,4,8
+                             --seeds=0,1,2 --epochs=15 --options=default]
 """
 
 import os
@@ -33,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import results_io, staleness_advice  # noqa: E402
 
 # name: (method, Pipeline options, optimizer). The baselines run once per seed, single on one
 # device and dataparallel on BASELINE_REPLICAS (their accuracy does not depend on K); every
@@ -61,23 +70,47 @@ OPTIONS = {
     "pipedream/adam": ("pipedream", {}, "adam"),
     "spectrain/adam": ("spectrain", {}, "adam"),   # PipeOptim / XPipe: Adam's own step
     "spectrain/exact/adam": ("spectrain", {"version_difference": "exact"}, "adam"),
+    "single/adam": ("single", {}, "adam"),
+    "2bw": ("2bw", {}, "spectrain"),
+    "2bw+nesterov": ("2bw", {"nesterov": True}, "spectrain"),
+    "pipedream+nesterov": ("pipedream", {"nesterov": True}, "spectrain"),
+    "spectrain+nesterov": ("spectrain", {"nesterov": True}, "spectrain"),
+    "pipedream+dc": ("pipedream", {"delay_compensation": 1.0}, "spectrain"),
+    "spectrain+dc": ("spectrain", {"delay_compensation": 1.0}, "spectrain"),
+    "2bw/adam": ("2bw", {}, "adam"),
+    "pipedream+dc/adam": ("pipedream", {"delay_compensation": 1.0}, "adam"),
 }
-BASELINES = ("single", "dataparallel", "dataparallel/adam")
+BASELINES = ("single", "dataparallel", "dataparallel/adam", "single/adam")
+# task: (model, its trainer options, SpecTrain-form SGD learning rates, Adam learning rates).
+# The first rate of each is the tables' and plots'.
+TASKS = {
+    "classes": ("mlp", {}, (0.1, 0.05), (0.001, 0.0005)),
+    "teacher": ("mlp", {}, (0.1, 0.05), (0.001, 0.0005)),
+    "regions": ("mlp", {"mlp_depth": 12}, (0.1, 0.05), (0.001, 0.0005)),
+    "shapes": ("small_cnn", {}, (0.1, 0.15), (0.001, 0.0005)),
+    "counting": ("counter", {"model_scale": 0.5}, (0.1, 0.05), (0.001, 0.0005)),
+}
 BASELINE_REPLICAS = 2   # MirroredStrategy on 8 logical CPUs of 2 cores ran at 135 samples/s
 DEFAULT = [n for n in OPTIONS if n not in ("vanilla+sc", "pipedream+resched",
-                                           "spectrain+sc+resched")]
+                                           "spectrain+sc+resched", "single/adam")]
+# The rows the advice is drawn from on every task (both baselines' rules are Keras's; single,
+# six times faster here than MirroredStrategy on 2 logical CPUs, is the reference run).
+ADVICE = ["single", "single/adam", "spectrain", "spectrain+sc/exact", "timeprest", "2bw",
+          "2bw+nesterov", "pipedream+nesterov", "pipedream+dc", "spectrain/adam", "2bw/adam",
+          "pipedream+dc/adam"]
 
-flags.DEFINE_list("tasks", ["classes", "teacher"], "datasets (trainers/datasets.py)")
+flags.DEFINE_list("tasks", list(TASKS), "tasks (trainers/datasets.py)")
+flags.DEFINE_list("choose_on", ["classes", "teacher", "shapes"],
+                  "tasks the advice is chosen on (the others are held out)")
+flags.DEFINE_list("learning_rate_index", ["0", "1"],
+                  "which of each task's two learning rates to run (0: the tables' rate)")
 flags.DEFINE_list("stages", ["2", "4", "8"], "pipeline depths K")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "training seeds (initial weights, data order)")
 flags.DEFINE_list("options", ["default"],
-                  f"rows: default (all but vanilla+sc and the rescheduling rows), all, or "
-                  f"some of "
-                  f"{', '.join(OPTIONS)}")
+                  f"rows: default (all but vanilla+sc and the rescheduling rows), advice (the "
+                  f"rows the advice ranks), all, or some of {', '.join(OPTIONS)}")
 flags.DEFINE_integer("epochs", 15, "epochs per run")
 flags.DEFINE_integer("batch_size", 128, "batch size")
-flags.DEFINE_float("learning_rate", 0.1, "learning rate (SpecTrain form: lr * v, v an average)")
-flags.DEFINE_float("adam_learning_rate", 0.001, "learning rate of the Adam rows")
 flags.DEFINE_float("momentum", 0.9, "momentum gamma")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where tables, plots and runs go")
 flags.DEFINE_bool("report_only", False, "write the table and plots from the runs on file")
@@ -100,25 +133,27 @@ class _EpochTimer:
     self.seconds, self.callback = [], Timer()
 
 
-def _learning_rate(name):
-  return FLAGS.adam_learning_rate if OPTIONS[name][2] == "adam" else FLAGS.learning_rate
+def _learning_rate(task, name, index=0):
+  """The `index`-th learning rate of `task` for option `name`'s optimizer."""
+  _, _, sgd, adam = TASKS[task]
+  return (adam if OPTIONS[name][2] == "adam" else sgd)[index]
 
 
-def run_one(task, name, K, seed):
-  """Trains option `name` at K stages on `task` with `seed`: a result dict."""
+def run_one(task, name, K, seed, lr):
+  """Trains option `name` at K stages on `task` with `seed` and rate `lr`: a result dict."""
   import keras
   import tfpipe
   from trainers import config as config_lib, datasets, main as trainer_main, models
   method, options, optimizer = OPTIONS[name]
-  lr = _learning_rate(name)
-  config = config_lib.TrainConfig(model="mlp", dataset=task, method=method, num_stages=K,
+  model_name, model_options, _, _ = TASKS[task]
+  config = config_lib.TrainConfig(model=model_name, dataset=task, method=method, num_stages=K,
                                   batch_size=FLAGS.batch_size, learning_rate=lr,
                                   momentum=FLAGS.momentum, epochs=FLAGS.epochs, seed=seed,
-                                  optimizer=optimizer)
+                                  optimizer=optimizer, **model_options)
   keras.backend.clear_session()
   keras.utils.set_random_seed(seed)
   data = datasets.load(config)
-  model = models.build_model(config, data.input_shape, data.num_classes)
+  model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
   trainer = tfpipe.create(model, method, num_stages=1 if method == "single" else K, **options)
   trainer.compile(trainer_main.make_optimizer(config),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -168,12 +203,19 @@ def summarise(runs, tasks, stages, names, curve_k):
           curves.setdefault(r["option"], []).append(r["val_accuracy"])
     means = {K: {n: _mean_spread(best[(n, K)])[0] for n in names if (n, K) in best}
              for K in stages}
-    head = ["option"] + [f"K={K}: best val. accuracy % (gap to dataparallel)" for K in stages] + [
+    # The reference of each family: the synchronous baselines' runs pooled (same rule).
+    for K in stages:
+      for fam in ("sgd", "adam"):
+        pooled = [v for n in BASELINES if staleness_advice.family(n) == fam
+                  for v in best.get((n, K), [])]
+        if pooled:
+          means[K][_REFERENCE[fam]] = statistics.mean(pooled)
+    head = ["option"] + [f"K={K}: best val. accuracy % (gap to the reference)" for K in stages] + [
         f"K={K} samples/s" for K in stages]
     rows = []
     for n in names:
       cells = [n]
-      reference = "dataparallel/adam" if n.endswith("/adam") else "dataparallel"
+      reference = _REFERENCE[staleness_advice.family(n)]
       for K in stages:
         if (n, K) not in best:
           cells.append("-")
@@ -188,6 +230,9 @@ def summarise(runs, tasks, stages, names, curve_k):
       rows.append(cells)
     out[task] = (results_io.markdown_table(head, rows), means, curves, rows)
   return out
+
+
+_REFERENCE = {"sgd": "reference", "adam": "reference/adam"}   # keys of the pooled baselines
 
 
 def compact_table(summary, stages, K=4):
@@ -207,15 +252,15 @@ def compact_table(summary, stages, K=4):
 
 
 def goal_lines(summary, K=4):
-  """The issue's goal: at K, the best asynchronous option within 0.5 pp of dataparallel with
-  the same optimizer (and the best of the SpecTrain-form SGD rows on their own)."""
+  """The issue's goal: at K, the best asynchronous option within 0.5 pp of the synchronous
+  reference with the same optimizer (and the best of the SpecTrain-form SGD rows alone)."""
   lines = []
   for task, (_, means, _, _) in summary.items():
     at = means.get(K, {})
     gaps = {}
     for n, a in at.items():
-      reference = "dataparallel/adam" if n.endswith("/adam") else "dataparallel"
-      if n not in BASELINES and reference in at:
+      reference = _REFERENCE[staleness_advice.family(n)]
+      if n not in BASELINES and n not in _REFERENCE.values() and reference in at:
         gaps[n] = (a - at[reference], a, reference)
     for label, chosen in (("any optimizer", gaps),
                           ("momentum SGD", {n: g for n, g in gaps.items()
@@ -252,7 +297,8 @@ def plot(curves, title, path):
 
 def main(argv):
   del argv
-  names = {"all": list(OPTIONS), "default": DEFAULT}.get(",".join(FLAGS.options), FLAGS.options)
+  names = {"all": list(OPTIONS), "default": DEFAULT, "advice": ADVICE}.get(
+      ",".join(FLAGS.options), FLAGS.options)
   unknown = [n for n in names if n not in OPTIONS]
   if unknown:
     raise app.UsageError(f"unknown --options {unknown}; choose from {', '.join(OPTIONS)}")
@@ -260,41 +306,55 @@ def main(argv):
   seeds = [int(s) for s in FLAGS.seeds]
   path = os.path.join(FLAGS.results_dir, "staleness_runs.jsonl")
   runs = load_runs(path)
+  indices = [int(i) for i in FLAGS.learning_rate_index]
   if not FLAGS.report_only:
     import tfpipe
     tfpipe.devices.ensure_logical_cpus(max(stages))
     done = {_key(r) for r in runs}
     # The goal's K=4 and the baselines first, then the other K one seed at a time: a stopped
     # benchmark leaves the most useful part done.
-    first = [(task, n, 4 if n not in BASELINES else BASELINE_REPLICAS, seed)
-             for task in FLAGS.tasks for seed in seeds for n in names
+    first = [(task, n, 4 if n not in BASELINES else BASELINE_REPLICAS, seed, i)
+             for i in indices for task in FLAGS.tasks for seed in seeds for n in names
              if n in BASELINES or 4 in stages]
-    todo = first + [(task, n, K, seed) for seed in seeds for K in stages if K != 4
-                    for task in FLAGS.tasks for n in names if n not in BASELINES]
+    todo = first + [(task, n, K, seed, i) for seed in seeds for K in stages if K != 4
+                    for i in indices for task in FLAGS.tasks for n in names
+                    if n not in BASELINES]
     os.makedirs(FLAGS.results_dir, exist_ok=True)
-    for i, (task, n, K, seed) in enumerate(todo):
-      if (task, n, K, seed, FLAGS.epochs, _learning_rate(n), FLAGS.batch_size) in done:
+    for j, (task, n, K, seed, i) in enumerate(todo):
+      lr = _learning_rate(task, n, i)
+      if (task, n, K, seed, FLAGS.epochs, lr, FLAGS.batch_size) in done:
         continue
       start = time.perf_counter()
-      result = run_one(task, n, K, seed)
+      result = run_one(task, n, K, seed, lr)
       runs.append(result)
       with open(path, "a") as f:
         f.write(json.dumps(result) + "\n")
-      print(f"[{i + 1}/{len(todo)}] {task} {n} K={K} seed={seed}: best "
+      print(f"[{j + 1}/{len(todo)}] {task} {n} K={K} seed={seed} lr={lr:g}: best "
             f"{100 * max(result['val_accuracy']):.2f}%, {result['samples_per_second']:.0f} "
             f"samples/s ({time.perf_counter() - start:.0f} s)", flush=True)
   runs = [r for r in runs if r["epochs"] == FLAGS.epochs and r["batch_size"] == FLAGS.batch_size
-          and r["learning_rate"] == _learning_rate(r["option"])]
+          and r["task"] in TASKS]
+  advice_runs = [r for r in runs if r["task"] in FLAGS.tasks]
+  runs = [r for r in runs if r["learning_rate"] == _learning_rate(r["task"], r["option"])]
   curve_k = 4 if 4 in stages else max(stages)
   summary = summarise(runs, FLAGS.tasks, stages, names, curve_k)
-  text = [f"# Accuracy under staleness\n\nmlp (8 x 256 ReLU), batch {FLAGS.batch_size}, "
-          f"{FLAGS.epochs} epochs, SpecTrain-form momentum SGD lr {FLAGS.learning_rate} "
-          f"(gamma {FLAGS.momentum}), Adam rows lr {FLAGS.adam_learning_rate}. Cells: mean ± "
-          "spread of the best validation accuracy over the seeds [runs], (gap to dataparallel "
-          "of the same optimizer, pp); samples/s: the best over the seeds. Baselines: single "
-          "on one device, dataparallel on "
-          f"{BASELINE_REPLICAS} replicas (their samples/s in that column). "
+  rates = "; ".join(f"{t}: {m}, SGD lr {'/'.join(f'{v:g}' for v in sgd)}, Adam "
+                    f"{'/'.join(f'{v:g}' for v in adam)}"
+                    for t, (m, _, sgd, adam) in TASKS.items() if t in FLAGS.tasks)
+  text = [f"# Accuracy under staleness\n\nBatch {FLAGS.batch_size}, {FLAGS.epochs} epochs, "
+          f"SpecTrain-form momentum SGD (gamma {FLAGS.momentum}) and Adam. Tasks, models and "
+          f"learning rates ({rates}); the tables are at each task's first rate. Cells: mean ± "
+          "spread of the best validation accuracy over the seeds [runs], (gap to the "
+          "synchronous reference of the same optimizer: the single and dataparallel runs "
+          "pooled, pp); samples/s: the best over the seeds. Baselines: single on one device, "
+          f"dataparallel on {BASELINE_REPLICAS} replicas (their samples/s in that column). "
           "`bench/staleness.py`."]
+  held_out = [t for t in FLAGS.tasks if t not in FLAGS.choose_on]
+  for K in stages:
+    lines = staleness_advice.advice_lines(advice_runs, K, FLAGS.choose_on, held_out)
+    if lines:
+      text.append(f"## Advice at K={K}: the worst gap over both learning rates\n\n"
+                  + "\n".join(lines))
   if 4 in stages and summary:
     text.append(f"## K=4\n\n{compact_table(summary, stages)}")
   for task, (table, _, curves, _) in summary.items():
@@ -304,7 +364,8 @@ def main(argv):
            os.path.join(FLAGS.results_dir, f"staleness_{task}.png"))
   goals = goal_lines(summary)
   if goals:
-    text.append("## Goal: within 0.5 pp of dataparallel at K=4\n\n" + "\n".join(goals))
+    text.append("## Goal: within 0.5 pp of the synchronous reference at K=4\n\n"
+                + "\n".join(goals))
   results_io.write(FLAGS.results_dir, "staleness.md", "\n\n".join(text))
   print("\n\n".join(text), flush=True)
 

@@ -54,15 +54,38 @@ def test_seed001_speedup(tmp_path):
     assert row in table
 
 
+def test_staleness_advice_ranks_by_the_worst_gap_and_checks_held_out_tasks():
+  from bench import staleness_advice
+  def run(option, task, lr, accuracy, K=4):
+    return {"option": option, "task": task, "learning_rate": lr, "K": K, "seed": 0,
+            "val_accuracy": [accuracy / 100]}
+  runs = [run("single", t, lr, 70.0) for t in ("a", "b", "c") for lr in (0.1, 0.05)]
+  # steady: -1 everywhere; spiky: +2 on average on a and b but -5 once.
+  runs += [run("steady", t, lr, 69.0) for t in ("a", "b", "c") for lr in (0.1, 0.05)]
+  runs += [run("spiky", "a", 0.1, 75.0), run("spiky", "a", 0.05, 65.0),
+           run("spiky", "b", 0.1, 74.0), run("spiky", "b", 0.05, 74.0),
+           run("spiky", "c", 0.1, 60.0), run("spiky", "c", 0.05, 71.0)]
+  runs += [run("partial", "a", 0.1, 80.0)]   # not run at every setting: not ranked
+  ranked = staleness_advice.rank(staleness_advice.gaps(runs, 4), ["a", "b"])["sgd"]
+  assert [o for o, _, _ in ranked] == ["steady", "spiky"]
+  assert ranked[1][1:] == (-5.0, ("a", 0.05))
+  lines = staleness_advice.advice_lines(runs, 4, ["a", "b"], ["c"])
+  assert "chosen on a, b: `steady`** (worst gap -1.00 pp, at a lr 0.1)" in lines[0]
+  assert "held out (c): worst gap -1.00 pp" in lines[1] and "`steady` -1.00 pp" in lines[1]
+
+
 def test_staleness(tmp_path):
-  args = ["--epochs=1", "--batch_size=512", "--options=single,spectrain+sc", "--stages=2",
-          "--seeds=0,1", "--tasks=teacher", f"--results_dir={tmp_path}"]
+  args = ["--epochs=1", "--batch_size=512", "--options=single,2bw", "--stages=2",
+          "--seeds=0", "--tasks=teacher,regions", "--choose_on=teacher",
+          "--learning_rate_index=0,1", f"--results_dir={tmp_path}"]
   out = _bench("staleness.py", *args)
   table = (tmp_path / "staleness.md").read_text()
-  assert "| spectrain+sc |" in table and "| single |" in table and "[2]" in table
+  assert "| 2bw |" in table and "| single |" in table and "[1]" in table
   assert (tmp_path / "staleness_teacher.png").stat().st_size > 1000
+  # The advice: ranked on teacher's two rates by the worst gap, then held out on regions.
+  assert "chosen on teacher" in table and "held out (regions): worst gap" in table
   runs = (tmp_path / "staleness_runs.jsonl").read_text().splitlines()
-  assert len(runs) == 4   # 2 options x 2 seeds, one line each
+  assert len(runs) == 8   # 2 options x 2 tasks x 2 learning rates, a line each
   out = _bench("staleness.py", *args)   # resumes: every run is on file, none repeats
   assert "seed=" not in out and (tmp_path / "staleness_runs.jsonl").read_text().splitlines() == runs
 

@@ -25,6 +25,18 @@ SpecTrain form (v = gamma*v + (1-gamma)*g; W -= lr*v) and for Keras's SGD
   W_old) after each update (c: `discrepancy_decay`), and a backward d
   updates after its forward reads W - d*delta: the forward's weights,
   estimated without a stash.
+- Nesterov look-ahead (Ajanthan et al., ICML 2025, "Nesterov method for
+  asynchronous pipeline parallel optimization"; its code runs PipeDream's
+  weight stashing with a Nesterov momentum step): every stage's update looks
+  ahead along its momentum, W -= lr * (gamma*v + (1-gamma)*g) (SGD:
+  W += gamma*m - lr*g). It is spike compensation's update with D = 1
+  (a = gamma, b = 1), at every stage whatever its delay.
+- Delay compensation (DC-ASGD, Zheng et al., ICML 2017): a gradient g taken
+  at weights W_read, applied to weights W, is first moved along a diagonal
+  estimate of the Hessian to g + lam * g * g * (W - W_read) (elementwise;
+  lam: `delay_compensation`). W_read is what the backward read: the forward's
+  stash (pipedream), 2BW's buffer, SpecTrain's prediction; a backward that
+  reads the current weights (vanilla) has nothing to compensate.
 - I-TiMePReSt (Dutta, Chaki, De 2025; method "i_timeprest"): a backward d
   updates after its forward reads the intermediate weights
   e^-d * W_forward + (1 - e^-d) * W_current: the stale weights count less
@@ -42,8 +54,8 @@ from tfpipe import compat
 from tfpipe.plan import schedules
 
 __all__ = ["StageRule", "stage_delays", "delay_momentum", "lr_factor", "blend_factor",
-           "spike_coefficients", "momentum_of", "check_optimizer", "DEFAULT_LR_RESCHEDULING",
-           "DEFAULT_DISCREPANCY_DECAY"]
+           "spike_coefficients", "momentum_of", "check_optimizer", "compensate",
+           "DEFAULT_LR_RESCHEDULING", "DEFAULT_DISCREPANCY_DECAY"]
 
 DEFAULT_LR_RESCHEDULING = 500   # PipeMare warm-up updates when method="pipemare"
 DEFAULT_DISCREPANCY_DECAY = 0.9
@@ -83,6 +95,12 @@ def spike_coefficients(momentum, delay):
   return a, (1.0 - a) / (1.0 - momentum)
 
 
+def compensate(lam, g, current, read):
+  """DC-ASGD's gradient `g` (taken at `read`) moved to the weights `current`, for numpy arrays
+  or tensors alike."""
+  return g + lam * g * g * (current - read)
+
+
 def momentum_of(optimizer):
   """The momentum the rules act on, or None for an optimizer they do not cover."""
   if hasattr(optimizer, "smoothed_gradient"):
@@ -113,6 +131,17 @@ class StageRule:
   spike_compensation: bool = False
   lr_rescheduling: int = 0        # T, PipeMare's warm-up updates (0: off)
   discrepancy_decay: float = None  # c, when the stage keeps delta (method "pipemare")
+  nesterov: bool = False          # Nesterov's look-ahead step
+  delay_compensation: float = 0.0  # lam of DC-ASGD (0: off): `StageProgram` applies it
+
+  def coefficients(self, momentum):
+    """(a, b) of the momentum step W -= lr*(a*v + b*(1-gamma)*g) (spike compensation's form),
+    or None for the optimizer's own step."""
+    if self.spike_compensation and self.delay > 0 and momentum:
+      return spike_coefficients(momentum, self.delay)
+    if self.nesterov and momentum:
+      return momentum, 1.0
+    return None
 
   def apply(self, optimizer, grads, variables, deltas):
     """One update of `variables` with `grads` (inside a tf.function)."""
@@ -122,13 +151,12 @@ class StageRule:
       p = tf.maximum(tf.constant(0.0, tf.float64), 1.0 - t / float(self.lr_rescheduling))
       factor = tf.pow(tf.constant(float(self.delay), tf.float64), -p)
       grads = [g * tf.cast(factor, g.dtype) for g in grads]
-    momentum = momentum_of(optimizer)
-    spike = self.spike_compensation and self.delay > 0 and momentum
+    spike = self.coefficients(momentum_of(optimizer))
     lr = optimizer.learning_rate if spike else None   # this update's rate (read before it)
     old = [tf.convert_to_tensor(v) for v in variables] if deltas else None
     optimizer.apply(grads, variables)
     if spike:
-      a, b = spike_coefficients(momentum, self.delay)
+      a, b = spike
       for g, v in zip(grads, variables):
         rate, g = ops.cast(lr, v.dtype), ops.cast(g, v.dtype)
         if hasattr(optimizer, "smoothed_gradient"):   # W was W0 - lr*v; is W0 - lr*(a*v + (1-a)*g)

@@ -10,7 +10,7 @@ import keras
 
 from tfpipe import mitigations, runtime
 from tfpipe.instruments import prediction_error as prediction_error_lib, trace
-from tfpipe.plan import names, policies
+from tfpipe.plan import names, policies, tasks
 
 __all__ = ["Options"]
 
@@ -32,7 +32,7 @@ class Options:
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
                executor=None, spike_compensation=False, delay_momentum=False,
                lr_rescheduling=None, discrepancy_decay=None, batch_statistics="warn",
-               virtual_stages=None):
+               virtual_stages=None, nesterov=False, delay_compensation=0.0):
     self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep,
                                       virtual_stages)
     self.method = self.policy.method
@@ -45,6 +45,7 @@ class Options:
           "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
           f"micro_batches={self.micro_batches} use version_difference='exact'")
     self._set_mitigations(spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay)
+    self._set_updates(nesterov, delay_compensation)
     self._check_batch_statistics(model, batch_statistics)
     self.trace_steps = trace.parse_steps(trace_steps)
     if self.trace_steps is not None and not trace_dir:
@@ -85,6 +86,24 @@ class Options:
     self.spike_compensation, self.delay_momentum = spike_compensation, delay_momentum
     self.lr_rescheduling, self.discrepancy_decay = lr_rescheduling, float(discrepancy_decay)
 
+  def _set_updates(self, nesterov, delay_compensation):
+    if nesterov not in (True, False):
+      raise ValueError(f"`nesterov` must be True or False. Received: nesterov={nesterov!r}")
+    if nesterov and self.spike_compensation:
+      raise ValueError("`nesterov` and `spike_compensation` both rewrite the momentum step "
+                       "(Nesterov's is spike compensation's at a delay of 1): choose one")
+    if (not isinstance(delay_compensation, (int, float)) or isinstance(delay_compensation, bool)
+        or not 0 <= delay_compensation < float("inf")):
+      raise ValueError("`delay_compensation` is DC-ASGD's lambda, a number >= 0 (0: off). "
+                       f"Received: delay_compensation={delay_compensation!r}")
+    if delay_compensation and tasks.op(self.policy, "B").reads != "kept":
+      raise ValueError(
+          f"`delay_compensation` moves a gradient from the weights it was taken at to the "
+          f"current ones, and method {self.method!r} takes it at the current weights (it "
+          "recomputes): use a method whose backward reads its forward's weights (pipedream, "
+          "2bw, spectrain, ddg)")
+    self.nesterov, self.delay_compensation = nesterov, float(delay_compensation)
+
   def set_stages(self, model, num_stages):
     """Checks M against K once K is known ("2bw" takes its default M from it)."""
     M = policies.micro_batches_for(self.policy, self._micro_batches_asked, num_stages)
@@ -112,7 +131,9 @@ class Options:
     """The options in force that change a stage's update: [(name, value)]."""
     return [(n, v) for n, v in (("spike_compensation", self.spike_compensation),
                                 ("delay_momentum", self.delay_momentum),
-                                ("lr_rescheduling", self.lr_rescheduling)) if v]
+                                ("lr_rescheduling", self.lr_rescheduling),
+                                ("nesterov", self.nesterov),
+                                ("delay_compensation", self.delay_compensation)) if v]
 
   def stage_rules(self, optimizer, num_stages):
     """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates;
@@ -127,12 +148,14 @@ class Options:
         self.lr_rescheduling = 0
     chosen = [n for n, _ in self.update_options()]
     for name in chosen:
-      mitigations.check_optimizer(optimizer, name)
+      if name != "delay_compensation":   # a gradient's correction: any optimizer
+        mitigations.check_optimizer(optimizer, name)
     if chosen and not any(delays):
       raise ValueError(f"{chosen[0]} acts on delayed updates, and method {self.method!r} at "
                        f"{num_stages} stages delays none")
     decay = self.discrepancy_decay if self.method == "pipemare" else None
-    return delays, [mitigations.StageRule(d, self.spike_compensation, self.lr_rescheduling, decay)
+    return delays, [mitigations.StageRule(d, self.spike_compensation, self.lr_rescheduling, decay,
+                                          self.nesterov, self.delay_compensation)
                     for d in delays]
 
   def describe(self, num_stages):

@@ -113,6 +113,12 @@ class Pipeline:
       (momentum SGD, SpecTrain) and off with any other (Adam, ...: PipeMare's
       discrepancy correction still acts); else off (0). `summary()` says
       which is in force.
+    nesterov: every stage's update looks ahead along its momentum (Nesterov's
+      step; with "pipedream", Ajanthan et al. 2025's method; momentum SGD or
+      SpecTrain).
+    delay_compensation: DC-ASGD's lambda (0: off): a gradient taken at the
+      forward's weights is moved to the current ones, g + lam*g*g*(W - W_read)
+      (methods whose backward reads the forward's weights).
     batch_statistics: BatchNormalization with micro_batches > 1 normalises
       each micro-batch by its own statistics (as GPipe does), where Keras
       uses the mini-batch's: "warn" (default), "refuse", or "micro_batch"
@@ -135,7 +141,8 @@ class Pipeline:
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
                stage_replicas=None, jit_compile=None, executor=None, spike_compensation=False,
                delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None,
-               batch_statistics="warn", data_parallel=1, virtual_stages=None):
+               batch_statistics="warn", data_parallel=1, virtual_stages=None, nesterov=False,
+               delay_compensation=0.0):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     overrides = compat.trainer_overrides(model)
@@ -149,7 +156,7 @@ class Pipeline:
         model, method, spectrain_backward, version_difference, micro_batches, recompute,
         lockstep, record, trace_steps, trace_dir, prediction_error, executor,
         spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay, batch_statistics,
-        virtual_stages)
+        virtual_stages, nesterov, delay_compensation)
     self.data_parallel = _data_parallel(data_parallel, stage_replicas, self.policy)
     V = self.policy.virtual_stages
     if V > 1 and stage_replicas:

@@ -67,7 +67,8 @@ def _f32(x):
 class _Rule:
   """One stage's optimizer rule in numpy: the update and the prediction s updates ahead."""
 
-  def __init__(self, optimizer, learning_rate, momentum, delay, spike, warmup, decay, weights):
+  def __init__(self, optimizer, learning_rate, momentum, delay, spike, warmup, decay, weights,
+               nesterov=False):
     config = optimizer.get_config() if optimizer is not None else {}
     self.kind = ("spectrain" if optimizer is None or isinstance(optimizer, optimizers.SpecTrain)
                  else "adam" if isinstance(optimizer, keras.optimizers.Adam) else "sgd")
@@ -75,6 +76,7 @@ class _Rule:
     self.gamma = float(config.get("momentum", momentum)) if self.kind != "adam" else None
     self.config, self.delay, self.spike, self.warmup, self.decay = (config, delay, spike, warmup,
                                                                     decay)
+    self.nesterov = nesterov
     self.wd = config.get("weight_decay")
     self.t = 0
     self.V = [np.zeros_like(w) for w in weights]
@@ -83,7 +85,9 @@ class _Rule:
 
   def update(self, W, grads):
     factor = mitigations.lr_factor(self.delay, self.t, self.warmup)
-    a, b = (mitigations.spike_coefficients(self.gamma, self.delay) if self.spike and self.gamma
+    a, b = (mitigations.spike_coefficients(self.gamma, self.delay)
+            if self.spike and self.gamma and self.delay
+            else (self.gamma, 1.0) if self.nesterov and self.gamma   # Nesterov: D = 1's spike
             else (1.0, 0.0))
     gamma = _f32(self.gamma) if self.kind == "sgd" else self.gamma   # Keras casts it so
     for j, g in enumerate(grads):
@@ -131,7 +135,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
                     spectrain_backward="reuse", version_difference="paper", epochs=1,
                     micro_batches=None, recompute=None, lockstep=False, optimizer=None,
                     spike_compensation=False, delay_momentum=False, lr_rescheduling=None,
-                    discrepancy_decay=None):
+                    discrepancy_decay=None, nesterov=False, delay_compensation=0.0):
   """Trains the stages by the rule of `method`; returns the final weights of every stage.
 
   Args:
@@ -143,9 +147,10 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     micro_batches, recompute, lockstep: as in `tfpipe.Pipeline`.
     optimizer: None (the SpecTrain rule with learning_rate and momentum), or a
       SpecTrain, SGD, Adam or AdamW object whose hyperparameters the rules read.
-    spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay: as
-      in `tfpipe.Pipeline` (`tfpipe.mitigations`), the delay D_k of stage k
-      being the largest exact version difference of its forwards.
+    spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay,
+      nesterov, delay_compensation: as in `tfpipe.Pipeline` (`tfpipe.mitigations`),
+      the delay D_k of stage k being the largest exact version difference of its
+      forwards.
 
   Returns:
     (weights, log): weights[k] is a list of numpy arrays; log lists
@@ -166,7 +171,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   rules = []
   for k, d in enumerate(delays):
     rule = _Rule(optimizer, learning_rate, momentum, d, spike_compensation, lr_rescheduling, decay,
-                 W[k])
+                 W[k], nesterov)
     if delay_momentum:
       rule.gamma = mitigations.delay_momentum(rule.gamma, d)
     rules.append(rule)
@@ -176,6 +181,12 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   log = []
 
   P = [[w.copy() for w in ws] for ws in W]   # 2BW: each stage's weights before its last update
+  # DC-ASGD with micro-batches: per stage, the sum and count of the weights their gradients read.
+  R, reads_seen = [[np.zeros_like(w) for w in ws] for ws in W], [0] * len(W)
+
+  def compensate(g, current, read_weights):
+    return mitigations.compensate(np.asarray(delay_compensation, g.dtype), g, current,
+                                  read_weights)
 
   def read(k, source, s):
     if source == "predicted" and s:
@@ -223,6 +234,10 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
         A[k] = [a + g for a, g in zip(A[k], halves.pop((k, unit)))]
         continue
       if kind == "U":
+        if delay_compensation:   # the mini-batch's gradient, from the mean of its reads
+          mean = [r / max(1, reads_seen[k]) for r in R[k]]
+          A[k] = [compensate(g, c, r) for g, c, r in zip(A[k], W[k], mean)]
+          R[k], reads_seen[k] = [np.zeros_like(r) for r in R[k]], 0
         update(k, A[k])
         A[k] = [np.zeros_like(a) for a in A[k]]
         continue
@@ -266,9 +281,13 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
       if ops[k]["B"].op in ("backward_input", "step_input"):   # its W adds them
         halves[(k, unit)] = weight_grads
       elif i is None:
+        if delay_compensation:   # DC-ASGD: from the weights read to the current ones
+          weight_grads = [compensate(g, c, r) for g, c, r in zip(weight_grads, W[k], w)]
         update(k, weight_grads)
       else:
         A[k] = [a + g for a, g in zip(A[k], weight_grads)]
+        if delay_compensation:
+          R[k], reads_seen[k] = [r + x for r, x in zip(R[k], w)], reads_seen[k] + 1
       if k > 0:
         n = len(floats) // len(parts)
         per_part = [grads[len(w_t) + j * n:len(w_t) + (j + 1) * n] for j in range(len(parts))]

@@ -362,6 +362,12 @@ class StageProgram:
         self.accumulators = [tf.Variable(tf.zeros_like(v), trainable=False,
                                          name=f"s{self.index}_accumulator{j}")
                              for j, v in enumerate(self._sources)]
+        # DC-ASGD with micro-batches: the sum and count of the weights their gradients read.
+        self.read_sums = ([tf.Variable(tf.zeros_like(v), trainable=False,
+                                       name=f"s{self.index}_read_sum{j}")
+                           for j, v in enumerate(self._sources)]
+                          if self.rule.delay_compensation else [])
+        self.reads = tf.Variable(0.0, trainable=False, name=f"s{self.index}_reads")
 
   # Task functions (traced once per signature; `task` gives them to the executors).
 
@@ -423,32 +429,53 @@ class StageProgram:
       grads = tape.gradient(targets, sources, output_gradients=out_grads,
                             unconnected_gradients=_ZERO)
       if wrt == "weights":
-        self._update(grads, accumulate)
+        self._update(grads, accumulate, self._read(weights))
         return []
       if wrt == "both":
-        self._update_after(grads[len(weights):], grads[:len(weights)], accumulate)
+        self._update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
       grads = grads[len(weights):] if wrt == "both" else grads
       n = len(float_xs) // len(parts)
       per_part = [grads[i * n:(i + 1) * n] for i in range(len(parts))]
       joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
       return self._input_grads(joined)
 
-  def _update_after(self, outputs, grads, accumulate):
+  def _update_after(self, outputs, grads, accumulate, read=None):
     """The update with `grads`, run only once a task's `outputs` (its input gradients) are
     computed. Without the order TensorFlow may run the update first and the input gradients
     then read the updated weights (measured: 1 whole backward in 12 gave other input
     gradients than its two halves)."""
     with tf.control_dependencies([g for g in outputs if g is not None]):
-      self._update([tf.identity(g) for g in grads], accumulate)
+      self._update([tf.identity(g) for g in grads], accumulate, self._read(read))
 
-  def _update(self, grads, accumulate):
+  def _read(self, weights):
+    """The weights a gradient was taken at, where the update needs them (DC-ASGD), else None."""
+    return list(weights) if self.rule.delay_compensation and weights is not None else None
+
+  def _update(self, grads, accumulate, read=None):
+    """One update with `grads` taken at the weights `read` (DC-ASGD moves them to the
+    current ones), or their addition to the accumulators (with `read`, to the mean of the
+    reads: the accumulated gradient is compensated from there at the update)."""
     with tf.device(self.device):
       if accumulate:
         for a, g in zip(self.accumulators, grads):
           a.assign_add(tf.cast(g, a.dtype))
+        if read is not None:
+          for r, w in zip(self.read_sums, read):
+            r.assign_add(w)
+          self.reads.assign_add(1.0)
       else:
         self._keep_previous()
-        self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
+        self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable,
+                        self.deltas)
+
+  def _compensated(self, grads, read):
+    """DC-ASGD (`tfpipe.mitigations`): weight gradients taken at `read`, moved to the current
+    weights; as they are without `delay_compensation`."""
+    if read is None:
+      return grads
+    lam = self.rule.delay_compensation
+    return [mitigations.compensate(tf.cast(lam, g.dtype), g, tf.convert_to_tensor(v), w)
+            for g, v, w in zip(grads, self.trainable, read)]
 
   def _keep_previous(self):
     """2BW: the weights about to be updated become the second buffer."""
@@ -458,8 +485,15 @@ class StageProgram:
   def _apply_accumulated(self):
     with tf.device(self.device):
       self._keep_previous()
-      self.rule.apply(self.optimizer, [tf.convert_to_tensor(a) for a in self.accumulators],
-                      self.trainable, self.deltas)
+      grads = [tf.convert_to_tensor(a) for a in self.accumulators]
+      if self.rule.delay_compensation:
+        n = tf.maximum(tf.convert_to_tensor(self.reads), 1.0)
+        grads = self._compensated(grads, [tf.convert_to_tensor(r) / tf.cast(n, r.dtype)
+                                          for r in self.read_sums])
+        for r in self.read_sums:
+          r.assign(tf.zeros_like(r))
+        self.reads.assign(0.0)
+      self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
       for a in self.accumulators:
         a.assign(tf.zeros_like(a))
 
@@ -481,7 +515,7 @@ class StageProgram:
         # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
         # scales its gradients in float64, not rounded to float32 (1e-8 relative).
         grads = [_scaled(g, scale) for g in grads]
-      self._update_after(grads[len(weights):], grads[:len(weights)], accumulate)
+      self._update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
       self._update_metrics(y, ys[0], total, sample_weight)
       return total, self._input_grads(grads[len(weights):]), self.logs(in_task=True)
 
@@ -597,7 +631,7 @@ class StageProgram:
                                  output_gradients=out_grads, unconnected_gradients=_ZERO)
       if wrt != "inputs":   # after the input gradients, as `_update_after` says
         with tf.control_dependencies([g for g in grads[len(weights):] if g is not None]):
-          self.task("update", inline)(grads[:len(weights)], accumulate)
+          self.task("update", inline)(grads[:len(weights)], accumulate, self._read(weights))
       return [] if wrt == "weights" else self._input_grads(grads[len(weights):])
 
   def apply_accumulated(self, inline=False):
@@ -633,7 +667,7 @@ class StageProgram:
       grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
       if not self._step_scales_loss:
         grads = [_scaled(g, scale) for g in grads]
-      self.task("update", inline)(grads, accumulate)
+      self.task("update", inline)(grads, accumulate, self._read(kept.weights))
 
   def infer(self, xs, inline=False):
     """The inference forward (current weights, training=False): the outputs."""

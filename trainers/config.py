@@ -28,6 +28,8 @@ class TrainConfig:
   lockstep: bool = False
   spike_compensation: bool = False
   delay_momentum: bool = False
+  nesterov: bool = False
+  delay_compensation: float = 0.0
   lr_rescheduling: Optional[int] = None
   discrepancy_decay: Optional[float] = None
   optimizer: str = "spectrain"

@@ -1,6 +1,7 @@
 """Datasets: tfds (cifar10, mnist, imdb_reviews), scikit-learn's digits, synthetic images or
-vectors, synthetic text (token ids), and two generated tasks hard enough to separate the
-pipeline methods (classes, teacher; `bench/staleness.py`)."""
+vectors, synthetic text (token ids), and generated tasks hard enough to separate the pipeline
+methods (`bench/staleness.py`): classes, teacher and regions (vectors), shapes (images),
+counting (token sequences)."""
 
 import collections
 import os
@@ -12,9 +13,10 @@ from tfpipe.plan import names
 
 __all__ = ["DATASETS", "DataUnavailableError", "Data", "load"]
 
-DATASETS = ("digits", "synthetic", "synthetic_text", "classes", "teacher", "cifar10", "mnist",
-            "imdb_reviews")
-TASK_SIZES = (8000, 2000)   # classes, teacher: training and validation examples
+DATASETS = ("digits", "synthetic", "synthetic_text", "classes", "teacher", "regions", "shapes",
+            "counting", "cifar10", "mnist", "imdb_reviews")
+TASK_SIZES = (8000, 2000)   # the generated tasks: training and validation examples
+COUNTING_VOCAB, COUNTING_LENGTH, COUNTING_KEYS = 16, 20, 10
 SYNTHETIC_VOCAB = 1000
 
 Data = collections.namedtuple(
@@ -87,6 +89,53 @@ def _teacher(config):
   return _split_task(x, y, config, 10)
 
 
+def _regions(config):
+  """20 dimensions, 10 classes, each the union of the Voronoi cells of 4 random centres
+  (40 in all): a piecewise-linear decision function with many regions, 3% labels flipped."""
+  rng = np.random.default_rng(1234)
+  centres = rng.standard_normal((40, 20))
+  x = rng.standard_normal((sum(TASK_SIZES), 20))
+  nearest = np.argmin(((x[:, None, :] - centres[None]) ** 2).sum(-1), axis=1)
+  y = nearest % 10
+  flip = rng.random(len(y)) < 0.03
+  y[flip] = rng.integers(0, 10, flip.sum())
+  return _split_task(x, y, config, 10)
+
+
+def _shapes(config):
+  """16 x 16 one-channel images, 10 classes: each class a fixed smooth random template,
+  drawn at a random shift (up to 4 pixels, wrapping), random contrast, and noise."""
+  rng = np.random.default_rng(1234)
+  n = sum(TASK_SIZES)
+  freq = np.fft.fftfreq(16)
+  low = (np.abs(freq)[:, None] < 0.2) & (np.abs(freq)[None, :] < 0.2)
+  templates = np.real(np.fft.ifft2(np.fft.fft2(rng.standard_normal((10, 16, 16))) * low))
+  templates /= templates.std(axis=(1, 2), keepdims=True)
+  y = rng.integers(0, 10, n)
+  shifts = rng.integers(-4, 5, (n, 2))
+  x = np.stack([np.roll(templates[c], tuple(d), axis=(0, 1)) for c, d in zip(y, shifts)])
+  x = x * rng.uniform(0.5, 1.5, (n, 1, 1)) + 1.2 * rng.standard_normal(x.shape)
+  n_train, n_val = TASK_SIZES
+  x = ((x - x[:n_train].mean()) / x[:n_train].std()).astype("float32")[..., None]
+  return _from_arrays(x[:n_train], y[:n_train].astype("int64"), x[n_train:], y[n_train:].astype(
+      "int64"), config.batch_size, config.seed, 10)
+
+
+def _counting(config):
+  """Sequences of 20 tokens of a 16-token vocabulary; the label is which of the 10 key tokens
+  (ids 0-9) occurs most often (ties: the lowest id). Needs counting over the whole
+  sequence: an attention or recurrent model's task."""
+  rng = np.random.default_rng(1234)
+  n = sum(TASK_SIZES)
+  x = rng.integers(0, COUNTING_VOCAB, (n, COUNTING_LENGTH))
+  counts = np.stack([(x == t).sum(1) for t in range(COUNTING_KEYS)], axis=1)
+  y = np.argmax(counts, axis=1)
+  n_train, n_val = TASK_SIZES
+  return _from_arrays(x[:n_train].astype("int32"), y[:n_train].astype("int64"),
+                      x[n_train:].astype("int32"), y[n_train:].astype("int64"),
+                      config.batch_size, config.seed, COUNTING_KEYS, COUNTING_VOCAB)
+
+
 def _synthetic_text(config):
   """Random token ids; the label says whether low ids (< V/2) are the majority: learnable by
   counting, for sequence models offline."""
@@ -137,14 +186,7 @@ def _tfds(config, name):
 def load(config):
   """The training and validation data of `config.dataset`, batched by `config.batch_size`."""
   name = names.lookup("dataset", config.dataset, DATASETS)
-  if name == "digits":
-    return _digits(config)
-  if name == "synthetic":
-    return _synthetic(config)
-  if name == "synthetic_text":
-    return _synthetic_text(config)
-  if name == "classes":
-    return _classes(config)
-  if name == "teacher":
-    return _teacher(config)
-  return _tfds(config, name)
+  offline = {"digits": _digits, "synthetic": _synthetic, "synthetic_text": _synthetic_text,
+             "classes": _classes, "teacher": _teacher, "regions": _regions, "shapes": _shapes,
+             "counting": _counting}
+  return offline[name](config) if name in offline else _tfds(config, name)

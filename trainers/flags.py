@@ -55,6 +55,12 @@ def define_flags():
   flags.DEFINE_bool("delay_momentum", False,
                     "asynchronous pipelines: lower each stage's momentum by its delay D to "
                     "max(0, momentum - D/(D+1)) (Mitliagkas et al. 2016)")
+  flags.DEFINE_bool("nesterov", False,
+                    "asynchronous pipelines: every stage's update looks ahead along its momentum "
+                    "(Nesterov; with --method=pipedream, Ajanthan et al. 2025)")
+  flags.DEFINE_float("delay_compensation", 0.0,
+                     "DC-ASGD's lambda (0: off): move each gradient from the weights its "
+                     "forward read to the current ones, g + lambda*g*g*(W - W_read)")
   flags.DEFINE_integer("lr_rescheduling", None,
                        "PipeMare's learning-rate rescheduling over this many updates (0: off; "
                        "default: 500 for --method=pipemare, else off)")

@@ -57,8 +57,9 @@ def _method_options(config, tools):
     return {"grid": config.grid}
   mitigation = dict(spike_compensation=config.spike_compensation,
                     delay_momentum=config.delay_momentum, lr_rescheduling=config.lr_rescheduling,
-                    discrepancy_decay=config.discrepancy_decay)
-  chosen = [f"--{k}" for k, v in mitigation.items() if v not in (None, False)]
+                    discrepancy_decay=config.discrepancy_decay, nesterov=config.nesterov,
+                    delay_compensation=config.delay_compensation)
+  chosen = [f"--{k}" for k, v in mitigation.items() if v not in (None, False, 0.0)]
   if config.method not in tfpipe.PIPELINE_METHODS and chosen:
     raise ValueError(f"{chosen[0]} mitigates pipeline staleness; --method={config.method} is not "
                      "a pipeline")

@@ -5,7 +5,8 @@ EPFL report). Flat inputs: snn (seed 000: 32 x 2048 SELU), dnn (seed 001: 7 x
 2048 sigmoid), mlp (8 x 256 ReLU, the staleness benchmark's). Token sequences: transformer (seed 000: 6 + 6 blocks, 8 heads,
 512 units), bert (EPFL report: 3 encoders, 768 hidden, 12 heads),
 residual_lstm (seed 000: 8 LSTM layers; 512 embedding, 512 output, 1024
-memory units). Repeated blocks (residual, inception, encoder, decoder, LSTM
+memory units). The staleness benchmark's: mlp, small_cnn (images), counter
+(tokens). Repeated blocks (residual, inception, encoder, decoder, LSTM
 layers) are nested Keras models, so a pipeline cuts between blocks, as the
 EPFL report partitions ResNet20 into 11 layers and BERT into encoders.
 """
@@ -21,11 +22,12 @@ MODELS = {
     "inception_v4": cnn.inception_v4,
     "transformer": sequence.transformer, "bert": sequence.bert,
     "residual_lstm": sequence.residual_lstm,
+    "small_cnn": cnn.small_cnn, "counter": sequence.counter,
 }
 # What each model reads: "image" (H, W, C), "flat" (anything, flattened), "tokens" (ids).
 INPUTS = {"snn": "flat", "dnn": "flat", "mlp": "flat", "vgg16": "image", "resnet20": "image",
           "resnet152": "image", "inception_v4": "image", "transformer": "tokens",
-          "bert": "tokens", "residual_lstm": "tokens"}
+          "bert": "tokens", "residual_lstm": "tokens", "small_cnn": "image", "counter": "tokens"}
 
 
 def build(name, input_shape, num_classes, scale=1.0, **options):

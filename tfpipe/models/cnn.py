@@ -1,4 +1,5 @@
-"""Convolutional workloads for CIFAR-10-sized images: VGG16, ResNet20, ResNet-152, Inception v4.
+"""Convolutional workloads for CIFAR-10-sized images: VGG16, ResNet20, ResNet-152, Inception v4;
+and the staleness benchmark's small CNN.
 
 Every residual or inception block is a nested Keras model (one layer of the
 outer model), so pipelines cut between blocks. `scale` multiplies the
@@ -7,7 +8,7 @@ channel counts.
 
 import keras
 
-__all__ = ["vgg16", "resnet20", "resnet152", "inception_v4"]
+__all__ = ["vgg16", "resnet20", "resnet152", "inception_v4", "small_cnn"]
 
 _VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 
@@ -179,3 +180,19 @@ def inception_v4(input_shape, num_classes, scale=1.0):
   for i in range(3):
     x = _block(x, _inception_c(scale), f"inception_c{i}")
   return keras.Model(inputs, _head(x, num_classes), name="inception_v4")
+
+
+def small_cnn(input_shape, num_classes, scale=1.0, blocks=4):
+  """The staleness benchmark's image model (`bench/staleness.py`, task `shapes`): `blocks`
+  blocks of two 3x3 ReLU convolutions (32 channels x scale), a 2x2 pool after each of the
+  first two, global average pooling and the logits. No BatchNormalization, so that
+  micro-batches do not change the statistics a method trains with."""
+  x = inputs = keras.Input(input_shape)
+  for b in range(blocks):
+    for i in range(2):
+      x = keras.layers.Conv2D(_c(32, scale), 3, padding="same", activation="relu",
+                              name=f"conv{b}_{i}")(x)
+    if b < 2:
+      x = keras.layers.MaxPooling2D(name=f"pool{b}")(x)
+  x = keras.layers.GlobalAveragePooling2D(name="global_pool")(x)
+  return keras.Model(inputs, keras.layers.Dense(num_classes, name="logits")(x), name="small_cnn")

@@ -1,4 +1,5 @@
-"""Token-sequence workloads: seed 000's Transformer and Residual LSTM, the EPFL report's BERT.
+"""Token-sequence workloads: seed 000's Transformer and Residual LSTM, the EPFL report's BERT;
+and the staleness benchmark's small attention classifier.
 
 L: sequence length, V: vocabulary size, d: model width. Inputs are integer
 token ids of shape (L,). The embedding is the first layer (an embedding
@@ -10,7 +11,7 @@ given; a head is at least one unit wide).
 import keras
 from keras import ops
 
-__all__ = ["transformer", "bert", "residual_lstm"]
+__all__ = ["transformer", "bert", "residual_lstm", "counter"]
 
 
 def _w(units, scale):
@@ -116,3 +117,16 @@ def residual_lstm(input_shape, num_classes, scale=1.0, vocab_size=20000, layers=
   last = keras.layers.Lambda(lambda t: t[:, -1], name="last_step")(x)
   return keras.Model(tokens, keras.layers.Dense(num_classes, name="logits")(last),
                      name="residual_lstm")
+
+
+def counter(input_shape, num_classes, scale=1.0, vocab_size=16, encoders=4, heads=2, width=64):
+  """The staleness benchmark's sequence model (`bench/staleness.py`, task `counting`): token
+  and position embeddings, `encoders` encoder blocks (width x scale, `heads` heads, a 2 x
+  width ReLU feed-forward), mean over positions, logits."""
+  d = _w(width, scale)
+  tokens = keras.Input(input_shape, dtype="int32")
+  x = _embed(tokens, vocab_size, d, "embedding")
+  for i in range(encoders):
+    x = _encoder((input_shape[0], d), heads, 2 * d, f"encoder{i}")(x)
+  x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+  return keras.Model(tokens, keras.layers.Dense(num_classes, name="logits")(x), name="counter")
