@@ -158,3 +158,49 @@ def test_nesterov_needs_a_momentum_optimizer():
 def test_2bw_refuses_too_few_micro_batches():
   with pytest.raises(ValueError, match=r"at least K - 1 = 3 micro-batches.*micro_batches=2"):
     tfpipe.Pipeline(helpers.mlp(), num_stages=4, method="2bw", micro_batches=2)
+
+
+@pytest.mark.parametrize("asked,advice_table,expected", [
+    ({}, {"spike_compensation": True, "version_difference": "exact"},
+     {"spike_compensation": True, "version_difference": "exact"}),
+    ({"spike_compensation": False}, {"spike_compensation": True, "version_difference": "exact"},
+     {"spike_compensation": False, "version_difference": "exact"}),   # a value passed is kept
+    ({"spike_compensation": True}, {"nesterov": True}, {"spike_compensation": True,
+                                                        "nesterov": False}),   # excluded
+    ({}, {}, {"spike_compensation": False, "version_difference": "paper"}),
+])
+def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, advice_table,
+                                                         expected):
+  from tfpipe import advice
+  monkeypatch.setitem(advice.SPECTRAIN, "sgd", advice_table)
+  pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
+                                    method="spectrain", **asked)
+  assert "advised for the optimizer at compile" in pipe.summary() or asked
+  compile_(SGD(), _loss())
+  for name, value in expected.items():
+    assert getattr(pipe.options, name) == value, name
+  advised = {n: v for n, v in advice_table.items() if n not in asked and expected.get(n, v)}
+  assert (f"{', '.join(sorted(advised))} advised for sgd" in pipe.summary()) == bool(advised)
+  # The advised run is the rule of those options: equal to the reference given them.
+  bs = _batches(6)
+  x, y = helpers.as_arrays(bs)
+  options = {n: getattr(pipe.options, n) for n in ("spike_compensation", "version_difference",
+                                                   "nesterov")}
+  ref = reference.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
+                                  optimizer=SGD(), **options)[0]
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  for actual, r in zip(_stage_weights(pipe), ref):
+    helpers.assert_weights_close(actual, r, rtol=1e-7, atol=1e-9)
+
+
+def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
+  from tfpipe import advice
+  monkeypatch.setitem(advice.SPECTRAIN, "sgd", {"spike_compensation": True})
+  pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
+                                    method="pipedream")
+  compile_(SGD(), _loss())
+  assert pipe.options.spike_compensation is False and "advised" not in pipe.summary()
+  pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
+                                    method="spectrain")
+  compile_(keras.optimizers.Adam(), _loss())   # the Adam family's advice: none here
+  assert pipe.options.spike_compensation is False and "advised for" not in pipe.summary()

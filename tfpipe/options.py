@@ -8,7 +8,7 @@ import warnings
 
 import keras
 
-from tfpipe import mitigations, runtime
+from tfpipe import advice, mitigations, runtime
 from tfpipe.instruments import prediction_error as prediction_error_lib, trace
 from tfpipe.plan import names, policies, tasks
 
@@ -28,24 +28,28 @@ class Options:
   instruments, as a `tfpipe.Pipeline` was asked for them."""
 
   def __init__(self, model, method="spectrain", spectrain_backward="reuse",
-               version_difference="paper", micro_batches=None, recompute=None, lockstep=False,
+               version_difference=None, micro_batches=None, recompute=None, lockstep=False,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
-               executor=None, spike_compensation=False, delay_momentum=False,
+               executor=None, spike_compensation=None, delay_momentum=False,
                lr_rescheduling=None, discrepancy_decay=None, batch_statistics="warn",
-               virtual_stages=None, nesterov=False, delay_compensation=0.0):
+               virtual_stages=None, nesterov=None, delay_compensation=None):
     self.policy = policies.policy_for(method, spectrain_backward, recompute, lockstep,
                                       virtual_stages)
     self.method = self.policy.method
     self._micro_batches_asked, self._batch_statistics = micro_batches, batch_statistics
     self.micro_batches = policies.micro_batches_for(self.policy, micro_batches)
-    self.version_difference = names.lookup(
-        "version_difference", version_difference, policies.VERSION_DIFFERENCES)
-    if self.policy.predicts and self.micro_batches > 1 and self.version_difference == "paper":
-      raise ValueError(
-          "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
-          f"micro_batches={self.micro_batches} use version_difference='exact'")
-    self._set_mitigations(spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay)
-    self._set_updates(nesterov, delay_compensation)
+    asked = {"version_difference": version_difference, "spike_compensation": spike_compensation,
+             "nesterov": nesterov, "delay_compensation": delay_compensation}
+    # Left None: advised for the optimizer at compile (`tfpipe.advice`); until then the plain
+    # method's values.
+    self._unset = [n for n, v in asked.items() if v is None]
+    self.advised, self._advice_done = {}, False
+    values = dict(asked, **{n: advice.ADVISABLE[n] for n in self._unset})
+    if "version_difference" in self._unset and self.policy.predicts and self.micro_batches > 1:
+      values["version_difference"] = "exact"   # the one that counts micro-batch updates
+    self._set_options(values["version_difference"], values["spike_compensation"],
+                      delay_momentum, lr_rescheduling, discrepancy_decay, values["nesterov"],
+                      values["delay_compensation"])
     self._check_batch_statistics(model, batch_statistics)
     self.trace_steps = trace.parse_steps(trace_steps)
     if self.trace_steps is not None and not trace_dir:
@@ -61,8 +65,55 @@ class Options:
                        f"PredictionError. Received: {prediction_error!r}")
     self.prediction_error = prediction_error or None
 
+  def _set_options(self, version_difference, spike_compensation, delay_momentum,
+                   lr_rescheduling, discrepancy_decay, nesterov, delay_compensation):
+    self.version_difference = names.lookup(
+        "version_difference", version_difference, policies.VERSION_DIFFERENCES)
+    if self.policy.predicts and self.micro_batches > 1 and self.version_difference == "paper":
+      raise ValueError(
+          "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
+          f"micro_batches={self.micro_batches} use version_difference='exact'")
+    self._set_mitigations(spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay)
+    self._set_updates(nesterov, delay_compensation)
+
+  def advise(self, optimizer, delayed):
+    """Sets the options left None to what `tfpipe.advice` says for `optimizer` (at compile),
+    each only where it can act (`delayed`: some stage has a delay; an optimizer its rule is
+    written for; not beside a user's option that excludes it)."""
+    if not self._unset:
+      return
+    values = advice.advised(self.method, optimizer, self._unset)
+    if "version_difference" in values and self.policy.predicts and self.micro_batches > 1:
+      values["version_difference"] = "exact"
+    for name in ("spike_compensation", "nesterov", "delay_compensation"):
+      if not values.get(name):
+        continue
+      try:
+        if not delayed:
+          raise ValueError("no delay")
+        if name != "delay_compensation":
+          mitigations.check_optimizer(optimizer, name)
+        elif tasks.op(self.policy, "B").reads != "kept":
+          raise ValueError("recomputes")
+      except ValueError:
+        values[name] = advice.ADVISABLE[name]
+    if values.get("nesterov") and self.spike_compensation:   # the user's spike compensation
+      values["nesterov"] = False
+    if values.get("spike_compensation") and self.nesterov and "nesterov" not in values:
+      values["spike_compensation"] = False
+    current = {"version_difference": self.version_difference,
+               "spike_compensation": self.spike_compensation, "nesterov": self.nesterov,
+               "delay_compensation": self.delay_compensation}
+    current.update(values)
+    self._set_options(current["version_difference"], current["spike_compensation"],
+                      self.delay_momentum, self._asked_rescheduling, self._asked_decay,
+                      current["nesterov"], current["delay_compensation"])
+    self.advised = {n: v for n, v in values.items() if v != advice.ADVISABLE[n]}
+    self._advised_for, self._advice_done = advice.family(optimizer), True
+
   def _set_mitigations(self, spike_compensation, delay_momentum, lr_rescheduling,
                        discrepancy_decay):
+    self._asked_rescheduling, self._asked_decay = lr_rescheduling, discrepancy_decay
     for name, value in (("spike_compensation", spike_compensation),
                         ("delay_momentum", delay_momentum)):
       if value not in (True, False):
@@ -140,6 +191,7 @@ class Options:
     refuses options that cannot act (no delay, an optimizer their rule is not written for)."""
     delays = mitigations.delays_for(self.policy.schedule, num_stages, self.micro_batches,
                                     self.policy.virtual_stages)
+    self.advise(optimizer, any(delays))
     if self._default_rescheduling:   # pipemare's default: on where its rule is written
       try:
         mitigations.check_optimizer(optimizer, "lr_rescheduling")
@@ -164,4 +216,9 @@ class Options:
     on = [n if v is True else f"{n}={v}" for n, v in self.update_options()]
     on += [f"discrepancy_decay={self.discrepancy_decay}"] if self.method == "pipemare" else []
     micro += f", {', '.join(on)}" if on else ""
+    if self.advised:
+      micro += (f" ({', '.join(sorted(self.advised))} advised for {self._advised_for}: "
+                "tfpipe.advice)")
+    elif self._unset and self.method == "spectrain" and not self._advice_done:
+      micro += " (options left unset: advised for the optimizer at compile)"
     return f"tfpipe.Pipeline: method={self.method}, {num_stages} stages{micro}"

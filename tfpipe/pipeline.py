@@ -72,7 +72,13 @@ class Pipeline:
       backward's version difference; in TensorFlow this recomputes the
       stage from its saved input: one extra forward per backward).
     version_difference: "paper" (seed 000 eq. 5-6) or "exact" (counted from
-      the schedule).
+      the schedule). None: "paper" ("exact" with micro-batches), except where
+      `tfpipe.advice` advises otherwise (below).
+    spike_compensation, nesterov, delay_compensation, version_difference left
+      None: with method "spectrain", set at `compile` to what `tfpipe.advice`
+      advises for the optimizer (the SpecTrain variant that held best over
+      `bench/staleness.py`'s tasks; `summary()` names it); otherwise off
+      ("paper"). A value passed is kept.
     micro_batches: M, micro-batches per mini-batch: for "gpipe", "1f1b",
       "zb" and "timeprest" (default 4), and for "vanilla", "pipedream" and
       "spectrain" (default 1), whose stages then accumulate the M gradients
@@ -136,13 +142,13 @@ class Pipeline:
   AUTO_REMOTE_WINDOW = 64
 
   def __init__(self, model, devices=None, num_stages=None, method="spectrain",
-               partition="uniform", spectrain_backward="reuse", version_difference="paper",
+               partition="uniform", spectrain_backward="reuse", version_difference=None,
                micro_batches=None, recompute=None, lockstep=False, profile_batch_size=32,
                record=False, trace_steps=None, trace_dir=None, prediction_error=None,
-               stage_replicas=None, jit_compile=None, executor=None, spike_compensation=False,
+               stage_replicas=None, jit_compile=None, executor=None, spike_compensation=None,
                delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None,
-               batch_statistics="warn", data_parallel=1, virtual_stages=None, nesterov=False,
-               delay_compensation=0.0):
+               batch_statistics="warn", data_parallel=1, virtual_stages=None, nesterov=None,
+               delay_compensation=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     overrides = compat.trainer_overrides(model)

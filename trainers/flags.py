@@ -34,7 +34,9 @@ def define_flags():
                        "is cut into num_stages x virtual_stages stages")
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
-  flags.DEFINE_string("version_difference", "paper", "spectrain version difference: paper, exact")
+  flags.DEFINE_string("version_difference", None,
+                      "spectrain version difference: paper, exact (default: tfpipe.advice's "
+                      "for the optimizer, else paper)")
   flags.DEFINE_integer("micro_batches", None,
                        "micro-batches per mini-batch (gpipe, 1f1b, interleaved, zb, timeprest: default 4; "
                        "vanilla, "
@@ -49,16 +51,17 @@ def define_flags():
                       "a callback reads every batch, else 16)")
   flags.DEFINE_bool("lockstep", False,
                     "ddg, feature_replay: end every step with a barrier on all stages")
-  flags.DEFINE_bool("spike_compensation", False,
+  flags.DEFINE_bool("spike_compensation", None,
                     "asynchronous pipelines: give each delayed gradient the momentum it missed "
-                    "at once (Kosson et al. 2021)")
+                    "at once (Kosson et al. 2021); default: --method=spectrain takes "
+                    "tfpipe.advice's for the optimizer, others off")
   flags.DEFINE_bool("delay_momentum", False,
                     "asynchronous pipelines: lower each stage's momentum by its delay D to "
                     "max(0, momentum - D/(D+1)) (Mitliagkas et al. 2016)")
-  flags.DEFINE_bool("nesterov", False,
+  flags.DEFINE_bool("nesterov", None,
                     "asynchronous pipelines: every stage's update looks ahead along its momentum "
                     "(Nesterov; with --method=pipedream, Ajanthan et al. 2025)")
-  flags.DEFINE_float("delay_compensation", 0.0,
+  flags.DEFINE_float("delay_compensation", None,
                      "DC-ASGD's lambda (0: off): move each gradient from the weights its "
                      "forward read to the current ones, g + lambda*g*g*(W - W_read)")
   flags.DEFINE_integer("lr_rescheduling", None,
