@@ -10,8 +10,9 @@ optimizers (the plain method's).
 import keras
 
 from tfpipe import mitigations
+from tfpipe.plan import tasks
 
-__all__ = ["ADVISABLE", "SPECTRAIN", "family", "advised"]
+__all__ = ["ADVISABLE", "SPECTRAIN", "family", "advised", "resolve"]
 
 ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nesterov": False,
              "delay_compensation": 0.0}
@@ -37,3 +38,32 @@ def advised(method, optimizer, unset):
   `method` and `optimizer`'s family, the plain defaults otherwise."""
   table = SPECTRAIN.get(family(optimizer), {}) if method == "spectrain" else {}
   return {name: table.get(name, ADVISABLE[name]) for name in unset}
+
+
+def resolve(policy, micro_batches, optimizer, unset, delayed, given):
+  """{option: value} for the options in `unset` under `policy` (`tfpipe.plan.policies`) with
+  `micro_batches` and `optimizer`: the advice, each option only where it can act (`delayed`:
+  some stage has a delay; an optimizer its rule is written for; a backward that reads the
+  forward's weights for delay compensation; not beside an option in `given`, the values
+  passed, that excludes it), else its plain value ("exact" version differences with
+  micro-batches, whose updates "paper" does not count)."""
+  values = advised(policy.method, optimizer, unset)
+  if "version_difference" in values and policy.predicts and micro_batches > 1:
+    values["version_difference"] = "exact"
+  for name in ("spike_compensation", "nesterov", "delay_compensation"):
+    if not values.get(name):
+      continue
+    try:
+      if not delayed:
+        raise ValueError("no delay")
+      if name != "delay_compensation":
+        mitigations.check_optimizer(optimizer, name)
+      elif tasks.op(policy, "B").reads != "kept":
+        raise ValueError("recomputes")
+    except ValueError:
+      values[name] = ADVISABLE[name]
+  if values.get("nesterov") and given.get("spike_compensation"):
+    values["nesterov"] = False
+  if values.get("spike_compensation") and given.get("nesterov") and "nesterov" not in values:
+    values["spike_compensation"] = False
+  return values

@@ -82,25 +82,9 @@ class Options:
     written for; not beside a user's option that excludes it)."""
     if not self._unset:
       return
-    values = advice.advised(self.method, optimizer, self._unset)
-    if "version_difference" in values and self.policy.predicts and self.micro_batches > 1:
-      values["version_difference"] = "exact"
-    for name in ("spike_compensation", "nesterov", "delay_compensation"):
-      if not values.get(name):
-        continue
-      try:
-        if not delayed:
-          raise ValueError("no delay")
-        if name != "delay_compensation":
-          mitigations.check_optimizer(optimizer, name)
-        elif tasks.op(self.policy, "B").reads != "kept":
-          raise ValueError("recomputes")
-      except ValueError:
-        values[name] = advice.ADVISABLE[name]
-    if values.get("nesterov") and self.spike_compensation:   # the user's spike compensation
-      values["nesterov"] = False
-    if values.get("spike_compensation") and self.nesterov and "nesterov" not in values:
-      values["spike_compensation"] = False
+    given = {"spike_compensation": self.spike_compensation, "nesterov": self.nesterov}
+    values = advice.resolve(self.policy, self.micro_batches, optimizer, self._unset, delayed,
+                            given)
     current = {"version_difference": self.version_difference,
                "spike_compensation": self.spike_compensation, "nesterov": self.nesterov,
                "delay_compensation": self.delay_compensation}

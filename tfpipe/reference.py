@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import mitigations, optimizers
+from tfpipe import advice, mitigations, optimizers
 from tfpipe.plan import policies, schedules, tasks, verify
 
 __all__ = ["reference_train"]
@@ -132,10 +132,10 @@ class _Rule:
 
 
 def reference_train(stage_models, loss_fn, batches, method, learning_rate, momentum,
-                    spectrain_backward="reuse", version_difference="paper", epochs=1,
+                    spectrain_backward="reuse", version_difference=None, epochs=1,
                     micro_batches=None, recompute=None, lockstep=False, optimizer=None,
-                    spike_compensation=False, delay_momentum=False, lr_rescheduling=None,
-                    discrepancy_decay=None, nesterov=False, delay_compensation=0.0):
+                    spike_compensation=None, delay_momentum=False, lr_rescheduling=None,
+                    discrepancy_decay=None, nesterov=None, delay_compensation=None):
   """Trains the stages by the rule of `method`; returns the final weights of every stage.
 
   Args:
@@ -148,7 +148,8 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     optimizer: None (the SpecTrain rule with learning_rate and momentum), or a
       SpecTrain, SGD, Adam or AdamW object whose hyperparameters the rules read.
     spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay,
-      nesterov, delay_compensation: as in `tfpipe.Pipeline` (`tfpipe.mitigations`),
+      nesterov, delay_compensation: as in `tfpipe.Pipeline` (`tfpipe.mitigations`; left
+      None, what `tfpipe.advice` resolves for the method and optimizer),
       the delay D_k of stage k being the largest exact version difference of its
       forwards.
 
@@ -163,6 +164,14 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
   delays = mitigations.delays_for(policy.schedule, K, M, policy.virtual_stages)
+  asked = {"version_difference": version_difference, "spike_compensation": spike_compensation,
+           "nesterov": nesterov, "delay_compensation": delay_compensation}
+  unset = [n for n, v in asked.items() if v is None]
+  rule_optimizer = optimizer if optimizer is not None else optimizers.SpecTrain(learning_rate,
+                                                                                momentum)
+  asked.update(advice.resolve(policy, M, rule_optimizer, unset, any(delays), asked))
+  version_difference, spike_compensation = asked["version_difference"], asked["spike_compensation"]
+  nesterov, delay_compensation = asked["nesterov"], asked["delay_compensation"]
   if lr_rescheduling is None:
     lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING if method == "pipemare" else 0
   if discrepancy_decay is None:
