@@ -92,7 +92,8 @@ TASKS = {
 }
 BASELINE_REPLICAS = 2   # MirroredStrategy on 8 logical CPUs of 2 cores ran at 135 samples/s
 DEFAULT = [n for n in OPTIONS if n not in ("vanilla+sc", "pipedream+resched",
-                                           "spectrain+sc+resched", "single/adam")]
+                                           "spectrain+sc+resched", "spectrain+nesterov",
+                                           "spectrain+dc")]
 # The rows the advice is drawn from on every task (both baselines' rules are Keras's; single,
 # six times faster here than MirroredStrategy on 2 logical CPUs, is the reference run).
 ADVICE = ["single", "single/adam", "spectrain", "spectrain+sc/exact", "timeprest", "2bw",
@@ -107,7 +108,8 @@ flags.DEFINE_list("learning_rate_index", ["0", "1"],
 flags.DEFINE_list("stages", ["2", "4", "8"], "pipeline depths K")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "training seeds (initial weights, data order)")
 flags.DEFINE_list("options", ["default"],
-                  f"rows: default (all but vanilla+sc and the rescheduling rows), advice (the "
+                  f"rows: default (all but vanilla+sc, the rescheduling rows, spectrain+nesterov "
+                  f"and spectrain+dc), advice (the "
                   f"rows the advice ranks), all, or some of {', '.join(OPTIONS)}")
 flags.DEFINE_integer("epochs", 15, "epochs per run")
 flags.DEFINE_integer("batch_size", 128, "batch size")

@@ -19,7 +19,7 @@ ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nester
 
 # family -> {option: value}; options not named keep their ADVISABLE value.
 SPECTRAIN = {
-    "sgd": {},
+    "sgd": {"version_difference": "exact", "spike_compensation": True},
     "adam": {},
 }
 
