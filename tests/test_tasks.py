@@ -21,6 +21,7 @@ RULES = {
     "zbv": ("current", "tape", "kept"),
     "vanilla": ("current", "inputs", "current"),
     "pipedream": ("current", "tape", "kept"),
+    "2bw": ("delayed", "tape", "kept"),
     "spectrain": ("predicted", "tape", "kept"),
     "ddg": ("current", "tape", "kept"),
     "feature_replay": ("current", "inputs", "current"),
