@@ -7,11 +7,12 @@ import functools
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _stage_weights, LR, MOMENTUM
-from tfpipe import optimizers, reference
+from tfpipe import optimizers, reduction, reference
 import tfpipe
 
 
@@ -88,13 +89,69 @@ def test_the_trainer_runs_replicated_and_interleaved_pipelines_and_refuses_bad_o
   from trainers import config as config_lib, main
   config = config_lib.TrainConfig(model="snn", dataset="digits", method="1f1b", num_stages=2,
                                   data_parallel=2, snn_width=16, snn_depth=3, batch_size=16,
-                                  steps=3, epochs=1, verbose=0, logdir="")
+                                  steps=3, epochs=1, verbose=0, logdir="",
+                                  cross_device_ops="hierarchical_copy")
   history, trainer, _ = main.run(config)
   assert trainer.data_parallel == 2 and history["loss"][0] > 0
+  assert isinstance(trainer.programs[0].cross_device_ops, tf.distribute.HierarchicalCopyAllReduce)
   history, trainer, _ = main.run(dataclasses.replace(config, method="interleaved",
-                                                     data_parallel=1, virtual_stages=2))
+                                                     data_parallel=1, virtual_stages=2,
+                                                     cross_device_ops=None))
   assert trainer.num_stages == 4 and len(set(trainer.devices)) == 2 and history["loss"][0] > 0
   with pytest.raises(ValueError, match="--data_parallel replicates a pipeline"):
     main.run(dataclasses.replace(config, method="single"))
   with pytest.raises(ValueError, match="virtual stages work with interleaved"):
     main.run(dataclasses.replace(config, data_parallel=1, virtual_stages=2))
+
+
+class _CountingReduction(tf.distribute.ReductionToOneDevice):
+  """Reduces as its parent and counts the tensors it summed."""
+
+  def __init__(self):
+    super().__init__()
+    self.reduced = 0
+
+  def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+    self.reduced += len(value_destination_pairs)
+    return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+def test_replicas_gradients_are_summed_by_the_cross_device_ops_given():
+  ops = _CountingReduction()
+  pipe = _assert_equals_keras(functools.partial(helpers.skip_model, dtype="float64"), 2, "1f1b",
+                              loss_dtype="float64", micro_batches=2, batch_size=18,
+                              data_parallel=2, cross_device_ops=ops)
+  weights = [len(p.trainable) for p in pipe.programs]
+  assert ops.reduced >= sum(weights)   # every weight of every stage, at least once per trace
+  assert all(p.cross_device_ops is ops for p in pipe.programs)
+
+
+def test_replicate_sums_the_copies_gradients_with_an_unused_copy_as_zeros():
+  w = tf.Variable([1.0, 2.0])
+  devices = [DEVICES[0], DEVICES[1]]
+  for name in reduction.NAMES:
+    if name == "nccl":
+      continue   # GPUs only
+    ops = reduction.choose(devices, name)
+
+    @tf.function
+    def grads():
+      with tf.GradientTape() as tape:
+        (a, unused), (b, c) = reduction.replicate([tf.convert_to_tensor(w), w * 2.0], devices,
+                                                  ops)
+        with tf.device(devices[1]):
+          loss = tf.reduce_sum(a * 3.0) + tf.reduce_sum(b * b) + tf.reduce_sum(c)
+      return tape.gradient(loss, w)
+
+    np.testing.assert_allclose(grads().numpy(), [3 + 2 + 2, 3 + 4 + 2])
+
+
+def test_cross_device_ops_default_to_mirrored_strategys_choice_and_refuse_bad_values():
+  assert isinstance(reduction.choose(DEVICES[:2]), tf.distribute.ReductionToOneDevice)
+  assert isinstance(reduction.choose(["/gpu:0", "/gpu:1"]), tf.distribute.NcclAllReduce)
+  assert isinstance(reduction.choose(["/job:worker/task:0/gpu:0", "/job:worker/task:1/gpu:0"]),
+                    tf.distribute.ReductionToOneDevice)
+  for bad, message in (("ring", "unknown `cross_device_ops` 'ring'"), (3, "Received: 3")):
+    with pytest.raises(ValueError, match=message):
+      tfpipe.Pipeline(helpers.sequential_mlp(), num_stages=2, method="1f1b", data_parallel=2,
+                      cross_device_ops=bad)

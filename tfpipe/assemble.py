@@ -65,7 +65,8 @@ def programs(pipe, optimizer, step):
         loss_tracker=step.loss_tracker if last else None, jit_compile=pipe.jit_compile,
         replica_devices=pipe.stage_devices[k], rule=rules[k],
         reg_trackers=[p.reg_tracker for p in result if p.reg_tracker] if last else None,
-        optimizer_source=optimizer, grouped=pipe.data_parallel > 1))
+        optimizer_source=optimizer, grouped=pipe.data_parallel > 1,
+        cross_device_ops=pipe.cross_device_ops))
   for p in result:
     p.check_kept_tapes()
   return result

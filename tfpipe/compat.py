@@ -7,8 +7,9 @@ labels' shape), the optimizer state that `get_config` does not carry
 (`exclude_from_weight_decay`, the update count, a variable's slot index), and
 the model's metric list that callbacks read. From TensorFlow: the call options
 of function calls (the compiled executor's unoptimised window graph), the
-payload that marks a derived error, and the profiler's converter from a
-profile to trace events. Keras and TensorFlow may move these: `missing()`
+payload that marks a derived error, the profiler's converter from a
+profile to trace events, and the per-replica values that `tf.distribute`'s
+cross-device ops reduce. Keras and TensorFlow may move these: `missing()`
 names what the installed versions lack, and a test fails loudly on it.
 """
 
@@ -16,12 +17,13 @@ import contextlib
 
 import keras
 from keras.src.trainers import compile_utils as _compile_utils
+from tensorflow.python.distribute import values as _tf_distribute_values
 from tensorflow.python.eager import context as _tf_context
 
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls", "NOT_INLINED",
            "is_derived", "variable_index", "uses_weight_decay", "update_count", "set_update_count",
-           "learning_rate_value", "model_metrics", "profile_trace_events"]
+           "learning_rate_value", "model_metrics", "profile_trace_events", "per_replica"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -49,7 +51,8 @@ def missing():
            (_compile_utils, "MetricsList"), (optimizer, "_var_key"),
            (optimizer, "_use_weight_decay"), (optimizer, "_get_variable_index"),
            (optimizer, "exclude_from_weight_decay")]
-  needs += [(_tf_context, "FunctionCallOptions"), (_tf_context.Context, "function_call_options")]
+  needs += [(_tf_context, "FunctionCallOptions"), (_tf_context.Context, "function_call_options"),
+            (_tf_distribute_values, "PerReplica")]
   gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
           if not hasattr(owner, name)]
   probe = keras.optimizers.AdamW()
@@ -132,6 +135,12 @@ def is_derived(error):
   function that calls others across devices may report such a cancellation instead of the
   first error."""
   return _DERIVED in (getattr(error, "experimental_payloads", None) or {})
+
+
+def per_replica(values):
+  """`values` (one tensor per replica device) as the `tf.distribute.DistributedValues` that a
+  `tf.distribute.CrossDeviceOps` reduces (`tfpipe.reduction`)."""
+  return _tf_distribute_values.PerReplica(values)
 
 
 # Optimizer internals.

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfpipe import assemble, checkpoint as checkpoint_lib, cluster, compat, compile_utils, data
 from tfpipe import devices as devices_lib, fit_data, fit_loop, layer_profile, learning_rate
-from tfpipe import options as options_lib, partition as partition_lib
+from tfpipe import options as options_lib, partition as partition_lib, reduction
 from tfpipe.instruments import breakdown as breakdown_lib, trace
 from tfpipe.plan import policies, schedules
 
@@ -40,6 +40,11 @@ class Pipeline:
       its batch over them, the weights are shared and the gradients summed,
       as the SpecTrain paper does for VGG16's slow first stage. Works with
       every method; the weight rule is unchanged.
+    cross_device_ops: how a replicated stage (data_parallel, stage_replicas)
+      sums its replicas' gradients: a tf.distribute.CrossDeviceOps, or one of
+      "reduce_to_one_device", "hierarchical_copy", "nccl"; None picks
+      MirroredStrategy's choice (NCCL on local GPUs, else a reduction to the
+      variables' device).
     virtual_stages: V for "interleaved" (default 2; "zbv": 2 only): the
       model is cut into V x K stages (interleaved: stage s on device s mod K,
       micro_batches a multiple of K); `num_stages` and `devices` count devices.
@@ -47,10 +52,9 @@ class Pipeline:
       pipeline, as Megatron and DeepSpeed run them) on R x K devices, given
       replica by replica: each replica takes 1/R of every (micro-)batch, its
       activations and gradients flow between its own stages, and each stage's
-      gradients add up over its replicas before the stage's one update (the
-      variables live on replica 0's device: TensorFlow sends the weights to
-      the others and sums their gradients there). Equals the method at the
-      global batch; not with stage_replicas, nor with "timeprest" and
+      gradients are summed over its replicas by `cross_device_ops` before the
+      stage's one update (the variables live on replica 0's device, which
+      sends the weights to the others). Equals the method at the global batch; not with stage_replicas, nor with "timeprest" and
       "i_timeprest" (a step that joins several forwards).
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
       (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
@@ -148,7 +152,7 @@ class Pipeline:
                stage_replicas=None, jit_compile=None, executor=None, spike_compensation=None,
                delay_momentum=False, lr_rescheduling=None, discrepancy_decay=None,
                batch_statistics="warn", data_parallel=1, virtual_stages=None, nesterov=None,
-               delay_compensation=None):
+               delay_compensation=None, cross_device_ops=None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     overrides = compat.trainer_overrides(model)
@@ -164,6 +168,8 @@ class Pipeline:
         spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay, batch_statistics,
         virtual_stages, nesterov, delay_compensation)
     self.data_parallel = _data_parallel(data_parallel, stage_replicas, self.policy)
+    reduction.choose(["/cpu:0"], cross_device_ops)   # refuses a bad value now
+    self.cross_device_ops = cross_device_ops
     V = self.policy.virtual_stages
     if V > 1 and stage_replicas:
       raise ValueError(f"virtual stages (method {self.method!r}, virtual_stages={V}) do not "

@@ -11,7 +11,7 @@ import collections
 import keras
 import tensorflow as tf
 
-from tfpipe import compat, mitigations, prediction
+from tfpipe import compat, mitigations, prediction, reduction
 from tfpipe.plan import tasks
 
 __all__ = ["StageProgram", "Kept"]
@@ -66,16 +66,17 @@ class StageProgram:
   `replica_devices` (hybrid parallelism): every call splits its batch over
   these devices and runs the stage on each part in parallel (in-graph
   replication). The variables live on `device`, the first of them:
-  TensorFlow copies the weights to each replica, and the gradients of the
-  parts add up on the way back, so the update is the one of the whole batch.
+  each replica reads its copy of the weights (`tfpipe.reduction.replicate`),
+  and on the way back `cross_device_ops` (a `tf.distribute.CrossDeviceOps`)
+  sums the parts' gradients there, so the update is the one of the whole batch.
   Non-trainable state (BatchNorm statistics) becomes the replicas' mean;
   regularisation losses are the first replica's (weight penalties count once).
   `grouped` (data-parallel replicas of the whole pipeline): the batch is split
   once, at stage 0; between stages each replica's part travels on its own
   (a stage's inputs and outputs are the replicas' lists one after another, so
   replica r of stage k feeds replica r of stage k+1 directly), and the last
-  stage joins them for the loss. The gradients still add up on the variables'
-  device: the update is the whole batch's.
+  stage joins them for the loss. The gradients are summed as above: the
+  update is the whole batch's.
 
   `rule` (`tfpipe.mitigations.StageRule`): what an update does beyond the
   optimizer's step (spike compensation, PipeMare's rescheduling and its
@@ -92,9 +93,12 @@ class StageProgram:
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
                metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
-               rule=None, reg_trackers=None, optimizer_source=None, grouped=False):
+               rule=None, reg_trackers=None, optimizer_source=None, grouped=False,
+               cross_device_ops=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
+    self.cross_device_ops = (reduction.choose(self.replica_devices, cross_device_ops)
+                             if len(self.replica_devices) > 1 else None)
     if self.replica_devices[0] != device:
       raise ValueError(f"the first replica device must be the stage's device {device!r}. "
                        f"Received: {self.replica_devices}")
@@ -323,11 +327,12 @@ class StageProgram:
       parts = [tf.split(x, sizes, num=R) for x in xs]
       replica_inputs = [[p[r] for p in parts] for r in range(R)]
     outputs, states, first_losses = [], [], None
+    copies = reduction.replicate(weights, self.replica_devices, self.cross_device_ops)
     for r, device in enumerate(self.replica_devices):
       with tf.device(device):
         inputs = replica_inputs[r]
         ys, new_state, losses = self.model.stateless_call(
-            weights, state, inputs[0] if len(inputs) == 1 else inputs, training=training,
+            copies[r], state, inputs[0] if len(inputs) == 1 else inputs, training=training,
             return_losses=True)
       outputs.append(tf.nest.flatten(ys))
       states.append(new_state)

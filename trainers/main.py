@@ -70,6 +70,7 @@ def _method_options(config, tools):
               recompute={"auto": None, "true": True, "false": False}[config.recompute],
               lockstep=config.lockstep, stage_replicas=config.stage_replicas,
               data_parallel=config.data_parallel, virtual_stages=config.virtual_stages,
+              cross_device_ops=config.cross_device_ops,
               profile_batch_size=config.batch_size,
               executor=None if config.executor == "auto" else config.executor,
               **tools.pipeline_options())
