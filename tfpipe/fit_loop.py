@@ -13,7 +13,7 @@ import keras
 import numpy as np
 
 from tfpipe import checkpoint as checkpoint_lib, runtime
-from tfpipe.instruments import trace
+from tfpipe.instruments import breakdown as breakdown_lib, trace
 
 __all__ = ["train", "evaluate", "predict", "choose_window", "restore", "reads_batches",
            "fit_records"]
@@ -244,3 +244,21 @@ def fit_records(pipe, steps=None):
   if steps is not None:
     chosen = [r for r in chosen if steps[0] <= r.epoch * per_epoch + r.batch <= steps[1]]
   return chosen
+
+
+def breakdown(pipe, steps=None):
+  """`Pipeline.breakdown`: per-stage shares of the last fit's training time, or its `steps`."""
+  if not pipe.record:
+    raise RuntimeError("the breakdown reads the recorded timeline: build the Pipeline with "
+                       "record=True")
+  records = fit_records(pipe)
+  if not records and pipe.executor == "compiled" and pipe._remote():
+    raise ValueError(
+        "no recorded task: the compiled executor reads its timeline from this process's "
+        f"profiler, and stages on TF servers ({', '.join(pipe._remote())}) run in other "
+        "processes. Use executor='threaded' for their timeline")
+  steps = trace.parse_steps(steps)
+  chosen = fit_records(pipe, steps)
+  if not chosen:
+    raise ValueError(f"no recorded task in steps {steps}")
+  return breakdown_lib.of_epochs(records, chosen, pipe.num_stages)

@@ -14,10 +14,9 @@ import keras
 import tensorflow as tf
 
 from tfpipe import assemble, checkpoint as checkpoint_lib, cluster, compat, compile_utils, data
-from tfpipe import devices as devices_lib, fit_data, fit_loop, layer_profile, learning_rate
-from tfpipe import options as options_lib, partition as partition_lib, reduction
-from tfpipe.instruments import breakdown as breakdown_lib, trace
-from tfpipe.plan import policies, schedules
+from tfpipe import fit_data, fit_loop, layer_profile, learning_rate
+from tfpipe import options as options_lib, partition as partition_lib, placement, reduction
+from tfpipe.plan import policies
 
 __all__ = ["Pipeline"]
 
@@ -167,37 +166,19 @@ class Pipeline:
         lockstep, record, trace_steps, trace_dir, prediction_error, executor,
         spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay, batch_statistics,
         virtual_stages, nesterov, delay_compensation)
-    self.data_parallel = _data_parallel(data_parallel, stage_replicas, self.policy)
     reduction.choose(["/cpu:0"], cross_device_ops)   # refuses a bad value now
     self.cross_device_ops = cross_device_ops
-    V = self.policy.virtual_stages
-    if V > 1 and stage_replicas:
-      raise ValueError(f"virtual stages (method {self.method!r}, virtual_stages={V}) do not "
-                       f"combine with stage_replicas. Received: stage_replicas={stage_replicas!r}")
-    if self.data_parallel > 1 or V > 1:
-      per_device = (devices_lib.resolve_pipeline_replicas(devices, num_stages, self.data_parallel)
-                    if self.data_parallel > 1 else
-                    [[d] for d in devices_lib.resolve_devices(devices, num_stages)])
-      # V stages per device (interleaved: d, d + K, ...; zbv: d and 2K-1-d)
-      where = schedules.device_of(self.policy.schedule, V * len(per_device), V)
-      self.stage_devices, self.stage_replicas = [per_device[d] for d in where], {}
-    else:
-      self.stage_devices, self.stage_replicas = devices_lib.resolve_stage_devices(
-          devices, num_stages, stage_replicas)
+    where = placement.place(devices, num_stages, self.policy, stage_replicas, data_parallel)
+    self.stage_devices, self.stage_replicas, self.data_parallel = where
     self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
     self.num_stages = len(self.devices)
     self.options.set_stages(model, self.num_stages)
-    self._check_cluster()
     profiler = None
     if partition == "profile":
       profiler = layer_profile.Profiler(profile_batch_size, self.devices[0])
     self.partition = partition_lib.partition(
         model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
-    if jit_compile is None:
-      jit_compile = all(tf.DeviceSpec.from_string(d).device_type == "GPU"
-                        for d in self.devices) and not self.stage_replicas and \
-          self.data_parallel == 1
-    self.jit_compile = jit_compile
+    self.jit_compile = placement.default_jit_compile(where) if jit_compile is None else jit_compile
     self._fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
     self.runtime = None
 
@@ -210,19 +191,7 @@ class Pipeline:
                               doc="The `PredictionError` fed after updates, or None.")
 
   def _remote(self):
-    return [d for ds in self.stage_devices for d in ds
-            if tf.DeviceSpec.from_string(d).job not in (None, "localhost")]
-
-  def _check_cluster(self):
-    """Remote devices need a connected cluster that has their tasks (checked before training)."""
-    remote = self._remote()
-    if not remote:
-      return
-    spec = cluster.connected_spec()
-    if spec is None:
-      raise ValueError(f"device {remote[0]!r} is remote: connect to its cluster first "
-                       "(tfpipe.cluster.connect(spec))")
-    cluster.check_devices(remote, spec)
+    return placement.remote(self.stage_devices)
 
   @property
   def stage_models(self):
@@ -241,20 +210,7 @@ class Pipeline:
     """Per-stage shares of wall time training the last `fit`'s epochs (validation left out), or
     its `steps` ("first,last"): compute, transfer, idle_transfer, idle_imbalance
     (`tfpipe.instruments.breakdown`). Needs record=True."""
-    if not self.record:
-      raise RuntimeError("the breakdown reads the recorded timeline: build the Pipeline with "
-                         "record=True")
-    records = fit_loop.fit_records(self)
-    if not records and self.executor == "compiled" and self._remote():
-      raise ValueError(
-          "no recorded task: the compiled executor reads its timeline from this process's "
-          f"profiler, and stages on TF servers ({', '.join(self._remote())}) run in other "
-          "processes. Use executor='threaded' for their timeline")
-    steps = trace.parse_steps(steps)
-    chosen = fit_loop.fit_records(self, steps)
-    if not chosen:
-      raise ValueError(f"no recorded task in steps {steps}")
-    return breakdown_lib.of_epochs(records, chosen, self.num_stages)
+    return fit_loop.breakdown(self, steps)
 
   def summary(self):
     """One line per stage: its device and layers."""
@@ -376,14 +332,7 @@ class Pipeline:
     self._check_compiled()
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
                                             sample_weight=sample_weight)
-    self._load_weights()
-    verbose = 1 if verbose == "auto" else verbose
-    with learning_rate.driving(self.model, self.optimizer, self.metrics):
-      cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
-                                         verbose=verbose, epochs=1, steps=num_batches)
-      fit_loop.choose_window(self, fit_loop.reads_batches(cbs, "test"))
-      with self._watched():
-        logs = fit_loop.evaluate(self, dataset, num_batches, cbs)
+    logs = self._forward_only(fit_loop.evaluate, dataset, num_batches, callbacks, verbose)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
   def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -393,28 +342,17 @@ class Pipeline:
     if isinstance(x, tf.data.Dataset) and isinstance(x.element_spec, tuple):
       x = x.map(lambda *element: element[0])   # Keras: a tuple element is (x, y, sample_weight)
     dataset, num_batches = fit_data.dataset(self, x, None, batch_size, steps, labels=False)
+    return self._forward_only(fit_loop.predict, dataset, num_batches, callbacks, verbose)
+
+  def _forward_only(self, run, dataset, num_batches, callbacks, verbose):
+    """`run` (`fit_loop.evaluate` or `fit_loop.predict`) over `dataset` with the user model's
+    weights, Keras's progress bar and `callbacks`."""
     self._load_weights()
     verbose = 1 if verbose == "auto" else verbose
     with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
+      if run is fit_loop.evaluate:
+        fit_loop.choose_window(self, fit_loop.reads_batches(cbs, "test"))
       with self._watched():
-        return fit_loop.predict(self, dataset, num_batches, cbs)
-
-
-def _data_parallel(replicas, stage_replicas, policy):
-  """R, checked: a positive integer, not with `stage_replicas`, nor with a schedule whose last
-  stage joins several forwards in one step (their replicas' parts would interleave)."""
-  if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-    raise ValueError(f"`data_parallel` must be a positive integer. Received: "
-                     f"data_parallel={replicas!r}")
-  if replicas > 1 and stage_replicas:
-    raise ValueError("data_parallel replicates every stage already; it does not combine with "
-                     f"stage_replicas. Received: data_parallel={replicas}, "
-                     f"stage_replicas={stage_replicas!r}")
-  if replicas > 1 and policy.schedule == "timeprest":
-    raise ValueError(f"method {policy.method!r} runs one last-stage step over several "
-                     f"forwards, which data_parallel does not split. Received: "
-                     f"data_parallel={replicas}")
-  return replicas
-
+        return run(self, dataset, num_batches, cbs)
