@@ -40,6 +40,10 @@ flags.DEFINE_list("stages", ["1", "2", "4", "8"], "K on logical CPU devices")
 flags.DEFINE_list("server_stages", ["2", "4"], "K on TF server processes (empty: none)")
 flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to measure")
 flags.DEFINE_string("method", "spectrain", "pipelined method")
+flags.DEFINE_bool("advised", False,
+                  "spectrain with the options tfpipe.advice sets by default (for the SpecTrain "
+                  "optimizer: exact version differences and spike compensation); off: the plain "
+                  "rule, as the earlier figures measured")
 flags.DEFINE_enum("model", "mlp", ["mlp", "snn"], "mlp: Dense + ReLU; snn: seed 000's SELU SNN")
 flags.DEFINE_integer("input_dim", 32, "input features")
 flags.DEFINE_integer("width", 32, "units per layer")
@@ -137,9 +141,11 @@ def _measure(config):
     runner = model
     runner.compile(optimizer, loss)
   else:
+    from tfpipe import advice
+    plain = advice.ADVISABLE if FLAGS.method == "spectrain" and not FLAGS.advised else {}
     runner = tfpipe.Pipeline(model, devices=devices[:K], method=FLAGS.method,
                              executor=config["runner"], partition=config.get("partition", "uniform"),
-                             profile_batch_size=FLAGS.batch_size)
+                             profile_batch_size=FLAGS.batch_size, **plain)
     window = FLAGS.steps_per_execution
     runner.compile(optimizer, loss, steps_per_execution=window if window == "auto" else int(window))
 
@@ -185,7 +191,7 @@ def _graph_ops_per_batch(runner):
 def child(config):
   """`results_io.child_values` of `config`, measured in a new process with this one's flags."""
   names = ("model", "input_dim", "width", "depth", "batch_size", "batches", "rounds", "method",
-           "steps_per_execution")
+           "steps_per_execution", "advised")
   return results_io.child_values(config, **{name: FLAGS[name].value for name in names})
 
 
