@@ -53,7 +53,8 @@ class Pipeline:
       activations and gradients flow between its own stages, and each stage's
       gradients are summed over its replicas by `cross_device_ops` before the
       stage's one update (the variables live on replica 0's device, which
-      sends the weights to the others). Equals the method at the global batch; not with stage_replicas, nor with "timeprest" and
+      sends the weights to the others). Equals the method at the global
+      batch; not with stage_replicas, nor with "timeprest" and
       "i_timeprest" (a step that joins several forwards).
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
       (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
@@ -166,7 +167,7 @@ class Pipeline:
         lockstep, record, trace_steps, trace_dir, prediction_error, executor,
         spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay, batch_statistics,
         virtual_stages, nesterov, delay_compensation)
-    reduction.choose(["/cpu:0"], cross_device_ops)   # refuses a bad value now
+    reduction.check(cross_device_ops)
     self.cross_device_ops = cross_device_ops
     where = placement.place(devices, num_stages, self.policy, stage_replicas, data_parallel)
     self.stage_devices, self.stage_replicas, self.data_parallel = where
@@ -332,7 +333,8 @@ class Pipeline:
     self._check_compiled()
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
                                             sample_weight=sample_weight)
-    logs = self._forward_only(fit_loop.evaluate, dataset, num_batches, callbacks, verbose)
+    logs = self._forward_only(fit_loop.evaluate, dataset, num_batches, callbacks, verbose,
+                              test_hooks=True)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
   def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -344,15 +346,16 @@ class Pipeline:
     dataset, num_batches = fit_data.dataset(self, x, None, batch_size, steps, labels=False)
     return self._forward_only(fit_loop.predict, dataset, num_batches, callbacks, verbose)
 
-  def _forward_only(self, run, dataset, num_batches, callbacks, verbose):
+  def _forward_only(self, run, dataset, num_batches, callbacks, verbose, test_hooks=False):
     """`run` (`fit_loop.evaluate` or `fit_loop.predict`) over `dataset` with the user model's
-    weights, Keras's progress bar and `callbacks`."""
+    weights, Keras's progress bar and `callbacks`; `test_hooks`: the window follows whether
+    a callback reads every test batch."""
     self._load_weights()
     verbose = 1 if verbose == "auto" else verbose
     with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
                                          verbose=verbose, epochs=1, steps=num_batches)
-      if run is fit_loop.evaluate:
+      if test_hooks:
         fit_loop.choose_window(self, fit_loop.reads_batches(cbs, "test"))
       with self._watched():
         return run(self, dataset, num_batches, cbs)

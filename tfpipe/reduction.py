@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfpipe import compat
 
-__all__ = ["choose", "replicate", "NAMES"]
+__all__ = ["check", "choose", "replicate", "NAMES"]
 
 # --cross_device_ops names: the classes MirroredStrategy users pass.
 NAMES = {
@@ -24,19 +24,24 @@ NAMES = {
 }
 
 
+def check(ops):
+  """Refuses a `cross_device_ops` value that is not an instance, a name of NAMES or None."""
+  if isinstance(ops, str) and ops not in NAMES:
+    raise ValueError(f"unknown `cross_device_ops` {ops!r}; choose from "
+                     f"{', '.join(NAMES)} or pass a tf.distribute.CrossDeviceOps")
+  if not isinstance(ops, (str, tf.distribute.CrossDeviceOps, type(None))):
+    raise ValueError("`cross_device_ops` must be a tf.distribute.CrossDeviceOps, one of "
+                     f"{', '.join(NAMES)}, or None. Received: {ops!r}")
+
+
 def choose(devices, ops=None):
   """The `tf.distribute.CrossDeviceOps` that sums gradients over `devices` (one stage's
   replicas): `ops` (an instance, a name of NAMES, or None for MirroredStrategy's choice)."""
+  check(ops)
   if isinstance(ops, tf.distribute.CrossDeviceOps):
     return ops
   if isinstance(ops, str):
-    if ops not in NAMES:
-      raise ValueError(f"unknown `cross_device_ops` {ops!r}; choose from "
-                       f"{', '.join(NAMES)} or pass a tf.distribute.CrossDeviceOps")
     return NAMES[ops]()
-  if ops is not None:
-    raise ValueError("`cross_device_ops` must be a tf.distribute.CrossDeviceOps, one of "
-                     f"{', '.join(NAMES)}, or None. Received: {ops!r}")
   specs = [tf.DeviceSpec.from_string(d) for d in devices]
   local_gpus = all(s.device_type == "GPU" and s.job in (None, "localhost") for s in specs)
   if local_gpus and len(devices) > 1:
