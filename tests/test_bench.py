@@ -76,16 +76,17 @@ def test_staleness_advice_ranks_by_the_worst_gap_and_checks_held_out_tasks():
 
 def test_staleness(tmp_path):
   args = ["--epochs=1", "--batch_size=512", "--options=single,2bw", "--stages=2",
-          "--seeds=0", "--tasks=teacher,regions", "--choose_on=teacher",
-          "--learning_rate_index=0,1", f"--results_dir={tmp_path}"]
+          "--seeds=0", "--tasks=teacher,classes", "--choose_on=teacher",
+          "--learning_rate_index=0", f"--results_dir={tmp_path}"]
   out = _bench("staleness.py", *args)
   table = (tmp_path / "staleness.md").read_text()
   assert "| 2bw |" in table and "| single |" in table and "[1]" in table
   assert (tmp_path / "staleness_teacher.png").stat().st_size > 1000
-  # The advice: ranked on teacher's two rates by the worst gap, then held out on regions.
-  assert "chosen on teacher" in table and "held out (regions): worst gap" in table
+  # The advice: ranked on teacher by the worst gap, then held out on classes.
+  assert "chosen on teacher" in table and "held out (classes): worst gap" in table
   runs = (tmp_path / "staleness_runs.jsonl").read_text().splitlines()
-  assert len(runs) == 8   # 2 options x 2 tasks x 2 learning rates, a line each
+  assert len(runs) == 4   # 2 options x 2 tasks at the first learning rate, a line each
+  assert all("\"learning_rate\": 0.1," in run for run in runs)
   out = _bench("staleness.py", *args)   # resumes: every run is on file, none repeats
   assert "seed=" not in out and (tmp_path / "staleness_runs.jsonl").read_text().splitlines() == runs
 
