@@ -110,3 +110,11 @@ def test_data_parallel_pipeline():
   rows = [line for line in out.splitlines() if line.startswith(("R=", "MirroredStrategy"))]
   assert [r.split()[0] for r in rows[-3:]] == ["R=2", "R=1", "MirroredStrategy"]
   assert rows[-2].split()[-1] == "1.00"
+
+
+def test_window_bound():
+  out = _bench("window_bound.py", "--layers=3", "--width=8", "--outers=3", "--calls=1")
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+  assert [r[0].strip() for r in rows[1:]] == ["1", "2", "3"]   # one row per outer function
+  assert all(float(cell) >= 0 for r in rows[1:] for cell in r[1:4] + r[5:])
+  assert "Later outer functions' first calls:" in out
