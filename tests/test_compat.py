@@ -28,3 +28,23 @@ def test_only_the_compat_module_imports_private_keras_or_tensorflow_modules():
                if p.name != "compat.py"}
   assert {p: names for p, names in offenders.items() if names} == {}
   assert _private_imports(ROOT / "tfpipe" / "compat.py")   # the check sees such imports
+
+
+def test_a_windows_task_calls_run_one_round_of_grappler_and_the_window_none():
+  import tensorflow as tf
+  from tensorflow.python.eager import context
+  ctx = context.context()
+  rewrite = lambda: tf.compat.v1.ConfigProto.FromString(
+      ctx.function_call_options.config_proto_serialized).graph_options.rewrite_options
+  before = ctx.function_call_options
+  with compat.unoptimised_calls():
+    assert rewrite().disable_meta_optimizer   # the window's own graph
+    with compat.optimised_calls():
+      assert not rewrite().disable_meta_optimizer   # its task calls
+      assert rewrite().meta_optimizer_iterations == rewrite().ONE
+      first = ctx.function_call_options
+    with compat.optimised_calls():
+      assert ctx.function_call_options is first   # the same options for every window
+  assert ctx.function_call_options is before
+  with compat.optimised_calls():   # outside a window: as they were
+    assert ctx.function_call_options is before
