@@ -56,21 +56,23 @@ def test_each_window_finishes_its_batches(name, K, M, W):
 
 
 @pytest.mark.parametrize("N,W,expected", [
-    (11, 3, [0, 3, 6, 9, 10]), (12, 3, [0, 3, 6, 9, 10, 11]), (3, 3, [0, 1, 2]), (1, 3, [0]),
-    (4, 3, [0, 3]), (40, 16, [0, 16] + list(range(32, 40))), (5, 1, [0, 1, 2, 3, 4])])
-def test_windows_of_w_then_of_one_batch_so_the_last_window_is_small(N, W, expected):
+    (11, 3, [0, 3, 6, 9]), (12, 3, [0, 3, 6, 9]), (3, 3, [0]), (1, 3, [0]), (4, 3, [0, 3]),
+    (40, 16, [0, 16, 32]), (5, 1, [0, 1, 2, 3, 4])])
+def test_windows_of_w_the_last_one_shorter(N, W, expected):
   assert windows.firsts(N, W) == expected
-  assert windows.firsts(N, W, singles=False) == list(range(0, N, W))
 
 
 def test_the_steady_state_windows_trace_alike():
   _, plan = _plan("1f1b", 4, 1, N=40, W=4)
   keys = collections.Counter(w.key for w in plan)
-  # warm-up, 8 alike of 4 batches, then windows of one batch: one after the change of size,
-  # and the K - 1 = 3 that drain the pipeline (each ends with a stage starting no forward)
-  assert len(plan) == 13 and len(keys) == 6
+  # warm-up, 8 alike of 4 batches, and the last, which drains the pipeline: 3 traces
+  assert len(plan) == 10 and len(keys) == 3
   assert keys[plan[1].key] == 8
-  assert all(w.first == w.last for w in plan[9:])
+  # The last window shorter (2 batches, fewer than the K - 1 = 3 the drain spans): the
+  # window before it already starts no forward past batch 41, so 4 traces.
+  _, plan = _plan("1f1b", 4, 1, N=42, W=4)
+  assert len(plan) == 11 and len(collections.Counter(w.key for w in plan)) == 4
+  assert (plan[-1].first, plan[-1].last) == (40, 41)
 
 
 def test_a_drain_window_finishes_exactly_the_started_batches():
@@ -95,10 +97,9 @@ def _train(executor, window, method="pipedream", n=24, callbacks=None, K=3, inli
 
 
 @pytest.mark.parametrize("inline, traces", [
-    # Of 13 windows of stage calls: warm-up, steady state (8 windows of 4), then windows of
-    # one batch: the change of size, one steady, and the K - 1 = 2 that drain the pipeline.
-    (False, 5),
-    # Inlined: 10 windows of 4: warm-up, steady state (8), the last with the drain.
+    # 10 windows of 4, inlined or of stage calls: warm-up, steady state (8), the last with
+    # the drain.
+    (False, 3),
     (True, 3)])
 def test_a_window_traces_once_and_is_reused_across_epochs(inline, traces):
   pipe, _, _ = _train("compiled", 4, n=40, inline=inline)

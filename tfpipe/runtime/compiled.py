@@ -124,13 +124,13 @@ class CompiledRuntime(Executor):
     """
     self._start_epoch(schedule)
     # Inlined windows (small stages, cheap to trace) run whole; windows of stage calls
-    # trace CALL_WINDOW mini-batches at most and end an epoch in windows of one.
+    # trace CALL_WINDOW mini-batches at most.
     inlined = self._inlined()
     size = self.window if inlined else min(self.window, self.CALL_WINDOW)
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size,
            inlined)
     if self._plan[0] != key:
-      plan = windows_lib.plan(schedule, diffs, size, singles=not inlined)
+      plan = windows_lib.plan(schedule, diffs, size)
       self._plan = (key, plan, [self._number(window) for window in plan],
                     windows_lib.flush_window(schedule, diffs))
     _, plan, numbers, flush = self._plan
