@@ -637,7 +637,15 @@ class StageProgram:
       if wrt != "inputs":   # after the input gradients, as `_update_after` says
         with tf.control_dependencies([g for g in grads[len(weights):] if g is not None]):
           self.task("update", inline)(grads[:len(weights)], accumulate, self._read(weights))
-      return [] if wrt == "weights" else self._input_grads(grads[len(weights):])
+      if wrt == "weights":
+        return []
+      # Each input's gradient has the input's shape. Through a call of the forward traced for
+      # any batch size (`_forward_trace`) TensorFlow does not know it, and the backward of
+      # the stage before, called with these gradients, would trace once more for them.
+      for g, x in zip(grads[len(weights):], float_xs):
+        if isinstance(g, tf.Tensor) and not tf.executing_eagerly():
+          g.set_shape(x.shape)
+      return self._input_grads(grads[len(weights):])
 
   def apply_accumulated(self, inline=False):
     """Task U: one update with the accumulated gradients, which it clears."""
