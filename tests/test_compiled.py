@@ -244,3 +244,4 @@ def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_thei
   for node in calls:   # every task call optimises its function
     config = config_pb2.ConfigProto.FromString(node.attr["config_proto"].s)
     assert not config.graph_options.rewrite_options.disable_meta_optimizer, node.name
+
