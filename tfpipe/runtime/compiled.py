@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import schedules, tasks as plan_tasks, windows as windows_lib
-from tfpipe.runtime import records, timeline
+from tfpipe.runtime import groups, records, timeline
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat
 
@@ -103,6 +103,9 @@ class CompiledRuntime(Executor):
     # (what it was made for, the windows, their numbers, the flush window or None)
     self._plan = (None, None, None, None)
     self._train = tf.function(self._train_window, autograph=False)
+    self._group = tf.function(self._train_group, autograph=False)
+    self._groups = {}   # the plan's numbers -> its `_Group`, or None: ungroupable
+    self._shifts = {}   # number -> its window's mini-batches (what its carry is rebased by)
     self._loop = tf.function(self._train_loop, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
@@ -160,8 +163,17 @@ class CompiledRuntime(Executor):
     (`CALL_WINDOW`: a window may run as several calls)."""
     feed, carry, done = _Feed(batches, labelled=True), {"x": {}, "saved": {}, "g": {}}, 0
     pending, boundary = [], self.window
+    group = self._group_of(plan, numbers)
     for w, window in enumerate(plan):
-      carry, results = self._run(window, numbers[w], carry, feed, M)
+      if group is not None:
+        try:
+          carry, results = self._run_grouped(group, window, numbers[w], carry, feed, M)
+        except groups.Ungroupable:   # found while tracing, before any window ran
+          self._groups[group.numbers], group = None, None
+        except _OtherShapes:   # this epoch's other windows: each its own function
+          group = None
+      if group is None:
+        carry, results = self._run(window, numbers[w], carry, feed, M)
       pending += zip(range(window.first, window.last + 1), results)
       if window.last + 1 < boundary and w + 1 < len(plan):
         continue   # the rest of this window of `self.window` mini-batches comes first
@@ -267,6 +279,7 @@ class CompiledRuntime(Executor):
     inline = self._inlined()
     number = self._keys.setdefault((window.key, inline), len(self._keys))
     self._inlines[number] = inline
+    self._shifts[number] = window.last + 1 - window.first
     return number
 
   def _inlined(self):
@@ -295,14 +308,7 @@ class CompiledRuntime(Executor):
   def _run(self, window, number, carry, feed, M):
     """Calls the window's function (`number`: `_number(window)`); returns (carry rebased to the
     next window, results)."""
-    inputs, labels = {}, {}
-    for k, task, _, _ in window.tasks:
-      if task.kind == "F":   # a mini-batch's micro-batches may fall in two windows: both split it
-        xs, y, sample_weight = feed.get(task.batch)
-        if k == 0:
-          inputs[task.batch - window.first] = xs
-        if k == self.K - 1:
-          labels[task.batch - window.first] = (y, sample_weight)
+    inputs, labels = self._data(window, feed)
     context = contextlib.nullcontext()
     if self._session is not None:
       n = len(self._calls)
@@ -315,6 +321,24 @@ class CompiledRuntime(Executor):
       except tf.errors.OpError as error:
         _raise_clearer(error)
     self.traces += self._train.experimental_get_tracing_count() - traced
+    self._finished(window, feed)
+    return groups.rebase(out, window.last + 1 - window.first), results
+
+  def _data(self, window, feed):
+    """(inputs, labels) of `window`: {batch counted from its first: stage 0's inputs} and
+    {batch: (labels, sample weights)} of the last stage's forwards."""
+    inputs, labels = {}, {}
+    for k, task, _, _ in window.tasks:
+      if task.kind == "F":   # a mini-batch's micro-batches may fall in two windows: both split it
+        xs, y, sample_weight = feed.get(task.batch)
+        if k == 0:
+          inputs[task.batch - window.first] = xs
+        if k == self.K - 1:
+          labels[task.batch - window.first] = (y, sample_weight)
+    return inputs, labels
+
+  def _finished(self, window, feed):
+    """After `window` ran: its mini-batches' data is dropped, its updates counted."""
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
     for k, task, _, _ in window.tasks:
@@ -322,10 +346,72 @@ class CompiledRuntime(Executor):
     for k, count in enumerate(updates):
       if count:
         self._updated(k, count)
-    shift = window.last + 1 - window.first
-    rebased = {part: {(key[0], key[1] - shift) + key[2:]: value for key, value in items.items()}
-               for part, items in out.items()}
-    return rebased, results
+
+  # Window groups (`tfpipe.runtime.groups`): a plan's windows as branches of one function.
+
+  def _group_of(self, plan, numbers):
+    """The `_Group` that runs `plan` (windows of stage calls, not profiled), else None."""
+    if self.record or any(self._inlines[n] for n in numbers):
+      return None
+    distinct = tuple(dict.fromkeys(numbers))
+    if distinct not in self._groups:
+      keys = lambda k: sorted({t.batch - w.first for w in plan for j, t, _, _ in w.tasks
+                               if j == k and t.kind == "F"})
+      size = max(w.last + 1 - w.first for w in plan)
+      self._groups[distinct] = _Group(distinct, keys(0), keys(self.K - 1), size, [None])
+    return self._groups[distinct]
+
+  def _run_grouped(self, group, window, number, carry, feed, M):
+    """`_run` through the group's function: the window's branch. The first window of the plan
+    takes the template's zeros; the carry handed on has the template's structure."""
+    inputs, labels = self._data(window, feed)
+    shapes = {_shapes(item) for data in (inputs, labels) for item in data.values()}
+    if group.template[0] is not None and shapes != group.shapes:
+      raise _OtherShapes()   # a smaller batch: the group's function would trace again
+    if group.template[0] is None:   # the first window: its carry, traced on its own
+      traced = self._train.experimental_get_tracing_count()
+      with compat.unoptimised_calls():
+        outputs = self._train.get_concrete_function(number, carry, inputs, labels,
+                                                    M).structured_outputs[0]
+      self.traces += self._train.experimental_get_tracing_count() - traced
+      group.template[0] = groups.carry_template(outputs, self._shifts[number])
+      group.shapes = shapes
+    template = group.template[0]
+    if not any(carry[part] for part in groups.PARTS):
+      carry = template
+    for data, keys in ((inputs, group.inputs), (labels, group.labels)):
+      filler = next(iter(data.values()), None)   # a batch of the same shapes for keys unused
+      for key in keys:
+        data.setdefault(key, filler)
+    branch = tf.constant(group.numbers.index(number), tf.int32)
+    traced = self._group.experimental_get_tracing_count()
+    with compat.unoptimised_calls():
+      try:
+        out, results = self._group(branch, group.numbers, carry, inputs, labels, M, group.size)
+      except tf.errors.OpError as error:
+        _raise_clearer(error)
+    self.traces += self._group.experimental_get_tracing_count() - traced
+    self._finished(window, feed)
+    return out, results[:window.last + 1 - window.first]
+
+  def _train_group(self, branch, numbers, carry, inputs, labels, M, size):
+    """The group's function: the windows of `numbers` as branches (`branch` chooses), each on
+    the template's `carry`; returns (the carry rebased and fitted to the template, `size`
+    results)."""
+    like = [None]
+
+    def branch_of(number):
+      def run():
+        key, inline = next(key for key, n in self._keys.items() if n == number)
+        out, results = self._trace_tasks(key, inline, carry, inputs, labels, M)
+        value = (groups.fit(carry, carry, groups.rebase(out, self._shifts[number])),
+                 groups.pad_results(results, size))
+        like[0] = value
+        return groups.flat(value)
+      return run
+
+    tensors = tf.switch_case(branch, [branch_of(n) for n in numbers])
+    return groups.pack(like[0], tensors)
 
   def _describe(self, window):
     """(entries, backward_of) of `window` for `timeline.task_records`: per task in trace order
@@ -494,6 +580,23 @@ class CompiledRuntime(Executor):
       if labels is None:
         results.append(xs)
     return results
+
+
+class _Group:
+  """A plan's distinct window numbers, the union of their windows' input and label keys, the
+  most mini-batches a window finishes, and the carry template (set on the first call)."""
+
+  def __init__(self, numbers, inputs, labels, size, template):
+    self.numbers, self.inputs, self.labels, self.size = numbers, inputs, labels, size
+    self.template, self.shapes = template, None
+
+
+class _OtherShapes(Exception):
+  """A window's mini-batches are shaped unlike the group's first window's."""
+
+
+def _shapes(item):
+  return tuple(tuple(t.shape) for t in tf.nest.flatten(item) if t is not None)
 
 
 def _raise_clearer(error):

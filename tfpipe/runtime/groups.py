@@ -1,0 +1,98 @@
+"""Window groups: every window of an epoch's plan as a branch of one traced function.
+
+TensorFlow instantiates and optimises a called function again for every
+function that calls it (`bench/window_bound.py`), so each distinct window
+(warm-up, steady state, drain) paid again for every stage function it calls.
+A group traces the plan's distinct windows as the branches of one
+`tf.switch_case`: one calling function, so each stage function is optimised
+once, and the call runs only the chosen branch.
+
+Branches must take and return one structure. Every branch takes the carry
+`template`: what the first window hands on (`carry_template`), the steady
+state's carry. The first window is called with its zeros (it reads none of
+them: whatever it reads it made first). A branch returns the carry rebased to
+the next window (`fit`): a key of the template it does not hand on is zeros
+(no later window reads it: a window reads only what the schedule made before
+it), a carried value it only passed through and the template lacks is
+dropped, and anything else outside the template makes the plan ungroupable
+(`Ungroupable`: the executor runs it a window per function). Results are
+padded to the group's largest window.
+"""
+
+import tensorflow as tf
+
+__all__ = ["Ungroupable", "PARTS", "rebase", "carry_template", "fit", "pad_results", "flat",
+           "pack"]
+
+PARTS = ("x", "saved", "g")   # the carry's parts (`tfpipe.runtime.compiled`)
+
+
+class Ungroupable(Exception):
+  """A window's carry does not fit the group's template: run the plan a window per function."""
+
+
+def rebase(carry, shift):
+  """`carry` with its units' batches counted from the next window's first batch."""
+  return {part: {(key[0], key[1] - shift) + key[2:]: value for key, value in items.items()}
+          for part, items in carry.items()}
+
+
+def carry_template(outputs, shift):
+  """Zeros shaped as the first window's carry (`outputs`: its traced function's structured
+  carry), rebased by `shift`: what the group's branches take, and the first window's input."""
+  def zeros(t):
+    if not isinstance(t, tf.Tensor):
+      return t
+    if not t.shape.is_fully_defined():
+      raise Ungroupable(f"a carried tensor of unknown shape {t.shape}")
+    with tf.device(t.device or None):
+      return tf.zeros(t.shape, t.dtype)
+  return tf.nest.map_structure(zeros, rebase(outputs, shift))
+
+
+def _leaves(value):
+  return [t for t in tf.nest.flatten(value) if t is not None]
+
+
+def fit(template, carry, out):
+  """The rebased carry `out` of a branch traced on `carry` (the template's placeholders), in
+  the template's structure (see the module's docstring)."""
+  passed = {id(t) for part in PARTS for t in _leaves(carry[part])}
+  fitted = {}
+  for part in PARTS:
+    items = out.get(part, {})
+    for key, value in items.items():
+      if key not in template[part] and not all(id(t) in passed for t in _leaves(value)):
+        raise Ungroupable(f"carried {part} {key} is not in the first window's carry")
+    fitted[part] = {}
+    for key, like in template[part].items():
+      value = items.get(key)
+      if value is None:
+        value = tf.nest.map_structure(
+            lambda t: tf.zeros_like(t) if isinstance(t, tf.Tensor) else t, like)
+      try:
+        tf.nest.assert_same_structure(like, value)
+      except (ValueError, TypeError) as error:
+        raise Ungroupable(f"carried {part} {key}: {error}") from None
+      for a, b in zip(_leaves(like), _leaves(value)):
+        if a.dtype != b.dtype or not a.shape.is_compatible_with(b.shape):
+          raise Ungroupable(f"carried {part} {key}: {b.dtype} {b.shape}, not {a.dtype} {a.shape}")
+      fitted[part][key] = value
+  return fitted
+
+
+def pad_results(results, size):
+  """A window's per-batch results padded with zeros to `size` (the group's largest window)."""
+  zeros = tf.nest.map_structure(tf.zeros_like, results[0])
+  return list(results) + [zeros] * (size - len(results))
+
+
+def flat(value):
+  """The tensors of `value` (None left out): what a branch returns."""
+  return _leaves(value)
+
+
+def pack(like, tensors):
+  """`tensors` (from `flat`) in the structure of `like`, its None where it has them."""
+  tensors = iter(tensors)
+  return tf.nest.map_structure(lambda t: None if t is None else next(tensors), like)
