@@ -98,9 +98,8 @@ def _train(executor, window, method="pipedream", n=24, callbacks=None, K=3, inli
 
 @pytest.mark.parametrize("inline, traces", [
     # 10 windows of 4: warm-up, steady state (8), the last with the drain. Inlined: a function
-    # each. Of stage calls: one function holding the three as branches, and the warm-up's own
-    # trace, which only gives the carry's shapes (`tfpipe.runtime.groups`).
-    (False, 2),
+    # each. Of stage calls: one function holding the three as branches (`runtime.groups`).
+    (False, 1),
     (True, 3)])
 def test_a_window_traces_once_and_is_reused_across_epochs(inline, traces):
   pipe, _, _ = _train("compiled", 4, n=40, inline=inline)
@@ -238,11 +237,50 @@ def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_thei
                                     num_stages=3, method="spectrain")
   compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-  calls = [node for concrete in pipe.runtime._train._list_all_concrete_functions()
-           for node in concrete.graph.as_graph_def().node
+  # The windows are the branches of one group function (`tfpipe.runtime.groups`): their
+  # task calls sit in its branch functions.
+  graphs = [concrete.graph.as_graph_def()
+            for concrete in pipe.runtime._group._list_all_concrete_functions()]
+  assert graphs
+  calls = [node for graph in graphs
+           for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]
            if node.op in ("PartitionedCall", "StatefulPartitionedCall")]
   assert len(calls) > 10
   for node in calls:   # every task call optimises its function
     config = config_pb2.ConfigProto.FromString(node.attr["config_proto"].s)
     assert not config.graph_options.rewrite_options.disable_meta_optimizer, node.name
 
+
+
+def _grouped_and_not(method, samples, monkeypatch, K=3):
+  """Trains `method` with windows of 3 stage calls, run as one group function and (patched
+  off) a function per window; returns (runtime, weights) of each."""
+  x, y = helpers.as_arrays(helpers.batches(samples // 16 + 1))
+  x, y = x[:samples], y[:samples]
+  runs = []
+  for grouped in (True, False):
+    if not grouped:
+      monkeypatch.setattr(tfpipe.runtime.CompiledRuntime, "_group_of", lambda *_: None)
+    model = helpers.mlp()
+    pipe, compile_ = helpers.pipeline(model, helpers.RUNTIMES[1], num_stages=K, method=method)
+    compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+    pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=2)
+    runs.append((pipe.runtime, model.get_weights()))
+  return runs
+
+
+@pytest.mark.parametrize("method", ["vanilla", "spectrain", "timeprest", "2bw"])
+def test_a_plans_windows_run_as_branches_of_one_function_as_they_run_apart(method, monkeypatch):
+  (grouped, ours), (_, apart) = _grouped_and_not(method, 16 * 14, monkeypatch)
+  # One group: its function traces once for every window of both epochs.
+  assert list(grouped._groups.values()) != [] and None not in grouped._groups.values()
+  assert grouped.traces == 1
+  helpers.assert_weights_close(ours, apart)
+
+
+def test_a_smaller_last_batch_leaves_the_group_for_the_rest_of_its_epoch(monkeypatch):
+  (grouped, ours), (_, apart) = _grouped_and_not("spectrain", 16 * 13 + 5, monkeypatch)
+  # The group's function; then the window whose stage 0 forwards the batch of 5 (batch 13,
+  # in the window finishing 9..11) and the last one, each traced on its own.
+  assert None not in grouped._groups.values() and grouped.traces == 3
+  helpers.assert_weights_close(ours, apart)

@@ -7,6 +7,7 @@ labels' shape), the optimizer state that `get_config` does not carry
 (`exclude_from_weight_decay`, the update count, a variable's slot index), and
 the model's metric list that callbacks read. From TensorFlow: the call options
 of function calls (the compiled executor's unoptimised window graph), the
+placeholders a traced function feeds at each call (the window groups' carry), the
 payload that marks a derived error, the profiler's converter from a
 profile to trace events, and the per-replica values that `tf.distribute`'s
 cross-device ops reduce. Keras and TensorFlow may move these: `missing()`
@@ -20,9 +21,10 @@ import tensorflow as tf
 from keras.src.trainers import compile_utils as _compile_utils
 from tensorflow.python.distribute import values as _tf_distribute_values
 from tensorflow.python.eager import context as _tf_context
+from tensorflow.python.framework import func_graph as _tf_func_graph
 
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
-           "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls", "NOT_INLINED",
+           "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls", "NOT_INLINED", "call_time_value",
            "is_derived", "variable_index", "uses_weight_decay", "update_count", "set_update_count",
            "learning_rate_value", "model_metrics", "profile_trace_events", "per_replica"]
 
@@ -54,7 +56,8 @@ def missing():
            (optimizer, "exclude_from_weight_decay")]
   needs += [(_tf_context, "FunctionCallOptions"), (_tf_context.Context, "function_call_options"),
             (_tf_distribute_values, "PerReplica"),
-            (_tf_context.FunctionCallOptions, "config_proto_serialized")]
+            (_tf_context.FunctionCallOptions, "config_proto_serialized"),
+            (_tf_func_graph.FuncGraph, "capture_call_time_value")]
   gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
           if not hasattr(owner, name)]
   probe = keras.optimizers.AdamW()
@@ -151,6 +154,14 @@ def _task_options(outer):
     _TASK_OPTIONS[key] = _tf_context.FunctionCallOptions(executor_type=outer.executor_type,
                                                          config_proto=config)
   return _TASK_OPTIONS[key]
+
+
+def call_time_value(graph, closure, specs, key):
+  """Placeholders in `graph` (a `tf.function`'s graph being traced) of `specs`, fed with
+  `closure()` (tensors) each time the function is called: an input that its signature does
+  not carry, so the signature can be fixed before the input's shapes are known (the compiled
+  executor's window groups)."""
+  return graph.capture_call_time_value(closure, specs, key=key)
 
 
 def is_derived(error):

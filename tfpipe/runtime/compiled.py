@@ -358,60 +358,68 @@ class CompiledRuntime(Executor):
       keys = lambda k: sorted({t.batch - w.first for w in plan for j, t, _, _ in w.tasks
                                if j == k and t.kind == "F"})
       size = max(w.last + 1 - w.first for w in plan)
-      self._groups[distinct] = _Group(distinct, keys(0), keys(self.K - 1), size, [None])
+      # The first window's branch takes no carry, so a plan that runs it again later cannot
+      # group; its inputs and labels give every call's shapes, so it must read both.
+      group = _Group(distinct, keys(0), keys(self.K - 1), size)
+      first = {(k, t.kind) for k, t, _, _ in plan[0].tasks}
+      self._groups[distinct] = (group if numbers[0] not in numbers[1:] and (0, "F") in first
+                                and (self.K - 1, "F") in first else None)
     return self._groups[distinct]
 
   def _run_grouped(self, group, window, number, carry, feed, M):
-    """`_run` through the group's function: the window's branch. The first window of the plan
-    takes the template's zeros; the carry handed on has the template's structure."""
+    """`_run` through the group's function: the window's branch. The carry a branch takes is
+    read when the function is called (`compat.call_time_value`): the carry handed on, or for
+    the plan's first window the template's zeros."""
     inputs, labels = self._data(window, feed)
-    shapes = {_shapes(item) for data in (inputs, labels) for item in data.values()}
-    if group.template[0] is not None and shapes != group.shapes:
-      raise _OtherShapes()   # a smaller batch: the group's function would trace again
-    if group.template[0] is None:   # the first window: its carry, traced on its own
-      traced = self._train.experimental_get_tracing_count()
-      with compat.unoptimised_calls():
-        outputs = self._train.get_concrete_function(number, carry, inputs, labels,
-                                                    M).structured_outputs[0]
-      self.traces += self._train.experimental_get_tracing_count() - traced
-      group.template[0] = groups.carry_template(outputs, self._shifts[number])
-      group.shapes = shapes
-    template = group.template[0]
-    if not any(carry[part] for part in groups.PARTS):
-      carry = template
-    for data, keys in ((inputs, group.inputs), (labels, group.labels)):
-      filler = next(iter(data.values()), None)   # a batch of the same shapes for keys unused
-      for key in keys:
+    if group.fillers is None:   # the first call: its batches' shapes are the group's
+      group.fillers = [next(iter(data.values())) for data in (inputs, labels)]
+    for data, keys, filler in zip((inputs, labels), (group.inputs, group.labels), group.fillers):
+      if any(_shapes(item) != _shapes(filler) for item in data.values()):
+        raise _OtherShapes()   # a smaller batch: the group's function would trace again
+      for key in keys:   # keys of the other windows: a batch of the same shapes, unused
         data.setdefault(key, filler)
+    group.carry = carry if any(carry[part] for part in groups.PARTS) else None
     branch = tf.constant(group.numbers.index(number), tf.int32)
     traced = self._group.experimental_get_tracing_count()
     with compat.unoptimised_calls():
       try:
-        out, results = self._group(branch, group.numbers, carry, inputs, labels, M, group.size)
+        out, results = self._group(branch, group.numbers, inputs, labels, M, group.size)
       except tf.errors.OpError as error:
         _raise_clearer(error)
     self.traces += self._group.experimental_get_tracing_count() - traced
     self._finished(window, feed)
     return out, results[:window.last + 1 - window.first]
 
-  def _train_group(self, branch, numbers, carry, inputs, labels, M, size):
-    """The group's function: the windows of `numbers` as branches (`branch` chooses), each on
-    the template's `carry`; returns (the carry rebased and fitted to the template, `size`
-    results)."""
+  def _train_group(self, branch, numbers, inputs, labels, M, size):
+    """The group's function: the windows of `numbers` as branches (`branch` chooses), in plan
+    order. The first traces on no carry, and what it hands on is the template; the others
+    take the carry as placeholders of the template's shapes, fed at each call with the
+    group's carry; returns (the carry rebased and fitted to the template, `size` results)."""
+    graph = tf.compat.v1.get_default_graph()
+    group = next(g for g in self._groups.values() if g is not None and g.numbers == numbers)
     like = [None]
 
-    def branch_of(number):
+    def branch_of(i, number):
       def run():
+        if i == 0:
+          carry = {part: {} for part in groups.PARTS}
+        else:
+          carry = groups.pack(group.template, compat.call_time_value(
+              graph, group.carry_values, group.specs, key="tfpipe_carry"))
         key, inline = next(key for key, n in self._keys.items() if n == number)
         out, results = self._trace_tasks(key, inline, carry, inputs, labels, M)
-        value = (groups.fit(carry, carry, groups.rebase(out, self._shifts[number])),
-                 groups.pad_results(results, size))
-        like[0] = value
-        return groups.flat(value)
+        rebased = groups.rebase(out, self._shifts[number])
+        if i == 0:
+          group.set_template(rebased)
+        else:
+          rebased = groups.fit(group.template, carry, rebased)
+        like[0] = (rebased, groups.pad_results(results, size))
+        return groups.flat(like[0])
       return run
 
-    tensors = tf.switch_case(branch, [branch_of(n) for n in numbers])
+    tensors = tf.switch_case(branch, [branch_of(i, n) for i, n in enumerate(numbers)])
     return groups.pack(like[0], tensors)
+
 
   def _describe(self, window):
     """(entries, backward_of) of `window` for `timeline.task_records`: per task in trace order
@@ -583,12 +591,28 @@ class CompiledRuntime(Executor):
 
 
 class _Group:
-  """A plan's distinct window numbers, the union of their windows' input and label keys, the
-  most mini-batches a window finishes, and the carry template (set on the first call)."""
+  """A plan's distinct window numbers (the first window's first), the union of their windows'
+  input and label keys, and the most mini-batches a window finishes; once traced, the carry's
+  `template` (what the first window hands on) and `specs`, and `fillers`: the first window's
+  first inputs and labels, which every call passes for the keys its window lacks; `carry`:
+  the carry the next call's branch takes (None: the template's zeros)."""
 
-  def __init__(self, numbers, inputs, labels, size, template):
+  def __init__(self, numbers, inputs, labels, size):
     self.numbers, self.inputs, self.labels, self.size = numbers, inputs, labels, size
-    self.template, self.shapes = template, None
+    self.template = self.specs = self.fillers = self.carry = self._zeros = None
+
+  def set_template(self, carry):
+    self.template = carry
+    self.specs = groups.specs(carry)
+    self._zeros = None
+
+  def carry_values(self):
+    """The carry's tensors for the call now being made (the template's order)."""
+    if self.carry is not None:
+      return groups.flat(self.carry)
+    if self._zeros is None:
+      self._zeros = [tf.zeros(s.shape, s.dtype) for s in self.specs]
+    return self._zeros
 
 
 class _OtherShapes(Exception):

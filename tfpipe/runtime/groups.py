@@ -7,21 +7,24 @@ A group traces the plan's distinct windows as the branches of one
 `tf.switch_case`: one calling function, so each stage function is optimised
 once, and the call runs only the chosen branch.
 
-Branches must take and return one structure. Every branch takes the carry
-`template`: what the first window hands on (`carry_template`), the steady
-state's carry. The first window is called with its zeros (it reads none of
-them: whatever it reads it made first). A branch returns the carry rebased to
-the next window (`fit`): a key of the template it does not hand on is zeros
-(no later window reads it: a window reads only what the schedule made before
-it), a carried value it only passed through and the template lacks is
-dropped, and anything else outside the template makes the plan ungroupable
-(`Ungroupable`: the executor runs it a window per function). Results are
-padded to the group's largest window.
+Branches must take and return one structure. The first window (the warm-up)
+traces first, on no carry: the carry it hands on is the `template`, the steady
+state's. Every other branch takes the template's tensors, fed when the
+function is called (`tfpipe.compat.call_time_value`), not as arguments, so the
+function's signature is fixed before the template is known and one trace
+holds every window; the warm-up's call is fed zeros it never reads (whatever
+it reads it made first). A branch returns the carry rebased to the next window
+(`fit`): a key of the template it does not hand on is zeros (no later window
+reads it: a window reads only what the schedule made before it), a carried
+value it only passed through and the template lacks is dropped, and anything
+else outside the template makes the plan ungroupable (`Ungroupable`: the
+executor then runs it a window per function). Results are padded to the
+group's largest window.
 """
 
 import tensorflow as tf
 
-__all__ = ["Ungroupable", "PARTS", "rebase", "carry_template", "fit", "pad_results", "flat",
+__all__ = ["Ungroupable", "PARTS", "rebase", "specs", "fit", "pad_results", "flat",
            "pack"]
 
 PARTS = ("x", "saved", "g")   # the carry's parts (`tfpipe.runtime.compiled`)
@@ -37,17 +40,14 @@ def rebase(carry, shift):
           for part, items in carry.items()}
 
 
-def carry_template(outputs, shift):
-  """Zeros shaped as the first window's carry (`outputs`: its traced function's structured
-  carry), rebased by `shift`: what the group's branches take, and the first window's input."""
-  def zeros(t):
-    if not isinstance(t, tf.Tensor):
-      return t
+def specs(carry):
+  """The `tf.TensorSpec`s of the carry's tensors (`flat` order); every shape known."""
+  found = []
+  for t in _leaves(carry):
     if not t.shape.is_fully_defined():
       raise Ungroupable(f"a carried tensor of unknown shape {t.shape}")
-    with tf.device(t.device or None):
-      return tf.zeros(t.shape, t.dtype)
-  return tf.nest.map_structure(zeros, rebase(outputs, shift))
+    found.append(tf.TensorSpec(t.shape, t.dtype))
+  return found
 
 
 def _leaves(value):
@@ -67,9 +67,9 @@ def fit(template, carry, out):
     fitted[part] = {}
     for key, like in template[part].items():
       value = items.get(key)
-      if value is None:
+      if value is None:   # the template's tensors belong to the first branch: only their specs
         value = tf.nest.map_structure(
-            lambda t: tf.zeros_like(t) if isinstance(t, tf.Tensor) else t, like)
+            lambda t: tf.zeros(t.shape, t.dtype) if isinstance(t, tf.Tensor) else t, like)
       try:
         tf.nest.assert_same_structure(like, value)
       except (ValueError, TypeError) as error:
