@@ -396,7 +396,7 @@ class CompiledRuntime(Executor):
     take the carry as placeholders of the template's shapes, fed at each call with the
     group's carry; returns (the carry rebased and fitted to the template, `size` results)."""
     graph = tf.compat.v1.get_default_graph()
-    group = next(g for g in self._groups.values() if g is not None and g.numbers == numbers)
+    group = self._groups[numbers]
     like = [None]
 
     def branch_of(i, number):
@@ -639,10 +639,9 @@ def _raise_clearer(error):
 
 def _same_shapes(items):
   """`items` (mini-batches) in runs of equal shapes, in order."""
-  signature = lambda item: [tuple(t.shape) for t in tf.nest.flatten(item) if t is not None]
   runs = []
   for item in items:
-    if runs and signature(runs[-1][0]) == signature(item):
+    if runs and _shapes(runs[-1][0]) == _shapes(item):
       runs[-1].append(item)
     else:
       runs.append([item])
