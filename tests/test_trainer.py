@@ -1,15 +1,19 @@
 """Trainer: the quickstart config end to end, every method, clear errors for bad input."""
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import tfpipe
 from trainers import config as config_lib, datasets, main
+from trainers import flags as trainer_flags
 
 # Multi-process timings: never beside another multi-process test (setup.cfg).
 _PROCESSES = pytest.mark.xdist_group("processes")
@@ -17,10 +21,31 @@ _PROCESSES = pytest.mark.xdist_group("processes")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_NO_DATA = os.path.join(ROOT, "tests", "no_such_data_dir")
+
+
 def _cli(*args):
-  env = dict(os.environ, TFDS_DATA_DIR=os.path.join(ROOT, "tests", "no_such_data_dir"))
+  """`python -m trainers.main ARGS` in a process of its own: for what only a process shows
+  (absl's entry, exit codes, TF servers, the flags a run leaves in TensorFlow)."""
+  env = dict(os.environ, TFDS_DATA_DIR=_NO_DATA)
   return subprocess.run([sys.executable, "-m", "trainers.main", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
+
+
+def _command(*args):
+  """The same command line in this process (saves starting Python and TensorFlow): absl's
+  parsing as the entry does it, then `main.command`; a `subprocess.CompletedProcess`."""
+  if "method" not in trainer_flags.FLAGS:
+    trainer_flags.define_flags()
+  trainer_flags.FLAGS.unparse_flags()
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.chdir(ROOT), mock.patch.dict(os.environ, {"TFDS_DATA_DIR": _NO_DATA}), \
+      contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      code = main.command(main._parse_flags(["trainers.main", *args]))  # pylint: disable=protected-access
+    except SystemExit as e:
+      code = e.code
+  return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_quickstart_config_runs_end_to_end(tmp_path):
@@ -42,13 +67,13 @@ def test_missing_dataset_offline_is_a_clear_message():
 
 
 def test_typo_in_method_gets_did_you_mean():
-  result = _cli("--method=spectrian", "--steps=1", "--snn_depth=2", "--snn_width=8")
+  result = _command("--method=spectrian", "--steps=1", "--snn_depth=2", "--snn_width=8")
   assert result.returncode == 2
   assert "unknown method 'spectrian'; did you mean 'spectrain'" in result.stderr
 
 
 def test_flag_validators_refuse_bad_values():
-  result = _cli("--momentum=1.5")
+  result = _command("--momentum=1.5")
   assert result.returncode == 2 and "--momentum must be in [0, 1)" in result.stderr
 
 
@@ -69,7 +94,7 @@ def test_help_lists_the_trainer_flags():
     (["--executor=fast"], "value should be one of <auto|compiled|threaded>"),
 ])
 def test_every_usage_error_exits_with_the_same_code(args, message):
-  result = _cli(*args, "--steps=1", "--snn_depth=2", "--snn_width=8")
+  result = _command(*args, "--steps=1", "--snn_depth=2", "--snn_width=8")
   assert result.returncode == main.USAGE_ERROR == 2
   assert message in result.stderr and "Traceback" not in result.stderr
 
@@ -90,7 +115,7 @@ def test_every_method_trains_a_few_steps(method):
 def test_new_methods_run_from_the_command_line(method, micro):
   args = [f"--method={method}", "--snn_width=32", "--snn_depth=4", "--batch_size=16",
           "--steps=3", "--epochs=1", "--logdir=", "--verbose=2"]
-  result = _cli(*args, *([f"--micro_batches={micro}"] if micro else []))
+  result = _command(*args, *([f"--micro_batches={micro}"] if micro else []))
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"method={method}" in result.stdout and "epoch 1/1:" in result.stdout
   if micro:
@@ -100,17 +125,17 @@ def test_new_methods_run_from_the_command_line(method, micro):
 def test_lockstep_ddg_from_the_command_line_and_refused_elsewhere():
   args = ["--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=3", "--logdir=",
           "--verbose=2"]
-  result = _cli("--method=ddg", "--lockstep", *args)
+  result = _command("--method=ddg", "--lockstep", *args)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "epoch 1/1:" in result.stdout
-  result = _cli("--method=pipedream", "--lockstep", *args)
+  result = _command("--method=pipedream", "--lockstep", *args)
   assert result.returncode == 2
   assert "method 'pipedream' has no lock-step schedule" in result.stderr
   assert "Traceback" not in result.stderr
 
 
 def test_micro_batches_for_a_method_without_them_is_refused():
-  result = _cli("--method=ddg", "--micro_batches=4", "--steps=1", "--snn_depth=2", "--snn_width=8")
+  result = _command("--method=ddg", "--micro_batches=4", "--steps=1", "--snn_depth=2", "--snn_width=8")
   assert result.returncode == 2
   assert "method 'ddg' has no micro-batched schedule" in result.stderr
   assert "Traceback" not in result.stderr
@@ -132,7 +157,7 @@ def test_unknown_dataset_and_model():
 
 
 def test_instruments_from_the_command_line(tmp_path):
-  result = _cli("--method=spectrain", "--snn_width=16", "--snn_depth=4", "--batch_size=16",
+  result = _command("--method=spectrain", "--snn_width=16", "--snn_depth=4", "--batch_size=16",
                 "--steps=8", "--epochs=1", f"--logdir={tmp_path}", "--trace_steps=2,4",
                 "--throughput_window=1,6", "--prediction_error", "--breakdown")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -157,10 +182,10 @@ def test_baseline_trace_and_too_short_window(tmp_path):
 
 
 def test_instrument_flags_are_checked():
-  result = _cli("--method=vanilla", "--prediction_error", "--steps=1", "--snn_depth=2",
+  result = _command("--method=vanilla", "--prediction_error", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "use it with --method=spectrain" in result.stderr
-  result = _cli("--trace_steps=9,3", "--steps=1", "--snn_depth=2", "--snn_width=8", "--logdir=x")
+  result = _command("--trace_steps=9,3", "--steps=1", "--snn_depth=2", "--snn_width=8", "--logdir=x")
   assert result.returncode == 2 and "need 0 <= FIRST <= LAST. Received: '9,3'" in result.stderr
 
 
@@ -194,7 +219,7 @@ def test_every_config_names_known_flags_and_every_workload_has_the_papers_method
 
 def test_offline_workload_configs_run_a_few_steps():
   # dnn runs on digits here; a text model on synthetic token ids.
-  result = _cli("--flagfile=configs/dnn_spectrain.cfg", "--model_scale=0.01", "--steps=3",
+  result = _command("--flagfile=configs/dnn_spectrain.cfg", "--model_scale=0.01", "--steps=3",
                 "--epochs=1", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
   config = config_lib.TrainConfig(model="bert", dataset="synthetic_text", model_scale=1 / 24,
@@ -223,17 +248,17 @@ def test_trainer_stops_and_resumes_exactly(tmp_path, method):
 
 
 def test_hybrid_from_the_command_line():
-  result = _cli("--method=spectrain", "--stage_replicas=0:2", "--num_stages=2",
+  result = _command("--method=spectrain", "--stage_replicas=0:2", "--num_stages=2",
                 "--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=3", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "stage 0 on 2 replicas on" in result.stdout
-  result = _cli("--method=single", "--stage_replicas=0:2", "--steps=1", "--snn_depth=2",
+  result = _command("--method=single", "--stage_replicas=0:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--stage_replicas replicates pipeline stages" in result.stderr
 
 
 def test_grid_from_the_command_line():
-  result = _cli("--method=grid", "--grid=1x2", "--snn_width=16", "--snn_depth=3",
+  result = _command("--method=grid", "--grid=1x2", "--snn_width=16", "--snn_depth=3",
                 "--batch_size=16", "--steps=3", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "1x2 grid (batch x model)" in result.stdout
@@ -245,10 +270,10 @@ def test_pipeline_stages_on_local_tf_servers():
   assert result.returncode == 0, result.stderr[-3000:]
   assert "started 2 TF servers: 127.0.0.1:" in result.stdout
   assert "stage 1 on /job:worker/replica:0/task:1/device:CPU:0" in result.stdout
-  result = _cli("--method=single", "--cluster=local:2", "--steps=1", "--snn_depth=2",
+  result = _command("--method=single", "--cluster=local:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--cluster places pipeline stages" in result.stderr
-  result = _cli("--method=pipedream", "--cluster=local:3", "--steps=1", "--snn_depth=2",
+  result = _command("--method=pipedream", "--cluster=local:3", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2
   assert "--cluster=local:3 starts 3 servers, one per stage, but --num_stages=2" in result.stderr
@@ -362,17 +387,17 @@ def test_a_diverged_run_stops_before_saving_and_a_resume_says_what_it_restores(t
   saved = str(tmp_path / "ckpt")
   small = ["--snn_width=16", "--snn_depth=3", "--batch_size=128", "--logdir=",
            "--throughput_window=", f"--checkpoint_dir={saved}"]
-  result = _cli(*small, "--epochs=1", "--learning_rate=0.01")
+  result = _command(*small, "--epochs=1", "--learning_rate=0.01")
   assert result.returncode == 0, result.stderr[-3000:]
   # A resume says so first, and that the saved rate (0.01) beats the command line's.
-  result = _cli(*small, "--epochs=2", "--learning_rate=0.05")
+  result = _command(*small, "--epochs=2", "--learning_rate=0.05")
   assert result.returncode == 0, result.stderr[-3000:]
   first = result.stdout.index(f"resuming from {os.path.join(saved, 'ckpt-1')} after epoch 1 of 2")
   assert first < result.stdout.index("epoch 2/2:")
   assert "the saved learning rate 0.01 overrides --learning_rate=0.05" in result.stdout
   # A diverging run (fresh directory) stops with code 4 and saves nothing of it.
   diverging = str(tmp_path / "diverging")
-  result = _cli(*small[:-1], f"--checkpoint_dir={diverging}", "--epochs=3",
+  result = _command(*small[:-1], f"--checkpoint_dir={diverging}", "--epochs=3",
                 "--learning_rate=1e30")
   assert result.returncode == main.DIVERGED, result.stderr[-3000:]
   assert "error: the loss became nan in epoch 1: training stopped before saving it" in \
@@ -468,7 +493,7 @@ def test_asgd_with_parameter_servers_trains_the_quickstart_model():
   accuracy = max(float(line.split("val_accuracy=")[1].split()[0]) for line in epochs)
   losses = [float(line.split(" loss=")[1].split()[0]) for line in epochs]
   assert accuracy > 0.9 and losses[-1] < losses[0] / 2, result.stdout
-  result = _cli("--method=asgd", "--cluster=local:2", "--steps=1", "--snn_depth=2",
+  result = _command("--method=asgd", "--cluster=local:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--method=asgd takes --cluster=local:W,P" in result.stderr
 
@@ -496,7 +521,7 @@ def test_mitigation_and_optimizer_flags_reach_the_pipeline():
   assert trainer.programs[0].rule.spike_compensation and trainer.programs[0].rule.lr_rescheduling == 10
   assert trainer.programs[0].optimizer.momentum == pytest.approx(0.4)   # 0.9 - 1/2
   assert type(trainer.programs[0].optimizer).__name__ == "SGD"
-  result = _cli("--method=single", "--spike_compensation", "--steps=1", "--snn_depth=2",
+  result = _command("--method=single", "--spike_compensation", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--spike_compensation mitigates pipeline staleness" in (
       result.stderr) and "Traceback" not in result.stderr

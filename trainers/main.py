@@ -296,11 +296,27 @@ def _help():
 
 
 def main(argv):
+  """The process's entry after absl parsed the flags: `command` with the SIGINT watcher;
+  exits at once after a run that started TF servers."""
+  interrupts.exit_on_interrupt(INTERRUPTED)
+  code = command(argv)
+  FLAGS = trainer_flags.FLAGS
+  if code == 0 and (FLAGS.method == "asgd" or (FLAGS.cluster or "").startswith("local:")):
+    # The servers this run started are gone; TensorFlow's teardown would try to reach them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+  return code
+
+
+def command(argv):
+  """The trainer on the parsed flags (`argv`: what absl left over); returns the exit code, or
+  exits with `USAGE_ERROR` on a bad argument. Touches nothing process-wide (no signal
+  handler, no exit after a run), so tests call it in their own process."""
   if len(argv) > 1:
     _usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config = TrainConfig.from_flags(trainer_flags.FLAGS)
   from trainers import datasets
-  interrupts.exit_on_interrupt(INTERRUPTED)
   try:
     history, _, lines = run(config)
   except KeyboardInterrupt:
@@ -322,11 +338,6 @@ def main(argv):
   print(report.format_table(config, history))
   for line in lines:
     print(line)
-  if config.method == "asgd" or (config.cluster and config.cluster.startswith("local:")):
-    # The servers this run started are gone; TensorFlow's teardown would try to reach them.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
   return 0
 
 
