@@ -116,3 +116,33 @@ def test_a_kept_forwards_input_gradients_have_the_inputs_static_shape():
 
   shapes = window.get_concrete_function(tf.TensorSpec((6, 8)), tf.TensorSpec((6, 3)))
   assert [tuple(t.shape) for t in shapes.outputs] == [(6, 8)]
+
+
+@pytest.mark.parametrize("wrt", ["both", "inputs", "weights"])
+def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_side_by_side(wrt):
+  """A TiMePReSt mini-batch's backward recomputes its micro-batches as calls of one traced
+  function (one trace for all of them, not one per part). Its gradients equal those of the
+  parts recomputed side by side in one tape: dropout masks replayed per part, weight
+  penalties and activity regularisation counted once (the first part's)."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([
+      keras.Input((8,)),
+      keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1),
+                         activity_regularizer=keras.regularizers.L2(0.01)),
+      keras.layers.Dropout(0.5, seed=1), keras.layers.Dense(3)])
+  program = stage.StageProgram(1, 3, model, DEVICES[0], keras.optimizers.SGD(0.1),
+                               policies.policy_for("timeprest"))
+  rng = np.random.default_rng(3)
+  kept = [program.forward([tf.constant(rng.standard_normal((4, 8)), tf.float32)], 0)[1]
+          for _ in range(3)]
+  parts = [(k.xs, k.state) for k in kept]
+  dys = [tf.constant(rng.standard_normal((12, 3)), tf.float32)]
+  weights = [tf.convert_to_tensor(v) for v in program.trainable]
+  scale = tf.constant(0.5, tf.float64)
+  summed = tf.function(lambda: program._summed_grads(weights, parts, dys, scale, wrt, False))()
+  joined = tf.function(lambda: program._joined_grads(weights, parts, dys, scale, wrt))()
+  assert program._traced["part_grads"].experimental_get_tracing_count() == 1
+  counts = [0 if wrt == "inputs" else len(weights), 0 if wrt == "weights" else 1]
+  assert [len(g) for g in summed] == [len(g) for g in joined] == counts
+  for got, expected in zip(summed[0] + summed[1], joined[0] + joined[1]):
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)

@@ -18,8 +18,8 @@ __all__ = ["StageProgram", "Kept"]
 
 _ZERO = tf.UnconnectedGradients.ZERO
 # The traced task functions (`StageProgram.task`).
-_TASKS = ("read_weights", "forward", "forward_on", "backward_on", "update", "apply_accumulated",
-          "last_step", "step_on", "infer", "evaluate_last")
+_TASKS = ("read_weights", "forward", "forward_on", "backward_on", "part_grads", "update",
+          "apply_accumulated", "last_step", "step_on", "infer", "evaluate_last")
 
 Kept = collections.namedtuple("Kept", ["xs", "state", "weights", "tape", "ys", "reg"],
                               defaults=(None, None, None, None))
@@ -41,6 +41,15 @@ def _scaled(grad, scale):
     return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices,
                             grad.dense_shape)
   return grad * tf.cast(scale, grad.dtype)
+
+
+def _summed(grads):
+  """The sum of one weight's gradients from several parts; IndexedSlices (an embedding's)
+  join as the tape joins them (their rows concatenated)."""
+  if all(isinstance(g, tf.IndexedSlices) for g in grads):
+    return tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
+                            tf.concat([g.indices for g in grads], 0), grads[0].dense_shape)
+  return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 
 def _is_float(t):
@@ -411,38 +420,82 @@ class StageProgram:
               for w, v in zip(kept_weights, self.trainable)]
     return self.weights(s, reads)
 
-  def _backward_on(self, kept_weights, parts, dys, s, scale, accumulate, wrt):
+  def _backward_on(self, kept_weights, parts, dys, s, scale, accumulate, wrt, inline=False):
     """Recomputes the forwards of `parts` [(inputs, state read)] on the backward's weights
     (`_backward_read`) and takes their gradients `wrt` ("both", "inputs", "weights"); the
     weight gradients update (or accumulate); returns the input gradients ([] for "weights").
 
     Each part replays its own forward's random draws; outputs (and input gradients) of
     several parts (a TiMePReSt mini-batch) join along the batch axis. Regularisation losses
-    are the first part's (weight penalties count once).
+    are the first part's (weight penalties count once). Several parts run as calls of one
+    traced `part_grads` (its body, `inline`), their weight gradients summed: one trace of the
+    stage for all the parts, not one per part.
     """
     with tf.device(self.device):
       weights = self._backward_read(kept_weights, s)
-      float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
-      with tf.GradientTape() as tape:
-        tape.watch(weights + float_xs)
-        outs = [self._call(weights, xs, training=True, update_state=False, state=state)
-                for xs, state in parts]
-        ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
-                                                for y in zip(*[o[0] for o in outs])]
-        targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
-      sources = ((weights if wrt != "inputs" else []) + (float_xs if wrt != "weights" else []))
-      grads = tape.gradient(targets, sources, output_gradients=out_grads,
-                            unconnected_gradients=_ZERO)
+      if len(parts) > 1 and not (self.grouped_in or self.grouped_out):
+        weight_grads, input_grads = self._summed_grads(weights, parts, dys, scale, wrt, inline)
+      else:
+        weight_grads, input_grads = self._joined_grads(weights, parts, dys, scale, wrt)
       if wrt == "weights":
-        self._update(grads, accumulate, self._read(weights))
+        self._update(weight_grads, accumulate, self._read(weights))
         return []
       if wrt == "both":
-        self._update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
-      grads = grads[len(weights):] if wrt == "both" else grads
-      n = len(float_xs) // len(parts)
-      per_part = [grads[i * n:(i + 1) * n] for i in range(len(parts))]
-      joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
-      return self._input_grads(joined)
+        self._update_after(input_grads, weight_grads, accumulate, weights)
+      return self._input_grads(input_grads)
+
+  def _joined_grads(self, weights, parts, dys, scale, wrt):
+    """(weight gradients, input gradients) of the parts' forwards traced side by side, their
+    outputs joined along the batch axis."""
+    float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
+    with tf.GradientTape() as tape:
+      tape.watch(list(weights) + float_xs)
+      outs = [self._call(weights, xs, training=True, update_state=False, state=state)
+              for xs, state in parts]
+      ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
+                                              for y in zip(*[o[0] for o in outs])]
+      targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
+    sources = ((list(weights) if wrt != "inputs" else []) +
+               (float_xs if wrt != "weights" else []))
+    grads = tape.gradient(targets, sources, output_gradients=out_grads,
+                          unconnected_gradients=_ZERO)
+    n_weights = len(weights) if wrt != "inputs" else 0
+    if wrt == "weights":
+      return grads, []
+    n = len(float_xs) // len(parts)
+    per_part = [grads[n_weights + i * n:n_weights + (i + 1) * n] for i in range(len(parts))]
+    joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
+    return grads[:n_weights], joined
+
+  def _summed_grads(self, weights, parts, dys, scale, wrt, inline):
+    """(weight gradients, input gradients) of the parts' forwards, one `part_grads` call
+    each: the weight gradients summed, the input gradients joined along the batch axis."""
+    sizes = [tf.shape(xs[0])[0] for xs, _ in parts]
+    dys = [[None] * len(parts) if dy is None else tf.split(dy, sizes) for dy in dys]
+    call = self.task("part_grads", inline)
+    zero = tf.zeros((), tf.float32)
+    results = [call(weights, xs, state, [dy[i] for dy in dys],
+                    tf.cast(scale, tf.float32) if i == 0 else zero, wrt)
+               for i, (xs, state) in enumerate(parts)]
+    weight_grads = [_summed(list(g)) for g in zip(*[r[0] for r in results])]
+    input_grads = [tf.concat(list(g), 0) for g in zip(*[r[1] for r in results])]
+    return weight_grads, input_grads
+
+  def _part_grads(self, weights, xs, state, dys, reg_scale, wrt):
+    """One part of a recomputing backward: its forward on `weights` replaying `state`, then
+    (weight gradients, input gradients) `wrt` given the outputs' gradients `dys`, its
+    regularisation weighted by `reg_scale` (0: a later part's, counted by the first)."""
+    with tf.device(self.device):
+      float_xs = [] if wrt == "weights" or self.is_first else self._float_inputs(xs)
+      with tf.GradientTape() as tape:
+        tape.watch(list(weights) + float_xs)
+        ys, reg, _ = self._call(weights, xs, training=True, update_state=False, state=state)
+        targets, out_grads = self._targets(ys, dys, reg, reg_scale)
+      sources = (list(weights) if wrt != "inputs" else []) + float_xs
+      grads = tape.gradient(targets, sources, output_gradients=out_grads,
+                            unconnected_gradients=_ZERO)
+      n_weights = len(sources) - len(float_xs)
+      return grads[:n_weights], grads[n_weights:]   # stage 0: no input gradients
 
   def _update_after(self, outputs, grads, accumulate, read=None):
     """The update with `grads`, run only once a task's `outputs` (its input gradients) are
@@ -624,7 +677,7 @@ class StageProgram:
       with tf.device(self.device):
         s = tf.constant(float(s), tf.float64)
     return self.task("backward_on", inline)(weights, [(p.xs, p.state) for p in parts], dys, s,
-                                            scale, accumulate, wrt)
+                                            scale, accumulate, wrt, inline)
 
   def _through_tape(self, kept, dys, scale, accumulate, wrt, inline):
     """The gradient through a kept forward's tape (its own weights), then the update."""
