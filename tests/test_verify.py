@@ -1,5 +1,7 @@
 """Schedule verifier: every method for K = 1..16 and M = 1..64, peaks, broken schedules."""
 
+import collections
+
 import pytest
 
 from tfpipe.plan import policies, schedules, verify
@@ -9,10 +11,20 @@ from tfpipe.plan.schedules import Task
 def _check_dependencies(schedule, order):
   """An independent check of an order: per-stage order kept and every input ready in time."""
   K = len(schedule)
-  assert sorted(order, key=repr) == sorted(((k, t) for k in range(K) for t in schedule[k]), key=repr)
+  assert collections.Counter(order) == collections.Counter(
+      (k, t) for k in range(K) for t in schedule[k])
   for k in range(K):
     assert [t for j, t in order if j == k] == list(schedule[k])
   position = {item: n for n, item in enumerate(order)}
+  # Per stage: its forwards by (batch, micro) and by batch, its backwards by batch.
+  forwards, backwards = collections.defaultdict(list), collections.defaultdict(list)
+  for k in range(K):
+    for t in schedule[k]:
+      if t.kind == "F":
+        forwards[(k, t.batch, t.micro)].append(t)
+        forwards[(k, t.batch)].append(t)
+      elif t.kind == "B":
+        backwards[(k, t.batch)].append(t)
   for (k, t), n in position.items():
     needs = []
     if t.kind == "F" and k > 0:
@@ -20,10 +32,10 @@ def _check_dependencies(schedule, order):
     if t.kind == "R" or (t.kind == "B" and k < K - 1 and (k, Task("R", *t[1:])) not in position):
       needs.append((k + 1, Task("B", t.batch, t.micro)))
     if t.kind == "B":
-      needs += [(k, f) for f in schedule[k] if f.kind == "F" and f.batch == t.batch
-                and (t.micro is None or f.micro == t.micro)]
+      key = (k, t.batch) if t.micro is None else (k, t.batch, t.micro)
+      needs += [(k, f) for f in forwards[key]]
     if t.kind == "U":
-      needs += [(k, o) for o in schedule[k] if o.kind == "B" and o.batch == t.batch]
+      needs += [(k, o) for o in backwards[(k, t.batch)]]
     for need in needs:
       assert position[need] < n, (k, str(t), need)
 
