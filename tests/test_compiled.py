@@ -202,14 +202,13 @@ def test_bad_executor_settings_are_refused_with_the_value():
     pipe.fit(x, y, batch_size=16, verbose=0)
 
 
-def test_every_pipeline_method_runs_on_the_compiled_executor_by_default():
-  x, y = helpers.as_arrays(helpers.batches(6))
+def test_every_pipeline_method_compiles_for_the_compiled_executor_by_default():
+  # Each then trains on it: tests/test_trainer.py::test_every_method_trains_a_few_steps.
   for method in policies.PIPELINE_METHODS:
     pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method=method)
     pipe.compile(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
-    history = pipe.fit(x, y, batch_size=16, verbose=0)
+    assert pipe.executor == "compiled", method
     assert isinstance(pipe.runtime, tfpipe.runtime.CompiledRuntime), method
-    assert np.isfinite(history.history["loss"][0]), method
 
 
 @pytest.mark.parametrize("method", ["spectrain", "gpipe"])

@@ -121,8 +121,9 @@ CASES = [
 ]
 
 
-def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0]):
-  """The pipeline (recording its tasks when threaded) and its reference rule, trained."""
+def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0], train=True):
+  """The pipeline (recording its tasks when threaded) and its reference rule, trained (the
+  pipeline only partitioned, not compiled or trained, without `train`)."""
   bs = helpers.batches(n)
   x, y = helpers.as_arrays(bs)
   model = helpers.mlp()
@@ -131,8 +132,9 @@ def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0])
   loss = keras.losses.SparseCategoricalCrossentropy()
   expected, log = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
                                             epochs=epochs, **options)
-  compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
-  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=epochs)
+  if train:
+    compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
+    pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=epochs)
   return pipe, expected, log
 
 
@@ -169,7 +171,7 @@ def test_methods_differ_from_each_other():
   finals = {}
   for method in tfpipe.PIPELINE_METHODS:   # (interleaved, zbv: 2 devices x 2 of the 5 layers)
     K = 2 if method in ("interleaved", "zbv") else 3
-    finals[method] = _run_both(method, {}, K=K, n=8)[1][0][0]
+    finals[method] = _run_both(method, {}, K=K, n=8, train=False)[1][0][0]
   # Same weights by design: ddg is pipedream's rule and feature_replay vanilla's, on another
   # timing (EPFL report section 2); the synchronous methods all equal plain training, here at
   # other batch sizes (micro-batches) of the same data, so they differ by round-off only.

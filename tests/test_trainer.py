@@ -108,6 +108,8 @@ def test_every_method_trains_a_few_steps(method):
   history, trainer, _ = main.run(config)
   assert len(history["loss"]) == 1 and history["val_accuracy"][0] >= 0.0
   assert history["samples_per_second"][0] > 0
+  if method in tfpipe.PIPELINE_METHODS:   # the default executor
+    assert isinstance(trainer.runtime, tfpipe.runtime.CompiledRuntime), method
 
 
 @pytest.mark.parametrize("method,micro", [("gpipe", 2), ("timeprest", 2), ("ddg", None),
