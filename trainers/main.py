@@ -300,8 +300,8 @@ def main(argv):
   exits at once after a run that started TF servers."""
   interrupts.exit_on_interrupt(INTERRUPTED)
   code = command(argv)
-  FLAGS = trainer_flags.FLAGS
-  if code == 0 and (FLAGS.method == "asgd" or (FLAGS.cluster or "").startswith("local:")):
+  values = trainer_flags.FLAGS
+  if code == 0 and (values.method == "asgd" or (values.cluster or "").startswith("local:")):
     # The servers this run started are gone; TensorFlow's teardown would try to reach them.
     sys.stdout.flush()
     sys.stderr.flush()
