@@ -482,20 +482,11 @@ class StageProgram:
     return weight_grads, input_grads
 
   def _part_grads(self, weights, xs, state, dys, reg_scale, wrt):
-    """One part of a recomputing backward: its forward on `weights` replaying `state`, then
-    (weight gradients, input gradients) `wrt` given the outputs' gradients `dys`, its
+    """One part of a recomputing backward (`_joined_grads` of that part alone): its forward
+    on `weights` replaying `state`, then (weight gradients, input gradients) `wrt`, its
     regularisation weighted by `reg_scale` (0: a later part's, counted by the first)."""
     with tf.device(self.device):
-      float_xs = [] if wrt == "weights" or self.is_first else self._float_inputs(xs)
-      with tf.GradientTape() as tape:
-        tape.watch(list(weights) + float_xs)
-        ys, reg, _ = self._call(weights, xs, training=True, update_state=False, state=state)
-        targets, out_grads = self._targets(ys, dys, reg, reg_scale)
-      sources = (list(weights) if wrt != "inputs" else []) + float_xs
-      grads = tape.gradient(targets, sources, output_gradients=out_grads,
-                            unconnected_gradients=_ZERO)
-      n_weights = len(sources) - len(float_xs)
-      return grads[:n_weights], grads[n_weights:]   # stage 0: no input gradients
+      return self._joined_grads(weights, [(xs, state)], dys, reg_scale, wrt)
 
   def _update_after(self, outputs, grads, accumulate, read=None):
     """The update with `grads`, run only once a task's `outputs` (its input gradients) are
