@@ -1,15 +1,13 @@
 """The report scripts run end to end at a tiny size and write their tables."""
 
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import zygote
 
 
 def _bench(script, *args):
-  result = subprocess.run([sys.executable, os.path.join("bench", script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+  """`python bench/SCRIPT ARGS` as a process of its own (a fork of `tests.zygote`)."""
+  result = zygote.run([os.path.join("bench", script), *args])
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests import zygote
 from tfpipe import cluster
 import tfpipe
 
@@ -24,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _scenario(*args):
-  result = subprocess.run([sys.executable, "-m", "tests.cluster_scenarios", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+  """A scenario in a process of its own (a fork of `tests.zygote`); its JSON result."""
+  result = zygote.run(["-m", "tests.cluster_scenarios", *args], timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -127,9 +128,9 @@ def test_a_server_whose_port_is_taken_says_which_address():
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     address = f"127.0.0.1:{taken.getsockname()[1]}"
-    result = subprocess.run(
-        [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps({'worker': [address]})}",
-         "--job=worker", "--task=0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = zygote.run(
+        ["-m", "tfpipe.cluster", f"--spec={json.dumps({'worker': [address]})}",
+         "--job=worker", "--task=0"], timeout=120)
   assert result.returncode == 1
   assert f"could not listen at {address} (/job:worker/task:0)" in result.stderr
 

@@ -2,8 +2,8 @@
 
 import os
 import re
-import subprocess
-import sys
+
+from tests import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,8 +18,7 @@ def test_the_from_python_snippet_runs_as_written(tmp_path):
   snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   assert "..." not in snippet   # no placeholders
   env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-  result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+  result = zygote.run(["-c", snippet], cwd=tmp_path, env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "val_accuracy" in result.stdout and (tmp_path / "trained.keras").exists()
 

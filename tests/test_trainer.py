@@ -11,6 +11,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from tests import zygote
 import tfpipe
 from trainers import config as config_lib, datasets, main
 from trainers import flags as trainer_flags
@@ -24,10 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NO_DATA = os.path.join(ROOT, "tests", "no_such_data_dir")
 
 
-def _cli(*args):
+def _cli(*args, fresh=False):
   """`python -m trainers.main ARGS` in a process of its own: for what only a process shows
-  (absl's entry, exit codes, TF servers, the flags a run leaves in TensorFlow)."""
+  (absl's entry, exit codes, TF servers, the flags a run leaves in TensorFlow). A fork of
+  `tests.zygote`, which imported TensorFlow already; `fresh`: a new interpreter, as a user
+  starts it."""
   env = dict(os.environ, TFDS_DATA_DIR=_NO_DATA)
+  if not fresh:
+    return zygote.run(["-m", "trainers.main", *args], env=env)
   return subprocess.run([sys.executable, "-m", "trainers.main", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 
@@ -50,7 +55,7 @@ def _command(*args):
 
 def test_quickstart_config_runs_end_to_end(tmp_path):
   result = _cli("--flagfile=configs/quickstart.cfg", "--epochs=1", "--steps=3",
-                f"--logdir={tmp_path}")
+                f"--logdir={tmp_path}", fresh=True)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "epoch 1/1:" in result.stdout and "val_accuracy" in result.stdout
   assert "samples/s=" in result.stdout

@@ -1,0 +1,143 @@
+"""Programs that tests run, started as forks of a process that has imported TensorFlow.
+
+Starting Python and importing TensorFlow, Keras and tfpipe costs about 4 s of CPU; the suite
+runs a few dozen programs (bench scripts, the trainer, cluster scenarios). `run` gives each a
+process of its own as `subprocess.run` does (its argv, working directory, environment, exit
+code, stdout and stderr), but forked from a zygote: a process per pytest worker that imported
+those libraries once and never ran a TensorFlow op, so each child still configures its
+devices, threads and servers as a fresh program does. Programs that a test signals or runs
+beside each other stay `subprocess.Popen`s.
+
+The zygote reads one request per line on stdin (JSON: argv, cwd, env, the output files) and
+answers on stdout with the child's exit code.
+"""
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_lock = threading.Lock()
+_zygote = None
+
+
+def run(argv, cwd=ROOT, env=None, timeout=600):
+  """`subprocess.run([sys.executable, *argv], cwd=..., env=..., capture_output=True,
+  text=True)` for `argv` of the forms `-m MODULE ARGS`, `-c CODE` and `SCRIPT ARGS`;
+  returns a `subprocess.CompletedProcess`, raises `subprocess.TimeoutExpired`."""
+  global _zygote
+  with _lock, tempfile.TemporaryDirectory() as tmp:
+    out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    request = {"argv": list(argv), "cwd": str(cwd),
+               "env": dict(os.environ if env is None else env), "stdout": out, "stderr": err,
+               "timeout": timeout}
+    if _zygote is None or _zygote.poll() is not None:
+      _zygote = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=ROOT,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    _zygote.stdin.write(json.dumps(request) + "\n")
+    _zygote.stdin.flush()
+    answer = _zygote.stdout.readline()
+    if not answer:
+      raise RuntimeError(f"the zygote exited (code {_zygote.wait()}) running {argv}")
+    code = json.loads(answer)["returncode"]
+    with open(out) as f, open(err) as g:
+      stdout, stderr = f.read(), g.read()
+  if code is None:
+    raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
+  return subprocess.CompletedProcess([sys.executable, *argv], code, stdout, stderr)
+
+
+@atexit.register
+def _stop():
+  if _zygote is not None and _zygote.poll() is None:
+    _zygote.stdin.close()
+    _zygote.wait(timeout=30)
+
+
+def _child(request):
+  """The forked program: its directory, environment, output and argv, then `__main__`."""
+  import runpy
+  import traceback
+  os.setpgrp()   # its own group: a timeout kills what it started too
+  os.chdir(request["cwd"])
+  os.environ.clear()
+  os.environ.update(request["env"])
+  os.dup2(os.open(os.devnull, os.O_RDONLY), 0)   # the zygote's requests are not its input
+  for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+  extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  argv = request["argv"]
+  code = 0
+  try:
+    if argv[0] == "-m":
+      sys.argv = [argv[1]] + argv[2:]
+      sys.path[:1] = [os.getcwd()] + extra
+      runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+      sys.argv = ["-c"] + argv[2:]
+      sys.path[:1] = [""] + extra
+      exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+      sys.argv = list(argv)
+      sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0]))] + extra
+      runpy.run_path(argv[0], run_name="__main__")
+  except SystemExit as e:
+    if e.code is None or isinstance(e.code, int):
+      code = e.code or 0
+    else:
+      print(e.code, file=sys.stderr)
+      code = 1
+  except BaseException:   # noqa: B036 -- as the interpreter does: the traceback, exit 1
+    traceback.print_exc()
+    code = 1
+  import logging
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def _serve():
+  import signal
+  import time
+  answers = os.fdopen(os.dup(1), "w")
+  os.dup2(2, 1)   # what the imports print goes to stderr, never into the answers
+  # What every program here imports first; nothing here may run a TensorFlow op.
+  import keras  # noqa: F401
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot  # noqa: F401
+  import numpy  # noqa: F401
+  import tensorflow  # noqa: F401
+  from absl import app, flags  # noqa: F401
+  import tfpipe  # noqa: F401
+  for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+      answers.close()
+      _child(request)
+    deadline = time.monotonic() + request["timeout"]
+    while True:
+      done, status = os.waitpid(pid, os.WNOHANG)
+      if done:
+        code = os.waitstatus_to_exitcode(status)
+        break
+      if time.monotonic() > deadline:
+        os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        code = None
+        break
+      time.sleep(0.02)
+    answers.write(json.dumps({"returncode": code}) + "\n")
+    answers.flush()
+
+
+if __name__ == "__main__":
+  _serve()
