@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from tfpipe import optimizers, reference
+from tfpipe import optimizers
 import tfpipe
 
 LR, MOMENTUM = 0.05, 0.9
@@ -37,7 +37,7 @@ def _run_both(method, options, K=3, n=12, epochs=1, runtime=helpers.RUNTIMES[0],
   pipe, compile_ = helpers.pipeline(_model(), runtime, num_stages=K, method=method,
                                     record=runtime["executor"] == "threaded", **options)
   loss = _loss()
-  expected, log = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
+  expected, log = helpers.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
                                             epochs=epochs, optimizer=optimizer(), **options)
   compile_(optimizer(), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=epochs)
@@ -131,7 +131,7 @@ def test_update_options_equal_their_reference_rule(method, options, optimizer, r
   pipe, expected, log = _run_both(method, options, runtime=runtime, optimizer=optimizer)
   _assert_follows(pipe, expected, log, runtime)
   without = {k: v for k, v in options.items() if k not in ("nesterov", "delay_compensation")}
-  plain = reference.reference_train(pipe.stage_models, _loss(), _batches(12), method, LR,
+  plain = helpers.reference_train(pipe.stage_models, _loss(), _batches(12), method, LR,
                                     MOMENTUM, optimizer=optimizer(), **without)[0]
   assert max(np.abs(a - b).max() for ws, ps in zip(_stage_weights(pipe), plain)
              for a, b in zip(ws, ps)) > 1e-4   # the options act
@@ -185,7 +185,7 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
   # the options left unset the same way.
   bs = _batches(6)
   x, y = helpers.as_arrays(bs)
-  ref = reference.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
+  ref = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
                                   optimizer=SGD(), **asked)[0]
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, r in zip(_stage_weights(pipe), ref):

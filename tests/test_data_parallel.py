@@ -12,7 +12,7 @@ import tensorflow as tf
 from tests import helpers
 from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _stage_weights, LR, MOMENTUM
-from tfpipe import optimizers, reduction, reference
+from tfpipe import optimizers, reduction
 import tfpipe
 
 
@@ -50,7 +50,7 @@ def test_replicated_asynchronous_pipelines_follow_their_rule_at_the_global_batch
   pipe, compile_ = helpers.pipeline(helpers.sequential_mlp(dtype="float64"), runtime,
                                     num_stages=2, method=method, data_parallel=2)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
-  expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method,
+  expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method,
                                           float(np.float32(LR)), MOMENTUM)
   compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)

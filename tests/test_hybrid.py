@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import optimizers, reference
+from tfpipe import optimizers
 from tests import helpers
 
 LR, MOMENTUM = 0.0625, 0.875  # exact in float32 too: the optimizer's float32 learning rate
@@ -31,7 +31,7 @@ def test_replicated_stage_equals_the_reference_rule(method, options):
     pipe = tfpipe.Pipeline(helpers.skip_model(dtype="float64"), num_stages=3, method=method,
                            stage_replicas=replicas, **options)
     if replicas:
-      expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method, LR,
+      expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method, LR,
                                               MOMENTUM, **options)
     pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), loss)
     pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)

@@ -6,7 +6,7 @@ import pytest
 
 from tests import helpers
 import tfpipe
-from tfpipe import mitigations, optimizers, reference
+from tfpipe import mitigations, optimizers
 from tfpipe.plan import schedules
 
 LR, MOMENTUM = 0.05, 0.9
@@ -48,7 +48,7 @@ def _run_both(method, options, optimizer, runtime, K=3, n=10):
                                     method=method, record=runtime["executor"] == "threaded",
                                     **options)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
-  expected, log = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
+  expected, log = helpers.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
                                             optimizer=_optimizer(optimizer), **options)
   compile_(_optimizer(optimizer), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
@@ -93,8 +93,8 @@ def test_each_mitigation_changes_the_weights(method, options, base):
   stages = tfpipe.Pipeline(model, num_stages=3, method=method, **options).stage_models
   loss = keras.losses.SparseCategoricalCrossentropy()
   base_options = {"micro_batches": options["micro_batches"]} if "micro_batches" in options else {}
-  got = reference.reference_train(stages, loss, bs, method, LR, MOMENTUM, **options)[0]
-  plain = reference.reference_train(stages, loss, bs, base, LR, MOMENTUM, **base_options)[0]
+  got = helpers.reference_train(stages, loss, bs, method, LR, MOMENTUM, **options)[0]
+  plain = helpers.reference_train(stages, loss, bs, base, LR, MOMENTUM, **base_options)[0]
   assert not np.allclose(got[0][0], plain[0][0], rtol=1e-6)
 
 

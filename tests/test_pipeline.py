@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import optimizers, reference
+from tfpipe import optimizers
 from tfpipe.plan import schedules
 import tfpipe
 
@@ -81,8 +81,8 @@ def test_xla_compiled_stages_follow_their_rule(method, other, runtime):
   pipe, compile_ = helpers.pipeline(helpers.mlp(), runtime, num_stages=2, method=method,
                                     jit_compile=True)
   loss = keras.losses.SparseCategoricalCrossentropy()
-  own = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM)[0]
-  alt = reference.reference_train(pipe.stage_models, loss, bs, other, LR, MOMENTUM)[0]
+  own = helpers.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM)[0]
+  alt = helpers.reference_train(pipe.stage_models, loss, bs, other, LR, MOMENTUM)[0]
   compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   got = _stage_weights(pipe)
@@ -130,7 +130,7 @@ def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0],
   pipe, compile_ = helpers.pipeline(model, runtime, num_stages=K, method=method,
                                     record=runtime["executor"] == "threaded", **options)
   loss = keras.losses.SparseCategoricalCrossentropy()
-  expected, log = reference.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
+  expected, log = helpers.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
                                             epochs=epochs, **options)
   if train:
     compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
@@ -334,7 +334,7 @@ def test_dropout_method_equals_reference_rule(method, options, runtime):
   # weights by ~1e-2 (before masks were replayed).
   pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
-  expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method,
+  expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method,
                                           float(np.float32(LR)), MOMENTUM, **options)
   compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)

@@ -12,7 +12,7 @@ import pytest
 from tests import helpers
 from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _dropout_pipe, _stage_weights, LR, MOMENTUM
-from tfpipe import optimizers, reference
+from tfpipe import optimizers
 from tfpipe.plan import schedules, simulator, verify
 import tfpipe
 
@@ -92,7 +92,7 @@ def test_synchronous_schedules_with_dropout_recompute_equal_their_reference_rule
   else:
     pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
-  expected, _ = reference.reference_train(pipe.stage_models, loss, bs, method,
+  expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method,
                                           float(np.float32(LR)), MOMENTUM, **options)
   compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
