@@ -132,6 +132,33 @@ def pipeline(model, runtime, **options):
 _REFERENCES = {}
 
 
+def _renamed(config):
+  """`config` with every name ("name" values, and the strings equal to one, as in a
+  functional model's node links) replaced by its order of appearance: two models built
+  alike digest alike, whatever names Keras gave their layers."""
+  names = {}
+
+  def collect(c):
+    if isinstance(c, dict):
+      if isinstance(c.get("name"), str):
+        names.setdefault(c["name"], f"name{len(names)}")
+      for v in c.values():
+        collect(v)
+    elif isinstance(c, (list, tuple)):
+      for v in c:
+        collect(v)
+
+  def rename(c):
+    if isinstance(c, dict):
+      return {k: rename(v) for k, v in c.items()}
+    if isinstance(c, (list, tuple)):
+      return [rename(v) for v in c]
+    return names.get(c, c) if isinstance(c, str) else c
+
+  collect(config)
+  return rename(config)
+
+
 def _digest(value, h):
   """Feeds `value` (arrays, Keras objects, plain data, nested) to the hash `h`."""
   if isinstance(value, np.ndarray):
@@ -139,7 +166,7 @@ def _digest(value, h):
     h.update(np.ascontiguousarray(value).tobytes())
   elif isinstance(value, (keras.Model, keras.losses.Loss, keras.optimizers.Optimizer)):
     h.update(type(value).__qualname__.encode())
-    h.update(json.dumps(value.get_config(), sort_keys=True, default=repr).encode())
+    h.update(json.dumps(_renamed(value.get_config()), sort_keys=True, default=repr).encode())
     for w in getattr(value, "weights", []) if isinstance(value, keras.Model) else []:
       _digest(np.asarray(w.numpy()), h)
   elif isinstance(value, dict):
@@ -159,10 +186,11 @@ def _digest(value, h):
 def reference_train(stage_models, loss_fn, batches, method, *args, **kwargs):
   """`tfpipe.reference.reference_train`, computed once per distinct input in this process
   (a copy of the result each call); inputs it cannot digest are never cached."""
-  from tfpipe import reference
+  from tfpipe import advice, reference
   h = hashlib.sha256()
-  try:
-    _digest([list(stage_models), loss_fn, batches, method, list(args), kwargs], h)
+  try:   # the options left unset resolve through tfpipe.advice's tables (tests patch them)
+    _digest([list(stage_models), loss_fn, batches, method, list(args), kwargs,
+             advice.SPECTRAIN, advice.ADVISABLE], h)
   except Exception:   # noqa: BLE001 - e.g. a layer without get_config: not cached
     return reference.reference_train(stage_models, loss_fn, batches, method, *args, **kwargs)
   key = h.hexdigest()

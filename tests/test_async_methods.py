@@ -38,7 +38,7 @@ def _run_both(method, options, K=3, n=12, epochs=1, runtime=helpers.RUNTIMES[0],
                                     record=runtime["executor"] == "threaded", **options)
   loss = _loss()
   expected, log = helpers.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
-                                            epochs=epochs, optimizer=optimizer(), **options)
+                                          epochs=epochs, optimizer=optimizer(), **options)
   compile_(optimizer(), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=epochs)
   return pipe, expected, log
@@ -132,7 +132,7 @@ def test_update_options_equal_their_reference_rule(method, options, optimizer, r
   _assert_follows(pipe, expected, log, runtime)
   without = {k: v for k, v in options.items() if k not in ("nesterov", "delay_compensation")}
   plain = helpers.reference_train(pipe.stage_models, _loss(), _batches(12), method, LR,
-                                    MOMENTUM, optimizer=optimizer(), **without)[0]
+                                  MOMENTUM, optimizer=optimizer(), **without)[0]
   assert max(np.abs(a - b).max() for ws, ps in zip(_stage_weights(pipe), plain)
              for a, b in zip(ws, ps)) > 1e-4   # the options act
 
@@ -186,7 +186,7 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
   bs = _batches(6)
   x, y = helpers.as_arrays(bs)
   ref = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
-                                  optimizer=SGD(), **asked)[0]
+                                optimizer=SGD(), **asked)[0]
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, r in zip(_stage_weights(pipe), ref):
     helpers.assert_weights_close(actual, r, rtol=1e-7, atol=1e-9)

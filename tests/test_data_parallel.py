@@ -51,7 +51,7 @@ def test_replicated_asynchronous_pipelines_follow_their_rule_at_the_global_batch
                                     num_stages=2, method=method, data_parallel=2)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
   expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method,
-                                          float(np.float32(LR)), MOMENTUM)
+                                        float(np.float32(LR)), MOMENTUM)
   compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, ref in zip(_stage_weights(pipe), expected):

@@ -32,7 +32,7 @@ def test_replicated_stage_equals_the_reference_rule(method, options):
                            stage_replicas=replicas, **options)
     if replicas:
       expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method, LR,
-                                              MOMENTUM, **options)
+                                            MOMENTUM, **options)
     pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), loss)
     pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     trained[bool(replicas)] = [[v.numpy() for v in p.trainable] for p in pipe.programs]

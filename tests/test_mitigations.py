@@ -49,7 +49,7 @@ def _run_both(method, options, optimizer, runtime, K=3, n=10):
                                     **options)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
   expected, log = helpers.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
-                                            optimizer=_optimizer(optimizer), **options)
+                                          optimizer=_optimizer(optimizer), **options)
   compile_(_optimizer(optimizer), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   return pipe, expected, log

@@ -131,7 +131,7 @@ def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0],
                                     record=runtime["executor"] == "threaded", **options)
   loss = keras.losses.SparseCategoricalCrossentropy()
   expected, log = helpers.reference_train(pipe.stage_models, loss, bs, method, LR, MOMENTUM,
-                                            epochs=epochs, **options)
+                                          epochs=epochs, **options)
   if train:
     compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
     pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=epochs)
@@ -335,7 +335,7 @@ def test_dropout_method_equals_reference_rule(method, options, runtime):
   pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
   expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method,
-                                          float(np.float32(LR)), MOMENTUM, **options)
+                                        float(np.float32(LR)), MOMENTUM, **options)
   compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, ref in zip(_stage_weights(pipe), expected):

@@ -93,7 +93,7 @@ def test_synchronous_schedules_with_dropout_recompute_equal_their_reference_rule
     pipe, compile_ = _dropout_pipe(method, options, dtype="float64", runtime=runtime)
   loss = keras.losses.SparseCategoricalCrossentropy(dtype="float64")
   expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, method,
-                                          float(np.float32(LR)), MOMENTUM, **options)
+                                        float(np.float32(LR)), MOMENTUM, **options)
   compile_(optimizers.SpecTrain(LR, MOMENTUM), loss)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, ref in zip(_stage_weights(pipe), expected):
