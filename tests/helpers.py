@@ -167,8 +167,9 @@ def _digest(value, h):
   elif isinstance(value, (keras.Model, keras.losses.Loss, keras.optimizers.Optimizer)):
     h.update(type(value).__qualname__.encode())
     h.update(json.dumps(_renamed(value.get_config()), sort_keys=True, default=repr).encode())
-    for w in getattr(value, "weights", []) if isinstance(value, keras.Model) else []:
-      _digest(np.asarray(w.numpy()), h)
+    if isinstance(value, keras.Model):
+      for w in value.weights:
+        _digest(np.asarray(w.numpy()), h)
   elif isinstance(value, dict):
     for k in sorted(value):
       h.update(repr(k).encode())
