@@ -6,6 +6,7 @@ import json
 
 import keras
 import numpy as np
+import pytest
 
 
 def mlp(width=16, depth=4, inputs=8, classes=3, seed=0):
@@ -113,6 +114,18 @@ RUNTIMES = [{"executor": "threaded"},
 RUNTIME_IDS = ["threaded", "compiled-w3-calls"]
 
 
+def on_one_worker(group, cases, key=None):
+  """`cases` (a parametrize list) as params that pytest-xdist runs on one worker per group
+  (`key(case)`, or each case its own): the runs of a case on each executor then share one
+  reference rule or Keras fit (`reference_train`, `keras_fit_weights` keep them per worker)."""
+  params = []
+  for i, case in enumerate(cases):
+    name = f"{group}-{i if key is None else key(case)}"
+    params.append(pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                               marks=pytest.mark.xdist_group(name)))
+  return params
+
+
 def pipeline(model, runtime, **options):
   """A Pipeline on `runtime` (an entry of RUNTIMES) and a function compiling it."""
   import tfpipe
@@ -126,10 +139,10 @@ def pipeline(model, runtime, **options):
   return pipe, compile_
 
 
-# reference_train's results by a digest of everything they depend on: a weight-rule test
-# runs once per executor (RUNTIMES) on the same stages, data and rule, and the eager
-# reference is a third of such a test's time.
-_REFERENCES = {}
+# reference_train's and keras_fit_weights's results by a digest of everything they depend on:
+# a weight-rule test runs once per executor (RUNTIMES) on the same stages, data and rule, and
+# the eager reference is a third of such a test's time.
+_RESULTS = {}
 
 
 def _renamed(config):
@@ -184,18 +197,38 @@ def _digest(value, h):
     raise TypeError(f"no digest for {type(value).__name__}")
 
 
+def _cached(parts, compute):
+  """`compute()`, once per distinct digest of `parts` in this process (a copy of the result
+  each call); parts it cannot digest are never cached."""
+  h = hashlib.sha256()
+  try:
+    _digest(parts, h)
+  except Exception:   # noqa: BLE001 - e.g. a layer without get_config: not cached
+    return compute()
+  key = h.hexdigest()
+  if key not in _RESULTS:
+    _RESULTS[key] = compute()
+  return copy.deepcopy(_RESULTS[key])
+
+
 def reference_train(stage_models, loss_fn, batches, method, *args, **kwargs):
   """`tfpipe.reference.reference_train`, computed once per distinct input in this process
   (a copy of the result each call); inputs it cannot digest are never cached."""
   from tfpipe import advice, reference
-  h = hashlib.sha256()
-  try:   # the options left unset resolve through tfpipe.advice's tables (tests patch them)
-    _digest([list(stage_models), loss_fn, batches, method, list(args), kwargs,
-             advice.SPECTRAIN, advice.ADVISABLE], h)
-  except Exception:   # noqa: BLE001 - e.g. a layer without get_config: not cached
-    return reference.reference_train(stage_models, loss_fn, batches, method, *args, **kwargs)
-  key = h.hexdigest()
-  if key not in _REFERENCES:
-    _REFERENCES[key] = reference.reference_train(stage_models, loss_fn, batches, method, *args,
-                                                 **kwargs)
-  return copy.deepcopy(_REFERENCES[key])
+  # The options left unset resolve through tfpipe.advice's tables (tests patch them).
+  return _cached(["reference", list(stage_models), loss_fn, batches, method, list(args), kwargs,
+                  advice.SPECTRAIN, advice.ADVISABLE],
+                 lambda: reference.reference_train(stage_models, loss_fn, batches, method, *args,
+                                                   **kwargs))
+
+
+def keras_fit_weights(model, optimizer, loss, x, y, **fit_kwargs):
+  """`model`'s weights after `model.compile(optimizer, loss)` and `model.fit(x, y,
+  **fit_kwargs)`, the fit run once per distinct input in this process: many equivalence tests
+  hold pipelines of several K, methods and executors to one Keras run. `model` is left
+  untrained when the result is cached."""
+  def fit():
+    model.compile(optimizer, loss)
+    model.fit(x, y, **fit_kwargs)
+    return model.get_weights()
+  return _cached(["keras fit", model, optimizer, loss, x, y, fit_kwargs], fit)

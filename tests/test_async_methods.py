@@ -55,8 +55,8 @@ def _assert_follows(pipe, expected, log, runtime):
     assert seen == {(k, kind, b, i): v for k, kind, b, i, v in log}
 
 
-@pytest.mark.parametrize("options,epochs", [({}, 2), ({"micro_batches": 2}, 1)])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("options,epochs", helpers.on_one_worker("2bw-rule", [({}, 2), ({"micro_batches": 2}, 1)]))
 def test_2bw_equals_its_reference_rule(options, epochs, runtime):
   pipe, expected, log = _run_both("2bw", options, epochs=epochs, runtime=runtime)
   assert pipe.micro_batches == options.get("micro_batches", 3)   # default M = K
@@ -115,7 +115,8 @@ def test_2bw_equals_the_delayed_gradient_rule_on_one_model(options):
 SGD = lambda: keras.optimizers.SGD(LR, momentum=MOMENTUM)
 
 
-@pytest.mark.parametrize("method,options,optimizer", [
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method,options,optimizer", helpers.on_one_worker("update-rule", [
     ("pipedream", {"nesterov": True}, SGD),
     ("pipedream", {"nesterov": True, "micro_batches": 2}, SGD),
     ("vanilla", {"nesterov": True}, lambda: optimizers.SpecTrain(LR, MOMENTUM)),
@@ -125,8 +126,7 @@ SGD = lambda: keras.optimizers.SGD(LR, momentum=MOMENTUM)
      lambda: optimizers.SpecTrain(LR, MOMENTUM)),
     ("ddg", {"delay_compensation": 2.0, "nesterov": True}, SGD),
     ("pipedream", {"delay_compensation": 2.0}, lambda: keras.optimizers.Adam(1e-2)),
-])
-@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+]))
 def test_update_options_equal_their_reference_rule(method, options, optimizer, runtime):
   pipe, expected, log = _run_both(method, options, runtime=runtime, optimizer=optimizer)
   _assert_follows(pipe, expected, log, runtime)

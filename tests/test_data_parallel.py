@@ -19,9 +19,9 @@ import tfpipe
 _COMPILED, _THREADED = helpers.RUNTIMES[1], helpers.RUNTIMES[0]
 
 
-@pytest.mark.parametrize("method,runtime", [
+@pytest.mark.parametrize("method,runtime", helpers.on_one_worker("keras-fit", [
     ("gpipe", _COMPILED), ("1f1b", _COMPILED), ("zb", _COMPILED), ("interleaved", _COMPILED),
-    ("zbv", _COMPILED), ("zb", _THREADED), ("zbv", _THREADED)],
+    ("zbv", _COMPILED), ("zb", _THREADED), ("zbv", _THREADED)], key=lambda _: "global-batch"),
     ids=["gpipe", "1f1b", "zb", "interleaved", "zbv", "zb-threaded", "zbv-threaded"])
 def test_replicated_synchronous_pipelines_equal_keras_at_the_global_batch(method, runtime):
   # 2 replicas x 2 stages of a model whose cut carries two tensors; 18 samples per batch, 2
@@ -37,8 +37,8 @@ def test_replicated_synchronous_pipelines_equal_keras_at_the_global_batch(method
                                                                            [first, second])
 
 
-@pytest.mark.parametrize("method", ["pipedream", "vanilla"])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method", helpers.on_one_worker("replicated-rule", ["pipedream", "vanilla"]))
 def test_replicated_asynchronous_pipelines_follow_their_rule_at_the_global_batch(method,
                                                                                  runtime):
   """An asynchronous method's replicas are its stages at R times the batch: the weight rule

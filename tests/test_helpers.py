@@ -1,6 +1,6 @@
-"""The tests' reference cache returns what a fresh reference computes, and recomputes when
-anything the rule reads differs (a weight, a batch, an option, the optimizer, the advice
-tables that resolve the options left unset)."""
+"""The tests' cache of reference rules and Keras fits returns what a fresh run computes, and
+runs again when anything the run reads differs (a weight, a batch, an option, the optimizer,
+the advice tables that resolve the options left unset, the fit's arguments)."""
 
 import keras
 import numpy as np
@@ -32,7 +32,7 @@ def counted(monkeypatch):
     calls.append(1)
     return real(*args, **kwargs)
   monkeypatch.setattr(reference, "reference_train", count)
-  monkeypatch.setattr(helpers, "_REFERENCES", {})
+  monkeypatch.setattr(helpers, "_RESULTS", {})
   return calls
 
 
@@ -70,3 +70,36 @@ def test_any_input_the_rule_reads_is_computed_afresh(counted, monkeypatch, chang
   assert len(counted) == 2
   assert _same(got, reference.reference_train(stages, loss, batches, method, lr, momentum,
                                               **kwargs))
+
+
+def _fit(model, lr=0.05, x_shift=0.0, epochs=1):
+  x, y = helpers.as_arrays(helpers.batches(4))
+  return helpers.keras_fit_weights(model, keras.optimizers.SGD(lr, momentum=0.9),
+                                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                   x + x_shift, y, batch_size=16, epochs=epochs, shuffle=False,
+                                   verbose=0)
+
+
+def test_a_keras_fit_is_run_once_per_distinct_input_and_equals_a_fresh_fit(monkeypatch):
+  monkeypatch.setattr(helpers, "_RESULTS", {})
+  first = _fit(helpers.sequential_mlp())
+  model = helpers.sequential_mlp()
+  cached = _fit(model)
+  assert [np.array_equal(a, b) for a, b in zip(model.get_weights(),
+                                               helpers.sequential_mlp().get_weights())] \
+      == [True] * len(first)   # not trained again: the cached weights came back
+  helpers.assert_weights_close(cached, first, rtol=0, atol=0)
+  assert len(helpers._RESULTS) == 1   # pylint: disable=protected-access
+  # Any change to what the fit reads runs it afresh.
+  changed = [_fit(helpers.sequential_mlp(seed=1)), _fit(helpers.sequential_mlp(), lr=0.1),
+             _fit(helpers.sequential_mlp(), x_shift=1e-3), _fit(helpers.sequential_mlp(), epochs=2)]
+  assert len(helpers._RESULTS) == 5   # pylint: disable=protected-access
+  for got in changed:
+    assert not all(np.array_equal(a, b) for a, b in zip(got, first))
+  # and what it gives is what a fit outside the cache gives.
+  model = helpers.sequential_mlp()
+  model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  x, y = helpers.as_arrays(helpers.batches(4))
+  model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  helpers.assert_weights_close(changed[1], model.get_weights(), rtol=0, atol=0)

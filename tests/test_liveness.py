@@ -18,6 +18,17 @@ from tfpipe import cluster, liveness
 pytestmark = pytest.mark.xdist_group("processes")
 
 
+def test_this_files_tests_run_on_one_worker_beside_no_other_multi_process_test(request):
+  # pytest-xdist's --dist loadgroup tags a grouped test's id with its group and hands each
+  # group to one worker; where it cannot tag it (pytest 9 with pytest-xdist 3.8), the groups
+  # are silently spread over the workers.
+  if not hasattr(request.config, "workerinput"):
+    pytest.skip("not run by a pytest-xdist worker")
+  assert request.config.getvalue("loadgroup"), "setup.cfg's --dist loadgroup is not in force"
+  assert request.node.nodeid.endswith("@processes"), (
+      f"pytest-xdist did not group {request.node.nodeid}: see setup.py's test extra")
+
+
 class StandIn:
   """A listening socket on 127.0.0.1 that answers like a gRPC server while `answering`."""
 

@@ -59,10 +59,13 @@ def _run_both(method, options, optimizer, runtime, K=3, n=10):
 # there (corrected and blended backward weights, the rule in the accumulated update, each
 # optimizer's prediction), to keep the suite's time.
 COMPILED_CASES = (1, 2, 3, 9, 12, 13)
-RUN_CASES = [pytest.param(runtime, *CASES[i], id=f"{runtime_id}-{CASES[i][0]}-{i}-{CASES[i][2]}")
-             for runtime, runtime_id, cases in zip(helpers.RUNTIMES, helpers.RUNTIME_IDS,
-                                                   (range(len(CASES)), COMPILED_CASES))
-             for i in cases]
+# A case's runs on the two executors run on one pytest-xdist worker, where one reference rule
+# serves both (`helpers.on_one_worker`).
+RUN_CASES = [pytest.param(runtime, *CASES[i], id=f"{runtime_id}-{CASES[i][0]}-{i}-{CASES[i][2]}",
+                          marks=pytest.mark.xdist_group(f"mitigation-rule-{i}"))
+             for i in range(len(CASES))
+             for runtime, runtime_id in zip(helpers.RUNTIMES, helpers.RUNTIME_IDS)
+             if runtime["executor"] == "threaded" or i in COMPILED_CASES]
 
 
 @pytest.mark.parametrize("runtime,method,options,optimizer", RUN_CASES)

@@ -20,16 +20,18 @@ def _stage_weights(pipe):
   return [[v.numpy() for v in p.trainable] for p in pipe.programs]
 
 
-@pytest.mark.parametrize("K", [2, 3])
-@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("K", [2, 3])
+@pytest.mark.parametrize("build", helpers.on_one_worker("keras-fit", [helpers.sequential_mlp, helpers.skip_model],
+                                            key=lambda build: build.__name__))
 def test_sequential_equals_keras(build, K, runtime):
   _assert_equals_keras(build, K, "sequential", runtime=runtime)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("build", helpers.on_one_worker("keras-fit", [helpers.sequential_mlp, helpers.skip_model],
+                                            key=lambda build: build.__name__))
 def test_gpipe_equals_keras_at_the_mini_batch_size(build, recompute, runtime):
   # 4 micro-batches of 4, gradients accumulated, one update per mini-batch of 16. Summing
   # micro-batch gradients rounds differently from one mean over 16 samples (~1e-7), and these
@@ -53,15 +55,14 @@ def _assert_equals_keras(build, K, method, batch_size=16, lr=LR, loss_dtype=None
   bs = helpers.batches(20)
   x, y = helpers.as_arrays(bs)
   loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype=loss_dtype)
-  expected = build()
-  expected.compile(keras.optimizers.SGD(lr, momentum=MOMENTUM), loss())
-  expected.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
-
+  expected = helpers.keras_fit_weights(build(), keras.optimizers.SGD(lr, momentum=MOMENTUM),
+                                      loss(), x, y, batch_size=batch_size, shuffle=False,
+                                      verbose=0)
   model = build()
   pipe, compile_ = helpers.pipeline(model, runtime, num_stages=K, method=method, **options)
   compile_(keras.optimizers.SGD(lr, momentum=MOMENTUM), loss())
   pipe.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
-  helpers.assert_weights_close(model.get_weights(), expected.get_weights())
+  helpers.assert_weights_close(model.get_weights(), expected)
   return pipe
 
 
@@ -70,8 +71,8 @@ def _mean_gap(weights, other):
                         for a, b in zip(ws, os_)]))
 
 
-@pytest.mark.parametrize("method,other", [("pipedream", "vanilla"), ("vanilla", "pipedream")])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method,other", [("pipedream", "vanilla"), ("vanilla", "pipedream")])
 def test_xla_compiled_stages_follow_their_rule(method, other, runtime):
   # XLA fuses and reorders float ops, and round-off can flip a SELU input across 0, so
   # weights match the rule to ~1e-5 on average rather than element for element. The test
@@ -138,8 +139,8 @@ def _run_both(method, options, K=3, n=20, epochs=1, runtime=helpers.RUNTIMES[0],
   return pipe, expected, log
 
 
-@pytest.mark.parametrize("method,options", CASES)
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method,options", helpers.on_one_worker("rule", CASES))
 def test_method_equals_reference_rule(method, options, runtime):
   pipe, expected, log = _run_both(method, options, runtime=runtime)
   # A tensor carried across a window boundary is a fresh buffer, and oneDNN's kernels may
@@ -324,8 +325,8 @@ def _dropout_pipe(method, options, K=3, dtype=None, runtime=helpers.RUNTIMES[1])
                           partition=helpers.DROPOUT_CUTS[K], **options)
 
 
-@pytest.mark.parametrize("method,options", DROPOUT_CASES)
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method,options", helpers.on_one_worker("dropout-rule", DROPOUT_CASES))
 def test_dropout_method_equals_reference_rule(method, options, runtime):
   bs = helpers.batches(8)
   x, y = helpers.as_arrays(bs)

@@ -66,10 +66,11 @@ def test_simulated_bubbles_equal_the_closed_forms(K, M):
   assert bubble("zb") == pytest.approx((K - 1) / (3 * M + K - 1))
 
 
-@pytest.mark.parametrize("method,build,recompute", [
-    ("1f1b", helpers.sequential_mlp, False), ("1f1b", helpers.skip_model, True),
-    ("zb", helpers.sequential_mlp, True), ("zb", helpers.skip_model, False)])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method,build,recompute", helpers.on_one_worker("keras-fit", [
+    ("1f1b", helpers.sequential_mlp, False), ("1f1b", helpers.skip_model, True),
+    ("zb", helpers.sequential_mlp, True), ("zb", helpers.skip_model, False)],
+    key=lambda case: case[1].__name__))
 def test_synchronous_schedules_equal_keras_at_the_mini_batch_size(method, build, recompute,
                                                                   runtime):
   # In float64, as gpipe's case says: micro-batch sums round differently from one mean.
@@ -79,8 +80,9 @@ def test_synchronous_schedules_equal_keras_at_the_mini_batch_size(method, build,
   assert pipe.policy.schedule == SYNC[method] and pipe.policy.recompute == recompute
 
 
-@pytest.mark.parametrize("method", sorted(SYNC) + ["interleaved", "zbv"])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method", helpers.on_one_worker("sync-dropout-rule",
+                                                          sorted(SYNC) + ["interleaved", "zbv"]))
 def test_synchronous_schedules_with_dropout_recompute_equal_their_reference_rule(method, runtime):
   bs = helpers.batches(8)
   x, y = helpers.as_arrays(bs)
@@ -135,8 +137,9 @@ def test_simulated_interleaved_bubble_equals_the_closed_form(K, V, M):
   assert timeline.bubble == pytest.approx((K - 1) / (V * M + K - 1))
 
 
-@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("build", helpers.on_one_worker("keras-fit", [helpers.sequential_mlp, helpers.skip_model],
+                                            key=lambda build: build.__name__))
 def test_interleaved_equals_keras_at_the_mini_batch_size(build, runtime):
   # 2 devices x 2 chunks: stages 0 and 2 share a device, 1 and 3 the other.
   pipe = _assert_equals_keras(functools.partial(build, dtype="float64"), 2, "interleaved",
@@ -193,8 +196,9 @@ def test_zero_bubble_v_lanes_are_the_clock_table():
                                            for lane in schedules.zero_bubble_v(4, 1, 2).lanes]
 
 
-@pytest.mark.parametrize("build", [helpers.sequential_mlp, helpers.skip_model])
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("build", helpers.on_one_worker("keras-fit", [helpers.sequential_mlp, helpers.skip_model],
+                                            key=lambda build: build.__name__))
 def test_zero_bubble_v_equals_keras_at_the_mini_batch_size(build, runtime):
   # 2 devices in a V: stages 0 and 3 on the first, 1 and 2 on the second.
   pipe = _assert_equals_keras(functools.partial(build, dtype="float64"), 2, "zbv",

@@ -172,6 +172,7 @@ def verify(schedule, capacity=None):
   received = [set() for _ in range(K)]
   pos = [0] * K
   held = [dict() for _ in range(K)]       # unit -> update count when its forward ran
+  versions = [collections.Counter() for _ in range(K)]   # update count -> units held at it
   updates = [0] * K
   peaks = dict(states=[0] * K, versions=[0] * K, stale=[0] * K)
   in_flight = [[0, 0] for _ in range(K - 1)]
@@ -198,7 +199,7 @@ def verify(schedule, capacity=None):
       return None
     if t.kind == "B":
       for u in cover[k][t]:
-        if schedules.Task("F", *u) not in done[k]:
+        if ("F",) + u not in done[k]:   # a Task equals (and hashes as) its tuple
           return f"waits for its own {schedules.Task('F', *u)}"
     if t.kind == "R" or (t.kind == "B" and k < K - 1 and unit not in received[k]):
       if not bwd[k]:
@@ -210,13 +211,19 @@ def verify(schedule, capacity=None):
     if t.kind == "B":
       if k > 0 and len(bwd[k - 1]) >= capacity:
         return f"its output link to stage {k - 1} is full"
-    if t.kind == "W" and schedules.Task("B", *unit) not in done[k]:
+    if t.kind == "W" and ("B",) + unit not in done[k]:
       return f"waits for its own {schedules.Task('B', *unit)}"
     if t.kind == "U":
       for o in micro_backwards[k][t.batch] + halves[k][t.batch]:
         if o not in done[k]:
           return f"waits for its own {o}"
     return None
+
+  def release(k, unit):
+    version = held[k].pop(unit)
+    versions[k][version] -= 1
+    if not versions[k][version]:
+      del versions[k][version]
 
   def run(k, t):
     unit = (t.batch, t.micro)
@@ -227,8 +234,9 @@ def verify(schedule, capacity=None):
         fwd[k].append(unit)
         in_flight[k][0] = max(in_flight[k][0], len(fwd[k]))
       held[k][unit] = updates[k]
+      versions[k][updates[k]] += 1
       peaks["states"][k] = max(peaks["states"][k], len(held[k]))
-      peaks["versions"][k] = max(peaks["versions"][k], len(set(held[k].values())))
+      peaks["versions"][k] = max(peaks["versions"][k], len(versions[k]))
     elif t.kind == "R":
       bwd[k].popleft()
       received[k].add(unit)
@@ -241,9 +249,9 @@ def verify(schedule, capacity=None):
       for u in cover[k][t]:
         peaks["stale"][k] = max(peaks["stale"][k], updates[k] - held[k][u])
         if u not in split[k]:   # a split backward's state stays until its W
-          del held[k][u]
+          release(k, u)
     elif t.kind == "W":
-      del held[k][unit]
+      release(k, unit)
     if schedules.is_update(t):
       updates[k] += 1
     done[k].add(t)
