@@ -1,4 +1,5 @@
-"""Logical CPU devices are created once, before TensorFlow initialises.
+"""Logical CPU devices are created once, before TensorFlow initialises; graph ops record no
+Python stack (`tests.tracing`).
 
 Python's cyclic garbage collector: the tests leave graphs and models behind (about a million
 objects per worker by the end), and every full collection walks all of them (18 s of a
@@ -16,8 +17,10 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfpipe  # noqa: E402
+from tests import tracing  # noqa: E402
 
 DEVICES = tfpipe.create_logical_cpus(4)
+tracing.skip_op_tracebacks()
 
 FREEZE_EVERY = 20
 _finished = [0]

@@ -103,3 +103,20 @@ def test_a_keras_fit_is_run_once_per_distinct_input_and_equals_a_fresh_fit(monke
   x, y = helpers.as_arrays(helpers.batches(4))
   model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
   helpers.assert_weights_close(changed[1], model.get_weights(), rtol=0, atol=0)
+
+
+def test_the_suite_traces_graphs_without_op_tracebacks():
+  import os
+  import tensorflow as tf
+  from tensorflow.python.framework import ops
+  from tests import tracing
+  if os.environ.get("TFPIPE_TEST_OP_TRACEBACKS") == "1":
+    pytest.skip("TFPIPE_TEST_OP_TRACEBACKS=1 keeps them")
+
+  @tf.function
+  def f(x):
+    return x * 2.0
+
+  op = f.get_concrete_function(tf.TensorSpec([], tf.float32)).graph.get_operations()[-1]
+  assert tracing.skip_op_tracebacks() and not op.traceback
+  assert ops._create_c_op.keywords == {"extract_traceback": False}   # pylint: disable=protected-access

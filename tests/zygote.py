@@ -117,6 +117,8 @@ def _serve():
   import tensorflow  # noqa: F401
   from absl import app, flags  # noqa: F401
   import tfpipe  # noqa: F401
+  from tests import tracing
+  tracing.skip_op_tracebacks()   # in every program it forks, as in the tests' own process
   for line in sys.stdin:
     request = json.loads(line)
     pid = os.fork()
