@@ -172,7 +172,6 @@ def verify(schedule, capacity=None):
   received = [set() for _ in range(K)]
   pos = [0] * K
   held = [dict() for _ in range(K)]       # unit -> update count when its forward ran
-  versions = [collections.Counter() for _ in range(K)]   # update count -> units held at it
   updates = [0] * K
   peaks = dict(states=[0] * K, versions=[0] * K, stale=[0] * K)
   in_flight = [[0, 0] for _ in range(K - 1)]
@@ -219,12 +218,6 @@ def verify(schedule, capacity=None):
           return f"waits for its own {o}"
     return None
 
-  def release(k, unit):
-    version = held[k].pop(unit)
-    versions[k][version] -= 1
-    if not versions[k][version]:
-      del versions[k][version]
-
   def run(k, t):
     unit = (t.batch, t.micro)
     if t.kind == "F":
@@ -234,9 +227,8 @@ def verify(schedule, capacity=None):
         fwd[k].append(unit)
         in_flight[k][0] = max(in_flight[k][0], len(fwd[k]))
       held[k][unit] = updates[k]
-      versions[k][updates[k]] += 1
       peaks["states"][k] = max(peaks["states"][k], len(held[k]))
-      peaks["versions"][k] = max(peaks["versions"][k], len(versions[k]))
+      peaks["versions"][k] = max(peaks["versions"][k], len(set(held[k].values())))
     elif t.kind == "R":
       bwd[k].popleft()
       received[k].add(unit)
@@ -249,9 +241,9 @@ def verify(schedule, capacity=None):
       for u in cover[k][t]:
         peaks["stale"][k] = max(peaks["stale"][k], updates[k] - held[k][u])
         if u not in split[k]:   # a split backward's state stays until its W
-          release(k, u)
+          del held[k][u]
     elif t.kind == "W":
-      release(k, unit)
+      del held[k][unit]
     if schedules.is_update(t):
       updates[k] += 1
     done[k].add(t)
