@@ -48,3 +48,25 @@ def test_a_windows_task_calls_run_one_round_of_grappler_and_the_window_none():
   assert ctx.function_call_options is before
   with compat.optimised_calls():   # outside a window: as they were
     assert ctx.function_call_options is before
+
+
+def test_calls_in_the_switch_infer_shapes_once_per_signature_and_get_the_same_shapes():
+  import tensorflow as tf
+  inner = tf.function(lambda x: tf.reduce_sum(x, axis=1),
+                      input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+  found = {}
+
+  @tf.function(autograph=False)
+  def outer(x, y):
+    found["plain"] = inner(x)   # TensorFlow's own: inferred through the body, not [None]
+    with compat.calls_inferred_once():
+      found["first"], found["again"], found["other"] = inner(x), inner(x), inner(y)
+    found["after"] = inner(x)
+    return found["again"]
+
+  outer(tf.ones([3, 4]), tf.ones([5, 4]))
+  assert [found[k].shape.as_list() for k in ("plain", "first", "again", "other", "after")] == [
+      [3], [3], [3], [5], [3]]
+  skipped = {k: "_disable_call_shape_inference" in t.op.node_def.attr for k, t in found.items()}
+  assert skipped == {"plain": False, "first": False, "again": True, "other": False,
+                     "after": False}

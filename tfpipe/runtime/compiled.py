@@ -461,7 +461,9 @@ class CompiledRuntime(Executor):
   def _trace_tasks(self, key, inline, carry, inputs, labels, M):
     """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as
     calls of the stages' traced functions."""
-    with compat.optimised_calls():   # the task calls' options: their functions are optimised
+    # The task calls' options: their functions are optimised. Their outputs' shapes are
+    # inferred once per function and input shapes (per call, that was most of the trace).
+    with compat.optimised_calls(), compat.calls_inferred_once():
       return self._traced_tasks(key, inline, carry, inputs, labels, M)
 
   def _traced_tasks(self, key, inline, carry, inputs, labels, M):
