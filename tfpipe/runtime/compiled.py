@@ -581,14 +581,15 @@ class CompiledRuntime(Executor):
 
   def _infer_window(self, inputs, labels):
     results = []
-    for i, xs in enumerate(inputs):
-      for k, program in enumerate(self.programs):
-        if k == self.K - 1 and labels is not None:
-          results.append(program.task("evaluate_last")(xs, *labels[i]))
-        else:
-          xs = program.task("infer")(xs)
-      if labels is None:
-        results.append(xs)
+    with compat.calls_inferred_once():   # each stage's calls alike: their shapes inferred once
+      for i, xs in enumerate(inputs):
+        for k, program in enumerate(self.programs):
+          if k == self.K - 1 and labels is not None:
+            results.append(program.task("evaluate_last")(xs, *labels[i]))
+          else:
+            xs = program.task("infer")(xs)
+        if labels is None:
+          results.append(xs)
     return results
 
 
