@@ -462,7 +462,7 @@ class CompiledRuntime(Executor):
     """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as
     calls of the stages' traced functions."""
     # The task calls' options: their functions are optimised. Their outputs' shapes are
-    # inferred once per function and input shapes (per call, that was most of the trace).
+    # inferred once per function and input shapes (per call: a fifth of a deep model's trace).
     with compat.optimised_calls(), compat.calls_inferred_once():
       return self._traced_tasks(key, inline, carry, inputs, labels, M)
 
