@@ -30,7 +30,8 @@ def test_only_the_compat_module_imports_private_keras_or_tensorflow_modules():
   assert _private_imports(ROOT / "tfpipe" / "compat.py")   # the check sees such imports
 
 
-def test_a_windows_task_calls_run_one_round_of_grappler_and_the_window_none():
+def test_a_windows_task_calls_run_one_round_of_grappler_and_the_window_none(grappler):
+  del grappler
   import tensorflow as tf
   from tensorflow.python.eager import context
   ctx = context.context()

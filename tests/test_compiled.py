@@ -228,7 +228,9 @@ def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_al
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_their_functions():
+def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_their_functions(
+    grappler):
+  del grappler
   from tensorflow.core.protobuf import config_pb2
   x, y = helpers.as_arrays(helpers.batches(12))
   pipe, compile_ = helpers.pipeline(helpers.mlp(), {"executor": "compiled",
