@@ -94,49 +94,84 @@ class LocalCluster:
     _LOCAL.append(self)
 
   def _start(self, timeout):
+    """One launcher process imports TensorFlow once and forks a server per task (each import
+    costs about 4 s of CPU: a cluster of N servers pays it once, not N times)."""
     env, why = bind.server_env("127.0.0.1", dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                                                  CUDA_VISIBLE_DEVICES=""))
     if why:
       warnings.warn(f"the local TF servers listen on every interface, not 127.0.0.1 only: "
                     f"{why}", UserWarning, stacklevel=3)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tasks = [(job, task) for job, addresses in self.spec.items() for task in range(len(addresses))]
     self.processes, self._errors = {}, {}
-    for job, addresses in self.spec.items():
-      for task in range(len(addresses)):
-        errors = self._errors[(job, task)] = tempfile.TemporaryFile(mode="w+")
-        self.processes[(job, task)] = subprocess.Popen(
-            [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
-             f"--job={job}", f"--task={task}", f"--parent={os.getpid()}"],
-            stdout=subprocess.PIPE, stderr=errors, text=True, env=env, cwd=root)
+    for key in tasks + [None]:   # None: the launcher's own errors
+      self._errors[key] = tempfile.NamedTemporaryFile(mode="w+", prefix="tfpipe-server-")
+    self._launcher = subprocess.Popen(
+        [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
+         f"--tasks={','.join(f'{j}:{t}' for j, t in tasks)}", f"--parent={os.getpid()}",
+         f"--errors={json.dumps([self._errors[key].name for key in tasks])}"],
+        stdout=subprocess.PIPE, stderr=self._errors[None], env=env, cwd=root)
+    self._exits, self._buffer = {}, b""
     deadline = time.monotonic() + timeout
-    for (job, task), process in self.processes.items():
-      line = self._ready_line(process, deadline)
-      if line != "ready":
+    pending = set(tasks)
+    while pending or len(self.processes) < len(tasks):
+      event = self._event(deadline)
+      if event is None:   # the deadline passed, or the launcher exited
+        job, task = sorted(pending)[0]
+        state = (f"not ready after {timeout:g} s" if self._launcher.poll() is None
+                 else f"exit code {self._launcher.poll()}")
+        error = self._error_output(job, task) or self._error_output(None, None)
+        raise RuntimeError(f"the server of /job:{job}/task:{task} at {self.spec[job][task]} "
+                           f"did not start ({state})" + (f": {error}" if error else ""))
+      kind, job, task = event[:3]
+      if kind == "ready":
+        pending.discard((job, task))
+      elif kind == "exit":
         error = self._error_output(job, task)
         if "address already in use" in error.lower() or "could not listen" in error.lower():
           raise _PortTaken()
-        state = (f"not ready after {timeout:g} s" if process.poll() is None
-                 else f"exit code {process.poll()}")
-        raise RuntimeError(f"the server of /job:{job}/task:{task} at "
-                           f"{self.spec[job][task]} did not start ({state})"
+        raise RuntimeError(f"the server of /job:{job}/task:{task} at {self.spec[job][task]} "
+                           f"did not start (exit code {event[3]})"
                            + (f": {error}" if error else ""))
 
-  @staticmethod
-  def _ready_line(process, deadline):
-    """The server's first line, or None when it exits or the deadline passes first."""
-    while True:
-      remaining = deadline - time.monotonic()
-      if remaining <= 0:
+  def _event(self, deadline=None):
+    """The launcher's next line as (kind, job, task[, number]); None when it and its servers
+    have exited, or when `deadline` (None: do not wait) passes first."""
+    fd = self._launcher.stdout.fileno()
+    while b"\n" not in self._buffer:
+      remaining = 0.0 if deadline is None else deadline - time.monotonic()
+      if remaining < 0:
         return None
-      readable, _, _ = select.select([process.stdout], [], [], min(remaining, 0.5))
-      if readable:
-        line = process.stdout.readline()
-        return line.strip() if line else None
-      if process.poll() is not None:
+      if not select.select([fd], [], [], min(remaining, 0.5))[0]:
+        if deadline is None:
+          return None
+        continue
+      chunk = os.read(fd, 4096)
+      if not chunk:   # every writer (the launcher, its servers) has exited
         return None
+      self._buffer += chunk
+    line, self._buffer = self._buffer.split(b"\n", 1)
+    kind, job, task, *numbers = line.decode().split()
+    if kind == "started":
+      self.processes[(job, int(task))] = _Server(self, (job, int(task)), int(numbers[0]))
+    elif kind == "exit":
+      self._exits[(job, int(task))] = int(numbers[0])
+    return (kind, job, int(task), *(int(n) for n in numbers))
+
+  def _exit_code(self, key, wait=False):
+    """The exit code of server `key`, or None while it runs (`wait`: until it exits)."""
+    if self._launcher is None:   # stopped
+      return self._exits.get(key, -9)
+    while key not in self._exits:
+      if self._event(time.monotonic() + 0.5 if wait else None) is None:
+        if self._launcher.poll() is not None:   # the servers die with it (parent-death signal)
+          self._exits.setdefault(key, -9)
+        elif not wait:
+          return None
+    return self._exits[key]
 
   def _error_output(self, job, task, lines=5):
-    errors = self._errors[(job, task)]
+    errors = self._errors[None if job is None else (job, task)]
     errors.seek(0)
     kept = [l.strip() for l in errors.read().splitlines() if l.strip()]
     return " | ".join(kept[-lines:])
@@ -162,18 +197,48 @@ class LocalCluster:
     return None
 
   def stop(self):
-    for process in self.processes.values():
-      if process.poll() is None:
+    launcher = getattr(self, "_launcher", None)
+    if launcher is not None:
+      while self._event() is not None:   # every server it has started so far
+        pass
+      for process in self.processes.values():
         process.kill()
-    for process in self.processes.values():
-      process.wait()
-      if process.stdout is not None:
-        process.stdout.close()
+      launcher.terminate()   # it kills any server it has started since, reaps them, exits
+      try:
+        launcher.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.wait()
+      launcher.stdout.close()
+      self._launcher = None
     for errors in self._errors.values():
       errors.close()
     self._errors = {}
     if self in _LOCAL:
       _LOCAL.remove(self)
+
+
+class _Server:
+  """A server process of a LocalCluster (a child of its launcher): `pid`, and `poll`, `kill`
+  and `wait` as a `subprocess.Popen`'s."""
+
+  def __init__(self, local, key, pid):
+    self._local, self._key, self.pid = local, key, pid
+
+  def poll(self):
+    return self._local._exit_code(self._key)  # pylint: disable=protected-access
+
+  def wait(self):
+    return self._local._exit_code(self._key, wait=True)  # pylint: disable=protected-access
+
+  def kill(self):
+    if self.poll() is None:
+      try:
+        os.kill(self.pid, 9)
+      except ProcessLookupError:   # exited; the launcher reports it
+        pass
+
+  returncode = property(poll)
 
 
 class _PortTaken(Exception):
@@ -359,9 +424,10 @@ def watch(tasks, interval=1.0, timeout=2.0, misses=2):
     yield
 
 
-def _watch_parent(parent):
+def _watch_parent(parent, thread=True):
   """Exits this server when process `parent` is gone (killed too: SIGKILL leaves no chance to
-  stop its children): at once through Linux's parent-death signal, else within 0.2 s."""
+  stop its children): at once through Linux's parent-death signal, else within 0.2 s
+  (`thread`: a thread that polls; started later by the caller otherwise)."""
   try:
     import ctypes
     import signal
@@ -377,24 +443,33 @@ def _watch_parent(parent):
 
   if os.getppid() != parent:
     os._exit(0)
-  threading.Thread(target=watch, name="tfpipe-parent", daemon=True).start()
+  if thread:
+    threading.Thread(target=watch, name="tfpipe-parent", daemon=True).start()
 
 
 def _serve(argv):
   import argparse
   parser = argparse.ArgumentParser(description="Runs one TensorFlow server of a cluster.")
   parser.add_argument("--spec", required=True, help="cluster spec as JSON")
-  parser.add_argument("--job", required=True)
-  parser.add_argument("--task", type=int, required=True)
+  parser.add_argument("--job")
+  parser.add_argument("--task", type=int)
+  parser.add_argument("--tasks", help="job:task,... : fork a server for each (LocalCluster)")
+  parser.add_argument("--errors", help="with --tasks: a JSON list, each server's stderr file")
   parser.add_argument("--parent", type=int, default=None,
                       help="exit when the process with this PID exits")
   parser.add_argument("--every_interface", action="store_true",
                       help="listen on every interface (TensorFlow's default), not only on the "
                            "address the spec gives this task")
   args = parser.parse_args(argv)
+  if (args.tasks is None) == (args.job is None or args.task is None):
+    parser.error("give --job and --task (one server), or --tasks (servers forked here)")
   if args.parent is not None:
-    _watch_parent(args.parent)
+    _watch_parent(args.parent, thread=args.tasks is None)
   spec = json.loads(args.spec)
+  if args.tasks is not None:
+    _launch([(job, int(task)) for job, _, task in (t.partition(":") for t in args.tasks.split(","))],
+            spec, json.loads(args.errors), args.parent)
+    return
   address = spec[args.job][args.task]
   if not args.every_interface and "TFPIPE_BIND_HOST" not in os.environ:
     env, why = bind.server_env(address.rpartition(":")[0].strip("[]"))
@@ -402,17 +477,73 @@ def _serve(argv):
       os.execve(sys.executable, [sys.executable, "-m", "tfpipe.cluster"] + list(argv), env)
     print(f"warning: listening on every interface, not only {address}: {why}",
           file=sys.stderr, flush=True)
+  _run_server(spec, args.job, args.task, lambda: print("ready", flush=True))
+
+
+def _run_server(spec, job, task, ready):
+  """Serves task `task` of `job` until killed; exits 1 naming the address if it cannot listen."""
   tf.config.threading.set_intra_op_parallelism_threads(1)
   try:
-    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=args.job,
-                                  task_index=args.task, start=True)
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job, task_index=task,
+                                  start=True)
   except (tf.errors.OpError, RuntimeError) as e:
-    print(f"error: could not listen at {address} (/job:{args.job}/task:{args.task}): "
+    print(f"error: could not listen at {spec[job][task]} (/job:{job}/task:{task}): "
           f"{str(e).splitlines()[0]} (is the port taken by another process?)", file=sys.stderr,
           flush=True)
     sys.exit(1)
-  print("ready", flush=True)
+  ready()
   server.join()
+
+
+def _launch(tasks, spec, errors, parent):
+  """LocalCluster's launcher: forks a server per task (TensorFlow imported, no op run yet) and
+  reports on stdout, a line each: `started JOB TASK PID`, `ready JOB TASK`, `exit JOB TASK
+  CODE`. Exits once every server has exited; they exit with it (parent-death signal).
+  SIGTERM: it kills its servers (and starts no more), reaps them and exits."""
+  import signal
+
+  def say(*words):
+    os.write(1, (" ".join(str(w) for w in words) + "\n").encode())   # one write: whole lines
+
+  children, stopping = {}, []
+
+  def stop(*_):
+    stopping.append(True)
+    for pid in list(children):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+  signal.signal(signal.SIGTERM, stop)
+  for (job, task), path in zip(tasks, errors):
+    if stopping:
+      break
+    pid = os.fork()
+    if pid == 0:   # the server
+      signal.signal(signal.SIGTERM, signal.SIG_DFL)
+      code = 1
+      try:
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), 2)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+        _watch_parent(os.getppid())
+        _run_server(spec, job, task, lambda j=job, t=task: say("ready", j, t))
+      except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+      except BaseException:   # noqa: B036 -- reported as its exit code, with the traceback
+        import traceback
+        traceback.print_exc()
+      finally:
+        os._exit(code)
+    children[pid] = (job, task)
+    say("started", job, task, pid)
+    if stopping:   # SIGTERM came between the fork and the line above
+      stop()
+  if parent is not None:
+    _watch_parent(parent)   # its thread only now: nothing but this thread ran at the forks
+  while children:
+    pid, status = os.wait()
+    job, task = children.pop(pid, (None, None))
+    if job is not None:
+      say("exit", job, task, os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__":
