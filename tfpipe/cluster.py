@@ -111,7 +111,7 @@ class LocalCluster:
          f"--tasks={','.join(f'{j}:{t}' for j, t in tasks)}", f"--parent={os.getpid()}",
          f"--errors={json.dumps([self._errors[key].name for key in tasks])}"],
         stdout=subprocess.PIPE, stderr=self._errors[None], env=env, cwd=root)
-    self._exits, self._buffer = {}, b""
+    self._exits, self._buffer, self._reading = {}, b"", threading.RLock()
     deadline = time.monotonic() + timeout
     pending = set(tasks)
     while pending or len(self.processes) < len(tasks):
@@ -136,7 +136,12 @@ class LocalCluster:
 
   def _event(self, deadline=None):
     """The launcher's next line as (kind, job, task[, number]); None when it and its servers
-    have exited, or when `deadline` (None: do not wait) passes first."""
+    have exited, or when `deadline` (None: do not wait) passes first. One thread at a time:
+    the liveness watchdog kills servers from its own thread."""
+    with self._reading:
+      return self._next_event(deadline)
+
+  def _next_event(self, deadline):
     fd = self._launcher.stdout.fileno()
     while b"\n" not in self._buffer:
       remaining = 0.0 if deadline is None else deadline - time.monotonic()
