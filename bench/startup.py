@@ -10,6 +10,9 @@ plain Keras `fit` on the same model and data:
           mean-pooled into a 10-class head; batch 16, 64 batches per epoch.
   resnet: ResNet-20 at half width (tfpipe.models.cnn.resnet20, 20 conv layers)
           on 32 x 32 x 3 images, batch 32, 32 batches per epoch.
+  mlp:    8 x Dense(256, relu) on 64 features (the staleness benchmark's kind of
+          model), batch 512, 8 batches per epoch: a small model whose epoch is
+          shorter than the default window.
 
 Every pipelined method at K = `--stages`, with the default window
 (steps_per_execution="auto") and `--windows`. Each configuration runs in a
@@ -36,7 +39,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_list("models", ["llama", "resnet"], "models to measure (llama, resnet)")
+flags.DEFINE_list("models", ["llama", "resnet"], "models to measure (llama, resnet, mlp)")
 flags.DEFINE_list("stages", ["2", "4"], "numbers of stages K")
 flags.DEFINE_list("windows", ["auto", "64"], "steps_per_execution values")
 flags.DEFINE_list("methods", ["sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
@@ -47,7 +50,7 @@ flags.DEFINE_integer("timeout", 900, "seconds one configuration may take")
 flags.DEFINE_string("one", None, "internal: run one configuration (JSON) and print its result")
 FLAGS = flags.FLAGS
 
-_SIZES = {"llama": (16, 64), "resnet": (32, 32)}   # batch size, batches per epoch
+_SIZES = {"llama": (16, 64), "resnet": (32, 32), "mlp": (512, 8)}   # batch, batches per epoch
 
 
 def _model(name, layers):
@@ -60,6 +63,9 @@ def _model(name, layers):
         hidden_dim=64, intermediate_dim=128, max_sequence_length=32)
     pooled = keras.layers.GlobalAveragePooling1D()(backbone.output)
     return keras.Model(backbone.inputs, keras.layers.Dense(10, name="head")(pooled))
+  if name == "mlp":
+    return keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(256, activation="relu")
+                                                    for _ in range(8)] + [keras.layers.Dense(10)])
   from tfpipe.models import cnn
   return cnn.resnet20((32, 32, 3), 10, scale=0.5)
 
@@ -69,7 +75,9 @@ def _data(name):
   rng = np.random.default_rng(0)
   batch, batches = _SIZES[name]
   n = batch * batches
-  if name == "llama":
+  if name == "mlp":
+    x = rng.standard_normal((n, 64)).astype("float32")
+  elif name == "llama":
     x = {"token_ids": rng.integers(1, 1024, (n, 32)).astype("int32"),
          "padding_mask": np.ones((n, 32), "int32")}
   else:
@@ -129,7 +137,7 @@ def main(argv):
   from bench import results_io
   for name in FLAGS.models:
     if name not in _SIZES:
-      raise app.UsageError(f"--models: unknown model {name!r} (llama, resnet)")
+      raise app.UsageError(f"--models: unknown model {name!r} (llama, resnet, mlp)")
     keras_result = _run({"model": name, "method": "keras", "K": 1, "window": "auto"})
     if "error" in keras_result:
       print(f"{name}: keras fit failed: {keras_result['error']}")
