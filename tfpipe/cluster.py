@@ -117,7 +117,7 @@ class LocalCluster:
     while pending or len(self.processes) < len(tasks):
       event = self._event(deadline)
       if event is None:   # the deadline passed, or the launcher exited
-        job, task = sorted(pending)[0]
+        job, task = sorted(pending or set(tasks) - set(self.processes))[0]
         state = (f"not ready after {timeout:g} s" if self._launcher.poll() is None
                  else f"exit code {self._launcher.poll()}")
         error = self._error_output(job, task) or self._error_output(None, None)
