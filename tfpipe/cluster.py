@@ -243,8 +243,6 @@ class _Server:
       except ProcessLookupError:   # exited; the launcher reports it
         pass
 
-  returncode = property(poll)
-
 
 class _PortTaken(Exception):
   """A local server could not bind its port (another process took it first)."""
@@ -429,10 +427,9 @@ def watch(tasks, interval=1.0, timeout=2.0, misses=2):
     yield
 
 
-def _watch_parent(parent, thread=True):
+def _watch_parent(parent):
   """Exits this server when process `parent` is gone (killed too: SIGKILL leaves no chance to
-  stop its children): at once through Linux's parent-death signal, else within 0.2 s
-  (`thread`: a thread that polls; started later by the caller otherwise)."""
+  stop its children): at once through Linux's parent-death signal, else within 0.2 s."""
   try:
     import ctypes
     import signal
@@ -448,8 +445,7 @@ def _watch_parent(parent, thread=True):
 
   if os.getppid() != parent:
     os._exit(0)
-  if thread:
-    threading.Thread(target=watch, name="tfpipe-parent", daemon=True).start()
+  threading.Thread(target=watch, name="tfpipe-parent", daemon=True).start()
 
 
 def _serve(argv):
@@ -468,8 +464,8 @@ def _serve(argv):
   args = parser.parse_args(argv)
   if (args.tasks is None) == (args.job is None or args.task is None):
     parser.error("give --job and --task (one server), or --tasks (servers forked here)")
-  if args.parent is not None:
-    _watch_parent(args.parent, thread=args.tasks is None)
+  if args.parent is not None and args.tasks is None:   # a launcher watches after its forks
+    _watch_parent(args.parent)
   spec = json.loads(args.spec)
   if args.tasks is not None:
     _launch([(job, int(task)) for job, _, task in (t.partition(":") for t in args.tasks.split(","))],
@@ -542,8 +538,8 @@ def _launch(tasks, spec, errors, parent):
     say("started", job, task, pid)
     if stopping:   # SIGTERM came between the fork and the line above
       stop()
-  if parent is not None:
-    _watch_parent(parent)   # its thread only now: nothing but this thread ran at the forks
+  if parent is not None:   # only now: no other thread ran at the forks
+    _watch_parent(parent)
   while children:
     pid, status = os.wait()
     job, task = children.pop(pid, (None, None))
