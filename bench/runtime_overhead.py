@@ -167,7 +167,7 @@ def _graph_ops_per_batch(runner):
   that one training step runs: Keras's train function per step, or the compiled executor's
   largest window (the steady state) per mini-batch, or its loop over mini-batches (one
   mini-batch's tasks: schedules that finish each mini-batch before the next). None for the
-  threaded executor."""
+  threaded executor and for windows of stage calls run as a group (`tfpipe.runtime.groups`)."""
   import tensorflow as tf
   if hasattr(runner, "runtime"):
     if not hasattr(runner.runtime, "_train"):
@@ -185,7 +185,7 @@ def _graph_ops_per_batch(runner):
   for concrete, per in concretes:
     graph = concrete.graph.as_graph_def()
     counts.append((len(graph.node) + sum(len(f.node_def) for f in graph.library.function)) / per)
-  return max(counts) if counts else 0
+  return max(counts) if counts else None   # windows of stage calls in a group: not counted
 
 
 def child(config):

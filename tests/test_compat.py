@@ -3,6 +3,8 @@
 import ast
 import pathlib
 
+import pytest
+
 from tfpipe import compat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -49,6 +51,26 @@ def test_a_windows_task_calls_run_one_round_of_grappler_and_the_window_none(grap
   assert ctx.function_call_options is before
   with compat.optimised_calls():   # outside a window: as they were
     assert ctx.function_call_options is before
+
+
+@pytest.mark.parametrize("layout", [True, False])
+def test_inlined_windows_run_one_round_without_the_memory_and_loop_optimizers(layout):
+  import tensorflow as tf
+  from tensorflow.python.eager import context
+  ctx = context.context()
+  rewrite = lambda: tf.compat.v1.ConfigProto.FromString(
+      ctx.function_call_options.config_proto_serialized).graph_options.rewrite_options
+  before, kept = ctx.function_call_options, rewrite()
+  with compat.light_calls(layout):
+    r = rewrite()
+    assert r.meta_optimizer_iterations == r.ONE
+    assert r.memory_optimization == r.NO_MEM_OPT and r.loop_optimization == r.OFF
+    assert (r.layout_optimizer == r.OFF) != layout
+    assert r.disable_meta_optimizer == kept.disable_meta_optimizer   # the rest as it was
+    first = ctx.function_call_options
+  with compat.light_calls(layout):
+    assert ctx.function_call_options is first   # the same options for every call
+  assert ctx.function_call_options is before
 
 
 def test_calls_in_the_switch_infer_shapes_once_per_signature_and_get_the_same_shapes():

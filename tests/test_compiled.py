@@ -228,6 +228,19 @@ def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_al
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_inlined_windows_run_under_the_lighter_grappler_without_layout_on_cpus(monkeypatch):
+  from tfpipe import compat
+  seen, light = [], compat.light_calls
+  monkeypatch.setattr(compat, "light_calls", lambda layout: seen.append(layout) or light(layout))
+  x, y = helpers.as_arrays(helpers.batches(8))
+  pipe, compile_ = helpers.pipeline(helpers.mlp(), {"executor": "compiled",
+                                                    "steps_per_execution": 4, "inline": True},
+                                    num_stages=2, method="spectrain")
+  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  assert seen and set(seen) == {False}   # every window call; CPU stages: no layout optimizer
+
+
 def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_their_functions(
     grappler):
   del grappler

@@ -109,6 +109,8 @@ class CompiledRuntime(Executor):
     self._loop = tf.function(self._train_loop, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
+    # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
+    self._gpu = any(tf.DeviceSpec.from_string(p.device).device_type == "GPU" for p in programs)
 
   def set_window(self, window):
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -297,11 +299,13 @@ class CompiledRuntime(Executor):
     return 3 * self._forward_ops * self.window <= self.INLINE_OPS
 
   def _call(self, function, number, *args):
-    """Calls a window function: an inlined window as it is (its graph optimised as a whole);
+    """Calls a window function: an inlined window as it is (its graph optimised as a whole, by
+    the lighter Grappler of `compat.light_calls`);
     a window of task calls without optimising its own graph (its trace makes the task calls
     with the stages' options: `_trace_tasks`)."""
     if self._inlines[number]:
-      return function(number, *args)
+      with compat.light_calls(layout=self._gpu):
+        return function(number, *args)
     with compat.unoptimised_calls():
       return function(number, *args)
 
