@@ -120,10 +120,13 @@ def test_a_kept_forwards_input_gradients_have_the_inputs_static_shape():
   assert [tuple(t.shape) for t in shapes.outputs] == [(6, 8)]
 
 
+@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize("wrt", ["both", "inputs", "weights"])
-def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_side_by_side(wrt):
+def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_side_by_side(
+    wrt, inline):
   """A TiMePReSt mini-batch's backward recomputes its micro-batches as calls of one traced
-  function (one trace for all of them, not one per part). Its gradients equal those of the
+  function (one trace for all of them, not one per part), in a window of stage calls and in
+  an inlined window (where TensorFlow inlines the calls). Its gradients equal those of the
   parts recomputed side by side in one tape: dropout masks replayed per part, weight
   penalties and activity regularisation counted once (the first part's)."""
   keras.utils.set_random_seed(0)
@@ -141,9 +144,10 @@ def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_
   dys = [tf.constant(rng.standard_normal((12, 3)), tf.float32)]
   weights = [tf.convert_to_tensor(v) for v in program.trainable]
   scale = tf.constant(0.5, tf.float64)
-  summed = tf.function(lambda: program._summed_grads(weights, parts, dys, scale, wrt, False))()
+  summed = tf.function(lambda: program._summed_grads(weights, parts, dys, scale, wrt, inline))()
   joined = tf.function(lambda: program._joined_grads(weights, parts, dys, scale, wrt))()
-  assert program._traced["part_grads"].experimental_get_tracing_count() == 1
+  traced = program._part_grads_once if inline else program._traced["part_grads"]
+  assert traced.experimental_get_tracing_count() == 1
   counts = [0 if wrt == "inputs" else len(weights), 0 if wrt == "weights" else 1]
   assert [len(g) for g in summed] == [len(g) for g in joined] == counts
   for got, expected in zip(summed[0] + summed[1], joined[0] + joined[1]):
