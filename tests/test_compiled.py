@@ -211,18 +211,26 @@ def test_every_pipeline_method_compiles_for_the_compiled_executor_by_default():
     assert isinstance(pipe.runtime, tfpipe.runtime.CompiledRuntime), method
 
 
+def _fit_windows(model, inline, num_stages, method="spectrain", n=12):
+  """`model` trained one epoch of `n` batches of 16 on the compiled executor, windows of 4
+  mini-batches, inlined or not; returns the Pipeline."""
+  x, y = helpers.as_arrays(helpers.batches(n))
+  pipe, compile_ = helpers.pipeline(model, {"executor": "compiled", "steps_per_execution": 4,
+                                            "inline": inline}, num_stages=num_stages,
+                                    method=method)
+  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  return pipe
+
+
 @pytest.mark.parametrize("method", ["spectrain", "gpipe"])
 def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_alike(method):
   inlined, model_a, _ = _train("compiled", 4, method, n=12)
   assert inlined.runtime._inlined()   # 4 x Dense(16): a few hundred ops per window
   inlined.runtime.INLINE_OPS = 1
   assert not inlined.runtime._inlined()
-  x, y = helpers.as_arrays(helpers.batches(12))
   model_b = helpers.mlp()
-  called, compile_ = helpers.pipeline(model_b, {"executor": "compiled", "steps_per_execution": 4,
-                                                "inline": False}, num_stages=3, method=method)
-  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
-  called.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  called = _fit_windows(model_b, False, 3, method)
   assert all(key[1] is False for key in called.runtime._keys)
   for a, b in zip(model_a.get_weights(), model_b.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -232,12 +240,7 @@ def test_inlined_windows_run_under_the_lighter_grappler_without_layout_on_cpus(m
   from tfpipe import compat
   seen, light = [], compat.light_calls
   monkeypatch.setattr(compat, "light_calls", lambda layout: seen.append(layout) or light(layout))
-  x, y = helpers.as_arrays(helpers.batches(8))
-  pipe, compile_ = helpers.pipeline(helpers.mlp(), {"executor": "compiled",
-                                                    "steps_per_execution": 4, "inline": True},
-                                    num_stages=2, method="spectrain")
-  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
-  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  _fit_windows(helpers.mlp(), True, 2, n=8)
   assert seen and set(seen) == {False}   # every window call; CPU stages: no layout optimizer
 
 
@@ -245,12 +248,7 @@ def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_thei
     grappler):
   del grappler
   from tensorflow.core.protobuf import config_pb2
-  x, y = helpers.as_arrays(helpers.batches(12))
-  pipe, compile_ = helpers.pipeline(helpers.mlp(), {"executor": "compiled",
-                                                    "steps_per_execution": 4, "inline": False},
-                                    num_stages=3, method="spectrain")
-  compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
-  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  pipe = _fit_windows(helpers.mlp(), False, 3)
   # The windows are the branches of one group function (`tfpipe.runtime.groups`): their
   # task calls sit in its branch functions.
   graphs = [concrete.graph.as_graph_def()

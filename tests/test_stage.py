@@ -146,7 +146,7 @@ def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_
   scale = tf.constant(0.5, tf.float64)
   summed = tf.function(lambda: program._summed_grads(weights, parts, dys, scale, wrt, inline))()
   joined = tf.function(lambda: program._joined_grads(weights, parts, dys, scale, wrt))()
-  traced = program._part_grads_once if inline else program._traced["part_grads"]
+  traced = program._inlinable["part_grads"] if inline else program._traced["part_grads"]
   assert traced.experimental_get_tracing_count() == 1
   counts = [0 if wrt == "inputs" else len(weights), 0 if wrt == "weights" else 1]
   assert [len(g) for g in summed] == [len(g) for g in joined] == counts

@@ -169,13 +169,9 @@ def light_calls(layout=True):
   `bench/runtime_overhead.py` the same within its noise at K = 1-8."""
   ctx = _tf_context.context()
   before = ctx.function_call_options
-  key = (before.config_proto_serialized, layout)
-  if key not in _LIGHT_OPTIONS:
-    config = tf.compat.v1.ConfigProto.FromString(key[0])
-    _lighten(config.graph_options.rewrite_options, layout)
-    _LIGHT_OPTIONS[key] = _tf_context.FunctionCallOptions(executor_type=before.executor_type,
-                                                          config_proto=config)
-  ctx.function_call_options = _LIGHT_OPTIONS[key]
+  ctx.function_call_options = _derived_options(
+      _LIGHT_OPTIONS, (before.config_proto_serialized, layout), before,
+      lambda rewrite: _lighten(rewrite, layout))
   try:
     yield
   finally:
@@ -189,14 +185,21 @@ def _task_options(outer):
   runs each): first epoch 24.9 / 25.7 s against 27.9 / 28.2 s with two rounds, later epochs
   no slower (median 1.87 / 1.95 s against 2.58 / 2.58 s). Made once per outer config, so
   every window's calls of one function carry the same options."""
-  key = outer.config_proto_serialized
-  if key not in _TASK_OPTIONS:
-    config = tf.compat.v1.ConfigProto.FromString(key)
-    rewrite = config.graph_options.rewrite_options
+  def one_round(rewrite):
     rewrite.meta_optimizer_iterations = rewrite.ONE
-    _TASK_OPTIONS[key] = _tf_context.FunctionCallOptions(executor_type=outer.executor_type,
-                                                         config_proto=config)
-  return _TASK_OPTIONS[key]
+  return _derived_options(_TASK_OPTIONS, outer.config_proto_serialized, outer, one_round)
+
+
+def _derived_options(cache, key, outer, edit):
+  """`outer`'s call options with `edit` applied to their Grappler rewrite options, made once
+  per `key` in `cache`: every call of one function must carry the same options (they are part
+  of its cache key)."""
+  if key not in cache:
+    config = tf.compat.v1.ConfigProto.FromString(outer.config_proto_serialized)
+    edit(config.graph_options.rewrite_options)
+    cache[key] = _tf_context.FunctionCallOptions(executor_type=outer.executor_type,
+                                                 config_proto=config)
+  return cache[key]
 
 
 # Function-call ops: TensorFlow infers their output shapes by running shape inference over

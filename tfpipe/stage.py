@@ -161,10 +161,11 @@ class StageProgram:
     # holds one call op per update rather than a Python trace of the optimizer each time
     # (measured, 8 x Dense(32), K=4, 8 mini-batches: first epoch 5.1 s, then 3.5 s).
     self._apply_step = tf.function(self._step, reduce_retracing=True, autograph=False)
-    # Likewise a recomputing backward's parts in an inlined window (`_summed_grads`; measured,
-    # timeprest, 8 x Dense(32), K=4, 64 mini-batches: first epoch 23.5 s, then 18 s).
-    self._part_grads_once = tf.function(self._part_grads, reduce_retracing=True,
-                                        autograph=False)
+    # Tasks no tape reads through that inlined windows call as such functions too (`task`):
+    # a recomputing backward's parts (measured, timeprest, 8 x Dense(32), K=4, 64 mini-batches:
+    # first epoch 23.5 s traced per part, 18 s so).
+    self._inlinable = {name: tf.function(getattr(self, "_" + name), reduce_retracing=True,
+                                         autograph=False) for name in ("part_grads",)}
     for name in _TASKS:
       # Traced once per signature, called (not inlined) from the window graph.
       traced = self._traced[name] = tf.function(
@@ -199,9 +200,12 @@ class StageProgram:
   def task(self, name, inline=False):
     """Task function `name` for a larger graph (the compiled executor): the traced function,
     which stays one call there; with `inline`, its Python body, traced into the caller (each
-    op named in the caller's scopes: what the profiled timeline reads); with XLA always the
-    compiled function (one XLA call per task)."""
-    return getattr(self, "_" + name) if inline and not self.jit_compile else self._functions[name]
+    op named in the caller's scopes: what the profiled timeline reads), or for the tasks of
+    `_inlinable` a traced function TensorFlow inlines when the graph runs (traced once, not
+    per call); with XLA always the compiled function (one XLA call per task)."""
+    if not inline or self.jit_compile:
+      return self._functions[name]
+    return self._inlinable.get(name) or getattr(self, "_" + name)
 
   def _placed(self, fn):
     """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
@@ -481,9 +485,7 @@ class StageProgram:
     each: the weight gradients summed, the input gradients joined along the batch axis."""
     sizes = [tf.shape(xs[0])[0] for xs, _ in parts]
     dys = [[None] * len(parts) if dy is None else tf.split(dy, sizes) for dy in dys]
-    # Inlined windows too call one traced function per stage (TensorFlow inlines it when the
-    # graph runs) rather than trace the body once per part: no tape reads through it.
-    call = self._part_grads_once if inline and not self.jit_compile else self.task("part_grads")
+    call = self.task("part_grads", inline)
     zero = tf.zeros((), tf.float32)
     results = [call(weights, xs, state, [dy[i] for dy in dys],
                     tf.cast(scale, tf.float32) if i == 0 else zero, wrt)
