@@ -20,16 +20,17 @@ SCHEDULES = [("sequential", 3, 1), ("1f1b", 3, 1), ("1f1b", 4, 2), ("gpipe", 3, 
              ("1f1b", 1, 1)]
 
 
-def _plan(name, K, M, N, W):
+def _plan(name, K, M, N, W, aligned=True):
   schedule = schedules.build(name, K, N, M)
   diffs = [{t: 0 for t in tasks} for tasks in schedule]
-  return schedule, windows.plan(schedule, diffs, W)
+  return schedule, windows.plan(schedule, diffs, W, aligned)
 
 
+@pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("W", [1, 3, 16])
 @pytest.mark.parametrize("name,K,M", SCHEDULES)
-def test_windows_hold_every_task_once_in_stage_order_after_its_data(name, K, M, W):
-  schedule, plan = _plan(name, K, M, N=11, W=W)
+def test_windows_hold_every_task_once_in_stage_order_after_its_data(name, K, M, W, aligned):
+  schedule, plan = _plan(name, K, M, N=11 if aligned else 40, W=W, aligned=aligned)
   ran = [[t for win in plan for k, t, _, _ in win.tasks if k == j] for j in range(K)]
   assert ran == [[t for t in tasks if t.kind != "S"] for tasks in schedule]
   done = set()
@@ -60,6 +61,32 @@ def test_each_window_finishes_its_batches(name, K, M, W):
     (40, 16, [0, 16, 32]), (5, 1, [0, 1, 2, 3, 4])])
 def test_windows_of_w_the_last_one_shorter(N, W, expected):
   assert windows.firsts(N, W) == expected
+
+
+@pytest.mark.parametrize("N,W,lead,expected", [
+    (42, 4, 4, [0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39]),   # windows 3, 4 x 9, the drain of 3
+    (128, 16, 4, [0, 13] + list(range(29, 125, 16)) + [125]), (40, 4, 1, list(range(0, 40, 4))),
+    (41, 4, 1, [0, 1] + list(range(5, 41, 4))), (20, 16, 4, None), (11, 4, 3, [0, 1, 5, 9]), (11, 4, 4, None)])
+def test_unaligned_windows_end_where_the_steady_state_can_and_the_drain_runs_alone(
+    N, W, lead, expected):
+  assert windows.drained_firsts(N, W, lead) == expected
+
+
+@pytest.mark.parametrize("name,K,M", [s for s in SCHEDULES if s[0] not in ("sequential",
+                                                                               "gpipe")])
+def test_unaligned_windows_trace_no_more_tasks_than_aligned_and_finish_their_batches(name, K, M):
+  _, aligned = _plan(name, K, M, N=42, W=4)
+  _, plan = _plan(name, K, M, N=42, W=4, aligned=False)
+  distinct = lambda p: {w.key: len(w.tasks) for w in p}
+  assert len(distinct(plan)) <= 3 and sum(distinct(plan).values()) <= sum(
+      distinct(aligned).values())
+  for win in plan:
+    finished = {t.batch for k, t, _, _ in win.tasks if k == K - 1 and schedules.is_update(t)}
+    assert finished == set(range(win.first, win.last + 1))
+  # 1F1B at K=4: the last window is the drain alone (3 batches, 18 tasks), not 4 + the drain.
+  if (name, K, M) == ("1f1b", 4, 1):
+    assert (plan[-1].first, plan[-1].last, len(plan[-1].tasks)) == (39, 41, 18)
+    assert sum(distinct(plan).values()) == 80 and sum(distinct(aligned).values()) == 112
 
 
 def test_the_steady_state_windows_trace_alike():
@@ -107,6 +134,24 @@ def test_a_window_traces_once_and_is_reused_across_epochs(inline, traces):
   x, y = helpers.as_arrays(helpers.batches(40))
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=2)
   assert pipe.runtime.traces == traces
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_windows_leave_the_window_multiples_only_when_no_batch_hook_reads_them(inline):
+  """A batch hook reads every 4th batch, so windows end there; without one the last window
+  is the drain alone. The weights and losses are the same."""
+  ends = []
+  reader = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: ends.append(b))
+  read, model, history = _train("compiled", 4, "spectrain", n=24, callbacks=[reader],
+                                inline=inline)
+  free, free_model, free_history = _train("compiled", 4, "spectrain", n=24, inline=inline)
+  assert [w.first for w in read.runtime._plan[1]] == windows.firsts(24, 4)
+  assert [w.first for w in free.runtime._plan[1]] == windows.drained_firsts(24, 4, 3) == [
+      0, 2, 6, 10, 14, 18, 22]
+  assert ends == list(range(24))
+  np.testing.assert_allclose(history.history["loss"], free_history.history["loss"], rtol=1e-6)
+  for a, b in zip(model.get_weights(), free_model.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("method,options", [("pipedream", {}), ("vanilla", {}),

@@ -63,7 +63,8 @@ def train(pipe, dataset, num_batches, schedule, diffs, cbs, link, epochs, initia
   # threads: 7% of a tiny model's throughput, measured); logs become floats only if read.
   batch_readers = [cb for cb in cbs.callbacks if _has_batch_hooks(cb)]
   linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger) for cb in batch_readers)
-  choose_window(pipe, linked or reads_batches(cbs, "test"))
+  # Window ends fall on multiples of the window only where a batch hook reads them.
+  choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
 
   def batch_hook(name, *args):
     if linked:
@@ -157,8 +158,9 @@ def _finalize_weights(pipe):
       p.write_to_model()
 
 
-def choose_window(pipe, batch_hooks):
-  """The compiled executor's window for this call (see `tfpipe.Pipeline.compile`)."""
+def choose_window(pipe, batch_hooks, aligned=True):
+  """The compiled executor's window for this call (see `tfpipe.Pipeline.compile`); `aligned`:
+  its training windows end on multiples of it (`tfpipe.runtime.CompiledRuntime`)."""
   if isinstance(pipe.runtime, runtime.CompiledRuntime):
     window = pipe.steps_per_execution
     prediction_error = pipe.options.prediction_error
@@ -170,7 +172,7 @@ def choose_window(pipe, batch_hooks):
           "the prediction error compares weights update by update, and a compiled window of "
           f"{window} mini-batches updates several times per call: use steps_per_execution=1 "
           "(or 'auto') with prediction_error")
-    pipe.runtime.set_window(window)
+    pipe.runtime.set_window(window, aligned)
 
 
 def restore(pipe, callbacks):

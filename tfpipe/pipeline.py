@@ -235,6 +235,9 @@ class Pipeline:
     when a callback besides the progress bar has batch hooks, or the
     prediction error is recorded (hooks then see every batch as Keras's
     default does), else `AUTO_WINDOW` (`AUTO_REMOTE_WINDOW` with stages on TF servers).
+    Training windows end on multiples of the window when a callback besides the progress
+    bar reads batch hooks; otherwise where the steady state allows, so an epoch's last
+    distinct window is the drain alone (fewer ops to trace; `plan.windows.drained_firsts`).
     `run_eagerly=True` is refused (use `executor="threaded"` to step through tasks);
     `jit_compile` belongs to the Pipeline (`Pipeline(jit_compile=...)`). Optimizer options
     that decide over the whole model at once (`global_clipnorm`, `LossScaleOptimizer`) and

@@ -23,9 +23,9 @@ one trace.
 
 import collections
 
-from tfpipe.plan import verify
+from tfpipe.plan import schedules, verify
 
-__all__ = ["Window", "firsts", "plan", "drain", "flush_window"]
+__all__ = ["Window", "firsts", "drained_firsts", "plan", "drain", "flush_window"]
 
 Window = collections.namedtuple("Window", ["first", "last", "tasks", "key"])
 Window.__doc__ = """Mini-batches `first`..`last` finish in this window. `tasks`: [(k, task, s,
@@ -58,14 +58,40 @@ def firsts(N, size):
   return list(range(0, N, size))
 
 
-def plan(schedule, diffs, size):
-  """The windows (`firsts`) that run `schedule` (verified), `size` mini-batches at most."""
+def drained_firsts(N, size, lead):
+  """The first mini-batch of each window when window ends need not fall on multiples of
+  `size` (no batch hook reads them): a first window of 1 to `size` mini-batches, then
+  windows of `size` that end where a steady window can (stage 0 starts `lead` - 1 batches
+  past the last it finishes: the last such window ends at N - `lead`), then the drain alone
+  (the last `lead` - 1 batches), so the last distinct window is the drain, not a window of
+  `size` plus the drain. None when fewer than two windows of `size` fit (no steady state)."""
+  end = N - lead   # the last batch a steady window can finish
+  steady = end // size   # windows of `size` after a first of end + 1 - steady * size >= 1
+  if steady < 2:
+    return None
+  first = end + 1 - steady * size
+  return [0] + [first + i * size for i in range(steady)] + ([end + 1] if lead > 1 else [])
+
+
+def plan(schedule, diffs, size, aligned=True):
+  """The windows that run `schedule` (verified), `size` mini-batches at most: `firsts`, or
+  when not `aligned` `drained_firsts` where its steady windows trace alike."""
   if not isinstance(size, int) or isinstance(size, bool) or size < 1:
     raise ValueError(f"a window holds a positive number of mini-batches. Received: {size!r}")
-  K = len(schedule)
   N = 1 + max(t.batch for t in schedule[0] if t.kind == "F")
+  lead = schedules.lead(schedule)
+  starts = None if aligned else drained_firsts(N, size, lead)
+  if starts is not None:
+    windows = _cut(schedule, diffs, starts, N)
+    if len({w.key for w in windows[1:1 + (N - lead) // size]}) == 1:
+      return windows
+  return _cut(schedule, diffs, firsts(N, size), N)
+
+
+def _cut(schedule, diffs, starts, N):
+  """The windows that start at `starts` (ascending, from 0) in an epoch of N mini-batches."""
+  K = len(schedule)
   covers = [verify.covered_units(tasks) for tasks in schedule]
-  starts = firsts(N, size)
   ends = [b - 1 for b in starts[1:]] + [N - 1]
   cuts = [[0] * K]
   for last in ends:

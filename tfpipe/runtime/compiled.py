@@ -73,7 +73,12 @@ class CompiledRuntime(Executor):
 
   `window` may change between epochs (`set_window`); each distinct window
   shape traces once (the steady state, plus the warm-up and drain windows)
-  and is reused across epochs. With `record`, each epoch is profiled
+  and is reused across epochs. `aligned`: results are handed on once per
+  `window` mini-batches, as Keras's `steps_per_execution` calls its batch
+  hooks; when no batch hook reads them (`set_window(..., aligned=False)`)
+  windows end where the steady state allows and the drain runs alone
+  (`tfpipe.plan.windows.drained_firsts`), each window's results handed on
+  when it ends. With `record`, each epoch is profiled
   (`tfpipe.runtime.timeline`); its TensorBoard profile is kept in
   `profile_dir` when set.
   """
@@ -91,7 +96,7 @@ class CompiledRuntime(Executor):
     super().__init__(programs, record=record, maxsize=maxsize)
     if inline not in ("auto", True, False):
       raise ValueError(f"`inline` must be 'auto', True or False. Received: inline={inline!r}")
-    self.window, self.inline = window, inline
+    self.window, self.inline, self.aligned = window, inline, True
     self._forward_ops = None
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
@@ -112,10 +117,10 @@ class CompiledRuntime(Executor):
     # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
     self._gpu = any(tf.DeviceSpec.from_string(p.device).device_type == "GPU" for p in programs)
 
-  def set_window(self, window):
+  def set_window(self, window, aligned=True):
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
       raise ValueError(f"a window holds a positive number of mini-batches. Received: {window!r}")
-    self.window = window
+    self.window, self.aligned = window, bool(aligned)
 
   # Training.
 
@@ -133,9 +138,9 @@ class CompiledRuntime(Executor):
     inlined = self._inlined()
     size = self.window if inlined else min(self.window, self.CALL_WINDOW)
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size,
-           inlined)
+           inlined, self.aligned)
     if self._plan[0] != key:
-      plan = windows_lib.plan(schedule, diffs, size)
+      plan = windows_lib.plan(schedule, diffs, size, self.aligned)
       self._plan = (key, plan, [self._number(window) for window in plan],
                     windows_lib.flush_window(schedule, diffs))
     _, plan, numbers, flush = self._plan
@@ -162,7 +167,7 @@ class CompiledRuntime(Executor):
 
   def _train_windows(self, plan, numbers, batches, M, on_result, before):
     """Runs the windows of `plan`; hands on their results once per `self.window` mini-batches
-    (`CALL_WINDOW`: a window may run as several calls)."""
+    (`CALL_WINDOW`: a window may run as several calls), or when not `aligned` as each ends."""
     feed, carry, done = _Feed(batches, labelled=True), {"x": {}, "saved": {}, "g": {}}, 0
     pending, boundary = [], self.window
     group = self._group_of(plan, numbers)
@@ -177,7 +182,7 @@ class CompiledRuntime(Executor):
       if group is None:
         carry, results = self._run(window, numbers[w], carry, feed, M)
       pending += zip(range(window.first, window.last + 1), results)
-      if window.last + 1 < boundary and w + 1 < len(plan):
+      if self.aligned and window.last + 1 < boundary and w + 1 < len(plan):
         continue   # the rest of this window of `self.window` mini-batches comes first
       while boundary <= window.last + 1:
         boundary += self.window
