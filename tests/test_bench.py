@@ -73,7 +73,7 @@ def test_staleness_advice_ranks_by_the_worst_gap_and_checks_held_out_tasks():
 
 
 def test_staleness(tmp_path):
-  args = ["--epochs=1", "--batch_size=512", "--options=single,2bw", "--stages=2",
+  args = ["--epochs=1", "--batch_size=2048", "--options=single,2bw", "--stages=2",
           "--seeds=0", "--tasks=teacher,classes", "--choose_on=teacher",
           "--learning_rate_index=0", f"--results_dir={tmp_path}"]
   out = _bench("staleness.py", *args)

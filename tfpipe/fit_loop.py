@@ -172,7 +172,8 @@ def choose_window(pipe, batch_hooks, aligned=True):
           "the prediction error compares weights update by update, and a compiled window of "
           f"{window} mini-batches updates several times per call: use steps_per_execution=1 "
           "(or 'auto') with prediction_error")
-    pipe.runtime.set_window(window, aligned)
+    # The prediction error compares weights update by update: windows of one, the drain too.
+    pipe.runtime.set_window(window, aligned or prediction_error is not None)
 
 
 def restore(pipe, callbacks):
