@@ -1,8 +1,10 @@
 """Windows: a verified schedule cut into runs of mini-batches for the compiled executor.
 
 K: stages, k: stage index, N: mini-batches, W: mini-batches per window,
-b: mini-batch. Windows of W mini-batches, the last one shorter (`firsts`): a
-window finishes its mini-batches first..last: on every stage
+b: mini-batch. Windows of W mini-batches, the last one shorter (`firsts`), or
+when no batch hook reads their ends a first window of 1 to W, windows of W and
+the drain alone (`drained_firsts`). A window finishes its mini-batches
+first..last: on every stage
 it holds the prefix of the stage's task list up to its last task of those
 batches, minus what earlier windows hold. Because each stage keeps its own
 order and the cut ends after a batch's last task on every stage, every task
