@@ -271,9 +271,12 @@ def _fit_windows(model, inline, num_stages, method="spectrain", n=12):
 @pytest.mark.parametrize("method", ["spectrain", "gpipe"])
 def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_alike(method):
   inlined, model_a, _ = _train("compiled", 4, method, n=12)
-  assert inlined.runtime._inlined()   # 4 x Dense(16): a few hundred ops per window
+  assert inlined.runtime._inlined(12)   # 4 x Dense(16): a few hundred ops per window
+  # An epoch shorter than the window (4) is inlined by its own size.
+  inlined.runtime.INLINE_OPS = 3 * inlined.runtime._forward_ops * 2
+  assert inlined.runtime._inlined(2) and not inlined.runtime._inlined(3)
   inlined.runtime.INLINE_OPS = 1
-  assert not inlined.runtime._inlined()
+  assert not inlined.runtime._inlined(12)
   model_b = helpers.mlp()
   called = _fit_windows(model_b, False, 3, method)
   assert all(key[1] is False for key in called.runtime._keys)

@@ -98,6 +98,7 @@ class CompiledRuntime(Executor):
       raise ValueError(f"`inline` must be 'auto', True or False. Received: inline={inline!r}")
     self.window, self.inline, self.aligned = window, inline, True
     self._forward_ops = None
+    self._inline_now = None   # whether this epoch's windows are inlined (`_inlined`)
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
     self._keys = {}   # (window key, inlined) -> its number (the traced function's argument)
@@ -135,7 +136,7 @@ class CompiledRuntime(Executor):
     self._start_epoch(schedule)
     # Inlined windows (small stages, cheap to trace) run whole; windows of stage calls
     # trace CALL_WINDOW mini-batches at most.
-    inlined = self._inlined()
+    inlined = self._inline_now = self._inlined(num_batches)
     size = self.window if inlined else min(self.window, self.CALL_WINDOW)
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size,
            inlined, self.aligned)
@@ -283,16 +284,17 @@ class CompiledRuntime(Executor):
     """The number of `window`'s key (and whether it is inlined): what the traced function takes
     instead of the key (a large Python argument is hashed by tf.function on every call;
     measured: most of a call's cost at K=8). Numbered once per plan."""
-    inline = self._inlined()
+    inline = self._inline_now
     number = self._keys.setdefault((window.key, inline), len(self._keys))
     self._inlines[number] = inline
     self._shifts[number] = window.last + 1 - window.first
     return number
 
-  def _inlined(self):
-    """Whether windows trace each task's body into their graph rather than a call of the
-    stage's traced function: when profiled (the timeline reads each op's task scope), else as
-    `inline` says; "auto": when the inlined window is small (`INLINE_OPS`). Calls trace and
+  def _inlined(self, num_batches):
+    """Whether an epoch of `num_batches` traces each task's body into its windows' graphs
+    rather than a call of the stage's traced function: when profiled (the timeline reads each
+    op's task scope), else as `inline` says; "auto": when the inlined window (W mini-batches,
+    or the epoch's when it is shorter) is small (`INLINE_OPS`). Calls trace and
     optimise each stage function once, so start-up does not grow with W; each costs a
     function call per task when it runs (tens of microseconds: felt by tiny stages only)."""
     if self.record:
@@ -301,7 +303,7 @@ class CompiledRuntime(Executor):
       return self.inline
     if self._forward_ops is None:
       self._forward_ops = sum(p.forward_ops() for p in self.programs)
-    return 3 * self._forward_ops * self.window <= self.INLINE_OPS
+    return 3 * self._forward_ops * min(self.window, num_batches) <= self.INLINE_OPS
 
   def _call(self, function, number, *args):
     """Calls a window function: an inlined window as it is (its graph optimised as a whole, by
