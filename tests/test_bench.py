@@ -116,3 +116,12 @@ def test_window_bound():
   assert [r[0].strip() for r in rows[1:]] == ["1", "2", "3"]   # one row per outer function
   assert all(float(cell) >= 0 for r in rows[1:] for cell in r[1:4] + r[5:])
   assert "Later outer functions' first calls:" in out
+
+
+def test_startup():
+  # Keras and one method, each in a process of its own (what the script measures per row).
+  out = _bench("startup.py", "--models=mlp", "--stages=2", "--methods=gpipe", "--windows=auto")
+  assert "mlp: Keras fit first-epoch extra" in out
+  row = next(line for line in out.splitlines() if line.startswith("| gpipe | 2 |"))
+  extra, ratio, second = (float(cell) for cell in row.split("|")[3:6])
+  assert extra >= 0 and ratio >= 0 and second > 0
