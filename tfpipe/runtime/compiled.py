@@ -98,7 +98,6 @@ class CompiledRuntime(Executor):
       raise ValueError(f"`inline` must be 'auto', True or False. Received: inline={inline!r}")
     self.window, self.inline, self.aligned = window, inline, True
     self._forward_ops = None
-    self._inline_now = None   # whether this epoch's windows are inlined (`_inlined`)
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
     self._keys = {}   # (window key, inlined) -> its number (the traced function's argument)
@@ -136,13 +135,13 @@ class CompiledRuntime(Executor):
     self._start_epoch(schedule)
     # Inlined windows (small stages, cheap to trace) run whole; windows of stage calls
     # trace CALL_WINDOW mini-batches at most.
-    inlined = self._inline_now = self._inlined(num_batches)
+    inlined = self._inlined(num_batches)
     size = self.window if inlined else min(self.window, self.CALL_WINDOW)
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size,
            inlined, self.aligned)
     if self._plan[0] != key:
       plan = windows_lib.plan(schedule, diffs, size, self.aligned)
-      self._plan = (key, plan, [self._number(window) for window in plan],
+      self._plan = (key, plan, [self._number(window, inlined) for window in plan],
                     windows_lib.flush_window(schedule, diffs))
     _, plan, numbers, flush = self._plan
     for k, tasks in enumerate(schedule):
@@ -158,7 +157,8 @@ class CompiledRuntime(Executor):
         self._session = None
     try:
       if flush is not None and self._session is None:
-        return self._train_loops(flush, batches, num_batches, M, on_result, before)
+        return self._train_loops(flush, self._number(flush, inlined), batches, num_batches, M,
+                                 on_result, before)
       return self._train_windows(plan, numbers, batches, M, on_result, before)
     finally:
       if self._session is not None:
@@ -197,18 +197,18 @@ class CompiledRuntime(Executor):
       if stop and w + 1 < len(plan):
         last = windows_lib.drain(plan, w)
         if last is not None:
-          _, results = self._run(last, self._number(last), carry, feed, M)
+          _, results = self._run(last, self._number(last, self._inlines[numbers[w]]), carry,
+                                 feed, M)
           for b in range(last.first, last.last + 1):
             on_result(b, *results[b - last.first])
             done += 1
         break
     return done
 
-  def _train_loops(self, flush, batches, num_batches, M, on_result, before):
+  def _train_loops(self, flush, number, batches, num_batches, M, on_result, before):
     """Runs a schedule whose mini-batches finish one by one (`windows.flush_window`): each
     window of W mini-batches is one call that loops over them (`tf.while_loop`, one
     iteration at a time), so its graph holds one mini-batch's tasks whatever W is."""
-    number = self._number(flush)
     updates = [0] * self.K
     for k, task, _, _ in flush.tasks:
       updates[k] += schedules.is_update(task)
@@ -280,11 +280,11 @@ class CompiledRuntime(Executor):
         parallel_iterations=1)
     return losses.stack(), {name: ta.stack() for name, ta in zip(names, logs)}
 
-  def _number(self, window):
-    """The number of `window`'s key (and whether it is inlined): what the traced function takes
+  def _number(self, window, inline):
+    """The number of `window`'s key and `inline` (whether its tasks' bodies are traced into it,
+    `_inlined`): what the traced function takes
     instead of the key (a large Python argument is hashed by tf.function on every call;
     measured: most of a call's cost at K=8). Numbered once per plan."""
-    inline = self._inline_now
     number = self._keys.setdefault((window.key, inline), len(self._keys))
     self._inlines[number] = inline
     self._shifts[number] = window.last + 1 - window.first
@@ -317,7 +317,7 @@ class CompiledRuntime(Executor):
       return function(number, *args)
 
   def _run(self, window, number, carry, feed, M):
-    """Calls the window's function (`number`: `_number(window)`); returns (carry rebased to the
+    """Calls the window's function (`number`: `_number(window, inline)`); returns (carry rebased to the
     next window, results)."""
     inputs, labels = self._data(window, feed)
     context = contextlib.nullcontext()
