@@ -66,7 +66,8 @@ def test_windows_of_w_the_last_one_shorter(N, W, expected):
 @pytest.mark.parametrize("N,W,lead,expected", [
     (42, 4, 4, [0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39]),   # windows 3, 4 x 9, the drain of 3
     (128, 16, 4, [0, 13] + list(range(29, 125, 16)) + [125]), (40, 4, 1, list(range(0, 40, 4))),
-    (41, 4, 1, [0, 1] + list(range(5, 41, 4))), (20, 16, 4, None), (11, 4, 3, [0, 1, 5, 9]), (11, 4, 4, None)])
+    (41, 4, 1, [0, 1] + list(range(5, 41, 4))), (20, 16, 4, None), (11, 4, 3, [0, 1, 5, 9]),
+    (11, 4, 4, None)])
 def test_unaligned_windows_end_where_the_steady_state_can_and_the_drain_runs_alone(
     N, W, lead, expected):
   assert windows.drained_firsts(N, W, lead) == expected

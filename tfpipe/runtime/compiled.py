@@ -317,8 +317,8 @@ class CompiledRuntime(Executor):
       return function(number, *args)
 
   def _run(self, window, number, carry, feed, M):
-    """Calls the window's function (`number`: `_number(window, inline)`); returns (carry rebased to the
-    next window, results)."""
+    """Calls the window's function (`number`: `_number(window, inline)`); returns (carry
+    rebased to the next window, results)."""
     inputs, labels = self._data(window, feed)
     context = contextlib.nullcontext()
     if self._session is not None:
