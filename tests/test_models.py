@@ -1,4 +1,4 @@
-"""Workloads: every model builds small, partitions into 2 and 4 stages and trains a step."""
+"""Workloads: every model builds small, partitions into stages (2 and 4, or 4) and trains a step."""
 
 import keras
 import numpy as np
@@ -49,8 +49,13 @@ def _check_partition(pipe, model, K):
       tfpipe.partition.graph_nodes(model)[2])
 
 
+# The models whose step costs 3-6 s train at K=4 only (three cuts; residual_lstm's K=3 cut is
+# test_embedding_stage_and_recurrent_stages's); the others at K=2 and 4.
+_SLOW = ("residual_lstm", "resnet20", "bert", "counter")
+
+
 @pytest.mark.parametrize("name,K", [(name, K) for name in models.MODELS if name not in _DEEP
-                                    for K in (2, 4)])
+                                    for K in ((4,) if name in _SLOW else (2, 4))])
 def test_every_model_partitions_and_trains_a_step(name, K):
   model = _build(name)
   x, y = _data(name)

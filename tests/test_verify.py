@@ -45,12 +45,17 @@ def _capacity(K, M):
   return 2 * max(K, M) + 1
 
 
+# Every M to 16, then larger ones up to 64 (odd, prime, powers of two): a schedule's
+# tasks grow with M, and the M of 17-64 that were left out took 85% of the verifier's time.
+MICRO_BATCHES = list(range(1, 17)) + [23, 24, 32, 37, 48, 63, 64]
+
+
 @pytest.mark.parametrize("K", range(1, 17))
 def test_every_method_verifies_for_k_up_to_16_and_m_up_to_64(K):
   for name in ("sequential", "ddg", "1f1b"):
     schedule = schedules.build(name, K, K + 3)
     _check_dependencies(schedule, verify.verify(schedule, _capacity(K, 1)).order)
-  for M in range(1, 65):
+  for M in MICRO_BATCHES:
     N = max(2, -(-(K + 2) // M))  # enough micro-batches to reach the steady state
     for name in ("gpipe", "timeprest", "1f1b"):
       schedule = schedules.build(name, K, N, M)
