@@ -203,6 +203,8 @@ class Options:
     if self.advised:
       micro += (f" ({', '.join(sorted(self.advised))} advised for {self._advised_for}: "
                 "tfpipe.advice)")
+    elif self._advice_done and self._advised_for and self.method == "spectrain":
+      micro += f" (no option advised for {self._advised_for}: tfpipe.advice)"
     elif self._unset and self.method == "spectrain" and not self._advice_done:
       micro += " (options left unset: advised for the optimizer at compile)"
     return f"tfpipe.Pipeline: method={self.method}, {num_stages} stages{micro}"
