@@ -18,10 +18,11 @@ ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nester
              "delay_compensation": 0.0}
 
 # family -> {option: value}; options not named keep their ADVISABLE value. Both are the plain
-# method today: at K=4, 3 seeds on every task and rate, plain spectrain's worst gap with
-# momentum SGD is -55.7 pp on the choice tasks (-72.6 held out) against -77.7 (-75.4) with exact
-# version differences and spike compensation, and it is the closer of the two on 9 of the 10
-# settings; with Adam plain spectrain is the closest option (README, "Accuracy under staleness").
+# method today. With momentum SGD (3 seeds on every task and rate), plain spectrain's worst gap
+# on the choice tasks is -3.9 / -55.7 / -78.0 pp at K = 2 / 4 / 8, against -6.9 / -77.7 / -79.5
+# with exact version differences and spike compensation, and at K=4 it is the closer of the two
+# on 9 of the 10 settings; with Adam plain spectrain is the closest option (README, "Accuracy
+# under staleness").
 SPECTRAIN = {
     "sgd": {},
     "adam": {},
