@@ -7,7 +7,7 @@ grids of --devices logical CPUs (batch-only D x 1, model-only 1 x D, and the
 square grid), beside one device, measured in one run. Writes
 bench/results/grid.md.
 
-  python bench/grid_parallel.py [--width=1024 --batch_size=256 --steps=40]
+  python bench/grid_parallel.py [--width=1024 --batch_size=256 --steps=40 --workloads=dnn,snn]
 """
 
 import os
@@ -27,6 +27,8 @@ from bench import results_io  # noqa: E402
 flags.DEFINE_integer("width", 1024, "units per hidden layer")
 flags.DEFINE_integer("batch_size", 256, "batch size")
 flags.DEFINE_integer("steps", 40, "steps per runner")
+flags.DEFINE_list("workloads", ["dnn", "snn"], "seed 001's dnn (7 sigmoid layers), seed 000's snn "
+                  "(8 SELU layers)")
 flags.DEFINE_integer("devices", 4, "devices in every grid (a square number for the 2-D grid)")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
@@ -49,7 +51,12 @@ def main(argv):
   if side * side == D:
     grids.append(("grid", f"{side}x{side}"))
   rows = []
-  for workload, depth in (("dnn", 7), ("snn", 8)):
+  depths = {"dnn": 7, "snn": 8}
+  unknown = sorted(set(FLAGS.workloads) - set(depths))
+  if unknown:
+    raise app.UsageError(f"--workloads: unknown {unknown} (dnn, snn)")
+  for workload in FLAGS.workloads:
+    depth = depths[workload]
     for label, grid in grids:
       keras.utils.set_random_seed(0)
       model = getattr(mlp, workload)((784,), 10, width=FLAGS.width, depth=depth)

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 
-__all__ = ["RESULTS", "markdown_table", "write", "report", "median_seconds", "seconds_per_batch"]
+__all__ = ["RESULTS", "markdown_table", "write", "report", "median_seconds", "seconds_per_batch",
+           "in_child", "ChildFailed"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -47,6 +48,67 @@ def median_seconds(fn, repeats=20):
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+class ChildFailed(RuntimeError):
+  """`in_child`'s function raised, or its process died: the message is its last line."""
+
+
+def in_child(fn, *args, timeout=None):
+  """`fn(*args)` in a process of its own, forked from this one; returns its result (pickled
+  back). What a bench script measures per configuration runs so, in a TensorFlow of its own:
+  this process must not have started TensorFlow's runtime (importing it is fine: a fork then
+  skips the child's import, which costs about 4 s of CPU). The child's output goes to a file
+  whose last line a failure names (`ChildFailed`); past `timeout` seconds it is killed
+  (`TimeoutError`)."""
+  import multiprocessing
+  import tempfile
+  if "tensorflow" in sys.modules:
+    from tensorflow.python.eager import context
+    if context.context_safe() is not None and context.context_safe()._initialized:  # noqa: SLF001
+      raise RuntimeError("in_child: this process has started TensorFlow's runtime, which a fork "
+                         "would share; measure in a process that has not run a TensorFlow op")
+  fork = multiprocessing.get_context("fork")
+  receive, send = fork.Pipe(duplex=False)
+  with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+    child = fork.Process(target=_child, args=(send, log.name, fn, args), daemon=True)
+    child.start()
+    send.close()
+    try:
+      if not receive.poll(timeout):
+        raise TimeoutError(f"over {timeout} s")
+      ok, value = receive.recv()
+    except EOFError:
+      child.join()
+      lines = log.read().strip().splitlines()
+      ok, value = False, lines[-1] if lines else f"exited with code {child.exitcode}"
+    finally:
+      if child.is_alive():
+        child.kill()
+      child.join()
+      receive.close()
+  if not ok:
+    raise ChildFailed(value)
+  return value
+
+
+def _child(send, log, fn, args):
+  """`in_child`'s process: its output to `log`, then (ok, result or error) to `send`."""
+  import traceback
+  fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.dup2(fd, 1)
+  os.dup2(fd, 2)
+  try:
+    result = (True, fn(*args))
+  except BaseException as e:  # noqa: BLE001 -- reported to the parent, with the traceback
+    traceback.print_exc()
+    result = (False, f"{type(e).__name__}: {e}".splitlines()[0])
+  sys.stdout.flush()
+  sys.stderr.flush()
+  send.send(result)
+  send.close()
 
 
 def child_values(config, **flag_values):

@@ -30,7 +30,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -47,7 +46,8 @@ flags.DEFINE_list("methods", ["sequential", "gpipe", "vanilla", "pipedream", "sp
                   "pipelined methods")
 flags.DEFINE_integer("layers", 12, "decoder layers of the Llama model")
 flags.DEFINE_integer("timeout", 900, "seconds one configuration may take")
-flags.DEFINE_string("one", None, "internal: run one configuration (JSON) and print its result")
+flags.DEFINE_string("one", None, "run one configuration (JSON: model, method, K, window) in "
+                    "this process and print its result")
 FLAGS = flags.FLAGS
 
 _SIZES = {"llama": (16, 64), "resnet": (32, 32), "mlp": (512, 8)}   # batch, batches per epoch
@@ -115,18 +115,14 @@ def _one(config):
 
 
 def _run(config):
-  command = [sys.executable, os.path.abspath(__file__), f"--one={json.dumps(config)}",
-             f"--layers={FLAGS.layers}"]
+  """`_one(config)` in a process of its own (`results_io.in_child`), or {"error": why}."""
+  from bench import results_io
   try:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=FLAGS.timeout,
-                          cwd=ROOT)
-  except subprocess.TimeoutExpired:
+    return results_io.in_child(_one, config, timeout=FLAGS.timeout)
+  except TimeoutError:
     return {"error": f"over {FLAGS.timeout} s"}
-  lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-  if done.returncode or not lines:
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": tail[:120]}
-  return json.loads(lines[-1][len("RESULT "):])
+  except results_io.ChildFailed as e:
+    return {"error": str(e)[:120]}
 
 
 def main(argv):

@@ -19,8 +19,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -33,7 +31,6 @@ flags.DEFINE_integer("layers", 40, "dense layers of the stage-like function")
 flags.DEFINE_integer("width", 256, "their width")
 flags.DEFINE_integer("outers", 4, "outer functions (windows) that call it, one after another")
 flags.DEFINE_integer("calls", 2, "calls of the stage function in each outer function")
-flags.DEFINE_string("one", None, "internal: 'on' or 'off' (Grappler): run in this process")
 FLAGS = flags.FLAGS
 
 
@@ -77,18 +74,9 @@ def _measure(grappler):
 
 def main(argv):
   del argv
-  if FLAGS.one:
-    print("RESULT " + json.dumps(_measure(FLAGS.one == "on")), flush=True)
-    return
   from bench import results_io
-  results = {}
-  for mode in ("on", "off"):
-    command = [sys.executable, os.path.abspath(__file__), f"--one={mode}",
-               f"--layers={FLAGS.layers}", f"--width={FLAGS.width}",
-               f"--outers={FLAGS.outers}", f"--calls={FLAGS.calls}"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
-    line = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    results[mode] = json.loads(line[len("RESULT "):])
+  # Each mode in a TensorFlow of its own (Grappler's setting is process-wide).
+  results = {mode: results_io.in_child(_measure, mode == "on") for mode in ("on", "off")}
   rows = []
   for i in range(FLAGS.outers):
     on, off = results["on"][i], results["off"][i]

@@ -38,9 +38,11 @@ def test_memory_table(tmp_path):
 
 def test_grid_parallel(tmp_path):
   _bench("grid_parallel.py", "--width=16", "--steps=7", "--batch_size=8", "--devices=4",
-         f"--results_dir={tmp_path}")
+         "--workloads=snn", f"--results_dir={tmp_path}")
   table = (tmp_path / "grid.md").read_text()
-  assert "| dnn 7 x 16 | model only | 1x4 |" in table and "| snn 8 x 16 | grid | 2x2 |" in table
+  for grid in ("| single | 1x1 |", "| batch only | 4x1 |", "| model only | 1x4 |", "| grid | 2x2 |"):
+    assert "| snn 8 x 16 " + grid in table
+  assert "dnn" not in table
 
 
 def test_seed001_speedup(tmp_path):
@@ -125,3 +127,31 @@ def test_startup():
   row = next(line for line in out.splitlines() if line.startswith("| gpipe | 2 |"))
   extra, ratio, second = (float(cell) for cell in row.split("|")[3:6])
   assert extra >= 0 and ratio >= 0 and second > 0
+
+
+_IN_CHILD = """
+import os, time
+from bench import results_io
+parent = os.getpid()
+print(results_io.in_child(lambda a: (a, os.getpid() != parent), 3))   # forked: another process
+try:
+  results_io.in_child(lambda: 1 / 0)
+except results_io.ChildFailed as e:
+  print("failed:", e)
+try:
+  results_io.in_child(time.sleep, 30, timeout=0.5)
+except TimeoutError as e:
+  print("timeout:", e)
+"""
+
+
+def test_in_child_returns_the_result_names_the_error_and_kills_past_its_timeout():
+  import pytest
+  from bench import results_io
+  result = zygote.run(["-c", _IN_CHILD])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines() == ["(3, True)", "failed: ZeroDivisionError: division by zero",
+                                        "timeout: over 0.5 s"]
+  # This process runs TensorFlow (conftest's devices): a fork would share that runtime.
+  with pytest.raises(RuntimeError, match="has started TensorFlow's runtime"):
+    results_io.in_child(abs, -1)
