@@ -22,7 +22,9 @@ over the settings of the `--choose_on` tasks; the chosen option's worst gap on t
 Each finished run is appended to bench/results/staleness_runs.jsonl, and a run already
 there is not repeated: the benchmark can be stopped and resumed. Writes
 bench/results/staleness.md and staleness_<task>.png (validation accuracy per epoch at K=4,
-mean over the seeds, at the task's first learning rate).
+mean over the seeds, at the task's first learning rate) from every run on file: the default
+rows and the asked ones, at every K and task run, so a run of a few options adds to the
+report rather than replacing it (`report_scope`).
 
   python bench/staleness.py [--tasks=classes,teacher,shapes,regions,counting --stages=2,4,8
                              --seeds=0,1,2 --epochs=15 --options=default]
@@ -299,6 +301,17 @@ def plot(curves, title, path):
   plt.close(fig)
 
 
+def report_scope(runs, names, stages, tasks):
+  """(options, K, tasks) the report covers: the asked ones and, from the runs on file, the
+  default rows and every K and task run, so that a run of a few options adds to the report
+  rather than replacing it. Options without a run are left out."""
+  ran = {r["option"] for r in runs}
+  options = [n for n in dict.fromkeys(DEFAULT + list(names)) if n in ran]
+  stages = sorted(set(stages) | {r["K"] for r in runs if r["option"] not in BASELINES})
+  tasks = [t for t in TASKS if t in tasks or any(r["task"] == t for r in runs)]
+  return options, stages, tasks
+
+
 def main(argv):
   del argv
   names = {"all": list(OPTIONS), "default": DEFAULT, "advice": ADVICE}.get(
@@ -338,13 +351,14 @@ def main(argv):
             f"samples/s ({time.perf_counter() - start:.0f} s)", flush=True)
   runs = [r for r in runs if r["epochs"] == FLAGS.epochs and r["batch_size"] == FLAGS.batch_size
           and r["task"] in TASKS]
-  advice_runs = [r for r in runs if r["task"] in FLAGS.tasks]
+  names, stages, tasks = report_scope(runs, names, stages, FLAGS.tasks)
+  advice_runs = [r for r in runs if r["task"] in tasks]
   runs = [r for r in runs if r["learning_rate"] == _learning_rate(r["task"], r["option"])]
   curve_k = 4 if 4 in stages else max(stages)
-  summary = summarise(runs, FLAGS.tasks, stages, names, curve_k)
+  summary = summarise(runs, tasks, stages, names, curve_k)
   rates = "; ".join(f"{t}: {m}, SGD lr {'/'.join(f'{v:g}' for v in sgd)}, Adam "
                     f"{'/'.join(f'{v:g}' for v in adam)}"
-                    for t, (m, _, sgd, adam) in TASKS.items() if t in FLAGS.tasks)
+                    for t, (m, _, sgd, adam) in TASKS.items() if t in tasks)
   text = [f"# Accuracy under staleness\n\nBatch {FLAGS.batch_size}, {FLAGS.epochs} epochs, "
           f"SpecTrain-form momentum SGD (gamma {FLAGS.momentum}) and Adam. Tasks, models and "
           f"learning rates ({rates}); the tables are at each task's first rate. Cells: mean ± "
@@ -353,7 +367,7 @@ def main(argv):
           "pooled, pp); samples/s: the best over the seeds. Baselines: single on one device, "
           f"dataparallel on {BASELINE_REPLICAS} replicas (their samples/s in that column). "
           "`bench/staleness.py`."]
-  held_out = [t for t in FLAGS.tasks if t not in FLAGS.choose_on]
+  held_out = [t for t in tasks if t not in FLAGS.choose_on]
   for K in stages:
     lines = staleness_advice.advice_lines(advice_runs, K, FLAGS.choose_on, held_out)
     if lines:

@@ -89,6 +89,12 @@ def test_staleness(tmp_path):
   assert all("\"learning_rate\": 0.1," in run for run in runs)
   out = _bench("staleness.py", *args)   # resumes: every run is on file, none repeats
   assert "seed=" not in out and (tmp_path / "staleness_runs.jsonl").read_text().splitlines() == runs
+  # A report of fewer options, K or tasks still shows every row, K and task on file.
+  _bench("staleness.py", "--report_only", "--options=single", "--stages=4", "--tasks=teacher",
+         *args[:2], f"--results_dir={tmp_path}")
+  table = (tmp_path / "staleness.md").read_text()
+  assert "| 2bw |" in table and "## classes" in table
+  assert "K=2: best val. accuracy" in table and "K=4: best val. accuracy" in table
 
 
 def test_sync_schedules():
