@@ -206,3 +206,18 @@ def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
   compile_(keras.optimizers.Adam(), _loss())   # the Adam family's advice: none
   assert pipe.options.spike_compensation is False
   assert "(no option advised for adam: tfpipe.advice)" in pipe.summary()
+
+
+@pytest.mark.parametrize("method,optimizer,K,said", [
+    ("spectrain", keras.optimizers.Adam, 8, True), ("spectrain", keras.optimizers.Adam, 4, False),
+    ("spectrain", SGD, 8, False), ("pipedream", keras.optimizers.Adam, 8, False)])
+def test_the_summary_names_the_method_that_held_closer_at_that_depth(method, optimizer, K, said):
+  from tfpipe import advice
+  from tfpipe.options import Options
+  options = Options(_model(), method=method, spike_compensation=False)   # advice or not
+  options.stage_rules(optimizer(), K)
+  line = options.describe(K)
+  hint = (f"; at {K} stages method='2bw' held closer to synchronous training with adam "
+          "(tfpipe.advice)")
+  assert (hint in line) == said, line
+  assert advice.DEEPER["spectrain"]["adam"] == (8, "2bw")

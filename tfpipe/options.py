@@ -43,7 +43,7 @@ class Options:
     # Left None: advised for the optimizer at compile (`tfpipe.advice`); until then the plain
     # method's values.
     self._unset = [n for n, v in asked.items() if v is None]
-    self.advised, self._advice_done = {}, False
+    self.advised, self._advice_done, self._family = {}, False, None
     values = dict(asked, **{n: advice.ADVISABLE[n] for n in self._unset})
     if "version_difference" in self._unset and self.policy.predicts and self.micro_batches > 1:
       values["version_difference"] = "exact"   # the one that counts micro-batch updates
@@ -80,6 +80,7 @@ class Options:
     """Sets the options left None to what `tfpipe.advice` says for `optimizer` (at compile),
     each only where it can act (`delayed`: some stage has a delay; an optimizer its rule is
     written for; not beside a user's option that excludes it)."""
+    self._family = advice.family(optimizer)
     if not self._unset:
       return
     given = {"spike_compensation": self.spike_compensation, "nesterov": self.nesterov}
@@ -93,7 +94,7 @@ class Options:
                       self.delay_momentum, self._asked_rescheduling, self._asked_decay,
                       current["nesterov"], current["delay_compensation"])
     self.advised = {n: v for n, v in values.items() if v != advice.ADVISABLE[n]}
-    self._advised_for, self._advice_done = advice.family(optimizer), True
+    self._advised_for, self._advice_done = self._family, True
 
   def _set_mitigations(self, spike_compensation, delay_momentum, lr_rescheduling,
                        discrepancy_decay):
@@ -207,4 +208,8 @@ class Options:
       micro += f" (no option advised for {self._advised_for}: tfpipe.advice)"
     elif self._unset and self.method == "spectrain" and not self._advice_done:
       micro += " (options left unset: advised for the optimizer at compile)"
+    other = advice.deeper(self.method, self._family, num_stages)
+    if other:
+      micro += (f"; at {num_stages} stages method={other!r} held closer to synchronous "
+                f"training with {self._family} (tfpipe.advice)")
     return f"tfpipe.Pipeline: method={self.method}, {num_stages} stages{micro}"
