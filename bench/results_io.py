@@ -64,8 +64,8 @@ def in_child(fn, *args, timeout=None):
   import multiprocessing
   import tempfile
   if "tensorflow" in sys.modules:
-    from tensorflow.python.eager import context
-    if context.context_safe() is not None and context.context_safe()._initialized:  # noqa: SLF001
+    from tfpipe import compat
+    if compat.runtime_started():
       raise RuntimeError("in_child: this process has started TensorFlow's runtime, which a fork "
                          "would share; measure in a process that has not run a TensorFlow op")
   fork = multiprocessing.get_context("fork")

@@ -11,8 +11,9 @@ placeholders a traced function feeds at each call (the window groups' carry), th
 call-op attribute that skips shape inference through a callee's body (done
 once per callee and input signature instead), the
 payload that marks a derived error, the profiler's converter from a
-profile to trace events, and the per-replica values that `tf.distribute`'s
-cross-device ops reduce. Keras and TensorFlow may move these: `missing()`
+profile to trace events, the per-replica values that `tf.distribute`'s
+cross-device ops reduce, and whether the runtime has started (the bench scripts fork
+their measurements before it has). Keras and TensorFlow may move these: `missing()`
 names what the installed versions lack, and a test fails loudly on it.
 """
 
@@ -33,7 +34,8 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "light_calls",
            "calls_inferred_once", "NOT_INLINED", "call_time_value",
            "is_derived", "variable_index", "uses_weight_decay", "update_count", "set_update_count",
-           "learning_rate_value", "model_metrics", "profile_trace_events", "per_replica"]
+           "learning_rate_value", "model_metrics", "profile_trace_events", "per_replica",
+           "runtime_started"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -74,6 +76,8 @@ def missing():
                                        "_learning_rate") if not hasattr(probe, a)]
   if not hasattr(keras.Model(), "_metrics"):
     gone.append("Model._metrics")
+  if not hasattr(_tf_context.context(), "_initialized"):
+    gone.append("Context._initialized")
   try:
     _profiler_modules()
   except ImportError as error:
@@ -344,3 +348,10 @@ def profile_trace_events(path):
     raise RuntimeError(f"the profile {path} could not be read: {data[:200]!r}")
   trace = trace_events_pb2.Trace.FromString(data)
   return [(e.name, e.timestamp_ps, e.duration_ps, dict(e.args)) for e in trace.trace_events]
+
+
+def runtime_started():
+  """Whether this process has started TensorFlow's runtime (run an op, listed or configured
+  its devices): a process forked after that would share it."""
+  context = _tf_context.context_safe()
+  return context is not None and context._initialized  # noqa: SLF001
