@@ -30,20 +30,26 @@ SPECTRAIN = {
 }
 
 
-# method -> {family: (K, another method)}: from K stages on, the other method held closer to
-# synchronous training on every task of the benchmark; the summary line says so (the method
-# is the user's to change). With Adam at K=8 (3 seeds, both rates), spectrain predicts up to
-# 14 updates ahead and lost 3.2-80.7 pp; 2BW, whose gradients are one update old at any K,
-# was closer on all 10 settings: -0.8 to -2.6 pp on the choice tasks, -4.5 to -15.7 held out
-# (README, "Accuracy under staleness"). At K=4 spectrain held closer (-0.89 against -2.05).
-DEEPER = {"spectrain": {"adam": (8, "2bw")}}
+# method -> {family: (K, another method, its options)}: from K stages on, the other method
+# held closer to synchronous training on every setting of the benchmark; the summary line says
+# so (the method is the user's to change). At K=8 (3 seeds, both rates) spectrain predicts up
+# to 14 updates ahead; 2BW's gradients are one update old at any K. With Adam spectrain lost
+# 3.2-80.7 pp and 2BW was closer on all 10 settings: -0.8 to -2.6 pp on the choice tasks, -4.5
+# to -15.7 held out. With momentum SGD spectrain lost 3.3-78.0 pp and 2BW with Nesterov's
+# look-ahead was closer on all 10: -0.9 to -6.0 pp on classes, teacher and regions, but not
+# off the plateau of shapes (-29.6, -49.4) and counting (-56.1, -68.3) (README, "Accuracy
+# under staleness"). At K=4 spectrain held closer with Adam (-0.89 against -2.05).
+DEEPER = {"spectrain": {"adam": (8, "2bw", {}), "sgd": (8, "2bw", {"nesterov": True})}}
 
 
 def deeper(method, family_name, num_stages):
-  """The method that held closer than `method` with the optimizer family `family_name` at
-  `num_stages` stages on the staleness benchmark (`DEEPER`), or None."""
-  K, other = DEEPER.get(method, {}).get(family_name, (None, None))
-  return other if K is not None and num_stages >= K else None
+  """What held closer than `method` with the optimizer family `family_name` at `num_stages`
+  stages on the staleness benchmark (`DEEPER`), as Pipeline arguments ("method='2bw',
+  nesterov=True"), or None."""
+  K, other, options = DEEPER.get(method, {}).get(family_name, (None, None, None))
+  if K is None or num_stages < K:
+    return None
+  return ", ".join([f"method={other!r}"] + [f"{n}={v!r}" for n, v in options.items()])
 
 
 def family(optimizer):

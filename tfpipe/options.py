@@ -210,6 +210,6 @@ class Options:
       micro += " (options left unset: advised for the optimizer at compile)"
     other = advice.deeper(self.method, self._family, num_stages)
     if other:
-      micro += (f"; at {num_stages} stages method={other!r} held closer to synchronous "
-                f"training with {self._family} (tfpipe.advice)")
+      micro += (f"; at {num_stages} stages {other} held closer to synchronous training "
+                f"with {self._family} (tfpipe.advice)")
     return f"tfpipe.Pipeline: method={self.method}, {num_stages} stages{micro}"
