@@ -94,7 +94,7 @@ class Options:
                       self.delay_momentum, self._asked_rescheduling, self._asked_decay,
                       current["nesterov"], current["delay_compensation"])
     self.advised = {n: v for n, v in values.items() if v != advice.ADVISABLE[n]}
-    self._advised_for, self._advice_done = self._family, True
+    self._advice_done = True
 
   def _set_mitigations(self, spike_compensation, delay_momentum, lr_rescheduling,
                        discrepancy_decay):
@@ -202,10 +202,10 @@ class Options:
     on += [f"discrepancy_decay={self.discrepancy_decay}"] if self.method == "pipemare" else []
     micro += f", {', '.join(on)}" if on else ""
     if self.advised:
-      micro += (f" ({', '.join(sorted(self.advised))} advised for {self._advised_for}: "
+      micro += (f" ({', '.join(sorted(self.advised))} advised for {self._family}: "
                 "tfpipe.advice)")
-    elif self._advice_done and self._advised_for and self.method == "spectrain":
-      micro += f" (no option advised for {self._advised_for}: tfpipe.advice)"
+    elif self._advice_done and self._family and self.method == "spectrain":
+      micro += f" (no option advised for {self._family}: tfpipe.advice)"
     elif self._unset and self.method == "spectrain" and not self._advice_done:
       micro += " (options left unset: advised for the optimizer at compile)"
     other = advice.deeper(self.method, self._family, num_stages)
