@@ -46,6 +46,8 @@ from absl import app, flags  # noqa: E402
 
 from bench import results_io, staleness_advice  # noqa: E402
 
+STAGES = "K"   # an option's value that stands for the run's depth K
+
 # name: (method, Pipeline options, optimizer). The baselines run once per seed, single on one
 # device and dataparallel on BASELINE_REPLICAS (their accuracy does not depend on K); every
 # other option at every K. PipeMare's rescheduling warms up over 60 updates (about an epoch).
@@ -81,6 +83,12 @@ OPTIONS = {
     "spectrain+dc": ("spectrain", {"delay_compensation": 1.0}, "spectrain"),
     "2bw/adam": ("2bw", {}, "adam"),
     "pipedream+dc/adam": ("pipedream", {"delay_compensation": 1.0}, "adam"),
+    # SpecTrain over K micro-batches per mini-batch (STAGES: K at each depth): with M >= K - 1,
+    # as in 2BW, a prediction spans at most one update (the schedule's exact count).
+    "spectrain+mb/adam": ("spectrain", {"micro_batches": STAGES, "version_difference": "exact"},
+                          "adam"),
+    "spectrain+mb": ("spectrain", {"micro_batches": STAGES, "version_difference": "exact"},
+                     "spectrain"),
 }
 BASELINES = ("single", "dataparallel", "dataparallel/adam", "single/adam")
 # task: (model, its trainer options, SpecTrain-form SGD learning rates, Adam learning rates).
@@ -149,6 +157,7 @@ def run_one(task, name, K, seed, lr):
   from tfpipe import advice
   from trainers import config as config_lib, datasets, main as trainer_main, models
   method, options, optimizer = OPTIONS[name]
+  options = {k: K if v == STAGES else v for k, v in options.items()}
   model_name, model_options, _, _ = TASKS[task]
   config = config_lib.TrainConfig(model=model_name, dataset=task, method=method, num_stages=K,
                                   batch_size=FLAGS.batch_size, learning_rate=lr,
