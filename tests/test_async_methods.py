@@ -209,8 +209,7 @@ def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
 
 
 @pytest.mark.parametrize("method,optimizer,K,said", [
-    ("spectrain", keras.optimizers.Adam, 8, "method='2bw' held closer to synchronous training "
-     "with adam (tfpipe.advice)"),
+    ("spectrain", keras.optimizers.Adam, 8, None),   # its advised micro-batches held closer
     ("spectrain", SGD, 8, "method='2bw', nesterov=True held closer to synchronous training "
      "with sgd (tfpipe.advice)"),
     ("spectrain", keras.optimizers.Adam, 4, None), ("spectrain", SGD, 4, None),
@@ -224,3 +223,71 @@ def test_the_summary_names_the_method_that_held_closer_at_that_depth(method, opt
     assert line.endswith(f"; at {K} stages {said}"), line
   else:
     assert "held closer" not in line, line
+
+
+def _adam():
+  return keras.optimizers.Adam(0.01)
+
+
+@pytest.mark.parametrize("K,optimizer,asked,batch_norm,expected", [
+    (4, _adam, {}, False, 4),                                   # advised: M = K
+    (8, _adam, {}, False, 8),
+    (2, _adam, {}, False, 1),                                   # below MICRO_BATCHES' depth
+    (4, lambda: optimizers.SpecTrain(LR, MOMENTUM), {}, False, 1),   # not advised for sgd
+    (4, _adam, {"micro_batches": 1}, False, 1),                 # a value passed is kept
+    (4, _adam, {"micro_batches": 2}, False, 2),
+    (4, _adam, {"version_difference": "paper"}, False, 1),      # "paper" counts whole batches
+    (4, _adam, {"version_difference": "exact"}, False, 4),
+    (4, _adam, {}, True, 1),                                    # BatchNormalization's statistics
+    (4, _adam, {"batch_statistics": "micro_batch"}, True, 4),
+])
+def test_spectrain_with_adam_splits_batches_into_one_micro_batch_per_stage(
+    K, optimizer, asked, batch_norm, expected):
+  from tfpipe.options import Options
+  model = helpers.sequential_mlp(dtype="float64")
+  if batch_norm:
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+  options = Options(model, method="spectrain", **asked)
+  options.set_stages(model, K)
+  options.stage_rules(optimizer(), K)
+  assert options.micro_batches == expected
+  line = options.describe(K)
+  advised = expected > 1 and "micro_batches" not in asked
+  assert ("micro_batches" in options.advised) == advised
+  if advised:
+    names = "micro_batches" + ("" if "version_difference" in asked else ", version_difference")
+    assert f"{K} micro-batches ({names} advised for adam: tfpipe.advice)" in line, line
+    assert options.version_difference == "exact"
+  # Compiled again with another family, the advice follows the new optimizer.
+  options.stage_rules(optimizers.SpecTrain(LR, MOMENTUM), K)
+  assert options.micro_batches == asked.get("micro_batches", 1)
+  assert "micro_batches" not in options.advised
+
+
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_advised_micro_batches_train_by_the_rule_they_name(runtime):
+  # spectrain with Adam at K=4 and nothing asked equals the reference asked for M=4 and exact
+  # version differences: the advice is that rule, not another.
+  bs = _batches(8)
+  x, y = helpers.as_arrays(bs)
+  pipe, compile_ = helpers.pipeline(_model(), runtime, num_stages=4, method="spectrain")
+  expected = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
+                                     optimizer=_adam(), micro_batches=4,
+                                     version_difference="exact")[0]
+  # The reference left unset resolves the same advice.
+  unset = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
+                                  optimizer=_adam())[0]
+  for a, b in zip(expected, unset):
+    helpers.assert_weights_close(a, b, rtol=0, atol=0)
+  compile_(_adam(), _loss())
+  assert pipe.micro_batches == 4
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  for actual, r in zip(_stage_weights(pipe), expected):
+    helpers.assert_weights_close(actual, r, rtol=1e-7, atol=1e-9)
+  # A last batch too small to split says where M came from and how to opt out.
+  with pytest.raises(ValueError, match=r"last batch of 2 samples \(130 in batches of 16\).*"
+                     r"micro_batches=4 was advised for adam by tfpipe.advice: pass "
+                     r"micro_batches=1"):
+    pipe.fit(np.concatenate([x] * 2)[:130], np.concatenate([y] * 2)[:130], batch_size=16,
+             verbose=0)

@@ -534,6 +534,16 @@ def test_mitigation_and_optimizer_flags_reach_the_pipeline():
       result.stderr) and "Traceback" not in result.stderr
 
 
+def test_spectrain_with_adam_takes_the_advised_micro_batches_from_the_trainer():
+  config = config_lib.TrainConfig(method="spectrain", model="mlp", dataset="teacher", mlp_width=16,
+                                  mlp_depth=3, batch_size=32, steps=3, epochs=1, verbose=0,
+                                  throughput_window=None, optimizer="adam", num_stages=4)
+  history, trainer, _ = main.run(config)
+  assert np.isfinite(history["loss"][0]) and trainer.micro_batches == 4
+  assert ("4 micro-batches (micro_batches, version_difference advised for adam"
+          in trainer.summary())
+
+
 @pytest.mark.parametrize("name", ["classes", "teacher"])
 def test_generated_tasks_are_fixed_and_offline(name):
   a = datasets.load(config_lib.TrainConfig(dataset=name, batch_size=64, seed=0))

@@ -4,7 +4,8 @@ optimizer: the SpecTrain variant whose worst gap to synchronous training held be
 is always kept; the summary line names what was advised.
 
 ADVISABLE lists the options this can set, with the value they take for other methods and
-optimizers (the plain method's). DEEPER names, per method and optimizer, the number of stages
+optimizers (the plain method's). MICRO_BATCHES says, per optimizer, from which number of
+stages K "spectrain" left `micro_batches` None splits each mini-batch into K. DEEPER names, per method and optimizer, the number of stages
 from which another method held closer: the summary line says so, and changes nothing.
 """
 
@@ -13,7 +14,8 @@ import keras
 from tfpipe import mitigations
 from tfpipe.plan import tasks
 
-__all__ = ["ADVISABLE", "SPECTRAIN", "DEEPER", "family", "advised", "resolve", "deeper"]
+__all__ = ["ADVISABLE", "SPECTRAIN", "MICRO_BATCHES", "DEEPER", "family", "advised", "resolve",
+           "deeper", "micro_batches", "batch_norm_layers"]
 
 ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nesterov": False,
              "delay_compensation": 0.0}
@@ -30,16 +32,26 @@ SPECTRAIN = {
 }
 
 
+# family -> K: from K stages on, "spectrain" left `micro_batches` None splits each mini-batch
+# into K micro-batches (version differences counted exactly): as in 2BW (M >= K - 1) a stage
+# applies its previous mini-batch's update before the forwards of the next, or at most one
+# update after them, so a prediction spans at most one update where with M=1 it spans up to
+# 2(K-1) (14 at K=8). With Adam (bench/staleness.py, 3 seeds, both rates, README "Accuracy
+# under staleness") it held within 2 pp of synchronous Adam on every setting at K=4 and K=8,
+# where with M=1 spectrain lost up to 7.0 pp at K=4 and 80.7 at K=8 (2BW: 15.7). Momentum
+# SGD has no entry: one seed at K=8 left the plateau of shapes but not of counting.
+MICRO_BATCHES = {"adam": 4}
+
+
 # method -> {family: (K, another method, its options)}: from K stages on, the other method
 # held closer to synchronous training on every setting of the benchmark; the summary line says
-# so (the method is the user's to change). At K=8 (3 seeds, both rates) spectrain predicts up
-# to 14 updates ahead; 2BW's gradients are one update old at any K. With Adam spectrain lost
-# 3.2-80.7 pp and 2BW was closer on all 10 settings: -0.8 to -2.6 pp on the choice tasks, -4.5
-# to -15.7 held out. With momentum SGD spectrain lost 3.3-78.0 pp and 2BW with Nesterov's
-# look-ahead was closer on all 10: -0.9 to -6.0 pp on classes, teacher and regions, but not
-# off the plateau of shapes (-29.6, -49.4) and counting (-56.1, -68.3) (README, "Accuracy
-# under staleness"). At K=4 spectrain held closer with Adam (-0.89 against -2.05).
-DEEPER = {"spectrain": {"adam": (8, "2bw", {}), "sgd": (8, "2bw", {"nesterov": True})}}
+# so (the method is the user's to change). With momentum SGD at K=8 (3 seeds, both rates)
+# spectrain predicts up to 14 updates ahead and lost 3.3-78.0 pp; 2BW (gradients one update
+# old at any K) with Nesterov's look-ahead was closer on all 10 settings: -0.9 to -6.0 pp on
+# classes, teacher and regions, but not off the plateau of shapes (-29.6, -49.4) and counting
+# (-56.1, -68.3) (README, "Accuracy under staleness"). With Adam, spectrain's advised
+# micro-batches (MICRO_BATCHES) held closer than 2BW (-1.6 to -15.7 pp at K=8).
+DEEPER = {"spectrain": {"sgd": (8, "2bw", {"nesterov": True})}}
 
 
 def deeper(method, family_name, num_stages):
@@ -50,6 +62,28 @@ def deeper(method, family_name, num_stages):
   if K is None or num_stages < K:
     return None
   return ", ".join([f"method={other!r}"] + [f"{n}={v!r}" for n, v in options.items()])
+
+
+def batch_norm_layers(model):
+  """Names of `model`'s BatchNormalization layers, nested models' included."""
+  found = []
+  for layer in model.layers:
+    if isinstance(layer, keras.layers.BatchNormalization):
+      found.append(layer.name)
+    if hasattr(layer, "layers"):
+      found += batch_norm_layers(layer)
+  return found
+
+
+def micro_batches(method, optimizer, num_stages, asked, version_difference, batch_norm):
+  """M that `MICRO_BATCHES` advises for `method` with `optimizer` at `num_stages` stages, or
+  None (the method's own default): only where the user left `asked` (micro_batches) None and
+  nothing they chose excludes it (`version_difference` "paper" counts one update per batch;
+  `batch_norm`: BatchNormalization whose statistics micro-batches would change)."""
+  K = MICRO_BATCHES.get(family(optimizer)) if method == "spectrain" else None
+  if K is None or num_stages < K or asked is not None or batch_norm:
+    return None
+  return num_stages if version_difference in (None, "exact") else None
 
 
 def family(optimizer):

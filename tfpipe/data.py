@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["as_dataset", "validation_split", "class_weights", "input_names"]
+__all__ = ["as_dataset", "validation_split", "class_weights", "input_names", "feature_arrays"]
 
 
 def input_names(model):
@@ -31,7 +31,7 @@ def _refuse_iterators(x):
         "tf.data.Dataset.from_generator(...)")
 
 
-def _features(x, names):
+def feature_arrays(x, names):
   """x as a tuple of arrays in the model's input order."""
   if isinstance(x, dict):
     unknown = sorted(set(x) - set(names))
@@ -164,7 +164,7 @@ def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
     batch_size = 32 if batch_size is None else batch_size
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
       raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
-    features = _features(x, names)
+    features = feature_arrays(x, names)
     n = len(features[0])
     if n == 0:
       raise ValueError("`x` is empty (0 samples): nothing to train or evaluate on")

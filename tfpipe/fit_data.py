@@ -13,12 +13,21 @@ __all__ = ["dataset", "validation", "check_fit_arguments"]
 
 
 def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
-            labels=True, sample_weight=None, class_weight=None):
-  """(dataset, batch count) for `x`, checked against `pipe`'s model."""
+            labels=True, sample_weight=None, class_weight=None, micro_batches=1):
+  """(dataset, batch count) for `x`, checked against `pipe`'s model (and, for arrays, that
+  every batch splits into `micro_batches`)."""
   names = data.input_names(pipe.model)
   result, num_batches = data.as_dataset(
       x, y, batch_size, steps, shuffle, seed, labels=labels, sample_weight=sample_weight,
       class_weight=class_weight, names=names)
+  if micro_batches > 1 and not isinstance(x, tf.data.Dataset):
+    n = len(data.feature_arrays(x, names)[0])
+    last = n % (batch_size or 32)
+    if 0 < last < micro_batches and (steps is None or steps >= num_batches):
+      raise ValueError(
+          f"the last batch of {last} samples ({n} in batches of {batch_size or 32}) cannot be "
+          f"split into micro_batches={micro_batches}: use a batch size that leaves no smaller "
+          f"last batch, or fewer micro-batches{pipe.options.micro_batch_hint()}")
   input_checks.check_inputs(result, pipe.model, names, labelled=labels)
   if labels:
     input_checks.check_labels(y, pipe.model, pipe.step.user_loss, result.element_spec[1])
@@ -63,9 +72,10 @@ def check_fit_arguments(pipe, epochs, initial_epoch, validation_freq, batch_size
   if isinstance(batch_size, int) and batch_size < micro_batches:
     raise ValueError(
         f"`batch_size` must be at least micro_batches={micro_batches}. Received: "
-        f"batch_size={batch_size}")
+        f"batch_size={batch_size}{pipe.options.micro_batch_hint()}")
   most = max(list(pipe.stage_replicas.values()) + [pipe.data_parallel])
   if isinstance(batch_size, int) and batch_size // micro_batches < most:
     raise ValueError(
         f"a replicated stage splits each (micro-)batch over {most} devices: `batch_size` must "
-        f"be at least {most * micro_batches}. Received: batch_size={batch_size}")
+        f"be at least {most * micro_batches}. Received: batch_size={batch_size}"
+        f"{pipe.options.micro_batch_hint()}")

@@ -6,21 +6,11 @@ TensorFlow work; what the options mean is documented on `tfpipe.Pipeline`.
 
 import warnings
 
-import keras
-
 from tfpipe import advice, mitigations, runtime
 from tfpipe.instruments import prediction_error as prediction_error_lib, trace
 from tfpipe.plan import names, policies, tasks
 
 __all__ = ["Options"]
-
-
-def _all_layers(model):
-  """Every layer of `model`, nested models' layers included."""
-  for layer in model.layers:
-    yield layer
-    if hasattr(layer, "layers"):
-      yield from _all_layers(layer)
 
 
 class Options:
@@ -44,6 +34,8 @@ class Options:
     # method's values.
     self._unset = [n for n, v in asked.items() if v is None]
     self.advised, self._advice_done, self._family = {}, False, None
+    self._batch_norm = advice.batch_norm_layers(model)
+    self._plain_micro_batches = self.micro_batches   # M when `tfpipe.advice` sets none
     values = dict(asked, **{n: advice.ADVISABLE[n] for n in self._unset})
     if "version_difference" in self._unset and self.policy.predicts and self.micro_batches > 1:
       values["version_difference"] = "exact"   # the one that counts micro-batch updates
@@ -81,6 +73,8 @@ class Options:
     each only where it can act (`delayed`: some stage has a delay; an optimizer its rule is
     written for; not beside a user's option that excludes it)."""
     self._family = advice.family(optimizer)
+    self.advised = ({"micro_batches": self.micro_batches}
+                    if self.micro_batches != self._plain_micro_batches else {})
     if not self._unset:
       return
     given = {"spike_compensation": self.spike_compensation, "nesterov": self.nesterov}
@@ -93,8 +87,26 @@ class Options:
     self._set_options(current["version_difference"], current["spike_compensation"],
                       self.delay_momentum, self._asked_rescheduling, self._asked_decay,
                       current["nesterov"], current["delay_compensation"])
-    self.advised = {n: v for n, v in values.items() if v != advice.ADVISABLE[n]}
+    self.advised.update({n: v for n, v in values.items() if v != advice.ADVISABLE[n]})
     self._advice_done = True
+
+  def advise_micro_batches(self, optimizer, num_stages):
+    """M = K where `tfpipe.advice` says so for `optimizer` at `num_stages` stages and the user
+    left `micro_batches` None, unless something the user chose excludes it (version_difference
+    "paper", which counts one update per batch; BatchNormalization, whose statistics would
+    change, unless batch_statistics="micro_batch"); else the plain default."""
+    M = advice.micro_batches(
+        self.method, optimizer, num_stages, self._micro_batches_asked,
+        None if "version_difference" in self._unset else self.version_difference,
+        self._batch_norm and self._batch_statistics != "micro_batch")
+    self.micro_batches = M or self._plain_micro_batches
+
+  def micro_batch_hint(self):
+    """For errors about batches too small for M: where M was advised, how to opt out."""
+    if not self.advised.get("micro_batches"):
+      return ""
+    return (f" (micro_batches={self.micro_batches} was advised for {self._family} by "
+            "tfpipe.advice: pass micro_batches=1 to the Pipeline to train on whole batches)")
 
   def _set_mitigations(self, spike_compensation, delay_momentum, lr_rescheduling,
                        discrepancy_decay):
@@ -146,13 +158,14 @@ class Options:
     if M != self.micro_batches:
       self.micro_batches = M
       self._check_batch_statistics(model, self._batch_statistics)
+    self._plain_micro_batches = M
 
   def _check_batch_statistics(self, model, batch_statistics):
     """BatchNormalization with micro-batches normalises each micro-batch by its own statistics
     (as GPipe does), where Keras uses the mini-batch's: "warn" (default) says so, "refuse"
     refuses, "micro_batch" accepts it silently."""
     choice = names.lookup("batch_statistics", batch_statistics, ("warn", "refuse", "micro_batch"))
-    found = [l.name for l in _all_layers(model) if isinstance(l, keras.layers.BatchNormalization)]
+    found = advice.batch_norm_layers(model)
     if self.micro_batches == 1 or not found or choice == "micro_batch":
       return
     message = (f"BatchNormalization ({', '.join(found)}) with micro_batches={self.micro_batches} "
@@ -174,6 +187,7 @@ class Options:
   def stage_rules(self, optimizer, num_stages):
     """Per stage: the delay D_k of the schedule and the `mitigations.StageRule` of its updates;
     refuses options that cannot act (no delay, an optimizer their rule is not written for)."""
+    self.advise_micro_batches(optimizer, num_stages)
     delays = mitigations.delays_for(self.policy.schedule, num_stages, self.micro_batches,
                                     self.policy.virtual_stages)
     self.advise(optimizer, any(delays))

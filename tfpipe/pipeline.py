@@ -87,6 +87,10 @@ class Pipeline:
       "zb" and "timeprest" (default 4), and for "vanilla", "pipedream" and
       "spectrain" (default 1), whose stages then accumulate the M gradients
       and update once per mini-batch (SpecTrain needs version_difference="exact").
+      "spectrain" left None with Adam from `tfpipe.advice.MICRO_BATCHES`'s depth
+      on: M = K at `compile` (a prediction then spans at most one update; not
+      with version_difference="paper", nor with BatchNormalization unless
+      batch_statistics="micro_batch"); `summary()` says so.
     recompute: keep only stage inputs and recompute the forward before the
       backward (the synchronous methods); None takes the method's rule.
     lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
@@ -294,7 +298,8 @@ class Pipeline:
           x, y, sample_weight, validation_split)
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps_per_epoch, shuffle,
                                             seed, sample_weight=sample_weight,
-                                            class_weight=class_weight)
+                                            class_weight=class_weight,
+                                            micro_batches=self.micro_batches)
     validation = (fit_data.validation(self, validation_data, batch_size, validation_batch_size,
                                       validation_steps) if validation_data is not None else None)
     schedule = policies.build_schedule(self.policy, self.num_stages, num_batches,

@@ -160,15 +160,18 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   """
   policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
   K, N = len(stage_models), len(batches)
-  M = policies.micro_batches_for(policy, micro_batches, K)
+  rule_optimizer = optimizer if optimizer is not None else optimizers.SpecTrain(learning_rate,
+                                                                                momentum)
+  batch_norm = any(advice.batch_norm_layers(m) for m in stage_models)
+  M = (advice.micro_batches(method, rule_optimizer, K, micro_batches, version_difference,
+                            batch_norm)
+       or policies.micro_batches_for(policy, micro_batches, K))
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
   delays = mitigations.delays_for(policy.schedule, K, M, policy.virtual_stages)
   asked = {"version_difference": version_difference, "spike_compensation": spike_compensation,
            "nesterov": nesterov, "delay_compensation": delay_compensation}
   unset = [n for n, v in asked.items() if v is None]
-  rule_optimizer = optimizer if optimizer is not None else optimizers.SpecTrain(learning_rate,
-                                                                                momentum)
   asked.update(advice.resolve(policy, M, rule_optimizer, unset, any(delays), asked))
   version_difference, spike_compensation = asked["version_difference"], asked["spike_compensation"]
   nesterov, delay_compensation = asked["nesterov"], asked["delay_compensation"]
