@@ -89,6 +89,8 @@ OPTIONS = {
                           "adam"),
     "spectrain+mb": ("spectrain", {"micro_batches": STAGES, "version_difference": "exact"},
                      "spectrain"),
+    "spectrain+mb+nesterov": ("spectrain", {"micro_batches": STAGES, "nesterov": True,
+                                            "version_difference": "exact"}, "spectrain"),
 }
 BASELINES = ("single", "dataparallel", "dataparallel/adam", "single/adam")
 # task: (model, its trainer options, SpecTrain-form SGD learning rates, Adam learning rates).
@@ -168,7 +170,7 @@ def run_one(task, name, K, seed, lr):
   data = datasets.load(config)
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
   if method == "spectrain":   # a row means what it names, not today's advised default
-    options = {**advice.ADVISABLE, **options}
+    options = {**advice.ADVISABLE, "micro_batches": 1, **options}
   trainer = tfpipe.create(model, method, num_stages=1 if method == "single" else K, **options)
   trainer.compile(trainer_main.make_optimizer(config),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -36,21 +36,22 @@ SPECTRAIN = {
 # into K micro-batches (version differences counted exactly): as in 2BW (M >= K - 1) a stage
 # applies its previous mini-batch's update before the forwards of the next, or at most one
 # update after them, so a prediction spans at most one update where with M=1 it spans up to
-# 2(K-1) (14 at K=8). With Adam (bench/staleness.py, 3 seeds, both rates, README "Accuracy
-# under staleness") it held within 2 pp of synchronous Adam on every setting at K=4 and K=8,
-# where with M=1 spectrain lost up to 7.0 pp at K=4 and 80.7 at K=8 (2BW: 15.7). Momentum
-# SGD has no entry: one seed at K=8 left the plateau of shapes but not of counting.
+# K-1 (7 at K=8). With Adam (bench/staleness.py, 3 seeds, both rates, README "Accuracy
+# under staleness") its worst gap to synchronous Adam over the 10 settings (5 tasks, 2 rates)
+# was -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0 pp at K=4 and
+# 80.7 at K=8 (2BW: 15.7 at K=8). Momentum SGD has no entry yet: with one seed at one rate it
+# came closer on four tasks but stayed on counting's loss plateau.
 MICRO_BATCHES = {"adam": 4}
 
 
 # method -> {family: (K, another method, its options)}: from K stages on, the other method
 # held closer to synchronous training on every setting of the benchmark; the summary line says
 # so (the method is the user's to change). With momentum SGD at K=8 (3 seeds, both rates)
-# spectrain predicts up to 14 updates ahead and lost 3.3-78.0 pp; 2BW (gradients one update
+# spectrain predicts up to 7 updates ahead and lost 3.3-78.0 pp; 2BW (gradients one update
 # old at any K) with Nesterov's look-ahead was closer on all 10 settings: -0.9 to -6.0 pp on
 # classes, teacher and regions, but not off the plateau of shapes (-29.6, -49.4) and counting
 # (-56.1, -68.3) (README, "Accuracy under staleness"). With Adam, spectrain's advised
-# micro-batches (MICRO_BATCHES) held closer than 2BW (-1.6 to -15.7 pp at K=8).
+# micro-batches (MICRO_BATCHES) held closer than 2BW (-0.8 to -15.7 pp at K=8).
 DEEPER = {"spectrain": {"sgd": (8, "2bw", {"nesterov": True})}}
 
 
