@@ -253,7 +253,8 @@ _REFERENCE = {"sgd": "reference", "adam": "reference/adam"}   # keys of the pool
 
 
 def compact_table(summary, stages, K=4):
-  """Every option at K, one column per task (the cells of the full tables), and samples/s."""
+  """Every option run at K, one column per task (the cells of the full tables), and
+  samples/s."""
   tasks = list(summary)
   column = 1 + stages.index(K)
   speed_column = 1 + len(stages) + stages.index(K)
@@ -264,7 +265,9 @@ def compact_table(summary, stages, K=4):
   rows = []
   for i, row in enumerate(summary[tasks[0]][3]):
     speed = row[baseline_column if row[0] in BASELINES else speed_column]
-    rows.append([row[0]] + [summary[t][3][i][column] for t in tasks] + [speed])
+    cells = [summary[t][3][i][column] for t in tasks]
+    if any(c != "-" for c in cells):
+      rows.append([row[0]] + cells + [speed])
   return results_io.markdown_table(head, rows)
 
 

@@ -291,3 +291,22 @@ def test_advised_micro_batches_train_by_the_rule_they_name(runtime):
                      r"micro_batches=1"):
     pipe.fit(np.concatenate([x] * 2)[:130], np.concatenate([y] * 2)[:130], batch_size=16,
              verbose=0)
+
+
+def test_a_hint_within_the_same_method_names_its_options_and_goes_once_they_are_in_force(
+    monkeypatch):
+  from tfpipe import advice
+  from tfpipe.options import Options
+  monkeypatch.setitem(advice.DEEPER, "spectrain",
+                      {"sgd": (8, "spectrain", {"micro_batches": advice.STAGES, "nesterov": True})})
+  model = _model()
+  options = Options(model, method="spectrain")
+  options.set_stages(model, 8)
+  options.stage_rules(SGD(), 8)
+  assert options.describe(8).endswith(
+      "; at 8 stages micro_batches=8, nesterov=True held closer to synchronous training with "
+      "sgd (tfpipe.advice)"), options.describe(8)
+  options = Options(model, method="spectrain", micro_batches=8, nesterov=True)
+  options.set_stages(model, 8)
+  options.stage_rules(SGD(), 8)
+  assert "held closer" not in options.describe(8)

@@ -53,16 +53,22 @@ MICRO_BATCHES = {"adam": 4}
 # (-56.1, -68.3) (README, "Accuracy under staleness"). With Adam, spectrain's advised
 # micro-batches (MICRO_BATCHES) held closer than 2BW (-0.8 to -15.7 pp at K=8).
 DEEPER = {"spectrain": {"sgd": (8, "2bw", {"nesterov": True})}}
+STAGES = "K"   # a DEEPER option's value that stands for the pipeline's number of stages
 
 
-def deeper(method, family_name, num_stages):
+def deeper(method, family_name, num_stages, current=None):
   """What held closer than `method` with the optimizer family `family_name` at `num_stages`
   stages on the staleness benchmark (`DEEPER`), as Pipeline arguments ("method='2bw',
-  nesterov=True"), or None."""
+  nesterov=True"; the method left out when it is `method`, an option valued STAGES given as
+  `num_stages`), or None, also when `current` ({option: value} in force) already has them."""
   K, other, options = DEEPER.get(method, {}).get(family_name, (None, None, None))
   if K is None or num_stages < K:
     return None
-  return ", ".join([f"method={other!r}"] + [f"{n}={v!r}" for n, v in options.items()])
+  values = {n: num_stages if v == STAGES else v for n, v in options.items()}
+  if other == method and all((current or {}).get(n) == v for n, v in values.items()):
+    return None
+  return ", ".join(([] if other == method else [f"method={other!r}"])
+                   + [f"{n}={v!r}" for n, v in values.items()])
 
 
 def batch_norm_layers(model):

@@ -222,7 +222,9 @@ class Options:
       micro += f" (no option advised for {self._family}: tfpipe.advice)"
     elif self._unset and self.method == "spectrain" and not self._advice_done:
       micro += " (options left unset: advised for the optimizer at compile)"
-    other = advice.deeper(self.method, self._family, num_stages)
+    other = advice.deeper(self.method, self._family, num_stages,
+                          {"micro_batches": self.micro_batches, "nesterov": self.nesterov,
+                           "spike_compensation": self.spike_compensation})
     if other:
       micro += (f"; at {num_stages} stages {other} held closer to synchronous training "
                 f"with {self._family} (tfpipe.advice)")
