@@ -210,7 +210,7 @@ def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
 
 @pytest.mark.parametrize("method,optimizer,K,said", [
     ("spectrain", keras.optimizers.Adam, 8, None),   # its advised micro-batches held closer
-    ("spectrain", SGD, 8, "method='2bw', nesterov=True held closer to synchronous training "
+    ("spectrain", SGD, 8, "micro_batches=8, nesterov=True held closer to synchronous training "
      "with sgd (tfpipe.advice)"),
     ("spectrain", keras.optimizers.Adam, 4, None), ("spectrain", SGD, 4, None),
     ("pipedream", keras.optimizers.Adam, 8, None)])

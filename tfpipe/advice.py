@@ -14,8 +14,8 @@ import keras
 from tfpipe import mitigations
 from tfpipe.plan import tasks
 
-__all__ = ["ADVISABLE", "SPECTRAIN", "MICRO_BATCHES", "DEEPER", "family", "advised", "resolve",
-           "deeper", "micro_batches", "batch_norm_layers"]
+__all__ = ["ADVISABLE", "SPECTRAIN", "MICRO_BATCHES", "DEEPER", "STAGES", "family", "advised",
+           "resolve", "deeper", "micro_batches", "batch_norm_layers"]
 
 ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nesterov": False,
              "delay_compensation": 0.0}
@@ -44,16 +44,19 @@ SPECTRAIN = {
 MICRO_BATCHES = {"adam": 4}
 
 
-# method -> {family: (K, another method, its options)}: from K stages on, the other method
-# held closer to synchronous training on every setting of the benchmark; the summary line says
-# so (the method is the user's to change). With momentum SGD at K=8 (3 seeds, both rates)
-# spectrain predicts up to 7 updates ahead and lost 3.3-78.0 pp; 2BW (gradients one update
-# old at any K) with Nesterov's look-ahead was closer on all 10 settings: -0.9 to -6.0 pp on
-# classes, teacher and regions, but not off the plateau of shapes (-29.6, -49.4) and counting
-# (-56.1, -68.3) (README, "Accuracy under staleness"). With Adam, spectrain's advised
-# micro-batches (MICRO_BATCHES) held closer than 2BW (-0.8 to -15.7 pp at K=8).
-DEEPER = {"spectrain": {"sgd": (8, "2bw", {"nesterov": True})}}
 STAGES = "K"   # a DEEPER option's value that stands for the pipeline's number of stages
+
+# method -> {family: (K, a method, its options)}: from K stages on, that method with those
+# options (STAGES: K) held closer to synchronous training on every setting of the benchmark
+# than the method as advised; the summary line says so (the choice is the user's). With
+# momentum SGD at K=8 (3 seeds, both rates) spectrain with M=1 predicts up to 7 updates ahead
+# and lost 3.3-78.0 pp; over K micro-batches with Nesterov's look-ahead (`spectrain+mb+nesterov`)
+# it was closer on all 10 settings than that and than 2BW with Nesterov (the closest before):
+# within 2 pp on classes, teacher and regions at both rates and on shapes at the first, but
+# not off counting's loss plateau at the first rate (README, "Accuracy under staleness"). With
+# Adam the advised micro-batches (MICRO_BATCHES) held closer than 2BW (-0.8 to -15.7 pp at K=8).
+DEEPER = {"spectrain": {"sgd": (8, "spectrain", {"micro_batches": STAGES,
+                                                   "nesterov": True})}}
 
 
 def deeper(method, family_name, num_stages, current=None):
