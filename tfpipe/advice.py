@@ -5,8 +5,9 @@ is always kept; the summary line names what was advised.
 
 ADVISABLE lists the options this can set, with the value they take for other methods and
 optimizers (the plain method's). MICRO_BATCHES says, per optimizer, from which number of
-stages K "spectrain" left `micro_batches` None splits each mini-batch into K. DEEPER names, per method and optimizer, the number of stages
-from which another method held closer: the summary line says so, and changes nothing.
+stages K "spectrain" left `micro_batches` None splits each mini-batch into K. DEEPER names,
+per method and optimizer, the number of stages from which other options held closer: the
+summary line says so, and changes nothing.
 """
 
 import keras
@@ -39,8 +40,8 @@ SPECTRAIN = {
 # K-1 (7 at K=8). With Adam (bench/staleness.py, 3 seeds, both rates, README "Accuracy
 # under staleness") its worst gap to synchronous Adam over the 10 settings (5 tasks, 2 rates)
 # was -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0 pp at K=4 and
-# 80.7 at K=8 (2BW: 15.7 at K=8). Momentum SGD has no entry yet: with one seed at one rate it
-# came closer on four tasks but stayed on counting's loss plateau.
+# 80.7 at K=8 (2BW: 15.7 at K=8). Momentum SGD has no entry yet: micro-batches help it with
+# Nesterov's step (DEEPER), not run at K=4's second rate nor at K=2.
 MICRO_BATCHES = {"adam": 4}
 
 
@@ -52,8 +53,8 @@ STAGES = "K"   # a DEEPER option's value that stands for the pipeline's number o
 # momentum SGD at K=8 (3 seeds, both rates) spectrain with M=1 predicts up to 7 updates ahead
 # and lost 3.3-78.0 pp; over K micro-batches with Nesterov's look-ahead (`spectrain+mb+nesterov`)
 # it was closer on all 10 settings than that and than 2BW with Nesterov (the closest before):
-# within 2 pp on classes, teacher and regions at both rates and on shapes at the first, but
-# not off counting's loss plateau at the first rate (README, "Accuracy under staleness"). With
+# within 2 pp on 7 of the 10 (not shapes at the second rate, -15.0, nor counting, -32.0 and
+# -2.6: seeds left its loss plateau or not) (README, "Accuracy under staleness"). With
 # Adam the advised micro-batches (MICRO_BATCHES) held closer than 2BW (-0.8 to -15.7 pp at K=8).
 DEEPER = {"spectrain": {"sgd": (8, "spectrain", {"micro_batches": STAGES,
                                                    "nesterov": True})}}

@@ -21,11 +21,11 @@ def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=No
       x, y, batch_size, steps, shuffle, seed, labels=labels, sample_weight=sample_weight,
       class_weight=class_weight, names=names)
   if micro_batches > 1 and not isinstance(x, tf.data.Dataset):
-    n = len(data.feature_arrays(x, names)[0])
-    last = n % (batch_size or 32)
-    if 0 < last < micro_batches and (steps is None or steps >= num_batches):
+    n, size = len(data.feature_arrays(x, names)[0]), batch_size or 32
+    last = n % size
+    if 0 < last < micro_batches and (steps is None or steps >= -(-n // size)):
       raise ValueError(
-          f"the last batch of {last} samples ({n} in batches of {batch_size or 32}) cannot be "
+          f"the last batch of {last} samples ({n} in batches of {size}) cannot be "
           f"split into micro_batches={micro_batches}: use a batch size that leaves no smaller "
           f"last batch, or fewer micro-batches{pipe.options.micro_batch_hint()}")
   input_checks.check_inputs(result, pipe.model, names, labelled=labels)
