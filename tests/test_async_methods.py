@@ -173,6 +173,7 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
                                                          expected):
   from tfpipe import advice
   monkeypatch.setitem(advice.SPECTRAIN, "sgd", advice_table)
+  monkeypatch.delitem(advice.MICRO_BATCHES, "sgd")   # SPECTRAIN's table alone: M = 1
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
                                     method="spectrain", **asked)
   assert "advised for the optimizer at compile" in pipe.summary() or asked
@@ -197,6 +198,7 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
 def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
   from tfpipe import advice
   monkeypatch.setitem(advice.SPECTRAIN, "sgd", {"spike_compensation": True})
+  monkeypatch.delitem(advice.MICRO_BATCHES, "sgd")
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
                                     method="pipedream")
   compile_(SGD(), _loss())
@@ -208,40 +210,32 @@ def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
   assert "(no option advised for adam: tfpipe.advice)" in pipe.summary()
 
 
-@pytest.mark.parametrize("method,optimizer,K,said", [
-    ("spectrain", keras.optimizers.Adam, 8, None),   # its advised micro-batches held closer
-    ("spectrain", SGD, 8, "micro_batches=8, nesterov=True held closer to synchronous training "
-     "with sgd (tfpipe.advice)"),
-    ("spectrain", keras.optimizers.Adam, 4, None), ("spectrain", SGD, 4, None),
-    ("pipedream", keras.optimizers.Adam, 8, None)])
-def test_the_summary_names_the_method_that_held_closer_at_that_depth(method, optimizer, K, said):
-  from tfpipe.options import Options
-  options = Options(_model(), method=method, spike_compensation=False)   # advice or not
-  options.stage_rules(optimizer(), K)
-  line = options.describe(K)
-  if said:
-    assert line.endswith(f"; at {K} stages {said}"), line
-  else:
-    assert "held closer" not in line, line
-
-
 def _adam():
   return keras.optimizers.Adam(0.01)
+
+
+def _spectrain_sgd():
+  return optimizers.SpecTrain(LR, MOMENTUM)
 
 
 @pytest.mark.parametrize("K,optimizer,asked,batch_norm,expected", [
     (4, _adam, {}, False, 4),                                   # advised: M = K
     (8, _adam, {}, False, 8),
     (2, _adam, {}, False, 1),                                   # below MICRO_BATCHES' depth
-    (4, lambda: optimizers.SpecTrain(LR, MOMENTUM), {}, False, 1),   # not advised for sgd
+    (2, _spectrain_sgd, {}, False, 1),
+    (4, _spectrain_sgd, {}, False, 4),                          # momentum SGD: from K=4 on too
+    (8, SGD, {}, False, 8),
     (4, _adam, {"micro_batches": 1}, False, 1),                 # a value passed is kept
     (4, _adam, {"micro_batches": 2}, False, 2),
+    (4, _spectrain_sgd, {"micro_batches": 1}, False, 1),
     (4, _adam, {"version_difference": "paper"}, False, 1),      # "paper" counts whole batches
+    (4, _spectrain_sgd, {"version_difference": "paper"}, False, 1),
     (4, _adam, {"version_difference": "exact"}, False, 4),
     (4, _adam, {}, True, 1),                                    # BatchNormalization's statistics
+    (4, _spectrain_sgd, {}, True, 1),
     (4, _adam, {"batch_statistics": "micro_batch"}, True, 4),
 ])
-def test_spectrain_with_adam_splits_batches_into_one_micro_batch_per_stage(
+def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
     K, optimizer, asked, batch_norm, expected):
   from tfpipe.options import Options
   model = helpers.sequential_mlp(dtype="float64")
@@ -253,60 +247,54 @@ def test_spectrain_with_adam_splits_batches_into_one_micro_batch_per_stage(
   options.stage_rules(optimizer(), K)
   assert options.micro_batches == expected
   line = options.describe(K)
+  family = "adam" if optimizer is _adam else "sgd"
   advised = expected > 1 and "micro_batches" not in asked
   assert ("micro_batches" in options.advised) == advised
+  # Momentum SGD takes Nesterov's step where M bounds every prediction to one update
+  # (M >= K - 1 > 0), whether M was advised or passed; Adam takes no other option.
+  nesterov = family == "sgd" and expected > 1 and expected >= K - 1
+  assert options.nesterov is nesterov
   if advised:
-    names = "micro_batches" + ("" if "version_difference" in asked else ", version_difference")
-    assert f"{K} micro-batches ({names} advised for adam: tfpipe.advice)" in line, line
+    names = ["micro_batches"] + ([] if "version_difference" in asked else ["version_difference"])
+    names = ", ".join(sorted(names + (["nesterov"] if nesterov else [])))
+    assert f"{K} micro-batches{', nesterov' if nesterov else ''} ({names} advised for " \
+           f"{family}: tfpipe.advice)" in line, line
     assert options.version_difference == "exact"
-  # Compiled again with another family, the advice follows the new optimizer.
-  options.stage_rules(optimizers.SpecTrain(LR, MOMENTUM), K)
+  # Compiled again with an optimizer of no family, the advice follows it: none.
+  options.stage_rules(keras.optimizers.RMSprop(0.01), K)
   assert options.micro_batches == asked.get("micro_batches", 1)
-  assert "micro_batches" not in options.advised
+  assert "micro_batches" not in options.advised and options.nesterov is False
 
 
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
-def test_advised_micro_batches_train_by_the_rule_they_name(runtime):
-  # spectrain with Adam at K=4 and nothing asked equals the reference asked for M=4 and exact
-  # version differences: the advice is that rule, not another.
+@pytest.mark.parametrize("family,optimizer,rule", [
+    ("adam", _adam, {}), ("sgd", _spectrain_sgd, {"nesterov": True})])
+def test_advised_micro_batches_train_by_the_rule_they_name(runtime, family, optimizer, rule):
+  # spectrain at K=4 and nothing asked equals the reference asked for M=4, exact version
+  # differences and (momentum SGD) Nesterov's step: the advice is that rule, not another.
   bs = _batches(8)
   x, y = helpers.as_arrays(bs)
   pipe, compile_ = helpers.pipeline(_model(), runtime, num_stages=4, method="spectrain")
   expected = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
-                                     optimizer=_adam(), micro_batches=4,
-                                     version_difference="exact")[0]
-  # The reference left unset resolves the same advice.
+                                     optimizer=optimizer(), micro_batches=4,
+                                     version_difference="exact", **rule)[0]
+  # The reference left unset resolves the same advice; without Nesterov's step it differs.
   unset = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
-                                  optimizer=_adam())[0]
+                                  optimizer=optimizer())[0]
   for a, b in zip(expected, unset):
     helpers.assert_weights_close(a, b, rtol=0, atol=0)
-  compile_(_adam(), _loss())
-  assert pipe.micro_batches == 4
+  if rule:
+    plain = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
+                                    optimizer=optimizer(), micro_batches=4, nesterov=False)[0]
+    assert not np.allclose(plain[0][0], expected[0][0])
+  compile_(optimizer(), _loss())
+  assert pipe.micro_batches == 4 and pipe.options.nesterov is bool(rule)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, r in zip(_stage_weights(pipe), expected):
     helpers.assert_weights_close(actual, r, rtol=1e-7, atol=1e-9)
   # A last batch too small to split says where M came from and how to opt out.
   with pytest.raises(ValueError, match=r"last batch of 2 samples \(130 in batches of 16\).*"
-                     r"micro_batches=4 was advised for adam by tfpipe.advice: pass "
+                     rf"micro_batches=4 was advised for {family} by tfpipe.advice: pass "
                      r"micro_batches=1"):
     pipe.fit(np.concatenate([x] * 2)[:130], np.concatenate([y] * 2)[:130], batch_size=16,
              verbose=0)
-
-
-def test_a_hint_within_the_same_method_names_its_options_and_goes_once_they_are_in_force(
-    monkeypatch):
-  from tfpipe import advice
-  from tfpipe.options import Options
-  monkeypatch.setitem(advice.DEEPER, "spectrain",
-                      {"sgd": (8, "spectrain", {"micro_batches": advice.STAGES, "nesterov": True})})
-  model = _model()
-  options = Options(model, method="spectrain")
-  options.set_stages(model, 8)
-  options.stage_rules(SGD(), 8)
-  assert options.describe(8).endswith(
-      "; at 8 stages micro_batches=8, nesterov=True held closer to synchronous training with "
-      "sgd (tfpipe.advice)"), options.describe(8)
-  options = Options(model, method="spectrain", micro_batches=8, nesterov=True)
-  options.set_stages(model, 8)
-  options.stage_rules(SGD(), 8)
-  assert "held closer" not in options.describe(8)

@@ -5,9 +5,9 @@ is always kept; the summary line names what was advised.
 
 ADVISABLE lists the options this can set, with the value they take for other methods and
 optimizers (the plain method's). MICRO_BATCHES says, per optimizer, from which number of
-stages K "spectrain" left `micro_batches` None splits each mini-batch into K. DEEPER names,
-per method and optimizer, the number of stages from which other options held closer: the
-summary line says so, and changes nothing.
+stages K "spectrain" left `micro_batches` None splits each mini-batch into K; SPECTRAIN gives
+the options with one batch per update, ONE_UPDATE what changes where the micro-batches bound
+every prediction to one update.
 """
 
 import keras
@@ -15,64 +15,44 @@ import keras
 from tfpipe import mitigations
 from tfpipe.plan import tasks
 
-__all__ = ["ADVISABLE", "SPECTRAIN", "MICRO_BATCHES", "DEEPER", "STAGES", "family", "advised",
-           "resolve", "deeper", "micro_batches", "batch_norm_layers"]
+__all__ = ["ADVISABLE", "SPECTRAIN", "ONE_UPDATE", "MICRO_BATCHES", "family", "advised",
+           "resolve", "micro_batches", "one_update", "batch_norm_layers"]
 
 ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nesterov": False,
              "delay_compensation": 0.0}
 
 # family -> {option: value}; options not named keep their ADVISABLE value. Both are the plain
-# method today. With momentum SGD (3 seeds on every task and rate), plain spectrain's worst gap
-# on the choice tasks is -3.9 / -55.7 / -78.0 pp at K = 2 / 4 / 8, against -6.9 / -77.7 / -79.5
-# with exact version differences and spike compensation, and at K=4 it is the closer of the two
-# on 9 of the 10 settings; with Adam plain spectrain is the closest option (README, "Accuracy
-# under staleness").
+# method with one batch per update (M = 1): with Adam plain spectrain is the closest option
+# there (3 seeds, every task and rate; README, "Accuracy under staleness"); with momentum SGD
+# plain spectrain beat exact version differences with spike compensation (worst gap on the
+# choice tasks -3.9 / -55.7 / -78.0 pp at K = 2 / 4 / 8, against -6.9 / -77.7 / -79.5).
 SPECTRAIN = {
     "sgd": {},
     "adam": {},
 }
+
+# family -> {option: value} on top of SPECTRAIN's where every prediction spans at most one
+# update (`one_update`: M >= K - 1 micro-batches, as MICRO_BATCHES advises). With momentum SGD,
+# Nesterov's look-ahead there (`spectrain+mb+nesterov`, 3 seeds, both rates) held closer than
+# every other momentum-SGD option at K = 2, 4 and 8 (README, "Accuracy under staleness").
+ONE_UPDATE = {"sgd": {"nesterov": True}}
 
 
 # family -> K: from K stages on, "spectrain" left `micro_batches` None splits each mini-batch
 # into K micro-batches (version differences counted exactly): as in 2BW (M >= K - 1) a stage
 # applies its previous mini-batch's update before the forwards of the next, or at most one
 # update after them, so a prediction spans at most one update where with M=1 it spans up to
-# K-1 (7 at K=8). With Adam (bench/staleness.py, 3 seeds, both rates, README "Accuracy
-# under staleness") its worst gap to synchronous Adam over the 10 settings (5 tasks, 2 rates)
-# was -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0 pp at K=4 and
-# 80.7 at K=8 (2BW: 15.7 at K=8). Momentum SGD has no entry yet: micro-batches help it with
-# Nesterov's step (DEEPER), not run at K=4's second rate nor at K=2.
-MICRO_BATCHES = {"adam": 4}
-
-
-STAGES = "K"   # a DEEPER option's value that stands for the pipeline's number of stages
-
-# method -> {family: (K, a method, its options)}: from K stages on, that method with those
-# options (STAGES: K) held closer to synchronous training on every setting of the benchmark
-# than the method as advised; the summary line says so (the choice is the user's). With
-# momentum SGD at K=8 (3 seeds, both rates) spectrain with M=1 predicts up to 7 updates ahead
-# and lost 3.3-78.0 pp; over K micro-batches with Nesterov's look-ahead (`spectrain+mb+nesterov`)
-# it was closer on all 10 settings than that and than 2BW with Nesterov (the closest before):
-# within 2 pp on 7 of the 10 (not shapes at the second rate, -15.0, nor counting, -32.0 and
-# -2.6: seeds left its loss plateau or not) (README, "Accuracy under staleness"). With
-# Adam the advised micro-batches (MICRO_BATCHES) held closer than 2BW (-0.8 to -15.7 pp at K=8).
-DEEPER = {"spectrain": {"sgd": (8, "spectrain", {"micro_batches": STAGES,
-                                                   "nesterov": True})}}
-
-
-def deeper(method, family_name, num_stages, current=None):
-  """What held closer than `method` with the optimizer family `family_name` at `num_stages`
-  stages on the staleness benchmark (`DEEPER`), as Pipeline arguments ("method='2bw',
-  nesterov=True"; the method left out when it is `method`, an option valued STAGES given as
-  `num_stages`), or None, also when `current` ({option: value} in force) already has them."""
-  K, other, options = DEEPER.get(method, {}).get(family_name, (None, None, None))
-  if K is None or num_stages < K:
-    return None
-  values = {n: num_stages if v == STAGES else v for n, v in options.items()}
-  if other == method and all((current or {}).get(n) == v for n, v in values.items()):
-    return None
-  return ", ".join(([] if other == method else [f"method={other!r}"])
-                   + [f"{n}={v!r}" for n, v in values.items()])
+# K-1 (7 at K=8). bench/staleness.py, 3 seeds, both rates, README "Accuracy under staleness":
+# - Adam (`spectrain+mb/adam`): worst gap to synchronous Adam over the 10 settings (5 tasks,
+#   2 rates) -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0 pp at
+#   K=4 and 80.7 at K=8 (2BW: 15.7 at K=8). At K=2, M=1 already held within 0.8 pp.
+# - Momentum SGD, with ONE_UPDATE's Nesterov step (`spectrain+mb+nesterov`): worst gap over
+#   the choice tasks -1.13 pp at K=4 and -15.03 at K=8 (plain spectrain: -55.7, -78.0), held
+#   out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left or not by seed. Closer than
+#   plain spectrain at K=2 too (-0.48 / -7.57 against -3.93 / -62.67), but not advised there:
+#   it doubles the start-up (M=K times the tasks traced), and M=1 already bounds K=2's
+#   predictions to one update.
+MICRO_BATCHES = {"adam": 4, "sgd": 4}
 
 
 def batch_norm_layers(model):
@@ -106,21 +86,32 @@ def family(optimizer):
   return None
 
 
-def advised(method, optimizer, unset):
+def one_update(micro_batches, num_stages):
+  """Whether M micro-batches at K stages bound every 1F1B prediction to one update: M >= K - 1
+  (2BW's m >= d), with micro-batches (M > 1)."""
+  return micro_batches > 1 and micro_batches >= num_stages - 1
+
+
+def advised(method, optimizer, unset, micro_batches=1, num_stages=1):
   """{option: value} for the options in `unset` (left None by the user): the advice for
-  `method` and `optimizer`'s family, the plain defaults otherwise."""
-  table = SPECTRAIN.get(family(optimizer), {}) if method == "spectrain" else {}
+  `method` and `optimizer`'s family (`ONE_UPDATE`'s on top where `one_update`), the plain
+  defaults otherwise."""
+  table = {}
+  if method == "spectrain":
+    table = dict(SPECTRAIN.get(family(optimizer), {}))
+    if one_update(micro_batches, num_stages):
+      table.update(ONE_UPDATE.get(family(optimizer), {}))
   return {name: table.get(name, ADVISABLE[name]) for name in unset}
 
 
-def resolve(policy, micro_batches, optimizer, unset, delayed, given):
+def resolve(policy, micro_batches, num_stages, optimizer, unset, delayed, given):
   """{option: value} for the options in `unset` under `policy` (`tfpipe.plan.policies`) with
-  `micro_batches` and `optimizer`: the advice, each option only where it can act (`delayed`:
+  `micro_batches` at `num_stages` stages and `optimizer`: the advice, each option only where it can act (`delayed`:
   some stage has a delay; an optimizer its rule is written for; a backward that reads the
   forward's weights for delay compensation; not beside an option in `given`, the values
   passed, that excludes it), else its plain value ("exact" version differences with
   micro-batches, whose updates "paper" does not count)."""
-  values = advised(policy.method, optimizer, unset)
+  values = advised(policy.method, optimizer, unset, micro_batches, num_stages)
   if "version_difference" in values and policy.predicts and micro_batches > 1:
     values["version_difference"] = "exact"
   for name in ("spike_compensation", "nesterov", "delay_compensation"):

@@ -68,9 +68,9 @@ class Options:
     self._set_mitigations(spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay)
     self._set_updates(nesterov, delay_compensation)
 
-  def advise(self, optimizer, delayed):
-    """Sets the options left None to what `tfpipe.advice` says for `optimizer` (at compile),
-    each only where it can act (`delayed`: some stage has a delay; an optimizer its rule is
+  def advise(self, optimizer, num_stages, delayed):
+    """Sets the options left None to what `tfpipe.advice` says for `optimizer` at `num_stages`
+    stages (at compile), each only where it can act (`delayed`: some stage has a delay; an optimizer its rule is
     written for; not beside a user's option that excludes it)."""
     self._family = advice.family(optimizer)
     self.advised = ({"micro_batches": self.micro_batches}
@@ -78,8 +78,8 @@ class Options:
     if not self._unset:
       return
     given = {"spike_compensation": self.spike_compensation, "nesterov": self.nesterov}
-    values = advice.resolve(self.policy, self.micro_batches, optimizer, self._unset, delayed,
-                            given)
+    values = advice.resolve(self.policy, self.micro_batches, num_stages, optimizer, self._unset,
+                            delayed, given)
     current = {"version_difference": self.version_difference,
                "spike_compensation": self.spike_compensation, "nesterov": self.nesterov,
                "delay_compensation": self.delay_compensation}
@@ -190,7 +190,7 @@ class Options:
     self.advise_micro_batches(optimizer, num_stages)
     delays = mitigations.delays_for(self.policy.schedule, num_stages, self.micro_batches,
                                     self.policy.virtual_stages)
-    self.advise(optimizer, any(delays))
+    self.advise(optimizer, num_stages, any(delays))
     if self._default_rescheduling:   # pipemare's default: on where its rule is written
       try:
         mitigations.check_optimizer(optimizer, "lr_rescheduling")
@@ -222,10 +222,4 @@ class Options:
       micro += f" (no option advised for {self._family}: tfpipe.advice)"
     elif self._unset and self.method == "spectrain" and not self._advice_done:
       micro += " (options left unset: advised for the optimizer at compile)"
-    other = advice.deeper(self.method, self._family, num_stages,
-                          {"micro_batches": self.micro_batches, "nesterov": self.nesterov,
-                           "spike_compensation": self.spike_compensation})
-    if other:
-      micro += (f"; at {num_stages} stages {other} held closer to synchronous training "
-                f"with {self._family} (tfpipe.advice)")
     return f"tfpipe.Pipeline: method={self.method}, {num_stages} stages{micro}"

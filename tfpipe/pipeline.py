@@ -87,10 +87,12 @@ class Pipeline:
       "zb" and "timeprest" (default 4), and for "vanilla", "pipedream" and
       "spectrain" (default 1), whose stages then accumulate the M gradients
       and update once per mini-batch (SpecTrain needs version_difference="exact").
-      "spectrain" left None with Adam from `tfpipe.advice.MICRO_BATCHES`'s depth
-      on: M = K at `compile` (a prediction then spans at most one update; not
-      with version_difference="paper", nor with BatchNormalization unless
-      batch_statistics="micro_batch"); `summary()` says so.
+      "spectrain" left None with momentum SGD or Adam from
+      `tfpipe.advice.MICRO_BATCHES`'s depth on (4 stages): M = K at `compile` (a
+      prediction then spans at most one update, and momentum SGD also takes
+      nesterov, `advice.ONE_UPDATE`; not with version_difference="paper", nor
+      with BatchNormalization unless batch_statistics="micro_batch");
+      `summary()` says so. micro_batches=1 keeps the paper's rule.
     recompute: keep only stage inputs and recompute the forward before the
       backward (the synchronous methods); None takes the method's rule.
     lockstep: "ddg" and "feature_replay" only: every step ends with a barrier

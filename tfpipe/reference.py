@@ -97,7 +97,12 @@ class _Rule:
         W[j] = (W[j] - W[j] * _f32(self.wd) * self.lr).astype(dtype)
       if self.kind == "spectrain":
         self.V[j] = (self.gamma * self.V[j] + (1.0 - self.gamma) * g).astype(dtype)
-        W[j] = (W[j] - self.lr * (a * self.V[j] + (1.0 - a) * g)).astype(dtype)
+        # W - lr*(a*v + (1-a)*g), summed in the order the stage's update rounds it (the
+        # optimizer's step, then its correction; `mitigations.StageRule.apply`).
+        W[j] = (W[j] - self.lr * self.V[j]).astype(dtype)
+        if a != 1.0:
+          W[j] = (W[j] + (self.lr * np.asarray(1.0 - a, dtype) * (self.V[j] - g)).astype(dtype)
+                  ).astype(dtype)
       elif self.kind == "sgd":
         self.V[j] = (gamma * self.V[j] - self.lr * g).astype(dtype)
         W[j] = (W[j] + a * self.V[j] - self.lr * b * g).astype(dtype)
@@ -172,7 +177,7 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   asked = {"version_difference": version_difference, "spike_compensation": spike_compensation,
            "nesterov": nesterov, "delay_compensation": delay_compensation}
   unset = [n for n, v in asked.items() if v is None]
-  asked.update(advice.resolve(policy, M, rule_optimizer, unset, any(delays), asked))
+  asked.update(advice.resolve(policy, M, K, rule_optimizer, unset, any(delays), asked))
   version_difference, spike_compensation = asked["version_difference"], asked["spike_compensation"]
   nesterov, delay_compensation = asked["nesterov"], asked["delay_compensation"]
   if lr_rescheduling is None:
