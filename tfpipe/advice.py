@@ -92,10 +92,10 @@ def one_update(micro_batches, num_stages):
   return micro_batches > 1 and micro_batches >= num_stages - 1
 
 
-def advised(method, optimizer, unset, micro_batches=1, num_stages=1):
+def advised(method, optimizer, unset, micro_batches, num_stages):
   """{option: value} for the options in `unset` (left None by the user): the advice for
-  `method` and `optimizer`'s family (`ONE_UPDATE`'s on top where `one_update`), the plain
-  defaults otherwise."""
+  `method` and `optimizer`'s family with `micro_batches` at `num_stages` stages (`ONE_UPDATE`'s
+  on top where `one_update`), the plain defaults otherwise."""
   table = {}
   if method == "spectrain":
     table = dict(SPECTRAIN.get(family(optimizer), {}))
@@ -106,10 +106,10 @@ def advised(method, optimizer, unset, micro_batches=1, num_stages=1):
 
 def resolve(policy, micro_batches, num_stages, optimizer, unset, delayed, given):
   """{option: value} for the options in `unset` under `policy` (`tfpipe.plan.policies`) with
-  `micro_batches` at `num_stages` stages and `optimizer`: the advice, each option only where it can act (`delayed`:
-  some stage has a delay; an optimizer its rule is written for; a backward that reads the
-  forward's weights for delay compensation; not beside an option in `given`, the values
-  passed, that excludes it), else its plain value ("exact" version differences with
+  `micro_batches` at `num_stages` stages and `optimizer`: the advice, each option only where
+  it can act (`delayed`: some stage has a delay; an optimizer its rule is written for; a
+  backward that reads the forward's weights for delay compensation; not beside an option in
+  `given`, the values passed, that excludes it), else its plain value ("exact" version differences with
   micro-batches, whose updates "paper" does not count)."""
   values = advised(policy.method, optimizer, unset, micro_batches, num_stages)
   if "version_difference" in values and policy.predicts and micro_batches > 1:

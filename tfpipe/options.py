@@ -70,8 +70,8 @@ class Options:
 
   def advise(self, optimizer, num_stages, delayed):
     """Sets the options left None to what `tfpipe.advice` says for `optimizer` at `num_stages`
-    stages (at compile), each only where it can act (`delayed`: some stage has a delay; an optimizer its rule is
-    written for; not beside a user's option that excludes it)."""
+    stages (at compile), each only where it can act (`delayed`: some stage has a delay; an
+    optimizer its rule is written for; not beside a user's option that excludes it)."""
     self._family = advice.family(optimizer)
     self.advised = ({"micro_batches": self.micro_batches}
                     if self.micro_batches != self._plain_micro_batches else {})
