@@ -94,10 +94,13 @@ def test_embedding_stage_and_recurrent_stages():
 
 
 def test_token_ids_cross_a_cut_in_the_transformer():
-  # The decoder embeds the same tokens: the integer ids travel past the encoder stages.
-  model = _build("transformer")
+  # The decoder embeds the same tokens: the integer ids travel past the encoder's stage. One
+  # block each (the full depth's cut is test_deep_models_...), cut so that stage 1 embeds them.
+  model = models.build("transformer", SHAPES["tokens"], 10, scale=1 / 16, vocab_size=VOCAB,
+                       blocks=1)
   x, y = _data("transformer")
-  pipe, loss, _ = _train(model, x, y, num_stages=3)
+  pipe, loss, _ = _train(model, x, y, num_stages=3, partition=[0, 2, 5, 8])
+  assert pipe.partition.layer_names[1] == ["decoder_tokens", "decoder_positions", "encoder0"]
   crossing = [t for t in pipe.stage_models[1].inputs if "int" in str(t.dtype)]
   assert crossing and np.isfinite(loss)
 
