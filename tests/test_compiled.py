@@ -186,22 +186,28 @@ def test_a_stop_takes_effect_at_the_window_end_and_drains_the_started_batches():
   assert pipe.runtime.updates == [10, 10, 10]
 
 
-def test_a_window_of_stage_calls_runs_as_calls_of_at_most_call_window_batches():
-  # Window of 8 on the call path: traced and run 4 mini-batches at a time (CALL_WINDOW), the
-  # hooks of all 8 after both calls; a stop in batch 5's hook drains as a window of 8 does.
+@pytest.mark.parametrize("method,options,most,updates", [
+    ("pipedream", {}, "CALL_WINDOW", 10),
+    ("spectrain", {"micro_batches": 2}, "CALL_WINDOW_MICRO", 9)])
+def test_a_window_of_stage_calls_runs_as_calls_of_at_most_call_window_batches(method, options,
+                                                                              most, updates):
+  # Window of 8 on the call path: traced and run 4 mini-batches at a time (CALL_WINDOW; 2 with
+  # micro-batches), the hooks of all 8 after the calls; a stop in batch 5's hook drains as a
+  # window of 8 does.
   runs = {}
   x, y = helpers.as_arrays(helpers.batches(24))
   for inline in (False, True):
     stop, model = _StopAt(5), helpers.mlp()
     pipe, compile_ = helpers.pipeline(model, {"executor": "compiled", "steps_per_execution": 8,
-                                              "inline": inline}, num_stages=3, method="pipedream")
+                                              "inline": inline}, num_stages=3, method=method,
+                                      **options)
     compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
     pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[stop])
     sizes = {w.last - w.first + 1 for w in pipe.runtime._plan[1]}   # pylint: disable=protected-access
     runs[inline] = (stop.ends, list(pipe.runtime.updates), model.get_weights(), max(sizes))
-  assert runs[False][3] == tfpipe.runtime.CompiledRuntime.CALL_WINDOW and runs[True][3] == 8
+  assert runs[False][3] == getattr(tfpipe.runtime.CompiledRuntime, most) and runs[True][3] == 8
   assert runs[False][0] == runs[True][0] == list(range(6))
-  assert runs[False][1] == runs[True][1] == [10, 10, 10]
+  assert runs[False][1] == runs[True][1] == [updates] * 3   # the drain's updates too
   for a, b in zip(runs[False][2], runs[True][2]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
