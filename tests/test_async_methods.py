@@ -174,6 +174,7 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
   from tfpipe import advice
   monkeypatch.setitem(advice.SPECTRAIN, "sgd", advice_table)
   monkeypatch.delitem(advice.MICRO_BATCHES, "sgd")   # SPECTRAIN's table alone: M = 1
+  monkeypatch.delitem(advice.ONE_UPDATE, "sgd")
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
                                     method="spectrain", **asked)
   assert "advised for the optimizer at compile" in pipe.summary() or asked
@@ -222,7 +223,9 @@ def _spectrain_sgd():
     (4, _adam, {}, False, 4),                                   # advised: M = K
     (8, _adam, {}, False, 8),
     (2, _adam, {}, False, 1),                                   # below MICRO_BATCHES' depth
-    (2, _spectrain_sgd, {}, False, 1),
+    (2, _spectrain_sgd, {}, False, 1),                          # M=1 bounds K=2's predictions
+    (2, _spectrain_sgd, {"micro_batches": 1}, False, 1),
+    (2, _spectrain_sgd, {"version_difference": "paper"}, False, 1),   # the paper's rule
     (4, _spectrain_sgd, {}, False, 4),                          # momentum SGD: from K=4 on too
     (8, SGD, {}, False, 8),
     (4, _adam, {"micro_batches": 1}, False, 1),                 # a value passed is kept
@@ -251,9 +254,13 @@ def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
   advised = expected > 1 and "micro_batches" not in asked
   assert ("micro_batches" in options.advised) == advised
   # Momentum SGD takes Nesterov's step where M bounds every prediction to one update
-  # (M >= K - 1 > 0), whether M was advised or passed; Adam takes no other option.
-  nesterov = family == "sgd" and expected > 1 and expected >= K - 1
+  # (M >= K - 1 > 0: K=2 with M=1 too), whether M was advised or passed, unless the paper's
+  # version differences were asked for; Adam takes no other option.
+  nesterov = (family == "sgd" and expected >= K - 1
+              and asked.get("version_difference") != "paper")
   assert options.nesterov is nesterov
+  if nesterov and not advised:
+    assert f"{K} stages, nesterov (nesterov advised for sgd: tfpipe.advice)" in line, line
   if advised:
     names = ["micro_batches"] + ([] if "version_difference" in asked else ["version_difference"])
     names = ", ".join(sorted(names + (["nesterov"] if nesterov else [])))

@@ -32,9 +32,11 @@ SPECTRAIN = {
 }
 
 # family -> {option: value} on top of SPECTRAIN's where every prediction spans at most one
-# update (`one_update`: M >= K - 1 micro-batches, as MICRO_BATCHES advises). With momentum SGD,
-# Nesterov's look-ahead there (`spectrain+mb+nesterov`, 3 seeds, both rates) held closer than
-# every other momentum-SGD option at K = 2, 4 and 8 (README, "Accuracy under staleness").
+# update (`one_update`: M >= K - 1 micro-batches, as MICRO_BATCHES advises, or K=2). With
+# momentum SGD, Nesterov's look-ahead there (`spectrain+mb+nesterov`, 3 seeds, both rates) held
+# closer than every other momentum-SGD option at K = 2, 4 and 8; at K=2 with one batch per
+# update (`spectrain+nesterov`) it held closer than plain spectrain on all 10 settings (worst
+# gap -48.8 pp against -62.7; README, "Accuracy under staleness").
 ONE_UPDATE = {"sgd": {"nesterov": True}}
 
 
@@ -51,7 +53,7 @@ ONE_UPDATE = {"sgd": {"nesterov": True}}
 #   out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left or not by seed. Closer than
 #   plain spectrain at K=2 too (-0.48 / -7.57 against -3.93 / -62.67), but not advised there:
 #   it doubles the start-up (M=K times the tasks traced), and M=1 already bounds K=2's
-#   predictions to one update.
+#   predictions to one update (so Nesterov's step is advised there with M=1).
 MICRO_BATCHES = {"adam": 4, "sgd": 4}
 
 
@@ -87,19 +89,20 @@ def family(optimizer):
 
 
 def one_update(micro_batches, num_stages):
-  """Whether M micro-batches at K stages bound every 1F1B prediction to one update: M >= K - 1
-  (2BW's m >= d), with micro-batches (M > 1)."""
-  return micro_batches > 1 and micro_batches >= num_stages - 1
+  """Whether M micro-batches at K > 1 stages bound every 1F1B prediction to one update:
+  M >= K - 1 (2BW's m >= d; at K=2 one batch per update does)."""
+  return num_stages > 1 and micro_batches >= num_stages - 1
 
 
-def advised(method, optimizer, unset, micro_batches, num_stages):
+def advised(method, optimizer, unset, micro_batches, num_stages, paper=False):
   """{option: value} for the options in `unset` (left None by the user): the advice for
   `method` and `optimizer`'s family with `micro_batches` at `num_stages` stages (`ONE_UPDATE`'s
-  on top where `one_update`), the plain defaults otherwise."""
+  on top where `one_update`, unless `paper`: the paper's version differences were asked for),
+  the plain defaults otherwise."""
   table = {}
   if method == "spectrain":
     table = dict(SPECTRAIN.get(family(optimizer), {}))
-    if one_update(micro_batches, num_stages):
+    if one_update(micro_batches, num_stages) and not paper:
       table.update(ONE_UPDATE.get(family(optimizer), {}))
   return {name: table.get(name, ADVISABLE[name]) for name in unset}
 
@@ -109,9 +112,11 @@ def resolve(policy, micro_batches, num_stages, optimizer, unset, delayed, given)
   `micro_batches` at `num_stages` stages and `optimizer`: the advice, each option only where
   it can act (`delayed`: some stage has a delay; an optimizer its rule is written for; a
   backward that reads the forward's weights for delay compensation; not beside an option in
-  `given`, the values passed, that excludes it), else its plain value ("exact" version differences with
-  micro-batches, whose updates "paper" does not count)."""
-  values = advised(policy.method, optimizer, unset, micro_batches, num_stages)
+  `given`, the values passed, that excludes it: version_difference="paper" asks for the paper's
+  rule), else its plain value ("exact" version differences with micro-batches, whose updates
+  "paper" does not count)."""
+  values = advised(policy.method, optimizer, unset, micro_batches, num_stages,
+                   paper=given.get("version_difference") == "paper")
   if "version_difference" in values and policy.predicts and micro_batches > 1:
     values["version_difference"] = "exact"
   for name in ("spike_compensation", "nesterov", "delay_compensation"):

@@ -77,7 +77,9 @@ class Options:
                     if self.micro_batches != self._plain_micro_batches else {})
     if not self._unset:
       return
-    given = {"spike_compensation": self.spike_compensation, "nesterov": self.nesterov}
+    given = {"spike_compensation": self.spike_compensation, "nesterov": self.nesterov,
+             "version_difference": (None if "version_difference" in self._unset
+                                    else self.version_difference)}
     values = advice.resolve(self.policy, self.micro_batches, num_stages, optimizer, self._unset,
                             delayed, given)
     current = {"version_difference": self.version_difference,

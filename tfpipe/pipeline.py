@@ -92,7 +92,9 @@ class Pipeline:
       prediction then spans at most one update, and momentum SGD also takes
       nesterov, `advice.ONE_UPDATE`; not with version_difference="paper", nor
       with BatchNormalization unless batch_statistics="micro_batch");
-      `summary()` says so. micro_batches=1 keeps the paper's rule.
+      `summary()` says so. At K=2 M=1 bounds a prediction to one update too,
+      and momentum SGD takes nesterov there. version_difference="paper" keeps
+      the paper's rule.
     recompute: keep only stage inputs and recompute the forward before the
       backward (the synchronous methods); None takes the method's rule.
     lockstep: "ddg" and "feature_replay" only: every step ends with a barrier

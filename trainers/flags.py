@@ -65,7 +65,9 @@ def define_flags():
                     "max(0, momentum - D/(D+1)) (Mitliagkas et al. 2016)")
   flags.DEFINE_bool("nesterov", None,
                     "asynchronous pipelines: every stage's update looks ahead along its momentum "
-                    "(Nesterov; with --method=pipedream, Ajanthan et al. 2025)")
+                    "(Nesterov; with --method=pipedream, Ajanthan et al. 2025); default: "
+                    "--method=spectrain with momentum SGD takes it where a prediction spans "
+                    "one update (K=2, or micro-batches M >= K-1: tfpipe.advice), others off")
   flags.DEFINE_float("delay_compensation", None,
                      "DC-ASGD's lambda (0: off): move each gradient from the weights its "
                      "forward read to the current ones, g + lambda*g*g*(W - W_read)")
