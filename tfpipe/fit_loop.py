@@ -12,7 +12,7 @@ import time
 import keras
 import numpy as np
 
-from tfpipe import checkpoint as checkpoint_lib, runtime
+from tfpipe import checkpoint as checkpoint_lib, iterators, runtime
 from tfpipe.instruments import breakdown as breakdown_lib, trace
 
 __all__ = ["train", "evaluate", "predict", "choose_window", "restore", "reads_batches",
@@ -80,11 +80,12 @@ def train(pipe, dataset, num_batches, schedule, diffs, cbs, link, epochs, initia
   if tracer:
     tracer.begin(initial_epoch * num_batches)
   hook("on_train_begin")
-  logs = {}
+  logs, iterator = {}, None
   try:
     iterator = _replay_data(dataset, initial_epoch, steps_per_epoch, num_batches)
     for epoch in range(initial_epoch, epochs):
       if steps_per_epoch is None or iterator is None:
+        iterator = iterators.release(iterator)   # the last epoch's, deleted off this thread
         iterator = iter(dataset)
       _reset_metrics(pipe)
       if profiled and options.trace_steps is not None:   # its profile of the traced epochs
@@ -128,6 +129,7 @@ def train(pipe, dataset, num_batches, schedule, diffs, cbs, link, epochs, initia
       if pipe.model.stop_training:
         break
   finally:
+    iterator = iterators.release(iterator)
     if tracer:
       tracer.end()
   _finalize_weights(pipe)
@@ -200,7 +202,7 @@ def _replay_data(dataset, epochs_done, steps_per_epoch, num_batches):
     return None
   if steps_per_epoch is None:
     for _ in range(epochs_done):
-      iter(dataset)
+      iterators.release(iter(dataset))
     return None
   iterator = iter(dataset)
   for _ in range(epochs_done * num_batches):
@@ -212,10 +214,14 @@ def evaluate(pipe, dataset, num_batches, cbs, prefix=""):
   """Loss and metrics over `dataset`, with the `on_test_*` hooks (validation, evaluate)."""
   _reset_metrics(pipe)
   cbs.on_test_begin()
-  pipe.runtime.infer_epoch(
-      iter(dataset), num_batches,
-      lambda b, logs: cbs.on_test_batch_end(b, {k: float(v) for k, v in logs.items()}),
-      with_labels=True, before=cbs.on_test_batch_begin)
+  iterator = iter(dataset)
+  try:
+    pipe.runtime.infer_epoch(
+        iterator, num_batches,
+        lambda b, logs: cbs.on_test_batch_end(b, {k: float(v) for k, v in logs.items()}),
+        with_labels=True, before=cbs.on_test_batch_begin)
+  finally:
+    iterator = iterators.release(iterator)
   logs = _metric_logs(pipe)
   cbs.on_test_end(logs)
   return {prefix + k: v for k, v in logs.items()}
@@ -231,8 +237,12 @@ def predict(pipe, dataset, num_batches, cbs):
     outputs[b] = ys[0].numpy()
     cbs.on_predict_batch_end(b, {"outputs": outputs[b]})
 
-  pipe.runtime.infer_epoch(iter(dataset), num_batches, on_result, with_labels=False,
-                           before=cbs.on_predict_batch_begin)
+  iterator = iter(dataset)
+  try:
+    pipe.runtime.infer_epoch(iterator, num_batches, on_result, with_labels=False,
+                             before=cbs.on_predict_batch_begin)
+  finally:
+    iterator = iterators.release(iterator)
   cbs.on_predict_end()
   return np.concatenate([outputs[b] for b in range(num_batches)], axis=0)
 

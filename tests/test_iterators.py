@@ -1,0 +1,63 @@
+"""Dataset iterators are deleted off the caller's thread, once the caller lets them go."""
+
+import threading
+
+import keras
+import pytest
+import tensorflow as tf
+
+from tests import helpers
+from tfpipe import iterators
+
+
+class _Probe:
+  """Records the thread that deletes it."""
+
+  def __init__(self):
+    self.deleted = threading.Event()
+    self.where = []
+
+  def __del__(self):
+    self.where.append(threading.current_thread().name)
+    self.deleted.set()
+
+
+def test_release_deletes_on_its_own_thread_once_the_caller_lets_go():
+  probe = _Probe()
+  deleted, where = probe.deleted, probe.where
+  probe = iterators.release(probe)
+  assert probe is None
+  assert deleted.wait(5.0) and where == ["tfpipe-iterator-release"]
+  # A reference the caller still holds keeps it alive; it goes on the releasing thread after.
+  kept = _Probe()
+  deleted, where = kept.deleted, kept.where
+  iterators.release(kept)
+  assert not deleted.wait(0.3)
+  del kept
+  assert deleted.wait(5.0) and where == ["tfpipe-iterator-release"]
+  assert iterators.release(None) is None
+
+
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+def test_fit_evaluate_and_predict_release_every_iterator_they_read(monkeypatch, runtime):
+  released = []
+  original = iterators.release
+
+  def recording(iterator):
+    if iterator is not None:
+      released.append(type(iterator).__name__)
+    return original(iterator)
+
+  monkeypatch.setattr(iterators, "release", recording)
+  x, y = helpers.as_arrays(helpers.batches(4))
+  pipe, compile_ = helpers.pipeline(helpers.mlp(), runtime, num_stages=2, method="pipedream")
+  compile_(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True))
+  pipe.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), verbose=0)
+  # One per epoch, one per validation.
+  assert released == ["OwnedIterator"] * 4
+  pipe.evaluate(x, y, batch_size=16, verbose=0)
+  pipe.predict(x, batch_size=16, verbose=0)
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+  pipe.fit(dataset, epochs=1, verbose=0)   # the user's dataset too, its options unchanged
+  assert released == ["OwnedIterator"] * 7

@@ -1,0 +1,39 @@
+"""Dataset iterators deleted off the caller's thread.
+
+Deleting a tf.data iterator joins its autotuning thread, whose sleep the deletion does not
+cut short. Measured (8 x Dense(256), K=4, 8 mini-batches, the first `fit`): in 3 of 5 runs
+deleting the epoch's iterator took 8.3-9.2 s, each ending about 20.6 s after the fit began
+(10 ms + 20 ms + ... + 10.24 s: optimisation periods that double), and `fit` returned that
+much later (20.6 s against 12-13 s); with autotuning off, 0.0 s in 4 of 4. The wait holds no
+GIL, so `release` hands an iterator to a daemon thread that deletes it there, once nothing
+else holds it; a user's dataset keeps its options."""
+
+import sys
+import threading
+import time
+
+__all__ = ["release"]
+
+# Seconds the deleting thread waits for the caller's own references to go; past it, it drops
+# its reference and the iterator is deleted wherever the last one goes (as without it).
+WAIT = 2.0
+
+
+def release(iterator):
+  """Hands `iterator` (or None) to a daemon thread of its own, which deletes it once the
+  caller's references are gone; returns None, for `iterator = release(iterator)`."""
+  if iterator is not None:
+    box = [iterator]
+    del iterator
+    threading.Thread(target=_delete, args=(box,), name="tfpipe-iterator-release",
+                     daemon=True).start()
+  return None
+
+
+def _delete(box):
+  item = box.pop()
+  deadline = time.monotonic() + WAIT
+  # 2: `item` and getrefcount's argument; more while the caller still holds it.
+  while sys.getrefcount(item) > 2 and time.monotonic() < deadline:
+    time.sleep(0.005)
+  del item
