@@ -60,6 +60,9 @@ def test_quickstart_config_runs_end_to_end(tmp_path):
   assert "epoch 1/1:" in result.stdout and "val_accuracy" in result.stdout
   assert "samples/s=" in result.stdout
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "spectrain"))
+  # The summary is printed after compile: it names what was advised for the optimizer.
+  assert ("method=spectrain, 2 stages, nesterov (nesterov advised for sgd: tfpipe.advice)"
+          in result.stdout)
 
 
 def test_missing_dataset_offline_is_a_clear_message():

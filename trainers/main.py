@@ -198,8 +198,6 @@ def _train(config, tools, spec=None):
     trainer = tfpipe.create(model, config.method, devices=config.devices,
                             num_stages=None if config.devices else _num_stages(config),
                             **_method_options(config, tools))
-  if config.verbose:
-    print(trainer.summary(), flush=True)
   window = {}
   if isinstance(trainer, tfpipe.Pipeline):
     window = dict(steps_per_execution=config.steps_per_execution if
@@ -208,6 +206,9 @@ def _train(config, tools, spec=None):
       optimizer=make_optimizer(config),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
       **window)
+  if config.verbose:
+    # After compile: the options advised for the optimizer (tfpipe.advice) are then known.
+    print(trainer.summary(), flush=True)
   if config.method == "asgd":
     train, fit_options = data.train, dict(batch_size=config.batch_size, seed=config.seed)
   else:
