@@ -47,7 +47,8 @@ ONE_UPDATE = {"sgd": {"nesterov": True}}
 # K-1 (7 at K=8). bench/staleness.py, 3 seeds, both rates, README "Accuracy under staleness":
 # - Adam (`spectrain+mb/adam`): worst gap to synchronous Adam over the 10 settings (5 tasks,
 #   2 rates) -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0 pp at
-#   K=4 and 80.7 at K=8 (2BW: 15.7 at K=8). At K=2, M=1 already held within 0.8 pp.
+#   K=4 and 80.7 at K=8 (2BW: 15.7 at K=8). At K=2, M=1 already held within 0.8 pp (M=2:
+#   -0.24 on the choice tasks but -0.82 held out, against M=1's -0.78 and -0.72).
 # - Momentum SGD, with ONE_UPDATE's Nesterov step (`spectrain+mb+nesterov`): worst gap over
 #   the choice tasks -1.13 pp at K=4 and -15.03 at K=8 (plain spectrain: -55.7, -78.0), held
 #   out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left or not by seed. Closer than
