@@ -22,7 +22,8 @@ class _Probe:
     self.deleted.set()
 
 
-def test_release_deletes_on_its_own_thread_once_the_caller_lets_go():
+def test_release_deletes_on_its_own_thread_once_the_caller_lets_go(monkeypatch):
+  monkeypatch.setattr(iterators, "WAIT", 60.0)   # a slow machine outwaits no caller here
   probe = _Probe()
   deleted, where = probe.deleted, probe.where
   probe = iterators.release(probe)
