@@ -28,14 +28,14 @@ def test_release_deletes_on_its_own_thread_once_the_caller_lets_go(monkeypatch):
   deleted, where = probe.deleted, probe.where
   probe = iterators.release(probe)
   assert probe is None
-  assert deleted.wait(5.0) and where == ["tfpipe-iterator-release"]
+  assert deleted.wait(5.0) and where == [iterators.THREAD_NAME]
   # A reference the caller still holds keeps it alive; it goes on the releasing thread after.
   kept = _Probe()
   deleted, where = kept.deleted, kept.where
   iterators.release(kept)
   assert not deleted.wait(0.3)
   del kept
-  assert deleted.wait(5.0) and where == ["tfpipe-iterator-release"]
+  assert deleted.wait(5.0) and where == [iterators.THREAD_NAME]
   assert iterators.release(None) is None
 
 

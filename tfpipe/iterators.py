@@ -12,11 +12,13 @@ import sys
 import threading
 import time
 
-__all__ = ["release"]
+__all__ = ["release", "THREAD_NAME"]
 
 # Seconds the deleting thread waits for the caller's own references to go; past it, it drops
 # its reference and the iterator is deleted wherever the last one goes (as without it).
 WAIT = 2.0
+# The deleting threads' name: they end once their iterator is deleted, which may outlast a fit.
+THREAD_NAME = "tfpipe-iterator-release"
 
 
 def release(iterator):
@@ -25,8 +27,7 @@ def release(iterator):
   if iterator is not None:
     box = [iterator]
     del iterator
-    threading.Thread(target=_delete, args=(box,), name="tfpipe-iterator-release",
-                     daemon=True).start()
+    threading.Thread(target=_delete, args=(box,), name=THREAD_NAME, daemon=True).start()
   return None
 
 
