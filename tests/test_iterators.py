@@ -62,3 +62,15 @@ def test_fit_evaluate_and_predict_release_every_iterator_they_read(monkeypatch, 
   dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
   pipe.fit(dataset, epochs=1, verbose=0)   # the user's dataset too, its options unchanged
   assert released == ["OwnedIterator"] * 7
+
+
+def test_wait_returns_once_every_released_iterator_is_deleted(monkeypatch):
+  monkeypatch.setattr(iterators, "WAIT", 60.0)
+  kept = _Probe()
+  deleted = kept.deleted
+  iterators.release(kept)
+  iterators.wait(timeout=0.2)   # bounded: the caller still holds it
+  assert not deleted.is_set()
+  del kept
+  iterators.wait()
+  assert deleted.is_set()

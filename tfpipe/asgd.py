@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib
+from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib, iterators
 
 __all__ = ["ASGD"]
 
@@ -55,6 +55,7 @@ class ASGD:
     cluster_lib.check_answering({job: a for job, a in self.spec.items() if job != "chief"})
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(self.spec), task_type="chief", task_id=0, rpc_layer="grpc")
+    iterators.wait()   # no dataset iterator is deleted while the context is reset
     self.strategy = tf.distribute.ParameterServerStrategy(resolver)
     cluster_lib._CONNECTED["spec"] = self.spec  # pylint: disable=protected-access
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)

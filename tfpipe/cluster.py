@@ -30,7 +30,7 @@ import warnings
 
 import tensorflow as tf
 
-from tfpipe import bind, liveness
+from tfpipe import bind, iterators, liveness
 
 __all__ = ["WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec",
            "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
@@ -299,6 +299,7 @@ def connect(spec, timeout=5.0):
   """Connects this program to the cluster `spec` (remote devices become usable), once every
   task answers (`check_answering`, within `timeout` seconds)."""
   check_answering(spec, timeout)
+  iterators.wait()   # no dataset iterator is deleted while the context is reset
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
       tf.train.ClusterSpec(spec), rpc_layer="grpc")
   tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)

@@ -12,13 +12,15 @@ import sys
 import threading
 import time
 
-__all__ = ["release", "THREAD_NAME"]
+__all__ = ["release", "wait", "THREAD_NAME"]
 
 # Seconds the deleting thread waits for the caller's own references to go; past it, it drops
 # its reference and the iterator is deleted wherever the last one goes (as without it).
 WAIT = 2.0
 # The deleting threads' name: they end once their iterator is deleted, which may outlast a fit.
 THREAD_NAME = "tfpipe-iterator-release"
+
+_THREADS = []   # the deleting threads started, until `wait` finds them ended
 
 
 def release(iterator):
@@ -27,8 +29,20 @@ def release(iterator):
   if iterator is not None:
     box = [iterator]
     del iterator
-    threading.Thread(target=_delete, args=(box,), name=THREAD_NAME, daemon=True).start()
+    thread = threading.Thread(target=_delete, args=(box,), name=THREAD_NAME, daemon=True)
+    thread.start()
+    _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
   return None
+
+
+def wait(timeout=60.0):
+  """Waits (at most `timeout` seconds in all) until every iterator released so far is deleted:
+  before this program connects to a cluster, which resets TensorFlow's eager context under
+  any deletion still running."""
+  deadline = time.monotonic() + timeout
+  for thread in list(_THREADS):
+    thread.join(max(0.0, deadline - time.monotonic()))
+  _THREADS[:] = [t for t in _THREADS if t.is_alive()]
 
 
 def _delete(box):

@@ -23,7 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib, liveness
+from tfpipe import cluster as cluster_lib, compile_utils, data, epochs as epochs_lib, iterators
+from tfpipe import liveness
 
 __all__ = ["make_strategy", "MultiWorkerDataParallel"]
 
@@ -44,6 +45,7 @@ def make_strategy(timeout=120.0):
     if peers:
       subprocess.Popen([sys.executable, liveness.__file__, json.dumps(peers), str(timeout),
                         str(os.getpid())])
+    iterators.wait()   # no dataset iterator is deleted while the context is reset
     _STRATEGY["strategy"] = tf.distribute.MultiWorkerMirroredStrategy()
   return _STRATEGY["strategy"]
 
