@@ -60,7 +60,7 @@ def test_fit_evaluate_and_predict_release_every_iterator_they_read(monkeypatch, 
   pipe.evaluate(x, y, batch_size=16, verbose=0)
   pipe.predict(x, batch_size=16, verbose=0)
   dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-  pipe.fit(dataset, epochs=1, verbose=0)   # the user's dataset too, its options unchanged
+  pipe.fit(dataset, epochs=1, verbose=0)   # the user's dataset too
   assert released == ["OwnedIterator"] * 7
 
 
