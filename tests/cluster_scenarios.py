@@ -125,8 +125,25 @@ def hung(local):
   return {"error": error, "seconds": time.time() - stopper.when}
 
 
+class _OutlivePeer(keras.callbacks.Callback):
+  """Ends training only after the peer at `address` has exited, and 3 s more (the watchdog's
+  interval + misses * timeout): a worker slower than its peer after the last step."""
+
+  def __init__(self, address):
+    super().__init__()
+    self.address = address
+
+  def on_train_end(self, logs=None):
+    from tfpipe import liveness
+    deadline = time.monotonic() + 120
+    while liveness.probe(self.address) != "refused" and time.monotonic() < deadline:
+      time.sleep(0.2)
+    time.sleep(3.0)
+
+
 def mwms(addresses, index):
-  """One worker of MultiWorkerMirroredStrategy data parallelism (TF_CONFIG set here)."""
+  """One worker of MultiWorkerMirroredStrategy data parallelism (TF_CONFIG set here); worker 0
+  ends its training only after worker 1 has exited."""
   os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses.split(",")},
                                         "task": {"type": "worker", "index": int(index)}})
   from tfpipe import multi_worker
@@ -136,7 +153,8 @@ def mwms(addresses, index):
   trainer = multi_worker.MultiWorkerDataParallel(model, strategy)
   trainer.compile(keras.optimizers.SGD(0.05, momentum=0.9),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  history = trainer.fit(x, y, batch_size=16, epochs=2)
+  slow = [_OutlivePeer(addresses.split(",")[1])] if int(index) == 0 else []
+  history = trainer.fit(x, y, batch_size=16, epochs=2, callbacks=slow)
   # The same training on this process's one device, for comparison.
   single = helpers.sequential_mlp(width=16, depth=3)
   single.compile(keras.optimizers.SGD(0.05, momentum=0.9),

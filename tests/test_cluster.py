@@ -161,11 +161,11 @@ def test_multi_worker_mirrored_data_parallelism_across_two_processes():
   workers = [subprocess.Popen([sys.executable, "-m", "tests.cluster_scenarios", "mwms", addresses,
                                str(i)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for i in range(2)]
-  results = []
-  for worker in workers:
-    out, err = worker.communicate(timeout=300)
-    assert worker.returncode == 0, err[-3000:]
-    results.append(json.loads(out.strip().splitlines()[-1]))
+  ends = [worker.communicate(timeout=300) for worker in workers]
+  # Worker 0 ends its training only after worker 1 has exited (`cluster_scenarios.mwms`).
+  assert [worker.returncode for worker in workers] == [0, 0], "\n".join(
+      f"worker {i}: {err[-2000:]}" for i, (_, err) in enumerate(ends))
+  results = [json.loads(out.strip().splitlines()[-1]) for out, _ in ends]
   assert [r["workers"] for r in results] == [2, 2]
   assert results[0]["loss"] == results[1]["loss"]            # one synchronous training
   assert results[0]["checksum"] == results[1]["checksum"]

@@ -74,3 +74,20 @@ def test_wait_returns_once_every_released_iterator_is_deleted(monkeypatch):
   del kept
   iterators.wait()
   assert deleted.is_set()
+
+
+def test_the_program_exits_only_once_a_released_iterator_is_deleted():
+  # A deletion still running when Python finalised would be cut off (in TensorFlow's C++, an
+  # abort): the process waits for it, here a slow deletion released just before the end.
+  from tests import zygote
+  code = ("import time\n"
+          "from tfpipe import iterators\n"
+          "class Slow:\n"
+          "  def __del__(self):\n"
+          "    time.sleep(1.0)\n"
+          "    print('deleted', flush=True)\n"
+          "iterators.release(Slow())\n"
+          "print('main ends', flush=True)\n")
+  result = zygote.run(["-c", code])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split() == ["main", "ends", "deleted"]

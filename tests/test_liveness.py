@@ -132,6 +132,19 @@ def test_the_watchdog_names_a_task_that_stops_answering_within_seconds(servers):
   assert dog.lost == seen[0]
 
 
+def test_a_stopped_watchdog_gives_no_verdict_on_a_task_that_ends_after_it(servers):
+  # A data-parallel worker stops its watch after its last collective: a peer may then exit.
+  going = servers()
+  seen = []
+  with liveness.Watchdog([("worker", 1, going.address)], seen.append, interval=0.2,
+                         timeout=0.5, misses=2) as dog:
+    time.sleep(0.5)
+    dog.stop()
+    going.answering = False
+    time.sleep(2.0)                     # past interval + misses x timeout
+  assert seen == [] and dog.lost is None
+
+
 def test_a_watchdog_without_tasks_starts_no_thread():
   with liveness.Watchdog([], lambda lost: None) as dog:
     assert dog._thread is None   # pylint: disable=protected-access

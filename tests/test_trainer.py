@@ -439,11 +439,10 @@ def _dataparallel_workers(epochs, count=2, wait=120):
 @_PROCESSES
 def test_dataparallel_across_two_trainer_processes():
   _, runs = _dataparallel_workers(epochs=2)
-  outputs = []
-  for run in runs:
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err[-3000:]
-    outputs.append(out)
+  ends = [run.communicate(timeout=300) for run in runs]
+  assert [run.returncode for run in runs] == [0, 0], "\n".join(
+      f"worker {i}: {err[-2000:]}" for i, (_, err) in enumerate(ends))
+  outputs = [out for out, _ in ends]
   assert "MultiWorkerMirroredStrategy over 2 worker processes" in outputs[0]
   losses = [[l.split("loss=")[1].split()[0] for l in out.splitlines() if l.startswith("epoch ")]
             for out in outputs]

@@ -39,3 +39,11 @@ def test_a_child_past_its_timeout_is_killed():
     zygote.run(["-c", "import time; print('started', flush=True); time.sleep(60)"], timeout=1)
   assert time.monotonic() - start < 30
   assert zygote.run(["-c", "print('next')"]).stdout == "next\n"   # the zygote serves on
+
+
+def test_a_child_exits_once_its_threads_that_are_not_daemons_end():
+  code = ("import threading, time\n"
+          "threading.Thread(target=lambda: (time.sleep(0.5), print('thread', flush=True)))"
+          ".start()\n"
+          "print('main', flush=True)\n")
+  assert zygote.run(["-c", code]).stdout.split() == ["main", "thread"]

@@ -409,7 +409,8 @@ def guard(devices, interval=None, timeout=None, misses=None):
 @contextlib.contextmanager
 def watch(tasks, interval=1.0, timeout=2.0, misses=2):
   """`guard` over `tasks` [(job, task, address)] of any cluster (e.g. the peers of a
-  MultiWorkerMirroredStrategy worker)."""
+  MultiWorkerMirroredStrategy worker); yields the `liveness.Watchdog`, whose `stop` ends
+  the watch early (once no remote call can wait on the tasks any more)."""
   def on_lost(lost):
     for job, task, _, state in lost:
       _VERDICTS[(job, task)] = state
@@ -424,8 +425,8 @@ def watch(tasks, interval=1.0, timeout=2.0, misses=2):
           f"{EXIT_LOST}", file=sys.stderr, flush=True)
     os._exit(EXIT_LOST)
 
-  with liveness.Watchdog(tasks, on_lost, interval, timeout, misses):
-    yield
+  with liveness.Watchdog(tasks, on_lost, interval, timeout, misses) as watchdog:
+    yield watchdog
 
 
 def _watch_parent(parent):

@@ -5,8 +5,11 @@ cut short. Measured (8 x Dense(256), K=4, 8 mini-batches, the first `fit`): in 3
 deleting the epoch's iterator took 8.3-9.2 s, each ending about 20.6 s after the fit began
 (10 ms + 20 ms + ... + 10.24 s: optimisation periods that double), and `fit` returned that
 much later (20.6 s against 12-13 s); with autotuning off, 0.0 s in 4 of 4. The wait holds no
-GIL, so `release` hands an iterator to a daemon thread that deletes it there, once nothing
-else holds it; a user's dataset keeps its options."""
+GIL, so `release` hands an iterator to a thread that deletes it there, once nothing else
+holds it; a user's dataset keeps its options. The thread is not a daemon: Python's exit waits
+for it (a daemon thread still inside TensorFlow's deletion when Python finalises is unwound
+through C++ frames that do not rethrow, and the process aborts: measured, a
+MultiWorkerMirroredStrategy worker exiting right after `fit`)."""
 
 import sys
 import threading
@@ -24,12 +27,12 @@ _THREADS = []   # the deleting threads started, until `wait` finds them ended
 
 
 def release(iterator):
-  """Hands `iterator` (or None) to a daemon thread of its own, which deletes it once the
+  """Hands `iterator` (or None) to a thread of its own, which deletes it once the
   caller's references are gone; returns None, for `iterator = release(iterator)`."""
   if iterator is not None:
     box = [iterator]
     del iterator
-    thread = threading.Thread(target=_delete, args=(box,), name=THREAD_NAME, daemon=True)
+    thread = threading.Thread(target=_delete, args=(box,), name=THREAD_NAME, daemon=False)
     thread.start()
     _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
   return None

@@ -81,13 +81,15 @@ def probe_all(tasks, timeout=2.0):
 class Watchdog:
   """Probes `tasks` [(job, task, address)] every `interval` seconds while running (a context
   manager); `on_lost([(job, task, address, state)])` once, after `misses` probes in a row
-  without an answer from any of them (each probe waits `timeout` seconds)."""
+  without an answer from any of them (each probe waits `timeout` seconds), unless `stop` came
+  first."""
 
   def __init__(self, tasks, on_lost, interval=1.0, timeout=2.0, misses=2):
     self.tasks, self.on_lost = list(tasks), on_lost
     self.interval, self.timeout, self.misses = interval, timeout, misses
     self.lost = None
     self._stop = threading.Event()
+    self._verdict = threading.Lock()   # held while `on_lost` runs: `stop` waits for it
     self._thread = None
 
   def __enter__(self):
@@ -97,9 +99,15 @@ class Watchdog:
     return self
 
   def __exit__(self, *exc):
-    self._stop.set()
+    self.stop()
     if self._thread is not None:
       self._thread.join()
+
+  def stop(self):
+    """No verdict from now on (a task may end now: nothing waits on it any more); returns at
+    once, or once an `on_lost` already running has returned."""
+    with self._verdict:
+      self._stop.set()
 
   def _run(self):
     missed = {}
@@ -112,8 +120,10 @@ class Watchdog:
       lost = [(job, task, address, states[(job, task)]) for job, task, address in self.tasks
               if missed[(job, task)] >= self.misses]
       if lost:
-        self.lost = lost
-        self.on_lost(lost)
+        with self._verdict:
+          if not self._stop.is_set():
+            self.lost = lost
+            self.on_lost(lost)
         return
 
 

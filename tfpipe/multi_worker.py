@@ -110,16 +110,25 @@ class MultiWorkerDataParallel:
       return (self.strategy.reduce("sum", loss, axis=None),
               self.strategy.reduce("mean", size, axis=None))  # the same on every replica
 
+    ended = []   # one entry per epoch trained
+
     def train_epoch(cbs):
       losses, samples = [], 0
-      for b, batch in enumerate(self._slices(dataset.take(num_batches))):
+      iterator = iter(self._slices(dataset.take(num_batches)))
+      for b, batch in enumerate(iterator):
         loss, size = step(batch)
         losses.append(float(loss))
         samples += int(size)
         cbs.on_train_batch_end(b, {"loss": float(np.mean(losses))})
+      ended.append(True)
+      if len(ended) == epochs:
+        # The last collective is done: a peer that finishes first may now exit, while this
+        # worker ends its epoch (callbacks, deleting the iterator) as slowly as it may.
+        watchdog.stop()
+      iterator = iterators.release(iterator)
       return losses, samples
 
-    with cluster_lib.watch(_peers()):   # a hung peer would stall every all-reduce forever
+    with cluster_lib.watch(_peers()) as watchdog:   # a hung peer would stall every all-reduce
       return epochs_lib.run_epochs(self.model, self._trained, epochs, num_batches, callbacks,
                                    verbose, train_epoch)
 
