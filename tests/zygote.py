@@ -96,11 +96,12 @@ def _child(request):
   except BaseException:   # noqa: B036 -- as the interpreter does: the traceback, exit 1
     traceback.print_exc()
     code = 1
-  # As Python's exit: wait for the threads that are not daemons (not its atexit handlers,
-  # which the zygote's imports registered for the zygote).
+  # As Python's exit: wait for the threads that are not daemons, then run the atexit
+  # handlers (those the zygote's imports registered, as a fresh program's imports would).
   for thread in threading.enumerate():
     if thread is not threading.current_thread() and not thread.daemon:
       thread.join()
+  atexit._run_exitfuncs()   # pylint: disable=protected-access
   import logging
   logging.shutdown()
   sys.stdout.flush()

@@ -6,20 +6,23 @@ deleting the epoch's iterator took 8.3-9.2 s, each ending about 20.6 s after the
 (10 ms + 20 ms + ... + 10.24 s: optimisation periods that double), and `fit` returned that
 much later (20.6 s against 12-13 s); with autotuning off, 0.0 s in 4 of 4. The wait holds no
 GIL, so `release` hands an iterator to a thread that deletes it there, once nothing else
-holds it; a user's dataset keeps its options. The thread is not a daemon: Python's exit waits
-for it (a daemon thread still inside TensorFlow's deletion when Python finalises is unwound
-through C++ frames that do not rethrow, and the process aborts: measured, a
-MultiWorkerMirroredStrategy worker exiting right after `fit`)."""
+holds it; a user's dataset keeps its options. Python's exit waits for those threads, at most
+EXIT_WAIT seconds (an `atexit` handler): a thread still inside TensorFlow's deletion when
+Python finalises is unwound through C++ frames that do not rethrow, and the process aborts
+(measured: a MultiWorkerMirroredStrategy worker exiting right after `fit`)."""
 
+import atexit
 import sys
 import threading
 import time
 
-__all__ = ["release", "wait", "THREAD_NAME"]
+__all__ = ["release", "wait", "THREAD_NAME", "EXIT_WAIT"]
 
 # Seconds the deleting thread waits for the caller's own references to go; past it, it drops
 # its reference and the iterator is deleted wherever the last one goes (as without it).
 WAIT = 2.0
+# Seconds Python's exit waits for deletions still running (past it, the process may abort).
+EXIT_WAIT = 60.0
 # The deleting threads' name: they end once their iterator is deleted, which may outlast a fit.
 THREAD_NAME = "tfpipe-iterator-release"
 
@@ -27,12 +30,12 @@ _THREADS = []   # the deleting threads started, until `wait` finds them ended
 
 
 def release(iterator):
-  """Hands `iterator` (or None) to a thread of its own, which deletes it once the
+  """Hands `iterator` (or None) to a daemon thread of its own, which deletes it once the
   caller's references are gone; returns None, for `iterator = release(iterator)`."""
   if iterator is not None:
     box = [iterator]
     del iterator
-    thread = threading.Thread(target=_delete, args=(box,), name=THREAD_NAME, daemon=False)
+    thread = threading.Thread(target=_delete, args=(box,), name=THREAD_NAME, daemon=True)
     thread.start()
     _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
   return None
@@ -55,3 +58,9 @@ def _delete(box):
   while sys.getrefcount(item) > 2 and time.monotonic() < deadline:
     time.sleep(0.005)
   del item
+
+
+@atexit.register
+def _wait_at_exit():
+  """Python's exit waits for the deletions still running (at most EXIT_WAIT seconds)."""
+  wait(EXIT_WAIT)
