@@ -140,7 +140,7 @@ def test_a_stopped_watchdog_gives_no_verdict_on_a_task_that_ends_after_it(server
                          timeout=0.5, misses=2) as dog:
     time.sleep(0.5)
     dog.stop()
-    going.answering = False
+    going.close()                       # the peer exits: nothing listens there
     time.sleep(2.0)                     # past interval + misses x timeout
   assert seen == [] and dog.lost is None
 
