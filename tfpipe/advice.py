@@ -51,10 +51,11 @@ ONE_UPDATE = {"sgd": {"nesterov": True}}
 #   -0.24 on the choice tasks but -0.82 held out, against M=1's -0.78 and -0.72).
 # - Momentum SGD, with ONE_UPDATE's Nesterov step (`spectrain+mb+nesterov`): worst gap over
 #   the choice tasks -1.13 pp at K=4 and -15.03 at K=8 (plain spectrain: -55.7, -78.0), held
-#   out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left or not by seed. Closer than
-#   plain spectrain at K=2 too (-0.48 / -7.57 against -3.93 / -62.67), but not advised there:
-#   it doubles the start-up (M=K times the tasks traced), and M=1 already bounds K=2's
-#   predictions to one update (so Nesterov's step is advised there with M=1).
+#   out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left later on every seed (6
+#   seeds on counting at K=4). Closer than plain spectrain at K=2 too (-0.48 / -7.57
+#   against -3.93 / -62.67), but not advised there: it doubles the start-up (M=K times the
+#   tasks traced), and M=1 already bounds K=2's predictions to one update (so Nesterov's step
+#   is advised there with M=1).
 MICRO_BATCHES = {"adam": 4, "sgd": 4}
 
 
