@@ -91,6 +91,14 @@ OPTIONS = {
                      "spectrain"),
     "spectrain+mb+nesterov": ("spectrain", {"micro_batches": STAGES, "nesterov": True,
                                             "version_difference": "exact"}, "spectrain"),
+    # Local accumulation as the bound on version drift (PACI, arXiv 2606.07881, as its
+    # abstract states it: neither stashed nor predicted weights, one update per mini-batch of
+    # M = K micro-batches, so a micro-batch's forward and backward cross at most one update).
+    # Nesterov's look-ahead with Adam (`tfpipe.mitigations`; 2505.01099's code runs NAdam).
+    "spectrain+mb+nesterov/adam": ("spectrain", {"micro_batches": STAGES, "nesterov": True,
+                                                 "version_difference": "exact"}, "adam"),
+    "vanilla+mb": ("vanilla", {"micro_batches": STAGES}, "spectrain"),
+    "vanilla+mb/adam": ("vanilla", {"micro_batches": STAGES}, "adam"),
 }
 BASELINES = ("single", "dataparallel", "dataparallel/adam", "single/adam")
 # task: (model, its trainer options, SpecTrain-form SGD learning rates, Adam learning rates).

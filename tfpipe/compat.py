@@ -4,9 +4,9 @@ tfpipe takes the train step's semantics from Keras's own machinery: the loss
 and metric containers `keras.Model.compile` builds (`CompileLoss`,
 `CompileMetrics`: names, weighting, reduction, "accuracy" resolved from the
 labels' shape), the optimizer state that `get_config` does not carry
-(`exclude_from_weight_decay`, the update count, a variable's slot index), and
-the model's metric list that callbacks read. From TensorFlow: the call options
-of function calls (the compiled executor's unoptimised window graph), the
+(`exclude_from_weight_decay`, the update count, a variable's slot index, Adam's
+moment slots), and the model's metric list that callbacks read. From TensorFlow:
+the call options of function calls (the compiled executor's unoptimised window graph), the
 placeholders a traced function feeds at each call (the window groups' carry), the
 call-op attribute that skips shape inference through a callee's body (done
 once per callee and input signature instead), the
@@ -33,8 +33,8 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls",
            "light_calls",
            "calls_inferred_once", "NOT_INLINED", "call_time_value",
-           "is_derived", "variable_index", "uses_weight_decay", "update_count", "set_update_count",
-           "learning_rate_value", "model_metrics", "profile_trace_events", "per_replica",
+           "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
+           "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events", "per_replica",
            "runtime_started"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
@@ -51,6 +51,9 @@ MetricsList = _compile_utils.MetricsList
 # Optimizer attributes that `exclude_from_weight_decay` sets and `get_config` leaves out.
 _EXCLUDED_VARIABLES = "_exclude_from_weight_decay"
 _EXCLUDED_PATTERN = "_exclude_from_weight_decay_pattern"
+
+# Adam's first and second moment slots, one per variable (`variable_index`).
+_ADAM_MOMENTS = ("_momentums", "_velocities")
 
 # The train-step methods of keras.Model a subclass may override (tfpipe runs its own step).
 _STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
@@ -74,6 +77,8 @@ def missing():
   probe.exclude_from_weight_decay(var_names=["probe"])
   gone += [f"Optimizer.{a}" for a in (_EXCLUDED_VARIABLES, _EXCLUDED_PATTERN, "_iterations",
                                        "_learning_rate") if not hasattr(probe, a)]
+  probe.build([keras.Variable([0.0])])
+  gone += [f"Adam.{a}" for a in _ADAM_MOMENTS if not hasattr(probe, a)]
   if not hasattr(keras.Model(), "_metrics"):
     gone.append("Model._metrics")
   if not hasattr(_tf_context.context(), "_initialized"):
@@ -302,6 +307,11 @@ def per_replica(values):
 def variable_index(optimizer, variable):
   """The index of `variable`'s slots (momentums, velocities) in `optimizer`."""
   return optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+
+
+def adam_moments(optimizer, index):
+  """(m, v): the first and second moment slots of an Adam's variable `index`."""
+  return tuple(getattr(optimizer, name)[index] for name in _ADAM_MOMENTS)
 
 
 def uses_weight_decay(optimizer, variable):

@@ -30,7 +30,11 @@ SpecTrain form (v = gamma*v + (1-gamma)*g; W -= lr*v) and for Keras's SGD
   weight stashing with a Nesterov momentum step): every stage's update looks
   ahead along its momentum, W -= lr * (gamma*v + (1-gamma)*g) (SGD:
   W += gamma*m - lr*g). It is spike compensation's update with D = 1
-  (a = gamma, b = 1), at every stage whatever its delay.
+  (a = gamma, b = 1), at every stage whatever its delay. With Adam (the
+  paper's code runs PyTorch's NAdam): the step looks ahead along the first
+  moment the same way, W -= alpha * (b1*m + (1-b1)*g) / (sqrt(v) + eps),
+  alpha = lr * sqrt(1 - b2^t) / (1 - b1^t), m and v after this update: NAdam's
+  step (Dozat 2016) without its momentum schedule.
 - Delay compensation (DC-ASGD, Zheng et al., ICML 2017): a gradient g taken
   at weights W_read, applied to weights W, is first moved along a diagonal
   estimate of the Hessian to g + lam * g * g * (W - W_read) (elementwise;
@@ -54,7 +58,7 @@ from tfpipe import compat
 from tfpipe.plan import schedules
 
 __all__ = ["StageRule", "stage_delays", "delay_momentum", "lr_factor", "blend_factor",
-           "spike_coefficients", "momentum_of", "check_optimizer", "compensate",
+           "spike_coefficients", "momentum_of", "adam_of", "check_optimizer", "compensate",
            "DEFAULT_LR_RESCHEDULING", "DEFAULT_DISCREPANCY_DECAY"]
 
 DEFAULT_LR_RESCHEDULING = 500   # PipeMare warm-up updates when method="pipemare"
@@ -101,6 +105,14 @@ def compensate(lam, g, current, read):
   return g + lam * g * g * (current - read)
 
 
+def adam_of(optimizer):
+  """`optimizer` when it is an Adam (AdamW included) whose step the Adam rules cover (no
+  amsgrad), else None."""
+  if isinstance(optimizer, keras.optimizers.Adam) and not optimizer.amsgrad:
+    return optimizer
+  return None
+
+
 def momentum_of(optimizer):
   """The momentum the rules act on, or None for an optimizer they do not cover."""
   if hasattr(optimizer, "smoothed_gradient"):
@@ -113,7 +125,15 @@ def momentum_of(optimizer):
 def check_optimizer(optimizer, option):
   """The update rules above are written for momentum SGD with nothing else in the update."""
   name = type(optimizer).__name__
-  if momentum_of(optimizer) is None:
+  if option == "nesterov" and adam_of(optimizer) is not None:
+    pass
+  elif option == "nesterov" and momentum_of(optimizer) is None:
+    raise ValueError(
+        f"nesterov changes a momentum SGD or Adam update: use tfpipe.optimizers.SpecTrain, "
+        f"keras.optimizers.SGD (not Nesterov) or keras.optimizers.Adam (not amsgrad). "
+        f"Received: {name}" + (" with amsgrad=True" if getattr(optimizer, "amsgrad", False)
+                               else ""))
+  elif momentum_of(optimizer) is None:
     raise ValueError(
         f"{option} changes a momentum SGD update: use tfpipe.optimizers.SpecTrain or "
         f"keras.optimizers.SGD (not Nesterov). Received: {name}")
@@ -152,9 +172,21 @@ class StageRule:
       factor = tf.pow(tf.constant(float(self.delay), tf.float64), -p)
       grads = [g * tf.cast(factor, g.dtype) for g in grads]
     spike = self.coefficients(momentum_of(optimizer))
-    lr = optimizer.learning_rate if spike else None   # this update's rate (read before it)
+    adam = adam_of(optimizer) if self.nesterov else None
+    lr = optimizer.learning_rate if spike or adam else None   # this update's rate (read before it)
+    t = ops.convert_to_tensor(optimizer.iterations) + 1 if adam else None   # this update's count
     old = [tf.convert_to_tensor(v) for v in variables] if deltas else None
     optimizer.apply(grads, variables)
+    if adam:   # W was W0 - alpha*m/(sqrt(v)+eps); is W0 - alpha*(b1*m + (1-b1)*g)/(sqrt(v)+eps)
+      for g, v in zip(grads, variables):
+        dtype = v.dtype
+        rate, g, step = ops.cast(lr, dtype), ops.cast(g, dtype), ops.cast(t, dtype)
+        b1 = ops.cast(adam.beta_1, dtype)
+        alpha = rate * ops.sqrt(1 - ops.power(ops.cast(adam.beta_2, dtype), step)) / (
+            1 - ops.power(b1, step))
+        index = compat.variable_index(adam, v)
+        m, second = compat.adam_moments(adam, index)
+        v.assign_add(alpha * (1.0 - b1) * (m - g) / (ops.sqrt(second) + adam.epsilon))
     if spike:
       a, b = spike
       for g, v in zip(grads, variables):

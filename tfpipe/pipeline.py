@@ -132,8 +132,8 @@ class Pipeline:
       discrepancy correction still acts); else off (0). `summary()` says
       which is in force.
     nesterov: every stage's update looks ahead along its momentum (Nesterov's
-      step; with "pipedream", Ajanthan et al. 2025's method; momentum SGD or
-      SpecTrain).
+      step; with "pipedream", Ajanthan et al. 2025's method; momentum SGD,
+      SpecTrain, or Adam without amsgrad: NAdam's step).
     delay_compensation: DC-ASGD's lambda (0: off): a gradient taken at the
       forward's weights is moved to the current ones, g + lam*g*g*(W - W_read)
       (methods whose backward reads the forward's weights).

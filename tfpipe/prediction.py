@@ -85,7 +85,7 @@ def predict_all(optimizer, variables, s):
     if rate is None:   # momentum SGD: the slot m is the last step, w += m
       step = ops.negative(optimizer.momentums[index])
     else:
-      m, v = optimizer._momentums[index], optimizer._velocities[index]
+      m, v = compat.adam_moments(optimizer, index)
       step = ops.divide(ops.multiply(m, rate), ops.add(ops.sqrt(v), optimizer.epsilon))
     decay = _decay(optimizer, variable, lr)
     if decay is not None:

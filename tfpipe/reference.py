@@ -111,14 +111,19 @@ class _Rule:
         self.V[j] = (self.V[j] + (g - self.V[j]) * (1 - b1)).astype(dtype)
         self.Q[j] = (self.Q[j] + (g * g - self.Q[j]) * (1 - b2)).astype(dtype)
         W[j] = (W[j] - self._adam_step(j, self.t + 1)).astype(dtype)
+        if self.nesterov:   # W0 - alpha*(b1*m + (1-b1)*g)/(sqrt(v)+eps), the stage's rounding
+          W[j] = (W[j] + self._adam_step(j, self.t + 1, (1 - _f32(b1)) * (self.V[j] - g))
+                  ).astype(dtype)
       if self.decay is not None:
         self.E[j] = (self.decay * self.E[j] + (1.0 - self.decay) * (W[j] - old)).astype(dtype)
     self.t += 1
 
-  def _adam_step(self, j, t):
+  def _adam_step(self, j, t, direction=None):
+    """alpha * m / (sqrt(v) + eps) at update t (`direction` in place of m)."""
     b1, b2, eps = self.config["beta_1"], self.config["beta_2"], self.config["epsilon"]
     alpha = self.lr * math.sqrt(1 - _f32(b2) ** t) / (1 - _f32(b1) ** t)
-    return self.V[j] * alpha / (np.sqrt(self.Q[j]) + eps)
+    m = self.V[j] if direction is None else direction
+    return m * alpha / (np.sqrt(self.Q[j]) + eps)
 
   def predict(self, W, s):
     """W s updates ahead along the optimizer's own step (`tfpipe.prediction`'s table)."""

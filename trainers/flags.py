@@ -65,7 +65,8 @@ def define_flags():
                     "max(0, momentum - D/(D+1)) (Mitliagkas et al. 2016)")
   flags.DEFINE_bool("nesterov", None,
                     "asynchronous pipelines: every stage's update looks ahead along its momentum "
-                    "(Nesterov; with --method=pipedream, Ajanthan et al. 2025); default: "
+                    "(Nesterov; with --method=pipedream, Ajanthan et al. 2025; momentum SGD or "
+                    "Adam, whose look-ahead is NAdam's step); default: "
                     "--method=spectrain with momentum SGD takes it where a prediction spans "
                     "one update (K=2, or micro-batches M >= K-1: tfpipe.advice), others off")
   flags.DEFINE_float("delay_compensation", None,
