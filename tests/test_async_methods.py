@@ -201,6 +201,8 @@ def test_bad_update_options_are_refused_by_name(options, message):
                                          "Received: RMSprop"),
     (lambda: keras.optimizers.Adam(amsgrad=True), "Received: Adam with amsgrad=True"),
     (lambda: keras.optimizers.AdamW(), "without weight_decay.*AdamW with weight_decay=0.004"),
+    (lambda: keras.optimizers.SGD(momentum=0.9, gradient_accumulation_steps=2),
+     "without gradient_accumulation_steps.*SGD with gradient_accumulation_steps=2"),
 ])
 def test_nesterov_needs_a_momentum_sgd_or_adam_optimizer(optimizer, message):
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,

@@ -137,7 +137,8 @@ def check_optimizer(optimizer, option):
     raise ValueError(
         f"{option} changes a momentum SGD update: use tfpipe.optimizers.SpecTrain or "
         f"keras.optimizers.SGD (not Nesterov). Received: {name}")
-  extras = [a for a in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay")
+  extras = [a for a in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
+                        "gradient_accumulation_steps")
             if getattr(optimizer, a, None)] + (["use_ema"] if optimizer.use_ema else [])
   if extras:
     raise ValueError(f"{option} is defined for an update without {', '.join(extras)}. Received: "
