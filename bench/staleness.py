@@ -118,7 +118,8 @@ DEFAULT = [n for n in OPTIONS if n not in ("vanilla+sc", "pipedream+resched",
 ADVICE = ["single", "single/adam", "spectrain", "spectrain+sc/exact", "spectrain+sc+resched",
           "timeprest", "2bw", "2bw+nesterov", "pipedream+nesterov", "pipedream+dc",
           "spectrain/adam", "2bw/adam", "pipedream+dc/adam", "spectrain+mb/adam", "spectrain+mb",
-          "spectrain+mb+nesterov", "spectrain+nesterov"]
+          "spectrain+mb+nesterov", "spectrain+nesterov", "spectrain+mb+nesterov/adam",
+          "vanilla+mb", "vanilla+mb/adam"]
 
 flags.DEFINE_list("tasks", list(TASKS), "tasks (trainers/datasets.py)")
 flags.DEFINE_list("choose_on", ["classes", "teacher", "shapes"],
