@@ -217,8 +217,8 @@ def reference_train(stage_models, loss_fn, batches, method, *args, **kwargs):
   from tfpipe import advice, reference
   # The options left unset resolve through tfpipe.advice's tables (tests patch them).
   return _cached(["reference", list(stage_models), loss_fn, batches, method, list(args), kwargs,
-                  advice.SPECTRAIN, advice.ONE_UPDATE, advice.ADVISABLE,
-                  advice.MICRO_BATCHES],
+                  advice.SPECTRAIN, advice.ONE_UPDATE, advice.ONE_UPDATE_STAGES,
+                  advice.ADVISABLE, advice.MICRO_BATCHES],
                  lambda: reference.reference_train(stage_models, loss_fn, batches, method, *args,
                                                    **kwargs))
 

@@ -543,8 +543,8 @@ def test_spectrain_with_adam_takes_the_advised_micro_batches_from_the_trainer():
                                   throughput_window=None, optimizer="adam", num_stages=4)
   history, trainer, _ = main.run(config)
   assert np.isfinite(history["loss"][0]) and trainer.micro_batches == 4
-  assert ("4 micro-batches (micro_batches, version_difference advised for adam"
-          in trainer.summary())
+  assert ("4 micro-batches, nesterov (micro_batches, nesterov, version_difference advised for "
+          "adam" in trainer.summary())
 
 
 @pytest.mark.parametrize("name", ["classes", "teacher"])
