@@ -97,6 +97,7 @@ OPTIONS = {
     # Nesterov's look-ahead with Adam (`tfpipe.mitigations`; 2505.01099's code runs NAdam).
     "spectrain+mb+nesterov/adam": ("spectrain", {"micro_batches": STAGES, "nesterov": True,
                                                  "version_difference": "exact"}, "adam"),
+    "spectrain+nesterov/adam": ("spectrain", {"nesterov": True}, "adam"),
     "vanilla+mb": ("vanilla", {"micro_batches": STAGES}, "spectrain"),
     "vanilla+mb/adam": ("vanilla", {"micro_batches": STAGES}, "adam"),
 }
@@ -119,7 +120,7 @@ ADVICE = ["single", "single/adam", "spectrain", "spectrain+sc/exact", "spectrain
           "timeprest", "2bw", "2bw+nesterov", "pipedream+nesterov", "pipedream+dc",
           "spectrain/adam", "2bw/adam", "pipedream+dc/adam", "spectrain+mb/adam", "spectrain+mb",
           "spectrain+mb+nesterov", "spectrain+nesterov", "spectrain+mb+nesterov/adam",
-          "vanilla+mb", "vanilla+mb/adam"]
+          "spectrain+nesterov/adam", "vanilla+mb", "vanilla+mb/adam"]
 
 flags.DEFINE_list("tasks", list(TASKS), "tasks (trainers/datasets.py)")
 flags.DEFINE_list("choose_on", ["classes", "teacher", "shapes"],
