@@ -40,12 +40,13 @@ SPECTRAIN = {
 ONE_UPDATE = {"sgd": {"nesterov": True}, "adam": {"nesterov": True}}
 
 # family -> (least K, deepest K) at which ONE_UPDATE's advice was measured and applies; a
-# family not here takes it at every K. With Adam, Nesterov's look-ahead (NAdam's step) over M=K
-# micro-batches (`spectrain+mb+nesterov/adam`, 3 seeds, both rates) held closer than M=K
-# without it at K=4 on the choice tasks (worst gap +0.25 pp against -0.58) and held out (-0.73
-# against -1.15): within the goal on all 10 settings, where M=K alone met 8. Not run at K=2
-# (M=1) and K=8, which keep M=K without it until they are.
-ONE_UPDATE_STAGES = {"adam": (4, 4)}
+# family not here takes it at every K. With Adam, Nesterov's look-ahead (NAdam's step), 3 seeds,
+# both rates: over M=K micro-batches at K=4 (`spectrain+mb+nesterov/adam`) it held closer than
+# M=K without it on the choice tasks (worst gap +0.25 pp against -0.58) and held out (-0.73
+# against -1.15), within the goal on all 10 settings where M=K alone met 8; with M=1 at K=2
+# (`spectrain+nesterov/adam`) closer than plain spectrain (-0.07 against -0.78, held out -0.20
+# against -0.72). Not run at K=8, which keeps M=K without it until it is.
+ONE_UPDATE_STAGES = {"adam": (2, 4)}
 
 
 # family -> K: from K stages on, "spectrain" left `micro_batches` None splits each mini-batch

@@ -90,11 +90,11 @@ class Pipeline:
       "spectrain" left None with momentum SGD or Adam from
       `tfpipe.advice.MICRO_BATCHES`'s depth on (4 stages): M = K at `compile` (a
       prediction then spans at most one update, and momentum SGD also takes
-      nesterov, as Adam does at K=4, `advice.ONE_UPDATE`; not with
+      nesterov, as Adam does up to K=4, `advice.ONE_UPDATE`; not with
       version_difference="paper", nor with BatchNormalization unless
       batch_statistics="micro_batch");
       `summary()` says so. At K=2 M=1 bounds a prediction to one update too,
-      and momentum SGD takes nesterov there. version_difference="paper" keeps
+      and momentum SGD and Adam take nesterov there. version_difference="paper" keeps
       the paper's rule.
     recompute: keep only stage inputs and recompute the forward before the
       backward (the synchronous methods); None takes the method's rule.

@@ -68,8 +68,8 @@ def define_flags():
                     "(Nesterov; with --method=pipedream, Ajanthan et al. 2025; momentum SGD or "
                     "Adam, whose look-ahead is NAdam's step); default: "
                     "--method=spectrain with momentum SGD takes it where a prediction spans "
-                    "one update (K=2, or micro-batches M >= K-1: tfpipe.advice), with Adam at "
-                    "K=4 (M=K), others off")
+                    "one update (K=2, or micro-batches M >= K-1: tfpipe.advice), with Adam up "
+                    "to K=4, others off")
   flags.DEFINE_float("delay_compensation", None,
                      "DC-ASGD's lambda (0: off): move each gradient from the weights its "
                      "forward read to the current ones, g + lambda*g*g*(W - W_read)")
