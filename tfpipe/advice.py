@@ -112,12 +112,12 @@ def advised(method, optimizer, unset, micro_batches, num_stages, paper=False):
   paper's version differences were asked for), the plain defaults otherwise."""
   table = {}
   if method == "spectrain":
-    name = family(optimizer)
-    table = dict(SPECTRAIN.get(name, {}))
-    least, deepest = ONE_UPDATE_STAGES.get(name, (2, None))
+    kind = family(optimizer)
+    table = dict(SPECTRAIN.get(kind, {}))
+    least, deepest = ONE_UPDATE_STAGES.get(kind, (2, None))
     measured = least <= num_stages and (deepest is None or num_stages <= deepest)
     if one_update(micro_batches, num_stages) and not paper and measured:
-      table.update(ONE_UPDATE.get(name, {}))
+      table.update(ONE_UPDATE.get(kind, {}))
   return {name: table.get(name, ADVISABLE[name]) for name in unset}
 
 

@@ -34,8 +34,8 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "light_calls",
            "calls_inferred_once", "NOT_INLINED", "call_time_value",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
-           "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events", "per_replica",
-           "runtime_started"]
+           "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
+           "per_replica", "runtime_started"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.

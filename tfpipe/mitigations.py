@@ -54,7 +54,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfpipe import compat
+from tfpipe import compat, prediction
 from tfpipe.plan import schedules
 
 __all__ = ["StageRule", "stage_delays", "delay_momentum", "lr_factor", "blend_factor",
@@ -125,18 +125,13 @@ def momentum_of(optimizer):
 def check_optimizer(optimizer, option):
   """The update rules above are written for momentum SGD with nothing else in the update."""
   name = type(optimizer).__name__
-  if option == "nesterov" and adam_of(optimizer) is not None:
-    pass
-  elif option == "nesterov" and momentum_of(optimizer) is None:
+  adam = option == "nesterov"   # the one rule also written for Adam
+  if momentum_of(optimizer) is None and not (adam and adam_of(optimizer) is not None):
+    amsgrad = " with amsgrad=True" if adam and getattr(optimizer, "amsgrad", False) else ""
     raise ValueError(
-        f"nesterov changes a momentum SGD or Adam update: use tfpipe.optimizers.SpecTrain, "
-        f"keras.optimizers.SGD (not Nesterov) or keras.optimizers.Adam (not amsgrad). "
-        f"Received: {name}" + (" with amsgrad=True" if getattr(optimizer, "amsgrad", False)
-                               else ""))
-  elif momentum_of(optimizer) is None:
-    raise ValueError(
-        f"{option} changes a momentum SGD update: use tfpipe.optimizers.SpecTrain or "
-        f"keras.optimizers.SGD (not Nesterov). Received: {name}")
+        f"{option} changes a momentum SGD{' or Adam' if adam else ''} update: use "
+        f"tfpipe.optimizers.SpecTrain, keras.optimizers.SGD (not Nesterov)"
+        f"{' or keras.optimizers.Adam (not amsgrad)' if adam else ''}. Received: {name}{amsgrad}")
   extras = [a for a in ("clipnorm", "clipvalue", "global_clipnorm", "weight_decay",
                         "gradient_accumulation_steps")
             if getattr(optimizer, a, None)] + (["use_ema"] if optimizer.use_ema else [])
@@ -175,19 +170,17 @@ class StageRule:
     spike = self.coefficients(momentum_of(optimizer))
     adam = adam_of(optimizer) if self.nesterov else None
     lr = optimizer.learning_rate if spike or adam else None   # this update's rate (read before it)
-    t = ops.convert_to_tensor(optimizer.iterations) + 1 if adam else None   # this update's count
     old = [tf.convert_to_tensor(v) for v in variables] if deltas else None
     optimizer.apply(grads, variables)
     if adam:   # W was W0 - alpha*m/(sqrt(v)+eps); is W0 - alpha*(b1*m + (1-b1)*g)/(sqrt(v)+eps)
+      alphas = {}   # per dtype, at the update count this update reached
       for g, v in zip(grads, variables):
         dtype = v.dtype
-        rate, g, step = ops.cast(lr, dtype), ops.cast(g, dtype), ops.cast(t, dtype)
-        b1 = ops.cast(adam.beta_1, dtype)
-        alpha = rate * ops.sqrt(1 - ops.power(ops.cast(adam.beta_2, dtype), step)) / (
-            1 - ops.power(b1, step))
-        index = compat.variable_index(adam, v)
-        m, second = compat.adam_moments(adam, index)
-        v.assign_add(alpha * (1.0 - b1) * (m - g) / (ops.sqrt(second) + adam.epsilon))
+        if dtype not in alphas:
+          alphas[dtype] = prediction.adam_rate(adam, dtype, ops.cast(lr, dtype))
+        m, second = compat.adam_moments(adam, compat.variable_index(adam, v))
+        v.assign_add(alphas[dtype] * (1.0 - ops.cast(adam.beta_1, dtype)) * (m - ops.cast(g, dtype))
+                     / (ops.sqrt(second) + adam.epsilon))
     if spike:
       a, b = spike
       for g, v in zip(grads, variables):

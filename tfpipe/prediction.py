@@ -24,7 +24,7 @@ from keras import ops
 
 from tfpipe import compat
 
-__all__ = ["check", "predict_all", "SUPPORTED"]
+__all__ = ["check", "predict_all", "adam_rate", "SUPPORTED"]
 
 SUPPORTED = "tfpipe.optimizers.SpecTrain, keras.optimizers.SGD (momentum > 0), Adam, AdamW"
 
@@ -58,7 +58,7 @@ def _decay(optimizer, variable, lr):
                       ops.convert_to_tensor(variable))
 
 
-def _adam_rate(optimizer, dtype, lr):
+def adam_rate(optimizer, dtype, lr):
   """lr * sqrt(1 - b2^t) / (1 - b1^t), and 0 before the first update."""
   t = ops.cast(optimizer.iterations, dtype)
   safe = ops.maximum(t, 1.0)
@@ -77,7 +77,7 @@ def predict_all(optimizer, variables, s):
     dtype = variable.dtype
     if dtype not in steps:
       lr = ops.cast(optimizer.learning_rate, dtype)
-      rate = _adam_rate(optimizer, dtype, lr) if isinstance(
+      rate = adam_rate(optimizer, dtype, lr) if isinstance(
           optimizer, keras.optimizers.Adam) else None
       steps[dtype] = (ops.cast(s, dtype), lr, rate)
     s_, lr, rate = steps[dtype]
