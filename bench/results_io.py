@@ -12,7 +12,7 @@ import sys
 import time
 
 __all__ = ["RESULTS", "markdown_table", "write", "report", "median_seconds", "seconds_per_batch",
-           "in_child", "ChildFailed"]
+           "in_child", "ChildFailed", "fit_span"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -52,6 +52,21 @@ def median_seconds(fn, repeats=20):
 
 class ChildFailed(RuntimeError):
   """`in_child`'s function raised, or its process died: the message is its last line."""
+
+
+def fit_span():
+  """A Keras callback timing `fit` from on_train_begin to on_train_end (`.seconds`): tracing
+  before the first batch counts, the per-fit setup and what follows the last hook do not."""
+  import keras
+
+  class Span(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+      self.start = time.perf_counter()
+
+    def on_train_end(self, logs=None):
+      self.seconds = time.perf_counter() - self.start
+
+  return Span()
 
 
 def in_child(fn, *args, timeout=None):

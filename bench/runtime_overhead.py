@@ -62,20 +62,6 @@ FLAGS = flags.FLAGS
 _SERVERS = []   # the child's local clusters, stopped before it exits
 
 
-def _Span():
-  """A callback timing `fit` from on_train_begin to on_train_end (`seconds`)."""
-  import keras
-
-  class Span(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-      self.start = time.perf_counter()
-
-    def on_train_end(self, logs=None):
-      self.seconds = time.perf_counter() - self.start
-
-  return Span()
-
-
 def _hop():
   """Seconds one small tensor ([batch, width] float32) takes from one TF server process to
   another, in a chain of dependent moves inside one function call (a bound on the stages'
@@ -149,7 +135,7 @@ def _measure(config):
     window = FLAGS.steps_per_execution
     runner.compile(optimizer, loss, steps_per_execution=window if window == "auto" else int(window))
 
-  span = _Span()
+  span = results_io.fit_span()
 
   def fit(batches):
     runner.fit(x[:batches * FLAGS.batch_size], y[:batches * FLAGS.batch_size],
