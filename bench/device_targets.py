@@ -17,7 +17,9 @@ marginal, as in bench/runtime_overhead.py: (median time of a fit over 2N batches
 of a fit over N) / N, so the per-fit setup does not count. Start-up: the first fit's wall
 time minus the median of the later fits of the same length (tracing, XLA compilation,
 graph optimisation). The device's own start (CUDA context, XLA's first use) is paid before
-the timing, in every process alike.
+the timing, in every process alike. The CPU part hides the GPU (CUDA_VISIBLE_DEVICES=-1).
+README ("A GPU and 16 cores") says how TensorFlow's GPU build was installed for the run
+in bench/results/device_targets.md.
 
   python bench/device_targets.py [--parts=gpu,cpu --methods=spectrain --rounds=3]
 """
@@ -66,6 +68,8 @@ def _warm(device):
 
 def _one(config):
   """One configuration in this (fresh) process: {"extra": s, "per_batch": s}."""
+  if config["where"] == "cpu":   # on a GPU's machine Keras's jit_compile="auto" failed there
+    os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
   if config.get("pools") == "per device":
     os.environ["TF_OVERRIDE_GLOBAL_THREADPOOL"] = "1"   # read when the devices are made
   import numpy as np
@@ -183,11 +187,11 @@ def _cpu():
                                                    threads=cores))]
   for method in FLAGS.methods:
     for advised in (False, True) if method == "spectrain" else (True,):
-      options = "advised" if advised else "plain, M=1"
-      configs.append((f"{method} ({options}) K={K}, a pool of {cores // K} threads per device",
+      options = (" (advised)" if advised else " (plain, M=1)") if method == "spectrain" else ""
+      configs.append((f"{method}{options} K={K}, a pool of {cores // K} threads per device",
                       dict(runner=method, where="cpu", K=K, threads=cores // K,
                            pools="per device", advised=advised)))
-      configs.append((f"{method} ({options}) K={K}, one shared pool of {cores} threads",
+      configs.append((f"{method}{options} K={K}, one shared pool of {cores} threads",
                       dict(runner=method, where="cpu", K=K, threads=cores, pools="shared",
                            advised=advised)))
   title = (f"CPU: snn {size['depth']} x {size['width']}, batch {size['batch_size']}, {cores} "
