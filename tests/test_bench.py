@@ -1,5 +1,6 @@
 """The report scripts run end to end at a tiny size and write their tables."""
 
+import math
 import os
 
 from tests import zygote
@@ -133,6 +134,21 @@ def test_startup():
   row = next(line for line in out.splitlines() if line.startswith("| gpipe | 2 |"))
   extra, ratio, second = (float(cell) for cell in row.split("|")[3:6])
   assert extra >= 0 and ratio >= 0 and second > 0
+
+
+def test_device_targets(tmp_path):
+  # No GPU here: that part's rows name why; the CPU part runs Keras and one method at K=2.
+  out = _bench("device_targets.py", "--parts=gpu,cpu", "--methods=pipedream", "--cores=2",
+               "--cpu_stages=2", "--cpu_width=32", "--cpu_depth=2", "--cpu_batches=4",
+               "--rounds=1", f"--results_dir={tmp_path}")
+  assert "Keras fit failed: RuntimeError: no GPU" in out
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+  assert [row[0].strip() for row in rows[1:]] == [
+      "keras fit, 2 threads", "pipedream K=2, a pool of 1 threads per device",
+      "pipedream K=2, one shared pool of 2 threads"]
+  # Marginal times at this size are noise (a row can come out negative): numbers, no sign.
+  assert all(math.isfinite(float(cell)) for row in rows[1:] for cell in row[1:5])
+  assert (tmp_path / "device_targets.md").read_text().count("| pipedream K=2") == 2
 
 
 _IN_CHILD = """
