@@ -90,7 +90,7 @@ class Pipeline:
       "spectrain" left None with momentum SGD or Adam from
       `tfpipe.advice.MICRO_BATCHES`'s depth on (4 stages): M = K at `compile` (a
       prediction then spans at most one update, and momentum SGD also takes
-      nesterov, as Adam does up to K=4, `advice.ONE_UPDATE`; not with
+      nesterov, as Adam does up to K=8, `advice.ONE_UPDATE`; not with
       version_difference="paper", nor with BatchNormalization unless
       batch_statistics="micro_batch");
       `summary()` says so. At K=2 M=1 bounds a prediction to one update too,

@@ -69,7 +69,7 @@ def define_flags():
                     "Adam, whose look-ahead is NAdam's step); default: "
                     "--method=spectrain with momentum SGD takes it where a prediction spans "
                     "one update (K=2, or micro-batches M >= K-1: tfpipe.advice), with Adam up "
-                    "to K=4, others off")
+                    "to K=8, others off")
   flags.DEFINE_float("delay_compensation", None,
                      "DC-ASGD's lambda (0: off): move each gradient from the weights its "
                      "forward read to the current ones, g + lambda*g*g*(W - W_read)")
