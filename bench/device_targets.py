@@ -126,20 +126,11 @@ def _one(config):
   return {"extra": first - statistics.median(walls), "per_batch": per_batch}
 
 
-def _run(config):
-  try:
-    return results_io.in_child(_one, config, timeout=FLAGS.timeout)
-  except TimeoutError:
-    return {"error": f"over {FLAGS.timeout} s"}
-  except results_io.ChildFailed as e:
-    return {"error": str(e)[:200]}
-
-
 def _measure(title, size, configs, target):
   """Runs `configs` (name, config) beside Keras (the first); prints and returns the table."""
   results = []
   for name, config in configs:
-    result = _run(dict(config, size=size))
+    result = results_io.in_child_or_error(_one, dict(config, size=size), FLAGS.timeout, 200)
     results.append((name, result))
     if "error" in result:
       print(f"  {name}: {result['error']}", flush=True)

@@ -12,7 +12,7 @@ import sys
 import time
 
 __all__ = ["RESULTS", "markdown_table", "write", "report", "median_seconds", "seconds_per_batch",
-           "in_child", "ChildFailed", "fit_span"]
+           "in_child", "in_child_or_error", "ChildFailed", "fit_span"]
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -105,6 +105,17 @@ def in_child(fn, *args, timeout=None):
   if not ok:
     raise ChildFailed(value)
   return value
+
+
+def in_child_or_error(fn, config, timeout, width=120):
+  """`in_child(fn, config, timeout=timeout)`, or {"error": why} (its first `width` characters)
+  where the child failed or ran past `timeout`: a bench script's row that says so."""
+  try:
+    return in_child(fn, config, timeout=timeout)
+  except TimeoutError:
+    return {"error": f"over {timeout} s"}
+  except ChildFailed as e:
+    return {"error": str(e)[:width]}
 
 
 def _child(send, log, fn, args):

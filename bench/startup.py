@@ -117,12 +117,7 @@ def _one(config):
 def _run(config):
   """`_one(config)` in a process of its own (`results_io.in_child`), or {"error": why}."""
   from bench import results_io
-  try:
-    return results_io.in_child(_one, config, timeout=FLAGS.timeout)
-  except TimeoutError:
-    return {"error": f"over {FLAGS.timeout} s"}
-  except results_io.ChildFailed as e:
-    return {"error": str(e)[:120]}
+  return results_io.in_child_or_error(_one, config, FLAGS.timeout)
 
 
 def main(argv):
