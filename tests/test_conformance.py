@@ -72,7 +72,9 @@ def assert_same(keras_run, pipe_run, atol):
 
 
 def _param(case, pipeline):
-  return pytest.param(case, pipeline, id=f"{case.name}-{pipeline[0]}{pipeline[1]}")
+  # A case's pipelines run on one pytest-xdist worker, where one Keras run serves them all.
+  return pytest.param(case, pipeline, id=f"{case.name}-{pipeline[0]}{pipeline[1]}",
+                      marks=pytest.mark.xdist_group(f"conformance-{case.name}"))
 
 
 SAME = [_param(c, p) for c in cc.CASES if not c.refusal for p in c.pipelines]
