@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -20,9 +18,6 @@ import tfpipe
 
 # Multi-process timings: never beside another multi-process test (setup.cfg).
 pytestmark = pytest.mark.xdist_group("processes")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _scenario(*args):
   """A scenario in a process of its own (a fork of `tests.zygote`); its JSON result."""
@@ -92,8 +87,7 @@ def test_local_servers_listen_on_127_0_0_1_only_and_die_with_their_parent():
           "c = cluster.LocalCluster({'worker': 2}); "
           "print(json.dumps({'spec': c.spec, 'pids': [p.pid for p in c.processes.values()]}), "
           "flush=True); time.sleep(300)")
-  parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+  parent = zygote.start(["-c", code])
   try:
     started = json.loads(parent.stdout.readline())
     ports = [int(a.rpartition(":")[2]) for a in started["spec"]["worker"]]
@@ -158,9 +152,8 @@ def test_tf_config_is_read_and_checked():
 
 def test_multi_worker_mirrored_data_parallelism_across_two_processes():
   addresses = ",".join(f"127.0.0.1:{cluster._free_port()}" for _ in range(2))  # pylint: disable=protected-access
-  workers = [subprocess.Popen([sys.executable, "-m", "tests.cluster_scenarios", "mwms", addresses,
-                               str(i)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
+  workers = [zygote.start(["-m", "tests.cluster_scenarios", "mwms", addresses, str(i)])
+             for i in range(2)]
   ends = [worker.communicate(timeout=300) for worker in workers]
   # Worker 0 ends its training only after worker 1 has exited (`cluster_scenarios.mwms`).
   assert [worker.returncode for worker in workers] == [0, 0], "\n".join(

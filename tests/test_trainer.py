@@ -296,11 +296,10 @@ def test_trainer_exits_naming_a_dead_worker():
   from tfpipe import cluster
   with cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": local.spec}))
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "trainers.main", "--method=pipedream", "--cluster=tf_config",
+    trainer = zygote.start(
+        ["-m", "trainers.main", "--method=pipedream", "--cluster=tf_config",
          "--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=20", "--epochs=500",
-         "--logdir=", "--verbose=2"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+         "--logdir=", "--verbose=2"], env=env)
     try:
       for line in trainer.stdout:
         if line.startswith("epoch 2/"):
@@ -320,15 +319,11 @@ _SMALL = ["--method=pipedream", "--snn_width=16", "--snn_depth=3", "--batch_size
 
 
 def _trainer_on(spec, *args):
-  """A trainer process on the TF servers of `spec` (TF_CONFIG), in its own process group."""
+  """A trainer process on the TF servers of `spec` (TF_CONFIG), in its own process group,
+  SIGINT as a terminal gives it (`zygote.start`)."""
   import json
   env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": spec}))
-  # SIGINT as a terminal gives it: a suite run as a background job (`cmd &` in a script)
-  # starts with SIGINT ignored, which Python, and so the trainer, would keep.
-  return subprocess.Popen([sys.executable, "-m", "trainers.main", "--cluster=tf_config",
-                           *_SMALL, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  return zygote.start(["-m", "trainers.main", "--cluster=tf_config", *_SMALL, *args], env=env)
 
 
 def _until_epoch(trainer, epoch):
@@ -427,12 +422,11 @@ def _dataparallel_workers(epochs, count=2, wait=120):
   for index in range(count):
     env = dict(os.environ, TF_CONFIG=json.dumps(
         {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
-    runs.append(subprocess.Popen(
-        [sys.executable, "-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
+    runs.append(zygote.start(
+        ["-m", "trainers.main", "--method=dataparallel", "--cluster=tf_config",
          f"--cluster_timeout={wait}", "--snn_width=16", "--snn_depth=3", "--batch_size=32",
          "--steps=4", f"--epochs={epochs}", "--logdir=", "--verbose=2",
-         "--throughput_window="], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True))
+         "--throughput_window="], env=env))
   return addresses, runs
 
 

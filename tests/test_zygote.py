@@ -47,3 +47,35 @@ def test_a_child_exits_once_its_threads_that_are_not_daemons_end():
           ".start()\n"
           "print('main', flush=True)\n")
   assert zygote.run(["-c", code]).stdout.split() == ["main", "thread"]
+
+
+_TALKS_THEN_WAITS = ("import sys, time\n"
+                     "print('ready', flush=True)\n"
+                     "try:\n"
+                     "  time.sleep(60)\n"
+                     "except KeyboardInterrupt:\n"
+                     "  print('after', flush=True)\n"
+                     "  print('interrupted', file=sys.stderr, flush=True)\n"
+                     "  sys.exit(130)\n")
+
+
+def test_a_started_child_is_read_while_it_runs_and_sigint_interrupts_it():
+  import signal
+  child = zygote.start(["-c", _TALKS_THEN_WAITS])
+  assert child.stdout.readline() == "ready\n"   # before it ends
+  assert child.poll() is None
+  with pytest.raises(subprocess.TimeoutExpired):
+    child.communicate(timeout=0.3)              # still running: as Popen, it keeps running
+  child.send_signal(signal.SIGINT)              # KeyboardInterrupt, as from a terminal
+  out, err = child.communicate(timeout=30)
+  assert (child.returncode, out, err) == (130, "after\n", "interrupted\n")
+
+
+def test_a_started_child_killed_by_a_signal_reports_it_as_popen_does():
+  import os
+  import signal
+  children = [zygote.start(["-c", _TALKS_THEN_WAITS]) for _ in range(2)]   # side by side
+  assert [c.stdout.readline() for c in children] == ["ready\n", "ready\n"]
+  os.killpg(children[0].pid, signal.SIGKILL)    # its own process group
+  children[1].kill()
+  assert [c.wait(timeout=30) for c in children] == [-signal.SIGKILL, -signal.SIGKILL]
