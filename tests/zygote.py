@@ -1,12 +1,11 @@
 """Programs that tests run, started as forks of a process that has imported TensorFlow.
 
-Starting Python and importing TensorFlow, Keras and tfpipe costs about 4 s of CPU; the suite
+Starting Python and importing TensorFlow, Keras and tfpipe costs 4-6 s of CPU; the suite
 runs a few dozen programs (bench scripts, the trainer, cluster scenarios). `run` gives each a
 process of its own as `subprocess.run` does (its argv, working directory, environment, exit
 code, stdout and stderr), but forked from a zygote: a process per pytest worker that imported
 those libraries once and never ran a TensorFlow op, so each child still configures its
-devices, threads and servers as a fresh program does. Programs that a test signals or runs
-beside each other stay `subprocess.Popen`s.
+devices, threads and servers as a fresh program does.
 
 `start` is `subprocess.Popen`'s counterpart for programs a test reads while they run, signals
 or runs beside each other (its stdout a pipe, SIGINT as a terminal gives it, a session of its
@@ -149,6 +148,9 @@ def _child(request):
   """The forked program: its directory, environment, output and argv, then `__main__`."""
   import runpy
   import traceback
+  # Its output first: `start`'s caller waits on opening the stdout pipe's other end.
+  for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
   os.setpgrp()   # its own group: a timeout kills what it started too
   if request.get("start"):   # SIGINT as a terminal gives it (a suite run as a background
     signal.signal(signal.SIGINT, signal.default_int_handler)   # job starts with it ignored)
@@ -156,8 +158,6 @@ def _child(request):
   os.environ.clear()
   os.environ.update(request["env"])
   os.dup2(os.open(os.devnull, os.O_RDONLY), 0)   # the zygote's requests are not its input
-  for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
   extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   argv = request["argv"]
   code = 0
