@@ -19,6 +19,7 @@ import tfpipe
 # Multi-process timings: never beside another multi-process test (setup.cfg).
 pytestmark = pytest.mark.xdist_group("processes")
 
+
 def _scenario(*args):
   """A scenario in a process of its own (a fork of `tests.zygote`); its JSON result."""
   result = zygote.run(["-m", "tests.cluster_scenarios", *args], timeout=300)
