@@ -278,6 +278,7 @@ def _spectrain_sgd():
 @pytest.mark.parametrize("K,optimizer,asked,batch_norm,expected", [
     (4, _adam, {}, False, 4),                                   # advised: M = K
     (8, _adam, {}, False, 8),
+    (9, _adam, {}, False, 9),                                   # deeper than Nesterov's was run
     (2, _adam, {}, False, 1),                                   # below MICRO_BATCHES' depth
     (2, _spectrain_sgd, {}, False, 1),                          # M=1 bounds K=2's predictions
     (2, _spectrain_sgd, {"micro_batches": 1}, False, 1),
