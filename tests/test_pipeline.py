@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import optimizers
+from tfpipe import models, optimizers
 from tfpipe.plan import schedules
 import tfpipe
 
@@ -165,6 +165,26 @@ def test_two_epochs_drain_and_continue(runtime):
                                 runtime=runtime)
   for actual, ref in zip(_stage_weights(pipe), expected):
     helpers.assert_weights_close(actual, ref)
+
+
+def test_a_token_model_follows_the_rule():
+  # The staleness benchmark's attention model (bench/staleness.py, task `counting`): an
+  # embedding (its gradient comes as IndexedSlices), attention and layer norms across a cut,
+  # under SpecTrain's predicted weights.
+  rng = np.random.default_rng(1)
+  x = rng.integers(0, 16, (48, 10)).astype("int32")
+  y = rng.integers(0, 10, 48)
+  bs = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 48, 16)]
+  keras.utils.set_random_seed(0)
+  model = models.build("counter", (10,), 10, scale=0.25, vocab_size=16, encoders=2)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="spectrain", spike_compensation=False)
+  expected, _ = helpers.reference_train(pipe.stage_models, loss, bs, "spectrain", LR, MOMENTUM,
+                                        spike_compensation=False)
+  pipe.compile(optimizers.SpecTrain(LR, MOMENTUM), loss)
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  for actual, ref in zip(_stage_weights(pipe), expected):
+    helpers.assert_weights_close(actual, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_methods_differ_from_each_other():

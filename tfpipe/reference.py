@@ -299,7 +299,8 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
           target = tf.add_n([tf.reduce_sum(y * tf.constant(g, y.dtype))
                              for y, g in zip(ys, grads_out.pop((k, unit)))])
       grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      weight_grads = [g.numpy() for g in grads[:len(w_t)]]
+      # Dense, also an embedding's (IndexedSlices): the update rules are written for arrays.
+      weight_grads = [tf.convert_to_tensor(g).numpy() for g in grads[:len(w_t)]]
       if ops[k]["B"].op in ("backward_input", "step_input"):   # its W adds them
         halves[(k, unit)] = weight_grads
       elif i is None:
