@@ -47,6 +47,7 @@ from absl import app, flags  # noqa: E402
 from bench import results_io, staleness_advice  # noqa: E402
 
 STAGES = "K"   # an option's value that stands for the run's depth K
+TWICE_STAGES = "2K"   # and one that stands for twice the depth
 
 # name: (method, Pipeline options, optimizer). The baselines run once per seed, single on one
 # device and dataparallel on BASELINE_REPLICAS (their accuracy does not depend on K); every
@@ -98,6 +99,10 @@ OPTIONS = {
     "spectrain+mb+nesterov/adam": ("spectrain", {"micro_batches": STAGES, "nesterov": True,
                                                  "version_difference": "exact"}, "adam"),
     "spectrain+nesterov/adam": ("spectrain", {"nesterov": True}, "adam"),
+    # 2K micro-batches: a stage k's forwards read the one-update-old weights on (K-1-k)/M of
+    # the micro-batches (`schedules.exact_version_differences`), half of what M=K leaves.
+    "spectrain+mb2+nesterov": ("spectrain", {"micro_batches": TWICE_STAGES, "nesterov": True,
+                                             "version_difference": "exact"}, "spectrain"),
     "vanilla+mb": ("vanilla", {"micro_batches": STAGES}, "spectrain"),
     "vanilla+mb/adam": ("vanilla", {"micro_batches": STAGES}, "adam"),
 }
@@ -119,7 +124,8 @@ DEFAULT = [n for n in OPTIONS if n not in ("vanilla+sc", "pipedream+resched",
 ADVICE = ["single", "single/adam", "spectrain", "spectrain+sc/exact", "spectrain+sc+resched",
           "timeprest", "2bw", "2bw+nesterov", "pipedream+nesterov", "pipedream+dc",
           "spectrain/adam", "2bw/adam", "pipedream+dc/adam", "spectrain+mb/adam", "spectrain+mb",
-          "spectrain+mb+nesterov", "spectrain+nesterov", "spectrain+mb+nesterov/adam",
+          "spectrain+mb+nesterov", "spectrain+mb2+nesterov", "spectrain+nesterov",
+          "spectrain+mb+nesterov/adam",
           "spectrain+nesterov/adam", "vanilla+mb", "vanilla+mb/adam"]
 
 flags.DEFINE_list("tasks", list(TASKS), "tasks (trainers/datasets.py)")
@@ -170,7 +176,8 @@ def run_one(task, name, K, seed, lr):
   from tfpipe import advice
   from trainers import config as config_lib, datasets, main as trainer_main, models
   method, options, optimizer = OPTIONS[name]
-  options = {k: K if v == STAGES else v for k, v in options.items()}
+  options = {k: K if v == STAGES else 2 * K if v == TWICE_STAGES else v
+             for k, v in options.items()}
   model_name, model_options, _, _ = TASKS[task]
   config = config_lib.TrainConfig(model=model_name, dataset=task, method=method, num_stages=K,
                                   batch_size=FLAGS.batch_size, learning_rate=lr,

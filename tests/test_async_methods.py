@@ -283,8 +283,8 @@ def _spectrain_sgd():
     (2, _spectrain_sgd, {}, False, 1),                          # M=1 bounds K=2's predictions
     (2, _spectrain_sgd, {"micro_batches": 1}, False, 1),
     (2, _spectrain_sgd, {"version_difference": "paper"}, False, 1),   # the paper's rule
-    (4, _spectrain_sgd, {}, False, 4),                          # momentum SGD: from K=4 on too
-    (8, SGD, {}, False, 8),
+    (4, _spectrain_sgd, {}, False, 8),                          # momentum SGD: from K=4, M=2K
+    (8, SGD, {}, False, 16),
     (4, _adam, {"micro_batches": 1}, False, 1),                 # a value passed is kept
     (4, _adam, {"micro_batches": 2}, False, 2),
     (4, _spectrain_sgd, {"micro_batches": 1}, False, 1),
@@ -319,11 +319,11 @@ def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
   if nesterov and not advised and expected == 1:
     assert f"{K} stages, nesterov (nesterov advised for {family}: tfpipe.advice)" in line, line
   if nesterov and not advised and expected > 1:
-    assert f"{K} micro-batches, nesterov (nesterov advised for {family}" in line, line
+    assert f"{expected} micro-batches, nesterov (nesterov advised for {family}" in line, line
   if advised:
     names = ["micro_batches"] + ([] if "version_difference" in asked else ["version_difference"])
     names = ", ".join(sorted(names + (["nesterov"] if nesterov else [])))
-    assert f"{K} micro-batches{', nesterov' if nesterov else ''} ({names} advised for " \
+    assert f"{expected} micro-batches{', nesterov' if nesterov else ''} ({names} advised for " \
            f"{family}: tfpipe.advice)" in line, line
     assert options.version_difference == "exact"
   # Compiled again with an optimizer of no family, the advice follows it: none.
@@ -333,16 +333,17 @@ def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
 
 
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
-@pytest.mark.parametrize("family,optimizer,rule", [
-    ("adam", _adam, {"nesterov": True}), ("sgd", _spectrain_sgd, {"nesterov": True})])
-def test_advised_micro_batches_train_by_the_rule_they_name(runtime, family, optimizer, rule):
-  # spectrain at K=4 and nothing asked equals the reference asked for M=4, exact version
-  # differences and Nesterov's step: the advice is that rule, not another.
+@pytest.mark.parametrize("family,optimizer,rule,M", [
+    ("adam", _adam, {"nesterov": True}, 4), ("sgd", _spectrain_sgd, {"nesterov": True}, 8)])
+def test_advised_micro_batches_train_by_the_rule_they_name(runtime, family, optimizer, rule, M):
+  # spectrain at K=4 and nothing asked equals the reference asked for M=K (Adam) or 2K
+  # (momentum SGD), exact version differences and Nesterov's step: the advice is that rule,
+  # not another.
   bs = _batches(8)
   x, y = helpers.as_arrays(bs)
   pipe, compile_ = helpers.pipeline(_model(), runtime, num_stages=4, method="spectrain")
   expected = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
-                                     optimizer=optimizer(), micro_batches=4,
+                                     optimizer=optimizer(), micro_batches=M,
                                      version_difference="exact", **rule)[0]
   # The reference left unset resolves the same advice; without Nesterov's step it differs.
   unset = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
@@ -351,16 +352,16 @@ def test_advised_micro_batches_train_by_the_rule_they_name(runtime, family, opti
     helpers.assert_weights_close(a, b, rtol=0, atol=0)
   if rule:
     plain = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
-                                    optimizer=optimizer(), micro_batches=4, nesterov=False)[0]
+                                    optimizer=optimizer(), micro_batches=M, nesterov=False)[0]
     assert not np.allclose(plain[0][0], expected[0][0])
   compile_(optimizer(), _loss())
-  assert pipe.micro_batches == 4 and pipe.options.nesterov is bool(rule)
+  assert pipe.micro_batches == M and pipe.options.nesterov is bool(rule)
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, r in zip(_stage_weights(pipe), expected):
     helpers.assert_weights_close(actual, r, rtol=1e-7, atol=1e-9)
   # A last batch too small to split says where M came from and how to opt out.
   with pytest.raises(ValueError, match=r"last batch of 2 samples \(130 in batches of 16\).*"
-                     rf"micro_batches=4 was advised for {family} by tfpipe.advice: pass "
+                     rf"micro_batches={M} was advised for {family} by tfpipe.advice: pass "
                      r"micro_batches=1"):
     pipe.fit(np.concatenate([x] * 2)[:130], np.concatenate([y] * 2)[:130], batch_size=16,
              verbose=0)

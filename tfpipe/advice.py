@@ -5,7 +5,8 @@ is always kept; the summary line names what was advised.
 
 ADVISABLE lists the options this can set, with the value they take for other methods and
 optimizers (the plain method's). MICRO_BATCHES says, per optimizer, from which number of
-stages K "spectrain" left `micro_batches` None splits each mini-batch into K; SPECTRAIN gives
+stages K "spectrain" left `micro_batches` None splits each mini-batch, and into how many
+micro-batches per stage; SPECTRAIN gives
 the options with one batch per update, ONE_UPDATE what changes where the micro-batches bound
 every prediction to one update (at the depths ONE_UPDATE_STAGES says it was measured).
 """
@@ -51,23 +52,26 @@ ONE_UPDATE = {"sgd": {"nesterov": True}, "adam": {"nesterov": True}}
 ONE_UPDATE_STAGES = {"adam": (2, 8)}
 
 
-# family -> K: from K stages on, "spectrain" left `micro_batches` None splits each mini-batch
-# into K micro-batches (version differences counted exactly): as in 2BW (M >= K - 1) a stage
-# applies its previous mini-batch's update before the forwards of the next, or at most one
-# update after them, so a prediction spans at most one update where with M=1 it spans up to
-# K-1 (7 at K=8). bench/staleness.py, 3 seeds, both rates, README "Accuracy under staleness":
-# - Adam (`spectrain+mb/adam`): worst gap to synchronous Adam over the 10 settings (5 tasks,
-#   2 rates) -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0 pp at
-#   K=4 and 80.7 at K=8 (2BW: 15.7 at K=8). At K=2, M=1 already held within 0.8 pp (M=2:
-#   -0.24 on the choice tasks but -0.82 held out, against M=1's -0.78 and -0.72).
-# - Momentum SGD, with ONE_UPDATE's Nesterov step (`spectrain+mb+nesterov`): worst gap over
-#   the choice tasks -1.13 pp at K=4 and -15.03 at K=8 (plain spectrain: -55.7, -78.0), held
-#   out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left later on every seed (6
-#   seeds on counting at K=4). Closer than plain spectrain at K=2 too (-0.48 / -7.57
-#   against -3.93 / -62.67), but not advised there: it doubles the start-up (M=K times the
-#   tasks traced), and M=1 already bounds K=2's predictions to one update (so Nesterov's step
-#   is advised there with M=1).
-MICRO_BATCHES = {"adam": 4, "sgd": 4}
+# family -> (K, F): from K stages on, "spectrain" left `micro_batches` None splits each
+# mini-batch into M = F x K micro-batches (version differences counted exactly): as in 2BW
+# (M >= K - 1) a stage applies its previous mini-batch's update before the forwards of the
+# next, or at most one update after them, so a prediction spans at most one update where with
+# M=1 it spans up to K-1 (7 at K=8); and stage k's forwards read the one-update-old weights
+# on (K-1-k)/M of the micro-batches (`schedules.exact_version_differences`), so F=2 halves
+# that share. bench/staleness.py, 3 seeds, both rates, README "Accuracy under staleness":
+# - Adam (`spectrain+mb/adam`, F=1): worst gap to synchronous Adam over the 10 settings (5
+#   tasks, 2 rates) -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0
+#   pp at K=4 and 80.7 at K=8 (2BW: 15.7 at K=8). At K=2, M=1 already held within 0.8 pp
+#   (M=2: -0.24 on the choice tasks but -0.82 held out, against M=1's -0.78 and -0.72).
+# - Momentum SGD, with ONE_UPDATE's Nesterov step: with F=1 (`spectrain+mb+nesterov`) worst
+#   gap over the choice tasks -1.13 pp at K=4 and -15.03 at K=8 (plain spectrain: -55.7,
+#   -78.0), held out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left later on every
+#   seed (6 seeds on counting at K=4). With F=2 (`spectrain+mb2+nesterov`) at K=4: -0.97
+#   chosen, -0.22 held out (counting at the first rate 92.55% against the synchronous 92.77%;
+#   F=1 73.88%). Not advised at K=2: M=K doubles the start-up (M times the tasks traced),
+#   and M=1 already bounds K=2's predictions to one update (so Nesterov's step is advised
+#   there with M=1).
+MICRO_BATCHES = {"adam": (4, 1), "sgd": (4, 2)}
 
 
 def batch_norm_layers(model):
@@ -86,10 +90,11 @@ def micro_batches(method, optimizer, num_stages, asked, version_difference, batc
   None (the method's own default): only where the user left `asked` (micro_batches) None and
   nothing they chose excludes it (`version_difference` "paper" counts one update per batch;
   `batch_norm`: BatchNormalization whose statistics micro-batches would change)."""
-  K = MICRO_BATCHES.get(family(optimizer)) if method == "spectrain" else None
-  if K is None or num_stages < K or asked is not None or batch_norm:
+  least, per_stage = (MICRO_BATCHES.get(family(optimizer), (None, None)) if method == "spectrain"
+                      else (None, None))
+  if least is None or num_stages < least or asked is not None or batch_norm:
     return None
-  return num_stages if version_difference in (None, "exact") else None
+  return per_stage * num_stages if version_difference in (None, "exact") else None
 
 
 def family(optimizer):

@@ -93,7 +93,7 @@ class Options:
     self._advice_done = True
 
   def advise_micro_batches(self, optimizer, num_stages):
-    """M = K where `tfpipe.advice` says so for `optimizer` at `num_stages` stages and the user
+    """M = K or 2K where `tfpipe.advice` says so for `optimizer` at `num_stages` stages and the user
     left `micro_batches` None, unless something the user chose excludes it (version_difference
     "paper", which counts one update per batch; BatchNormalization, whose statistics would
     change, unless batch_statistics="micro_batch"); else the plain default."""

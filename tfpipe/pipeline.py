@@ -88,8 +88,9 @@ class Pipeline:
       "spectrain" (default 1), whose stages then accumulate the M gradients
       and update once per mini-batch (SpecTrain needs version_difference="exact").
       "spectrain" left None with momentum SGD or Adam from
-      `tfpipe.advice.MICRO_BATCHES`'s depth on (4 stages): M = K at `compile` (a
-      prediction then spans at most one update, and momentum SGD also takes
+      `tfpipe.advice.MICRO_BATCHES`'s depth on (4 stages): M = K with Adam, 2K
+      with momentum SGD, at `compile` (a prediction then spans at most one
+      update, on fewer micro-batches the larger M is, and momentum SGD also takes
       nesterov, as Adam does up to K=8, `advice.ONE_UPDATE`; not with
       version_difference="paper", nor with BatchNormalization unless
       batch_statistics="micro_batch");

@@ -44,8 +44,8 @@ def define_flags():
   flags.DEFINE_integer("micro_batches", None,
                        "micro-batches per mini-batch (gpipe, 1f1b, interleaved, zb, timeprest: default 4; "
                        "vanilla, "
-                       "pipedream: default 1; spectrain: K from tfpipe.advice.MICRO_BATCHES's "
-                       "depth on (4, momentum SGD or adam), else 1)")
+                       "pipedream: default 1; spectrain: from tfpipe.advice.MICRO_BATCHES's "
+                       "depth on (4), K with adam and 2K with momentum SGD, else 1)")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")
   flags.DEFINE_enum("executor", "auto", ["auto", "compiled", "threaded"],
