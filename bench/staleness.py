@@ -46,8 +46,8 @@ from absl import app, flags  # noqa: E402
 
 from bench import results_io, staleness_advice  # noqa: E402
 
-STAGES = "K"   # an option's value that stands for the run's depth K
-TWICE_STAGES = "2K"   # and one that stands for twice the depth
+STAGES, TWICE_STAGES = "K", "2K"   # option values that stand for the run's depth K, and 2K
+_PER_STAGE = {STAGES: 1, TWICE_STAGES: 2}
 
 # name: (method, Pipeline options, optimizer). The baselines run once per seed, single on one
 # device and dataparallel on BASELINE_REPLICAS (their accuracy does not depend on K); every
@@ -176,8 +176,7 @@ def run_one(task, name, K, seed, lr):
   from tfpipe import advice
   from trainers import config as config_lib, datasets, main as trainer_main, models
   method, options, optimizer = OPTIONS[name]
-  options = {k: K if v == STAGES else 2 * K if v == TWICE_STAGES else v
-             for k, v in options.items()}
+  options = {k: _PER_STAGE[v] * K if v in _PER_STAGE else v for k, v in options.items()}
   model_name, model_options, _, _ = TASKS[task]
   config = config_lib.TrainConfig(model=model_name, dataset=task, method=method, num_stages=K,
                                   batch_size=FLAGS.batch_size, learning_rate=lr,

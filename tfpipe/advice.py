@@ -66,9 +66,10 @@ ONE_UPDATE_STAGES = {"adam": (2, 8)}
 # - Momentum SGD, with ONE_UPDATE's Nesterov step: with F=1 (`spectrain+mb+nesterov`) worst
 #   gap over the choice tasks -1.13 pp at K=4 and -15.03 at K=8 (plain spectrain: -55.7,
 #   -78.0), held out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left later on every
-#   seed (6 seeds on counting at K=4). With F=2 (`spectrain+mb2+nesterov`) at K=4: -0.97
+#   seed (6 seeds on counting at K=4). With F=2 (`spectrain+mb2+nesterov`) at K=4: -0.93
 #   chosen, -0.22 held out (counting at the first rate 92.55% against the synchronous 92.77%;
-#   F=1 73.88%). Not advised at K=2: M=K doubles the start-up (M times the tasks traced),
+#   F=1 73.88%); at K=8, run on counting and shapes only, 3 of their 4 settings within 2 pp
+#   (F=1: 1). Not advised at K=2: M=K doubles the start-up (M times the tasks traced),
 #   and M=1 already bounds K=2's predictions to one update (so Nesterov's step is advised
 #   there with M=1).
 MICRO_BATCHES = {"adam": (4, 1), "sgd": (4, 2)}
@@ -90,9 +91,9 @@ def micro_batches(method, optimizer, num_stages, asked, version_difference, batc
   None (the method's own default): only where the user left `asked` (micro_batches) None and
   nothing they chose excludes it (`version_difference` "paper" counts one update per batch;
   `batch_norm`: BatchNormalization whose statistics micro-batches would change)."""
-  least, per_stage = (MICRO_BATCHES.get(family(optimizer), (None, None)) if method == "spectrain"
-                      else (None, None))
-  if least is None or num_stages < least or asked is not None or batch_norm:
+  least, per_stage = MICRO_BATCHES.get(family(optimizer), (None, None))
+  if (method != "spectrain" or least is None or num_stages < least or asked is not None
+      or batch_norm):
     return None
   return per_stage * num_stages if version_difference in (None, "exact") else None
 
