@@ -17,7 +17,8 @@ weight and input gradients of a layer) on its 2 inter-op threads, so one stage
 alone already keeps more than one core busy; the speedup of 2 stages is bounded
 by the cores left over.
 
-  python bench/pipeline_speedup.py [--width=1024 --depth=8 --batch_size=128 --rounds=5]
+  python bench/pipeline_speedup.py [--width=1024 --depth=8 --batch_size=128 --rounds=5
+                                    --micro_batches=M]
 """
 
 import os
@@ -48,6 +49,8 @@ flags.DEFINE_integer("inter_op_threads", None, "TensorFlow inter-op threads (def
 flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to measure")
 flags.DEFINE_list("more_stages", ["4"], "more K measured in processes of their own (compiled)")
 flags.DEFINE_bool("processes", True, "also measure Keras with all cores and TF servers")
+flags.DEFINE_integer("micro_batches", None, "micro_batches of the pipelines (default: each "
+                     "method's own, tfpipe.advice's for spectrain)")
 FLAGS = flags.FLAGS
 
 
@@ -82,10 +85,12 @@ def main(argv):
   for method in FLAGS.methods:
     for executor in FLAGS.executors:
       runners[f"{method} K=1 {executor}"] = tfpipe.Pipeline(
-          model(), devices=devices[:1], method=method, executor=executor)
+          model(), devices=devices[:1], method=method, executor=executor,
+          micro_batches=FLAGS.micro_batches)
       runners[f"{method} K=2 {executor}"] = tfpipe.Pipeline(
           model(), devices=devices, method=method, partition=FLAGS.partition,
-          profile_batch_size=FLAGS.batch_size, executor=executor)
+          profile_batch_size=FLAGS.batch_size, executor=executor,
+          micro_batches=FLAGS.micro_batches)
   for name, runner in runners.items():
     runner.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if isinstance(runner, tfpipe.Pipeline):

@@ -22,7 +22,7 @@ budget. Target (issue: start-up): extra time <= 2x Keras's for every method
 and K, and a window of 64 no slower to start than the default (within 20%).
 
   python bench/startup.py [--models=llama,resnet --stages=2,4 --windows=auto,64
-                           --methods=spectrain,gpipe,...]
+                           --methods=spectrain,gpipe,... --micro_batches=M]
 """
 
 import os
@@ -45,6 +45,8 @@ flags.DEFINE_list("methods", ["sequential", "gpipe", "vanilla", "pipedream", "sp
                               "feature_replay", "timeprest", "pipemare", "i_timeprest"],
                   "pipelined methods")
 flags.DEFINE_integer("layers", 12, "decoder layers of the Llama model")
+flags.DEFINE_integer("micro_batches", None, "micro_batches for every pipeline (default: each "
+                     "method's own, tfpipe.advice's for spectrain)")
 flags.DEFINE_integer("timeout", 900, "seconds one configuration may take")
 flags.DEFINE_string("one", None, "run one configuration (JSON: model, method, K, window) in "
                     "this process and print its result")
@@ -103,7 +105,8 @@ def _one(config):
       model.compile(**compile_args)
       runner = model
   else:
-    runner = tfpipe.Pipeline(model, devices=devices[:K], method=config["method"])
+    runner = tfpipe.Pipeline(model, devices=devices[:K], method=config["method"],
+                             micro_batches=config.get("micro_batches"))
     runner.compile(steps_per_execution=int(window) if window != "auto" else "auto",
                    **compile_args)
   times = []
@@ -111,7 +114,8 @@ def _one(config):
     start = time.perf_counter()
     runner.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     times.append(time.perf_counter() - start)
-  return {"first": times[0], "second": times[1], "extra": times[0] - times[1]}
+  return {"first": times[0], "second": times[1], "extra": times[0] - times[1],
+          "micro_batches": getattr(runner, "micro_batches", 1)}
 
 
 def _run(config):
@@ -141,20 +145,21 @@ def main(argv):
     for K in FLAGS.stages:
       for method in FLAGS.methods:
         row = [method, K]
-        extras = {}
+        label = method
         for window in FLAGS.windows:
-          result = _run({"model": name, "method": method, "K": int(K), "window": window})
+          result = _run({"model": name, "method": method, "K": int(K), "window": window,
+                         "micro_batches": FLAGS.micro_batches})
           if "error" in result:
             row += ["error", "", ""]
             print(f"  {method} K={K} window={window}: {result['error']}", flush=True)
             continue
-          extras[window] = result["extra"]
+          label = f"{method} (M={result['micro_batches']})"
           row += [f"{result['extra']:.1f}", f"{result['extra'] / base:.1f}",
                   f"{result['second']:.1f}"]
-          print(f"  {method} K={K} window={window}: extra {result['extra']:.1f} s "
+          print(f"  {label} K={K} window={window}: extra {result['extra']:.1f} s "
                 f"({result['extra'] / base:.1f}x keras), second epoch {result['second']:.1f} s",
                 flush=True)
-        rows.append(row)
+        rows.append([label] + row[1:])
     header = ["method", "K"]
     for window in FLAGS.windows:
       header += [f"extra s (window {window})", "x keras", "2nd epoch s"]
