@@ -94,6 +94,9 @@ class CompiledRuntime(Executor):
   # With micro-batches (M > 1) at most this many: a mini-batch then holds M times the tasks.
   # Measured (the same Llama, spectrain with M=4): first epoch's extra 44.5 s traced 4 at a
   # time, 27.9 s 2 at a time (second epoch 5.7 / 5.2 s); 1 at a time 24.3 s, second 10.3 s.
+  # With M=8 (momentum SGD's default at K=4), four alternating pairs on a faster machine: 2 at
+  # a time 15.6-18.4 s, second epoch 3.2-4.1 s (mean 3.6); 1 at a time 13.2-14.3 s, second
+  # 3.8-4.5 s (mean 4.1): the start-up's gain costs more than it saves after about 6 epochs.
   CALL_WINDOW_MICRO = 2
 
   def __init__(self, programs, window=16, record=False, maxsize=None, inline="auto"):
