@@ -68,8 +68,9 @@ ONE_UPDATE_STAGES = {"adam": (2, 8)}
 #   -78.0), held out -18.88 and -32.02 (-72.6, -73.9): SGD's loss plateau, left later on every
 #   seed (6 seeds on counting at K=4). With F=2 (`spectrain+mb2+nesterov`) at K=4: -0.93
 #   chosen, -0.22 held out (counting at the first rate 92.55% against the synchronous 92.77%;
-#   F=1 73.88%), and -0.20 chosen with 3 more seeds on shapes; at K=8 within 2 pp on 9 of
-#   10 settings, counting at the first rate -3.12 (-3.42 over 6 seeds; F=1 met 7). Not
+#   F=1 73.88%), and -0.07 chosen with 3 more seeds on shapes; at K=8 within 2 pp on 9 of
+#   10 settings, counting at the first rate -3.12 (-2.27 over 6 seeds run on one machine,
+#   +3.24 with 4K micro-batches at 0.6x the samples/s; F=1 met 7). Not
 #   advised at K=2, although there too it held all 10 settings (worst -0.32 chosen, -0.72
 #   held out, against M=1 with Nesterov's step: -0.75, and -48.83 on counting's plateau):
 #   M=1 already bounds K=2's predictions to one update, and M=4 costs the K=2 pipeline its
