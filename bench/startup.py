@@ -155,9 +155,9 @@ def main(argv):
             continue
           label = f"{method} (M={result['micro_batches']})"
           row += [f"{result['extra']:.1f}", f"{result['extra'] / base:.1f}",
-                  f"{result['second']:.1f}"]
+                  f"{result['second']:.2f}"]
           print(f"  {label} K={K} window={window}: extra {result['extra']:.1f} s "
-                f"({result['extra'] / base:.1f}x keras), second epoch {result['second']:.1f} s",
+                f"({result['extra'] / base:.1f}x keras), second epoch {result['second']:.2f} s",
                 flush=True)
         rows.append([label] + row[1:])
     header = ["method", "K"]
