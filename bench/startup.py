@@ -144,22 +144,21 @@ def main(argv):
     rows = []
     for K in FLAGS.stages:
       for method in FLAGS.methods:
-        row = [method, K]
-        label = method
+        label, cells = method, []
         for window in FLAGS.windows:
           result = _run({"model": name, "method": method, "K": int(K), "window": window,
                          "micro_batches": FLAGS.micro_batches})
           if "error" in result:
-            row += ["error", "", ""]
+            cells += ["error", "", ""]
             print(f"  {method} K={K} window={window}: {result['error']}", flush=True)
             continue
           label = f"{method} (M={result['micro_batches']})"
-          row += [f"{result['extra']:.1f}", f"{result['extra'] / base:.1f}",
-                  f"{result['second']:.2f}"]
+          cells += [f"{result['extra']:.1f}", f"{result['extra'] / base:.1f}",
+                    f"{result['second']:.2f}"]
           print(f"  {label} K={K} window={window}: extra {result['extra']:.1f} s "
                 f"({result['extra'] / base:.1f}x keras), second epoch {result['second']:.2f} s",
                 flush=True)
-        rows.append([label] + row[1:])
+        rows.append([label, K] + cells)
     header = ["method", "K"]
     for window in FLAGS.windows:
       header += [f"extra s (window {window})", "x keras", "2nd epoch s"]
