@@ -93,3 +93,26 @@ def test_calls_in_the_switch_infer_shapes_once_per_signature_and_get_the_same_sh
   skipped = {k: "_disable_call_shape_inference" in t.op.node_def.attr for k, t in found.items()}
   assert skipped == {"plain": False, "first": False, "again": True, "other": False,
                      "after": False}
+
+
+def test_calls_in_a_marked_graph_take_their_devices_marker_and_no_other_op_does():
+  import tensorflow as tf
+  inner = tf.function(lambda x: x * 2.0)
+  found = {}
+
+  @tf.function(autograph=False)
+  def outer(x):
+    with compat.calls_marked(["/device:CPU:0"]):
+      with tf.device("/device:CPU:0"):
+        found["marked"] = inner(x)
+        found["plain op"] = x + 1.0
+      found["other device"] = inner(x + 2.0)   # no marker of its device
+    found["after"] = inner(x + 3.0)
+    return found["marked"] + found["other device"] + found["after"]
+
+  assert outer(tf.ones([2])).numpy().tolist() == [16.0, 16.0]   # 2 + 6 + 8
+  controls = {k: [c.type for c in t.op.control_inputs] for k, t in found.items()}
+  assert controls == {"marked": ["VariableV2"], "plain op": [], "other device": [],
+                      "after": []}
+  marker = found["marked"].op.control_inputs[0]
+  assert marker.outputs[0].dtype._is_ref_dtype   # what spares the pass its scan  # noqa: SLF001

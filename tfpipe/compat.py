@@ -9,7 +9,8 @@ moment slots), and the model's metric list that callbacks read. From TensorFlow:
 the call options of function calls (the compiled executor's unoptimised window graph), the
 placeholders a traced function feeds at each call (the window groups' carry), the
 call-op attribute that skips shape inference through a callee's body (done
-once per callee and input signature instead), the
+once per callee and input signature instead), a control input that spares
+TensorFlow's XLA pass a scan of every call's callee, the
 payload that marks a derived error, the profiler's converter from a
 profile to trace events, the per-replica values that `tf.distribute`'s
 cross-device ops reduce, and whether the runtime has started (the bench scripts fork
@@ -32,7 +33,7 @@ from tensorflow.python.framework import ops as _tf_ops
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls",
            "light_calls",
-           "calls_inferred_once", "NOT_INLINED", "call_time_value",
+           "calls_inferred_once", "calls_marked", "NOT_INLINED", "call_time_value",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
            "per_replica", "runtime_started"]
@@ -70,7 +71,8 @@ def missing():
             (_tf_distribute_values, "PerReplica"),
             (_tf_context.FunctionCallOptions, "config_proto_serialized"),
             (_tf_func_graph.FuncGraph, "capture_call_time_value"),
-            (_tf_ops.Graph, "create_op")]
+            (_tf_ops.Graph, "create_op"), (_tf_ops.Operation, "_add_control_input"),
+            (tf.raw_ops, "VariableV2")]
   gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
           if not hasattr(owner, name)]
   probe = keras.optimizers.AdamW()
@@ -239,6 +241,48 @@ def calls_inferred_once():
     _SHAPE_INFERENCE.once = before
 
 
+# TensorFlow's XLA pass `EncapsulateSubgraphsPass` runs on every function it instantiates,
+# XLA or not. To find the nodes related to reference variables it instantiates the callee of
+# every call op afresh (and their callees, ten levels deep), scans its body and releases it,
+# in both directions: each call site costs about its callee's size (measured, a 12-layer
+# Llama at K=4 with 8 micro-batches: 2.4-3.7 s of the first call; 400 calls of a 400-op
+# function: 2.1 s). A node whose input comes from a node with a reference-typed output counts
+# as related without that scan; only XLA's kernels read the answer.
+_MARKER = "tfpipe_call_marker"
+_MARKS = threading.local()   # .markers: {device: marker op} while `calls_marked` is open
+
+
+@contextlib.contextmanager
+def calls_marked(devices):
+  """Call ops put into the current graph in this context (in this thread) take a control
+  input from a marker of their device: a legacy variable op (a reference-typed output, never
+  read, created here once per device, before any call) that spares TensorFlow's
+  `EncapsulateSubgraphsPass` its scan of their callees (see `_MARKER`). For graphs whose
+  calls run without XLA (the pass's answer only tells XLA kernels how to alias variables)."""
+  _install_call_cache()
+  graph = tf.compat.v1.get_default_graph()
+  markers = {}
+  with graph.control_dependencies(None):
+    for device in devices:
+      with graph.device(device):
+        op = tf.raw_ops.VariableV2(shape=[], dtype=tf.float32, shared_name=_MARKER).op
+      markers.setdefault(op.device, op)
+  before = getattr(_MARKS, "markers", None)
+  _MARKS.markers = markers
+  try:
+    yield
+  finally:
+    _MARKS.markers = before
+
+
+def _mark(graph, op):
+  """Gives call op `op` its device's marker (`calls_marked`), when one is open in `graph`."""
+  markers = getattr(_MARKS, "markers", None)
+  marker = markers.get(op.device) if markers else None
+  if marker is not None and marker.graph is graph:
+    op._add_control_input(marker)  # noqa: SLF001
+
+
 def _input_key(tensor):
   shape = tensor.shape
   return tensor.dtype, (tuple(shape.as_list()) if shape.rank is not None else None)
@@ -249,14 +293,22 @@ _CREATE_OP = []   # Graph.create_op as TensorFlow defines it, once wrapped
 
 def _install_call_cache():
   """Wraps `Graph.create_op` (once) so that call ops made inside `calls_inferred_once` infer
-  once per key; elsewhere it is TensorFlow's, unchanged."""
+  once per key and those made inside `calls_marked` take their marker; elsewhere it is
+  TensorFlow's, unchanged."""
   if _CREATE_OP:
     return
   original = _tf_ops.Graph.create_op
   skip = {_NO_CALL_SHAPE_INFERENCE: _tf_attr_value_pb2.AttrValue(b=True)}
 
   def create_op(graph, op_type, inputs, *args, **kwargs):
-    if op_type not in _CALL_OPS or not getattr(_SHAPE_INFERENCE, "once", False):
+    if op_type not in _CALL_OPS:
+      return original(graph, op_type, inputs, *args, **kwargs)
+    op = create_call(graph, op_type, inputs, *args, **kwargs)
+    _mark(graph, op)
+    return op
+
+  def create_call(graph, op_type, inputs, *args, **kwargs):
+    if not getattr(_SHAPE_INFERENCE, "once", False):
       return original(graph, op_type, inputs, *args, **kwargs)
     attrs = args[3] if len(args) > 3 else kwargs.get("attrs")
     key = (attrs["f"].func.name, tuple(_input_key(t) for t in inputs))

@@ -482,7 +482,12 @@ class CompiledRuntime(Executor):
     calls of the stages' traced functions."""
     # The task calls' options: their functions are optimised. Their outputs' shapes are
     # inferred once per function and input shapes (per call: a fifth of a deep model's trace).
-    with compat.optimised_calls(), compat.calls_inferred_once():
+    # Calls (not XLA's) take a marker that spares TensorFlow a scan of each call's callee
+    # when it instantiates the window (`compat.calls_marked`).
+    marked = (compat.calls_marked([p.device for p in self.programs])
+              if not inline and not any(p.jit_compile for p in self.programs)
+              else contextlib.nullcontext())
+    with compat.optimised_calls(), compat.calls_inferred_once(), marked:
       return self._traced_tasks(key, inline, carry, inputs, labels, M)
 
   def _traced_tasks(self, key, inline, carry, inputs, labels, M):
