@@ -245,7 +245,7 @@ def calls_inferred_once():
 # XLA or not. To find the nodes related to reference variables it instantiates the callee of
 # every call op afresh (and their callees, ten levels deep), scans its body and releases it,
 # in both directions: each call site costs about its callee's size (measured, a 12-layer
-# Llama at K=4 with 8 micro-batches: 2.4-3.7 s of the first call; 400 calls of a 400-op
+# Llama at K=4 with 8 micro-batches: 2.4-3.7 s of the first call; 400 calls of an 800-op
 # function: 2.1 s). A node whose input comes from a node with a reference-typed output counts
 # as related without that scan; only XLA's kernels read the answer.
 _MARKER = "tfpipe_call_marker"
@@ -258,7 +258,9 @@ def calls_marked(devices):
   input from a marker of their device: a legacy variable op (a reference-typed output, never
   read, created here once per device, before any call) that spares TensorFlow's
   `EncapsulateSubgraphsPass` its scan of their callees (see `_MARKER`). For graphs whose
-  calls run without XLA (the pass's answer only tells XLA kernels how to alias variables)."""
+  calls run without XLA (the pass's answer only tells XLA kernels how to alias variables).
+  Made first because `tf.function` chains the stateful ops that take no resource in the
+  order they were made: made later, a marker would wait on such an op of the window."""
   _install_call_cache()
   graph = tf.compat.v1.get_default_graph()
   markers = {}
