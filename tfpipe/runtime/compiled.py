@@ -484,11 +484,15 @@ class CompiledRuntime(Executor):
     # inferred once per function and input shapes (per call: a fifth of a deep model's trace).
     # Calls (not XLA's) take a marker that spares TensorFlow a scan of each call's callee
     # when it instantiates the window (`compat.calls_marked`).
-    marked = (compat.calls_marked([p.device for p in self.programs])
-              if not inline and not any(p.jit_compile for p in self.programs)
-              else contextlib.nullcontext())
+    marked = self._marked() if not inline else contextlib.nullcontext()
     with compat.optimised_calls(), compat.calls_inferred_once(), marked:
       return self._traced_tasks(key, inline, carry, inputs, labels, M)
+
+  def _marked(self):
+    """`compat.calls_marked` for the stages' devices; nothing when a stage runs under XLA."""
+    if any(p.jit_compile for p in self.programs):
+      return contextlib.nullcontext()
+    return compat.calls_marked([p.device for p in self.programs])
 
   def _traced_tasks(self, key, inline, carry, inputs, labels, M):
     K, programs = self.K, self.programs
@@ -605,7 +609,8 @@ class CompiledRuntime(Executor):
 
   def _infer_window(self, inputs, labels):
     results = []
-    with compat.calls_inferred_once():   # each stage's calls alike: their shapes inferred once
+    # Each stage's calls alike: their shapes inferred once; marked as a training window's.
+    with compat.calls_inferred_once(), self._marked():
       for i, xs in enumerate(inputs):
         for k, program in enumerate(self.programs):
           if k == self.K - 1 and labels is not None:
