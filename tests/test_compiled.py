@@ -138,6 +138,22 @@ def test_a_window_traces_once_and_is_reused_across_epochs(inline, traces):
 
 
 @pytest.mark.parametrize("inline", [False, True])
+def test_windows_of_stage_calls_and_evaluate_windows_mark_their_calls(inline, monkeypatch):
+  """`compat.calls_marked` (a control input sparing TensorFlow a scan per call) wraps the
+  trace of every window of calls, for the stages' devices; an inlined window has no calls."""
+  from tfpipe import compat
+  marked, real = [], compat.calls_marked
+  monkeypatch.setattr(compat, "calls_marked",
+                      lambda devices: marked.append(list(devices)) or real(devices))
+  pipe, _, _ = _train("compiled", 4, "spectrain", n=24, inline=inline)
+  devices = [p.device for p in pipe.programs]
+  assert marked == ([] if inline else [devices] * 3)   # the group's three windows, traced once
+  x, y = helpers.as_arrays(helpers.batches(8))
+  pipe.evaluate(x, y, batch_size=16, verbose=0)
+  assert marked[-1] == devices
+
+
+@pytest.mark.parametrize("inline", [False, True])
 def test_windows_leave_the_window_multiples_only_when_no_batch_hook_reads_them(inline):
   """A batch hook reads every 4th batch, so windows end there; without one the last window
   is the drain alone. The weights and losses are the same."""
