@@ -9,7 +9,8 @@ devices), in one run of this script. The time per mini-batch is marginal:
 over `--rounds`, each fit timed from on_train_begin to on_train_end, so tracing,
 the per-fit setup and what happens after the last hook do not count. (A tf.data
 iterator's deletion after a fit took 1.1-2.4 s in some fits here, measured; that
-would swamp these figures.) Beside it, the graph ops one mini-batch runs (Keras's train
+would swamp these figures; so would a full garbage collection, so each fit starts after
+one.) Beside it, the graph ops one mini-batch runs (Keras's train
 step, or the compiled executor's steady-state window per mini-batch; counted before
 TensorFlow's graph optimisations) and the time per op: where the time per op is about the
 same, the op count is what bounds the executor's cost.
@@ -24,6 +25,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
+import gc  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -138,6 +140,10 @@ def _measure(config):
   span = results_io.fit_span()
 
   def fit(batches):
+    # A full garbage collection made due by earlier work (tracing) would otherwise land in one
+    # of the timed fits (measured, K=8: every other 128-batch fit 0.28 s slower, the median
+    # of 3 rounds' marginal time negative).
+    gc.collect()
     runner.fit(x[:batches * FLAGS.batch_size], y[:batches * FLAGS.batch_size],
                batch_size=FLAGS.batch_size, epochs=1, verbose=0, shuffle=False, callbacks=[span])
     return span.seconds
