@@ -233,12 +233,19 @@ def calls_inferred_once():
   every call took 8.8 s of creating the call ops (12-layer Llama, K=4, i_timeprest), 0.45 s
   once per signature."""
   _install_call_cache()
-  before = getattr(_SHAPE_INFERENCE, "once", False)
-  _SHAPE_INFERENCE.once = True
+  with _set_in_thread(_SHAPE_INFERENCE, "once", True):
+    yield
+
+
+@contextlib.contextmanager
+def _set_in_thread(local, name, value):
+  """`local.name` (a `threading.local`'s) is `value` in this context, then what it was."""
+  before = getattr(local, name, None)
+  setattr(local, name, value)
   try:
     yield
   finally:
-    _SHAPE_INFERENCE.once = before
+    setattr(local, name, before)
 
 
 # TensorFlow's XLA pass `EncapsulateSubgraphsPass` runs on every function it instantiates,
@@ -269,12 +276,8 @@ def calls_marked(devices):
       with graph.device(device):
         op = tf.raw_ops.VariableV2(shape=[], dtype=tf.float32, shared_name=_MARKER).op
       markers.setdefault(op.device, op)
-  before = getattr(_MARKS, "markers", None)
-  _MARKS.markers = markers
-  try:
+  with _set_in_thread(_MARKS, "markers", markers):
     yield
-  finally:
-    _MARKS.markers = before
 
 
 def _mark(graph, op):
