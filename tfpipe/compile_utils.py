@@ -11,7 +11,8 @@ import tensorflow as tf
 from tfpipe import compat
 
 __all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metrics", "loss_name",
-           "KerasStep", "check_optimizer"]
+           "KerasStep", "check_optimizer",
+           "example_shape", "example_shapes"]
 
 
 def resolve_optimizer(optimizer):
@@ -72,9 +73,10 @@ class KerasStep:
     """Builds the loss and metrics for labels of `label_spec` (a TensorSpec), eagerly."""
     if label_spec is None or (self.loss.built and (self.metrics is None or self.metrics.built)):
       return
-    y_true = tf.zeros([1] + list(label_spec.shape[1:]), label_spec.dtype)
     out = self.model.outputs[0]
-    y_pred = tf.zeros([1] + list(out.shape[1:]), out.dtype)
+    true_shape, pred_shape = example_shapes(label_spec.shape, out.shape)
+    y_true = tf.zeros(true_shape, label_spec.dtype)
+    y_pred = tf.zeros(pred_shape, out.dtype)
     with tf.device(self.device):
       if not self.loss.built:
         self.loss.build(y_true, y_pred)
@@ -86,6 +88,27 @@ class KerasStep:
     self.loss_tracker.reset_state()
     if self.metrics is not None:
       self.metrics.reset_state()
+
+
+def example_shape(shape, batch=1, unknown=2):
+  """A concrete shape for a probe of a tensor of `shape` (its first axis the batch): `batch`
+  samples, and `unknown` for every other axis that is None (a sequence of any length)."""
+  return [batch] + [unknown if d is None else d for d in list(shape)[1:]]
+
+
+def example_shapes(true_shape, pred_shape, batch=1, unknown=2):
+  """Concrete shapes for labels and outputs of `true_shape` and `pred_shape` whose axes agree
+  where both are unknown or one is known (a per-token head's (None, None, V) beside labels of
+  (None, 16) takes 16), as a real batch's would: what Keras's loss and metrics are built from
+  (their choices read the ranks and the last axis, never a length)."""
+  true_shape, pred_shape = list(true_shape), list(pred_shape)
+  known = [next((d for d in (t, p) if d is not None), None)
+           for t, p in zip(true_shape[1:], pred_shape[1:])]
+  def fill(shape):
+    dims = list(shape[1:])
+    dims[:len(known)] = [d if d is not None else k for d, k in zip(dims, known)]
+    return example_shape([None] + dims, batch, unknown)
+  return fill(true_shape), fill(pred_shape)
 
 
 def loss_name(loss):

@@ -11,7 +11,7 @@ import collections
 import keras
 import tensorflow as tf
 
-from tfpipe import compat, mitigations, prediction, reduction
+from tfpipe import compat, compile_utils, mitigations, prediction, reduction
 from tfpipe.plan import tasks
 
 __all__ = ["StageProgram", "Kept"]
@@ -175,7 +175,7 @@ class StageProgram:
 
   def _has_losses(self):
     """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
-    xs = [tf.zeros([1] + [d or 1 for d in t.shape[1:]], t.dtype) for t in self.model.inputs]
+    xs = [tf.zeros(compile_utils.example_shape(t.shape), t.dtype) for t in self.model.inputs]
     _, _, losses = self.model.stateless_call(
         [tf.convert_to_tensor(v) for v in self.trainable],
         [tf.convert_to_tensor(v) for v in self.non_trainable], xs[0] if len(xs) == 1 else xs,

@@ -1,0 +1,170 @@
+"""Per-token language models (outputs of shape (batch, sequence, vocabulary)) through a pipeline.
+
+The synchronous schedules and `data_parallel` equal Keras `fit` on a KerasHub Llama with a
+per-token head (weights, History, evaluate, predict), batches of one length and bucketed
+batches of several; the asynchronous methods follow their reference rules on a per-token
+model (`tfpipe.reference`), on both executors.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests import conformance_cases as cc
+from tests import helpers
+from tests import test_conformance as conformance
+
+VOCAB, LENGTH = 32, 8
+
+
+def token_lm(seed=0, dtype="float64"):
+  """A per-token model small enough for the reference rules: embedding, two per-token Dense
+  layers, a head over the vocabulary."""
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([
+      keras.Input((None,), dtype="int32"),
+      keras.layers.Embedding(VOCAB, 8, dtype=dtype),
+      keras.layers.Dense(16, activation="tanh", dtype=dtype),
+      keras.layers.Dense(16, activation="tanh", dtype=dtype),
+      keras.layers.Dense(VOCAB, name="lm_head", dtype=dtype)], name="token_lm")
+
+
+def token_batches(n=6, batch_size=8, length=LENGTH, seed=3):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    tokens = rng.integers(1, VOCAB, (batch_size, length + 1)).astype("int32")
+    out.append((tokens[:, :-1], tokens[:, 1:]))
+  return out
+
+
+def _loss(dtype="float64"):
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype=dtype)
+
+
+ASYNC = [("vanilla", {}), ("pipedream", {}), ("spectrain", {"micro_batches": 1}),
+         ("spectrain", {"micro_batches": 2, "version_difference": "exact"}),
+         ("2bw", {}), ("ddg", {}), ("feature_replay", {}), ("timeprest", {"micro_batches": 2}),
+         ("pipemare", {})]
+
+
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method,options", helpers.on_one_worker(
+    "lm-async", ASYNC, key=lambda c: c[0] + str(c[1].get("micro_batches", ""))))
+def test_asynchronous_methods_follow_their_rules_on_a_per_token_model(method, options, runtime):
+  lr, momentum = 0.05, 0.9
+  bs = token_batches()
+  x, y = helpers.as_arrays(bs)
+  pipe, compile_ = helpers.pipeline(token_lm(), runtime, num_stages=3, method=method, **options)
+  assert list(pipe.stage_models[-1].outputs[0].shape) == [None, None, VOCAB]
+  expected, _ = helpers.reference_train(pipe.stage_models, _loss(), bs, method, lr, momentum,
+                                        **options)
+  compile_(tfpipe.optimizers.SpecTrain(lr, momentum), _loss())
+  history = pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  assert np.isfinite(history.history["loss"][0])
+  for p, ref in zip(pipe.programs, expected):
+    helpers.assert_weights_close([v.numpy() for v in p.trainable], ref, rtol=1e-7, atol=1e-9)
+
+
+# The synchronous schedules on a KerasHub Llama with a per-token head, against Keras.
+
+def hub_lm(seed=0):
+  keras_hub = pytest.importorskip("keras_hub")
+  keras.utils.set_random_seed(seed)
+  backbone = keras_hub.models.LlamaBackbone(
+      vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+      hidden_dim=16, intermediate_dim=32, max_sequence_length=16)
+  return keras.Model(backbone.inputs, keras.layers.Dense(VOCAB, name="lm_head")(backbone.output),
+                     name="llama_lm")
+
+
+def lm_data(n=32, length=LENGTH, seed=2):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, VOCAB, (n, length + 1)).astype("int32")
+  return ({"token_ids": tokens[:, :-1], "padding_mask": np.ones((n, length), "int32")},
+          tokens[:, 1:])
+
+
+def bucketed(lengths=(8, 5, 8, 6), batch_size=8, seed=4):
+  """Batches of text bucketed by length: each batch has its own sequence length."""
+  rng = np.random.default_rng(seed)
+  out = None
+  for length in lengths:
+    tokens = rng.integers(1, VOCAB, (batch_size, length + 1)).astype("int32")
+    part = tf.data.Dataset.from_tensors(
+        ({"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch_size, length), "int32")},
+         tokens[:, 1:]))
+    out = part if out is None else out.concatenate(part)
+  return out
+
+
+def _lm_compile():
+  return {"optimizer": keras.optimizers.SGD(0.5, momentum=0.9),
+          "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+          "metrics": ["accuracy"]}
+
+
+SYNC = [("sequential", 1, {}), ("gpipe", 2, {}), ("1f1b", 2, {}), ("interleaved", 2, {}),
+        ("zb", 2, {}), ("zbv", 2, {}), ("1f1b", 2, {"data_parallel": 2}),
+        ("gpipe", 2, {"executor": "threaded"}), ("zb", 2, {"executor": "threaded"})]
+_KERAS = {}
+
+
+def _keras_lm(data):
+  if data not in _KERAS:
+    model = hub_lm()
+    model.compile(run_eagerly=True, **_lm_compile())
+    if data == "bucketed":
+      history = model.fit(bucketed(), epochs=2, shuffle=False, verbose=0)
+      logs = model.evaluate(bucketed(), verbose=0, return_dict=True)
+      predicted = None
+    else:
+      x, y = lm_data()
+      history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+      logs = model.evaluate(x, y, verbose=0, return_dict=True)
+      predicted = model.predict(x, verbose=0)
+    _KERAS[data] = (model.get_weights(), history.history, logs, predicted)
+  return _KERAS[data]
+
+
+def _pipe_lm(data, method, micro_batches, options):
+  model = hub_lm()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=micro_batches,
+                         **options)
+  pipe.compile(**_lm_compile())
+  if data == "bucketed":
+    history = pipe.fit(bucketed(), epochs=2, shuffle=False, verbose=0)
+    logs = pipe.evaluate(bucketed(), verbose=0, return_dict=True)
+    predicted = None
+  else:
+    x, y = lm_data()
+    history = pipe.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    logs = pipe.evaluate(x, y, verbose=0, return_dict=True)
+    predicted = pipe.predict(x, verbose=0)
+  return model.get_weights(), history.history, logs, predicted
+
+
+def _sync_id(case):
+  method, m, options = case
+  return f"{method}{m}" + "".join(f"-{k}={v}" for k, v in options.items())
+
+
+@pytest.mark.parametrize("method,micro_batches,options", [
+    pytest.param(*c, id=_sync_id(c), marks=pytest.mark.xdist_group("lm-sync")) for c in SYNC])
+def test_per_token_llama_same_as_keras_on_every_synchronous_schedule(method, micro_batches,
+                                                                    options):
+  expected = _keras_lm("arrays")
+  got = _pipe_lm("arrays", method, micro_batches, options)
+  assert got[3].shape == (32, LENGTH, VOCAB)
+  conformance.assert_same(expected, got, 2e-5)
+
+
+@pytest.mark.parametrize("method,micro_batches,options", [
+    pytest.param(*c, id=_sync_id(c), marks=pytest.mark.xdist_group("lm-bucketed"))
+    for c in [("1f1b", 2, {}), ("zb", 2, {"executor": "threaded"})]])
+def test_bucketed_sequence_lengths_same_as_keras(method, micro_batches, options):
+  expected = _keras_lm("bucketed")
+  got = _pipe_lm("bucketed", method, micro_batches, options)
+  conformance.assert_same(expected[:3] + (None,), got[:3] + (None,), 2e-5)
