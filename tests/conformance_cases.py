@@ -16,8 +16,16 @@ from typing import Callable, Optional, Sequence
 import keras
 import numpy as np
 
-# Pipelines a case runs through: method and micro-batches (K=2 stages each).
+# Pipelines a case runs through: method, micro-batches and other `Pipeline` options (K=2
+# stages each).
 SEQUENTIAL, GPIPE_1, GPIPE_2 = ("sequential", 1), ("gpipe", 1), ("gpipe", 2)
+ONE_F_ONE_B_2, INTERLEAVED_2, ZB_2, ZBV_2 = ("1f1b", 2), ("interleaved", 2), ("zb", 2), ("zbv", 2)
+DATA_PARALLEL = ("1f1b", 2, {"data_parallel": 2})
+THREADED_SEQUENTIAL = ("sequential", 1, {"executor": "threaded"})
+THREADED_ZBV = ("zbv", 2, {"executor": "threaded"})
+# Every synchronous schedule, data_parallel=2 and the threaded executor.
+EVERY_SYNCHRONOUS = (SEQUENTIAL, GPIPE_2, ONE_F_ONE_B_2, INTERLEAVED_2, ZB_2, ZBV_2, DATA_PARALLEL,
+                     THREADED_SEQUENTIAL, THREADED_ZBV)
 
 
 def data(n=64, inputs=8, classes=3, seed=1):
@@ -34,6 +42,14 @@ def mlp(seed=0, **dense):
   return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", **dense),
                            keras.layers.Dense(16, activation="relu"),
                            keras.layers.Dense(3, name="out")], name="mlp")
+
+
+def deep_mlp(seed=0):
+  """Four layers: enough for the schedules that cut 2 devices into 4 stages (interleaved, zbv)."""
+  keras.utils.set_random_seed(seed)
+  return keras.Sequential([keras.Input((8,))] +
+                          [keras.layers.Dense(16, activation="relu") for _ in range(3)] +
+                          [keras.layers.Dense(3, name="out")], name="deep_mlp")
 
 
 def functional_mlp(seed=0):
@@ -149,6 +165,7 @@ class Case:
   pipelines: Sequence = (SEQUENTIAL, GPIPE_2)
   refusal: Optional[str] = None
   atol: float = 2e-5
+  refused_on: tuple = SEQUENTIAL   # the pipeline a refusal is asked of
 
   @property
   def outcome(self):
@@ -181,9 +198,15 @@ CASES = [
     Case("nan_sample_weight_evaluate", "a NaN sample weight in `evaluate`",
          evaluate=_nan_weight, pipelines=(SEQUENTIAL,)),
     # Item 2: whole-model gradient clipping.
-    Case("global_clipnorm", "`global_clipnorm`",
+    Case("global_clipnorm", "`global_clipnorm` (one norm over every stage's gradient)",
+         compile=compiled(optimizer=lambda: keras.optimizers.SGD(0.5, momentum=0.5,
+                                                                 global_clipnorm=0.05)),
+         model=deep_mlp, pipelines=EVERY_SYNCHRONOUS),
+    Case("global_clipnorm_asynchronous", "`global_clipnorm` with an asynchronous method",
          compile=compiled(optimizer=lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.05)),
-         refusal=r"global_clipnorm=0\.05 is not supported in a pipeline"),
+         refusal=r"global_clipnorm=0\.05 needs every stage's gradient of a mini-batch before "
+                 r"any stage updates, which method 'pipedream' \(asynchronous\) never has",
+         refused_on=("pipedream", 1)),
     Case("clipnorm", "`clipnorm` (per variable)",
          compile=compiled(optimizer=lambda: keras.optimizers.Adam(0.05, clipnorm=0.05))),
     Case("clipvalue", "`clipvalue`",
@@ -328,7 +351,8 @@ SPECIAL = [
 
 def table():
   """README's Keras contract table (markdown), from the cases."""
-  rows = ["| Keras feature | in a pipeline (sequential, gpipe; `tests/test_conformance.py`) |",
+  rows = ["| Keras feature | in a pipeline (sequential, gpipe and as listed; "
+          "`tests/test_conformance.py`) |",
           "|---|---|"]
   for case in CASES:
     outcome = case.outcome

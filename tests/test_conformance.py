@@ -42,10 +42,10 @@ def _pipeline(model, method, micro_batches, **options):
                          **options)
 
 
-def _run_pipeline(case, method, micro_batches):
+def _run_pipeline(case, method, micro_batches, options=None):
   x, y = case.data()
   model = case.model()
-  pipe = _pipeline(model, method, micro_batches)
+  pipe = _pipeline(model, method, micro_batches, **(options or {}))
   pipe.compile(**case.compile())
   history = pipe.fit(x, y, callbacks=case.callbacks(), **_fit_args(case, x, y))
   logs = pipe.evaluate(x, y, verbose=0, return_dict=True, **case.evaluate(x, y))
@@ -73,7 +73,8 @@ def assert_same(keras_run, pipe_run, atol):
 
 def _param(case, pipeline):
   # A case's pipelines run on one pytest-xdist worker, where one Keras run serves them all.
-  return pytest.param(case, pipeline, id=f"{case.name}-{pipeline[0]}{pipeline[1]}",
+  options = "".join(f"-{k}={v}" for k, v in (pipeline[2] if len(pipeline) > 2 else {}).items())
+  return pytest.param(case, pipeline, id=f"{case.name}-{pipeline[0]}{pipeline[1]}{options}",
                       marks=pytest.mark.xdist_group(f"conformance-{case.name}"))
 
 
@@ -95,7 +96,7 @@ def test_refused_in_one_line(case):
   model = case.model()
   before = model.get_weights()
   with pytest.raises(ValueError, match=case.refusal) as raised:
-    pipe = _pipeline(model, "sequential", 1)
+    pipe = _pipeline(model, *case.refused_on)
     pipe.compile(**case.compile())
     pipe.fit(x, y, **_fit_args(case, x, y))
   assert "\n" not in str(raised.value)

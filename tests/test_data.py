@@ -114,9 +114,80 @@ def test_fit_arguments_keras_refuses_are_refused_by_name():
   pipe = _pipe(helpers.mlp())
   with pytest.raises(ValueError, match="`sample_weight` and `class_weight` cannot both be given"):
     pipe.fit(x, y, sample_weight=np.ones(len(x)), class_weight={0: 1.0}, verbose=0)
-  with pytest.raises(ValueError, match="not a generator: .*from_generator"):
+  with pytest.raises(ValueError, match="the generator's length is unknown .*steps_per_epoch"):
     pipe.fit((b for b in helpers.batches(2)), verbose=0)
+  with pytest.raises(ValueError, match="`batch_size` must be None when `x` is a generator"):
+    pipe.fit((b for b in helpers.batches(2)), batch_size=8, verbose=0)
   with pytest.raises(ValueError, match="`validation_split` splits arrays"):
     pipe.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), validation_split=0.5, verbose=0)
   with pytest.raises(ValueError, match="`validation_freq` must be a positive integer"):
     pipe.fit(x, y, validation_data=(x, y), validation_freq=0, verbose=0)
+
+
+class _Batches(keras.utils.PyDataset):
+  """A PyDataset of fixed batches that counts the passes begun over it."""
+
+  def __init__(self, bs, **kwargs):
+    super().__init__(**kwargs)
+    self.bs, self.begins = bs, 0
+
+  def __len__(self):
+    return len(self.bs)
+
+  def __getitem__(self, i):
+    return self.bs[i]
+
+  def on_epoch_begin(self):
+    self.begins += 1
+
+
+def _keras_and_pipe(fit, method="gpipe", micro_batches=2):
+  """The weights and History of `fit(trainer)` on Keras and on a pipeline of one mlp each."""
+  out = []
+  for make in (lambda m: m, lambda m: tfpipe.Pipeline(m, num_stages=2, method=method,
+                                                      micro_batches=micro_batches)):
+    model = helpers.mlp()
+    trainer = make(model)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    out.append((model.get_weights(), fit(trainer), trainer))
+  return out
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["inline", "two-workers"])
+def test_py_dataset_trains_validates_and_evaluates_as_in_keras(workers):
+  bs = helpers.batches(6)
+  train = lambda: _Batches(bs[:4], workers=workers)
+  runs = _keras_and_pipe(lambda t: (t.fit(train(), epochs=2, shuffle=False, verbose=0,
+                                          validation_data=_Batches(bs[4:])).history))
+  (k_init, k_history, k_model), (p_init, p_history, pipe) = runs
+  for key, values in k_history.items():
+    np.testing.assert_allclose(p_history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+  for a, b in zip(k_model.get_weights(), pipe.model.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  data, k_data = _Batches(bs[4:]), _Batches(bs[4:])
+  np.testing.assert_allclose(pipe.evaluate(data, verbose=0), k_model.evaluate(k_data, verbose=0),
+                             rtol=1e-5, atol=1e-6)
+  assert data.begins == k_data.begins == 1   # one pass, as Keras's epoch iterator starts it
+  inputs = _Batches([(x,) for x, _ in bs[4:]])
+  np.testing.assert_allclose(pipe.predict(inputs, verbose=0), k_model.predict(inputs, verbose=0),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_generator_with_steps_per_epoch_trains_as_in_keras():
+  bs = helpers.batches(6)
+
+  def forever():
+    while True:
+      yield from bs
+
+  runs = _keras_and_pipe(lambda t: t.fit(forever(), steps_per_epoch=3, epochs=2,
+                                         verbose=0).history, method="1f1b")
+  (_, k_history, k_model), (_, p_history, pipe) = runs
+  np.testing.assert_allclose(p_history["loss"], k_history["loss"], rtol=1e-5, atol=1e-6)
+  for a, b in zip(k_model.get_weights(), pipe.model.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="length is unknown"):
+    pipe.evaluate((b for b in bs), verbose=0)
+  assert np.all(np.isfinite(pipe.evaluate((b for b in bs), steps=2, verbose=0)))

@@ -2,7 +2,7 @@
 
 The synchronous schedules and `data_parallel` equal Keras `fit` on a KerasHub Llama with a
 per-token head (weights, History, evaluate, predict), batches of one length and bucketed
-batches of several; the asynchronous methods follow their reference rules on a per-token
+batches of several, and with `global_clipnorm`; the asynchronous methods follow their reference rules on a per-token
 model (`tfpipe.reference`), on both executors.
 """
 
@@ -100,8 +100,9 @@ def bucketed(lengths=(8, 5, 8, 6), batch_size=8, seed=4):
   return out
 
 
-def _lm_compile():
-  return {"optimizer": keras.optimizers.SGD(0.5, momentum=0.9),
+def _lm_compile(data="arrays"):
+  clip = {"global_clipnorm": 0.5} if data == "clipped" else {}
+  return {"optimizer": keras.optimizers.SGD(0.5, momentum=0.9, **clip),
           "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
           "metrics": ["accuracy"]}
 
@@ -115,7 +116,7 @@ _KERAS = {}
 def _keras_lm(data):
   if data not in _KERAS:
     model = hub_lm()
-    model.compile(run_eagerly=True, **_lm_compile())
+    model.compile(run_eagerly=True, **_lm_compile(data))
     if data == "bucketed":
       history = model.fit(bucketed(), epochs=2, shuffle=False, verbose=0)
       logs = model.evaluate(bucketed(), verbose=0, return_dict=True)
@@ -133,7 +134,7 @@ def _pipe_lm(data, method, micro_batches, options):
   model = hub_lm()
   pipe = tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=micro_batches,
                          **options)
-  pipe.compile(**_lm_compile())
+  pipe.compile(**_lm_compile(data))
   if data == "bucketed":
     history = pipe.fit(bucketed(), epochs=2, shuffle=False, verbose=0)
     logs = pipe.evaluate(bucketed(), verbose=0, return_dict=True)
@@ -168,3 +169,14 @@ def test_bucketed_sequence_lengths_same_as_keras(method, micro_batches, options)
   expected = _keras_lm("bucketed")
   got = _pipe_lm("bucketed", method, micro_batches, options)
   conformance.assert_same(expected[:3] + (None,), got[:3] + (None,), 2e-5)
+
+
+@pytest.mark.parametrize("method,micro_batches,options", [
+    pytest.param(*c, id=_sync_id(c), marks=pytest.mark.xdist_group("lm-clipped"))
+    for c in [("1f1b", 2, {}), ("zbv", 2, {"executor": "threaded"}),
+              ("1f1b", 2, {"data_parallel": 2})]])
+def test_per_token_llama_global_clipnorm_same_as_keras(method, micro_batches, options):
+  expected = _keras_lm("clipped")
+  assert max(float(np.max(np.abs(a - b)))   # the clip acts: the weights differ from unclipped
+             for a, b in zip(expected[0], _keras_lm("arrays")[0])) > 1e-2
+  conformance.assert_same(expected, _pipe_lm("clipped", method, micro_batches, options), 2e-5)

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from tfpipe.plan import policies, schedules, verify
+from tfpipe.plan import policies, schedules, verify, windows
 from tfpipe.plan.schedules import Task
 
 
@@ -154,3 +154,29 @@ def test_bounded_links_can_deadlock_and_the_verifier_says_so():
   with pytest.raises(verify.ScheduleError, match="stage 1 at B0.2 \\(its output link to stage 0 is full\\)"):
     verify.verify(schedule, capacity=2)
   verify.verify(schedule, capacity=_capacity(2, 8))
+
+
+@pytest.mark.parametrize("name,M,V", [("gpipe", 1, 1), ("1f1b_flush", 4, 1), ("interleaved", 4, 2),
+                                      ("zb_h1", 4, 1), ("zb_v", 4, 2)])
+def test_joint_updates_run_every_stages_backwards_of_a_batch_before_any_of_its_updates(name, M,
+                                                                                       V):
+  K = 4
+  plain = schedules.build(name, K, 3, M, V)
+  joint = schedules.jointly_updated(plain)
+  first_update = lambda order, b: min(i for i, (_, t) in enumerate(order)
+                                      if t.kind == "U" and t.batch == b)
+  last_backward = lambda order, b: max(i for i, (_, t) in enumerate(order)
+                                       if t.kind in ("B", "W") and t.batch == b)
+  order = verify.verify(joint).order
+  assert all(last_backward(order, b) < first_update(order, b) for b in range(3))
+  plain_order = verify.verify(plain).order   # without joint updates a stage may update first
+  assert any(last_backward(plain_order, b) > first_update(plain_order, b) for b in range(3))
+  for w in windows.plan(joint, [{} for _ in joint], 2):   # and the compiled windows' order
+    tasks = [(k, t) for k, t, _, _ in w.tasks]
+    for b in range(w.first, w.last + 1):
+      assert last_backward(tasks, b) < first_update(tasks, b)
+
+
+def test_joint_updates_need_update_tasks():
+  with pytest.raises(ValueError, match="joint updates need a schedule whose updates are U tasks"):
+    schedules.jointly_updated(schedules.sequential(2, 2))

@@ -9,7 +9,7 @@ loss and metric containers (`tfpipe.compile_utils.KerasStep`).
 import keras
 import tensorflow as tf
 
-from tfpipe import compile_utils, mitigations, runtime, stage
+from tfpipe import compile_utils, joint, mitigations, runtime, stage
 from tfpipe.instruments import prediction_error as prediction_error_lib
 
 __all__ = ["check_compile_arguments", "programs", "executor"]
@@ -53,10 +53,15 @@ def programs(pipe, optimizer, step):
   delays, rules = options.stage_rules(optimizer, K)
   metrics = [step.metrics] if step.metrics is not None else []
   result = []
+  clip = getattr(optimizer, "global_clipnorm", None)
+  # global_clipnorm: one factor per mini-batch over every stage's gradient (`tfpipe.joint`); a
+  # stage's own optimizer must not clip by its own part's norm.
+  decision = joint.JointDecision(clip, pipe.devices[0]) if clip else None
+  overrides = {"global_clipnorm": None} if clip else {}
   for k, (sub, device) in enumerate(zip(pipe.partition.stages, pipe.devices)):
     last = k == K - 1
     with tf.device(device):  # the optimizer's step counter and slots live with the stage
-      stage_optimizer = compile_utils.clone_optimizer(optimizer)
+      stage_optimizer = compile_utils.clone_optimizer(optimizer, **overrides)
     if options.delay_momentum:
       stage_optimizer.momentum = mitigations.delay_momentum(stage_optimizer.momentum, delays[k])
     result.append(stage.StageProgram(
@@ -69,6 +74,9 @@ def programs(pipe, optimizer, step):
         cross_device_ops=pipe.cross_device_ops))
   for p in result:
     p.check_kept_tapes()
+    p.joint = decision
+  if decision is not None:
+    decision.programs = result
   return result
 
 

@@ -24,6 +24,7 @@ import threading
 import keras
 import tensorflow as tf
 from keras.src.trainers import compile_utils as _compile_utils
+from keras.src.trainers import data_adapters as _data_adapters
 from tensorflow.core.framework import attr_value_pb2 as _tf_attr_value_pb2
 from tensorflow.python.distribute import values as _tf_distribute_values
 from tensorflow.python.eager import context as _tf_context
@@ -36,7 +37,7 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "calls_inferred_once", "calls_marked", "NOT_INLINED", "call_time_value",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
-           "per_replica", "runtime_started"]
+           "per_replica", "runtime_started", "data_adapter"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -67,6 +68,7 @@ def missing():
            (_compile_utils, "MetricsList"), (optimizer, "_var_key"),
            (optimizer, "_use_weight_decay"), (optimizer, "_get_variable_index"),
            (optimizer, "exclude_from_weight_decay")]
+  needs += [(_data_adapters, "get_data_adapter")]
   needs += [(_tf_context, "FunctionCallOptions"), (_tf_context.Context, "function_call_options"),
             (_tf_distribute_values, "PerReplica"),
             (_tf_context.FunctionCallOptions, "config_proto_serialized"),
@@ -90,6 +92,14 @@ def missing():
   except ImportError as error:
     gone.append(f"the profiler's trace converter ({error})")
   return gone
+
+
+def data_adapter(x, steps=None, shuffle=False, class_weight=None):
+  """Keras's own data adapter for `x` (a `keras.utils.PyDataset`, a Python generator or
+  iterator): what `model.fit` turns such data into (`get_tf_dataset`, `num_batches`, and the
+  `on_epoch_begin` / `on_epoch_end` hooks that start and stop a PyDataset's workers)."""
+  return _data_adapters.get_data_adapter(x, steps_per_epoch=steps, shuffle=shuffle,
+                                         class_weight=class_weight)
 
 
 def copy_weight_decay_exclusions(source, target, variable_pairs):

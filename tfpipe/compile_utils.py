@@ -24,25 +24,23 @@ def resolve_optimizer(optimizer):
     raise ValueError(f"unknown optimizer {optimizer!r}: {e}") from None
 
 
-def clone_optimizer(optimizer):
-  """A fresh instance from the same config: its own step counter and slots."""
-  return optimizer.__class__.from_config(optimizer.get_config())
+def clone_optimizer(optimizer, **overrides):
+  """A fresh instance from the same config (with `overrides`): its own step counter and
+  slots."""
+  config = optimizer.get_config()
+  config.update(overrides)
+  return optimizer.__class__.from_config(config)
 
 
 def check_optimizer(optimizer):
-  """Refuses, in one line, optimizer options whose decision spans the whole model: a stage
-  updates from its own gradients, and these need every stage's at once."""
+  """Refuses, in one line, optimizer options whose decision spans the whole model and that no
+  stage can make from its own gradients (`global_clipnorm` is made jointly: `tfpipe.joint`)."""
   if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
     raise ValueError(
         "keras.optimizers.LossScaleOptimizer is not supported in a pipeline: it skips an update "
         "when any gradient of the model overflows, a decision over every stage at once. Pass "
         f"its inner optimizer ({type(optimizer.inner_optimizer).__name__}) and train in float32 "
         "or mixed_bfloat16, which need no loss scaling")
-  if getattr(optimizer, "global_clipnorm", None):
-    raise ValueError(
-        f"global_clipnorm={optimizer.global_clipnorm} is not supported in a pipeline: it clips "
-        "by the norm of the whole model's gradient, and each stage updates from its own. Use "
-        "clipnorm (per variable) or clipvalue")
 
 
 class KerasStep:

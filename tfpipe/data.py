@@ -1,8 +1,10 @@
 """Inputs: what `fit`/`evaluate`/`predict` receive, as batched datasets and a batch count.
 
 Keras's forms are accepted: arrays (one, a list in the model's input order,
-or a dict by input name), `y`, `sample_weight`, `class_weight`; or a batched
-`tf.data.Dataset` of `x`, `(x, y)` or `(x, y, sample_weight)`. Stage 0 reads
+or a dict by input name), `y`, `sample_weight`, `class_weight`; a batched
+`tf.data.Dataset` of `x`, `(x, y)` or `(x, y, sample_weight)`; or a
+`keras.utils.PyDataset`, a Python generator or iterator of such batches, which
+Keras's own data adapter turns into a dataset (`adapted`). Stage 0 reads
 elements `(inputs, y[, sample_weight])` whose inputs are a tuple in the
 model's input order (one input: the tensor itself).
 """
@@ -14,7 +16,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["as_dataset", "validation_split", "class_weights", "input_names", "feature_arrays"]
+from tfpipe import compat
+
+__all__ = ["as_dataset", "validation_split", "class_weights", "input_names", "feature_arrays",
+           "adapted", "is_iterable_data"]
 
 
 def input_names(model):
@@ -22,13 +27,84 @@ def input_names(model):
   return [t.name for t in model.inputs]
 
 
-def _refuse_iterators(x):
-  if isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x) or (
-      hasattr(x, "__next__") and not isinstance(x, (np.ndarray, tf.Tensor))):
+def is_iterable_data(x):
+  """Whether `x` is data Keras reads through an adapter of its own: a `keras.utils.PyDataset`,
+  a Python generator or another iterator of batches."""
+  return isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x) or (
+      hasattr(x, "__next__") and not isinstance(x, (np.ndarray, tf.Tensor, tf.data.Dataset)))
+
+
+class _EpochHooks(keras.callbacks.Callback):
+  """Runs a Keras data adapter's hooks (a PyDataset's `on_epoch_begin` / `on_epoch_end`, its
+  workers started and stopped) around each epoch of `fit`, as Keras's epoch iterator does."""
+
+  def __init__(self, adapter):
+    super().__init__()
+    self.adapter = adapter
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self.adapter.on_epoch_begin()
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.adapter.on_epoch_end()
+
+
+class _TestHooks(_EpochHooks):
+  """The same around each pass of validation or `evaluate`."""
+
+  on_epoch_begin = on_epoch_end = keras.callbacks.Callback.on_epoch_begin
+
+  def on_test_begin(self, logs=None):
+    self.adapter.on_epoch_begin()
+
+  def on_test_end(self, logs=None):
+    self.adapter.on_epoch_end()
+
+
+class _PredictHooks(_EpochHooks):
+  """The same around `predict`."""
+
+  on_epoch_begin = on_epoch_end = keras.callbacks.Callback.on_epoch_begin
+
+  def on_predict_begin(self, logs=None):
+    self.adapter.on_epoch_begin()
+
+  def on_predict_end(self, logs=None):
+    self.adapter.on_epoch_end()
+
+
+_HOOKS = {"train": _EpochHooks, "test": _TestHooks, "predict": _PredictHooks}
+
+
+def adapted(x, y=None, sample_weight=None, batch_size=None, steps=None, shuffle=False,
+            class_weight=None, use="train"):
+  """`x` as `as_dataset` takes it: a PyDataset, generator or iterator becomes the
+  `tf.data.Dataset` Keras's own adapter makes of it (its batch count `len(x)`, as Keras takes
+  it, or `steps`), with the class weights applied as Keras applies them. Returns (x,
+  class_weight left to apply, callbacks that run the adapter's epoch hooks for `use`); other
+  data comes back as it is, with no callbacks."""
+  if not is_iterable_data(x):
+    return x, class_weight, []
+  what = type(x).__name__
+  for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size)):
+    if value is not None:
+      raise ValueError(f"`{name}` must be None when `x` is a {what} (it yields the batches, "
+                       f"as in Keras). Received: {name}={value!r}")
+  try:
+    adapter = compat.data_adapter(x, steps=steps, shuffle=shuffle, class_weight=class_weight)
+    dataset = adapter.get_tf_dataset()
+  except (ValueError, TypeError, StopIteration) as e:
+    raise ValueError(f"cannot read batches from the {what}: {e}") from None
+  num_batches = adapter.num_batches
+  if steps is None and num_batches is None:
     raise ValueError(
-        f"tfpipe takes arrays or a batched tf.data.Dataset, not a {type(x).__name__}: the "
-        "pipeline needs the batch count and element types before it starts. Wrap it: "
-        "tf.data.Dataset.from_generator(...)")
+        f"the {what}'s length is unknown (a generator has none): the pipeline plans each "
+        "epoch's schedule before it starts. Give `steps_per_epoch` (fit, and "
+        "`validation_steps` for validation data) or `steps` (evaluate, predict), or pass a "
+        "keras.utils.PyDataset with a length")
+  if num_batches is not None:
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(num_batches))
+  return dataset, None, [_HOOKS[use](adapter)]
 
 
 def feature_arrays(x, names):
@@ -133,7 +209,8 @@ def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
   if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
     raise ValueError(f"`steps` must be a positive integer. Received: {steps!r}")
   names = names or ["input"]
-  _refuse_iterators(x)
+  if is_iterable_data(x):
+    raise ValueError(f"a {type(x).__name__} goes through `adapted` first")
   if class_weight is not None and sample_weight is not None:
     raise ValueError("`sample_weight` and `class_weight` cannot both be given (as in Keras): "
                      "fold the class weights into the sample weights")

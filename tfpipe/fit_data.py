@@ -36,11 +36,14 @@ def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=No
 
 
 def validation(pipe, validation_data, batch_size, validation_batch_size, validation_steps):
-  """The validation dataset and its batch count, checked before training starts."""
+  """((the validation dataset, its batch count), callbacks that run a Keras data adapter's
+  hooks around each validation), checked before training starts."""
   if isinstance(validation_data, (tuple, list)):
     val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
   else:
     val_x, val_y, val_w = validation_data, None, None
+  val_x, _, hooks = data.adapted(val_x, val_y, val_w, validation_batch_size, validation_steps,
+                                 use="test")
   if isinstance(val_x, tf.data.Dataset):
     if validation_batch_size is not None:
       raise ValueError("`validation_batch_size` must be None when `validation_data` is a "
@@ -48,7 +51,7 @@ def validation(pipe, validation_data, batch_size, validation_batch_size, validat
     size = None
   else:
     size = validation_batch_size or batch_size
-  return dataset(pipe, val_x, val_y, size, validation_steps, sample_weight=val_w)
+  return dataset(pipe, val_x, val_y, size, validation_steps, sample_weight=val_w), hooks
 
 
 def check_fit_arguments(pipe, epochs, initial_epoch, validation_freq, batch_size):

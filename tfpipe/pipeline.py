@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import assemble, checkpoint as checkpoint_lib, cluster, compat, compile_utils, data
-from tfpipe import fit_data, fit_loop, layer_profile, learning_rate
+from tfpipe import fit_data, fit_loop, joint, layer_profile, learning_rate
 from tfpipe import options as options_lib, partition as partition_lib, placement, reduction
 from tfpipe.plan import policies
 
@@ -250,14 +250,17 @@ class Pipeline:
     distinct window is the drain alone (fewer ops to trace; `plan.windows.drained_firsts`).
     `run_eagerly=True` is refused (use `executor="threaded"` to step through tasks);
     `jit_compile` belongs to the Pipeline (`Pipeline(jit_compile=...)`). Optimizer options
-    that decide over the whole model at once (`global_clipnorm`, `LossScaleOptimizer`) and
-    a mixed_float16 model (Keras scales its loss) are refused by name.
+    that decide over the whole model at once: `global_clipnorm` is decided once per
+    mini-batch over every stage's gradient on the synchronous schedules (`tfpipe.joint`) and
+    refused by name on the asynchronous ones; `LossScaleOptimizer` and a mixed_float16 model
+    (Keras scales its loss) are refused by name.
     """
     assemble.check_compile_arguments(self.model, loss_weights, run_eagerly, steps_per_execution,
                                      jit_compile, auto_scale_loss)
     self.steps_per_execution = steps_per_execution
     optimizer = compile_utils.resolve_optimizer(optimizer)
     compile_utils.check_optimizer(optimizer)
+    joint.check(optimizer, self.method, policies.SYNCHRONOUS_METHODS)
     self.optimizer = optimizer
     self.step = compile_utils.KerasStep(self.model, loss, metrics, weighted_metrics, loss_weights,
                                         self.devices[-1])
@@ -299,6 +302,8 @@ class Pipeline:
     """
     self._check_compiled()
     fit_data.check_fit_arguments(self, epochs, initial_epoch, validation_freq, batch_size)
+    x, class_weight, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps_per_epoch,
+                                               shuffle, class_weight)
     if validation_split and validation_data is None:
       (x, y, sample_weight), validation_data = data.validation_split(
           x, y, sample_weight, validation_split)
@@ -306,15 +311,20 @@ class Pipeline:
                                             seed, sample_weight=sample_weight,
                                             class_weight=class_weight,
                                             micro_batches=self.micro_batches)
-    validation = (fit_data.validation(self, validation_data, batch_size, validation_batch_size,
-                                      validation_steps) if validation_data is not None else None)
+    validation = None
+    if validation_data is not None:
+      validation, validation_hooks = fit_data.validation(
+          self, validation_data, batch_size, validation_batch_size, validation_steps)
+      data_hooks += validation_hooks
     schedule = policies.build_schedule(self.policy, self.num_stages, num_batches,
-                                       self.micro_batches)
+                                       self.micro_batches,
+                                       joint=self.programs[0].joint is not None)
     diffs = policies.version_differences(self.policy, schedule, self.options.version_difference)
     verbose = 1 if verbose == "auto" else verbose
     callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)
                  if isinstance(cb, keras.callbacks.BackupAndRestore) else cb
                  for cb in callbacks or []]
+    callbacks = data_hooks + callbacks
     with learning_rate.driving(self.model, self.optimizer, self.metrics):
       cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                          model=self.model, verbose=verbose, epochs=epochs,
@@ -345,20 +355,23 @@ class Pipeline:
     """Loss and metrics over the data with the current weights, pipelined forward only
     (`keras.Model.evaluate`'s arguments and return value)."""
     self._check_compiled()
+    x, _, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps, use="test")
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
                                             sample_weight=sample_weight)
-    logs = self._forward_only(fit_loop.evaluate, dataset, num_batches, callbacks, verbose,
-                              test_hooks=True)
+    logs = self._forward_only(fit_loop.evaluate, dataset, num_batches,
+                              data_hooks + list(callbacks or []), verbose, test_hooks=True)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
   def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
     """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array, with the
     `on_predict_*` hooks (`keras.Model.predict`'s arguments)."""
     self._check_compiled()
+    x, _, data_hooks = data.adapted(x, batch_size=batch_size, steps=steps, use="predict")
     if isinstance(x, tf.data.Dataset) and isinstance(x.element_spec, tuple):
       x = x.map(lambda *element: element[0])   # Keras: a tuple element is (x, y, sample_weight)
     dataset, num_batches = fit_data.dataset(self, x, None, batch_size, steps, labels=False)
-    return self._forward_only(fit_loop.predict, dataset, num_batches, callbacks, verbose)
+    return self._forward_only(fit_loop.predict, dataset, num_batches,
+                              data_hooks + list(callbacks or []), verbose)
 
   def _forward_only(self, run, dataset, num_batches, callbacks, verbose, test_hooks=False):
     """`run` (`fit_loop.evaluate` or `fit_loop.predict`) over `dataset` with the user model's

@@ -154,6 +154,7 @@ class StageProgram:
                         for j, v in enumerate(self.trainable)] if policy.keeps_previous else [])
     self._sources = [v.value for v in self.trainable]
     self.accumulators = None
+    self.joint = None   # a `tfpipe.joint.JointDecision` the updates share (global_clipnorm)
     self.jit_compile = jit_compile
     self._functions, self._traced = {}, {}
     # The optimizer step, traced once per signature wherever an update is traced. Not marked
@@ -395,6 +396,9 @@ class StageProgram:
                            for j, v in enumerate(self._sources)]
                           if self.rule.delay_compensation else [])
         self.reads = tf.Variable(0.0, trainable=False, name=f"s{self.index}_reads")
+        self.slice_squares = [tf.Variable(0.0, trainable=False, name=f"s{self.index}_slices{j}")
+                              for j in range(len(self._sources))]
+        self.sliced = set()   # the variables whose gradients came as IndexedSlices
 
   # Task functions (traced once per signature; `task` gives them to the executors).
 
@@ -521,12 +525,30 @@ class StageProgram:
       if accumulate:
         for a, g in zip(self.accumulators, grads):
           a.assign_add(tf.cast(g, a.dtype))
+        if self.joint is not None:
+          self._add_slice_squares(grads)
         if read is not None:
           for r, w in zip(self.read_sums, read):
             r.assign_add(w)
           self.reads.assign_add(1.0)
       else:
         self._apply_step(list(grads), read)
+
+  def _add_slice_squares(self, grads):
+    """For the global norm (`tfpipe.joint`): the squares of an embedding's gradient rows as
+    Keras sums them, each row of its IndexedSlices apart (a token seen twice counts twice;
+    the dense sum of those rows, which the accumulator holds, would count it once, squared)."""
+    for j, g in enumerate(grads):
+      if isinstance(g, tf.IndexedSlices):
+        self.sliced.add(j)
+        self.slice_squares[j].assign_add(tf.reduce_sum(tf.square(tf.cast(g.values, tf.float32))))
+
+  def squared_norms(self):
+    """The squares of this stage's accumulated gradient as Keras's `global_clipnorm` counts
+    them: a dense gradient's sum of squares, an IndexedSlices gradient's per row."""
+    return [self.slice_squares[j] if j in self.sliced
+            else tf.reduce_sum(tf.square(tf.cast(a, tf.float32)))
+            for j, a in enumerate(self.accumulators)]
 
   def _step(self, grads, read):
     """The optimizer's step (with the stage's rule) on gradients taken at `read` (`_update`)."""
@@ -551,6 +573,9 @@ class StageProgram:
     with tf.device(self.device):
       self._keep_previous()
       grads = [tf.convert_to_tensor(a) for a in self.accumulators]
+      if self.joint is not None:   # a whole-model decision (`tfpipe.joint`): one clip factor
+        factor = self.joint.factor_for(self.optimizer.iterations)
+        grads = [g * tf.cast(factor, g.dtype) for g in grads]
       if self.rule.delay_compensation:
         n = tf.maximum(tf.convert_to_tensor(self.reads), 1.0)
         grads = self._compensated(grads, [tf.convert_to_tensor(r) / tf.cast(n, r.dtype)
@@ -561,6 +586,8 @@ class StageProgram:
       self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
       for a in self.accumulators:
         a.assign(tf.zeros_like(a))
+      for j in self.sliced:
+        self.slice_squares[j].assign(0.0)
 
   def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
     """The last stage's forward, loss, backward and update: returns (loss, input gradients,

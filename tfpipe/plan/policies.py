@@ -211,8 +211,15 @@ def version_differences(policy, schedule, mode="paper"):
            for t in tasks} for k, tasks in enumerate(schedule)]
 
 
-def build_schedule(policy, K, N, M=1):
+def build_schedule(policy, K, N, M=1, joint=False):
   """The schedule of `policy` for K stages (K / V devices with virtual stages), N mini-batches
-  of M micro-batches."""
-  return schedules.build(policy.schedule, K, N, M, policy.virtual_stages)
+  of M micro-batches. `joint` (a synchronous policy): with joint updates
+  (`schedules.jointly_updated`); "sequential" then runs as GPipe with one micro-batch, the
+  same tasks with the update as a task of its own."""
+  if not joint:
+    return schedules.build(policy.schedule, K, N, M, policy.virtual_stages)
+  if policy.method not in SYNCHRONOUS_METHODS:
+    raise ValueError(f"joint updates need a synchronous schedule; {policy.method!r} is not one")
+  name = "gpipe" if policy.schedule == "sequential" else policy.schedule
+  return schedules.jointly_updated(schedules.build(name, K, N, M, policy.virtual_stages))
 

@@ -29,7 +29,7 @@ thread timing: the runtime and the slow reference loop agree exactly.
 import collections
 
 __all__ = ["Task", "Schedule", "lanes", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush",
-           "interleaved", "zero_bubble_h1", "zero_bubble_v", "device_of",
+           "interleaved", "zero_bubble_h1", "zero_bubble_v", "device_of", "jointly_updated",
            "ddg", "ddg_lockstep", "timeprest", "build",
            "SCHEDULES", "MICRO_BATCHED", "ALWAYS_MICRO", "SPLIT_BACKWARD", "is_update",
            "exact_version_differences",
@@ -210,9 +210,23 @@ class Schedule(list):
   the order in which device d runs its stages' tasks, as (stage, task) pairs; each stage's
   list is its tasks in that order. Plain lists run one stage per device."""
 
-  def __init__(self, stages, lanes):
+  def __init__(self, stages, lanes, joint=False):
     super().__init__(stages)
     self.lanes = lanes
+    self.joint = joint
+
+
+def jointly_updated(schedule):
+  """`schedule` with joint updates: no stage's update U(b) runs before every stage's
+  backwards (B and W) of b have run (`tfpipe.plan.verify`, the executors), so a decision over
+  the whole model's gradient (`tfpipe.joint`) can be made before any stage applies it. For a
+  synchronous schedule with U tasks; it costs nothing there: the next mini-batch waits for
+  every update anyway."""
+  if not any(t.kind == "U" for tasks in schedule for t in tasks):
+    raise ValueError("joint updates need a schedule whose updates are U tasks (micro-batch "
+                     "backwards accumulated, then applied)")
+  return Schedule([list(tasks) for tasks in schedule], getattr(schedule, "lanes", None),
+                  joint=True)
 
 
 def lanes(schedule):

@@ -10,7 +10,9 @@ K: stages, k: stage index, b: mini-batch, i: micro-batch. A schedule passes when
     data (the forward of its unit at k-1; the output gradient from k+1, or its
     own R; its own forwards), items on a link arrive in the order sent (FIFO),
     a task that sends waits while `capacity` items are in flight on its link,
-    and a barrier S(t) waits until every stage has reached it.
+    a barrier S(t) waits until every stage has reached it, and with joint
+    updates (`schedules.jointly_updated`) an update U(b) waits until every
+    stage has run its backwards of b.
 It returns the order it ran and, per stage, the peaks the schedule implies:
 forward states kept at once, distinct weight versions among them (what a
 stash holds), and the staleness between a forward and its backward. A
@@ -176,6 +178,12 @@ def verify(schedule, capacity=None):
   peaks = dict(states=[0] * K, versions=[0] * K, stale=[0] * K)
   in_flight = [[0, 0] for _ in range(K - 1)]
   order = []
+  joint = getattr(schedule, "joint", False)   # `schedules.jointly_updated`
+  accumulations = collections.defaultdict(list)   # b -> every stage's (k, B or W of b)
+  for j, tasks in enumerate(schedule):
+    for o in tasks:
+      if o.kind in ("B", "W"):
+        accumulations[o.batch].append((j, o))
 
   def blocked(k, t):
     """Why task t of stage k cannot run now (None when it can)."""
@@ -216,6 +224,10 @@ def verify(schedule, capacity=None):
       for o in micro_backwards[k][t.batch] + halves[k][t.batch]:
         if o not in done[k]:
           return f"waits for its own {o}"
+      if joint:
+        for j, o in accumulations[t.batch]:
+          if o not in done[j]:
+            return f"waits for stage {j}'s {o} (joint updates)"
     return None
 
   def run(k, t):

@@ -94,6 +94,7 @@ def _cut(schedule, diffs, starts, N):
   """The windows that start at `starts` (ascending, from 0) in an epoch of N mini-batches."""
   K = len(schedule)
   covers = [verify.covered_units(tasks) for tasks in schedule]
+  joint = _accumulations(schedule) if getattr(schedule, "joint", False) else None
   ends = [b - 1 for b in starts[1:]] + [N - 1]
   cuts = [[0] * K]
   for last in ends:
@@ -104,7 +105,7 @@ def _cut(schedule, diffs, starts, N):
     lists = [[t for t in tasks[cuts[w][k]:cuts[w + 1][k]] if t.kind != "S"]
              for k, tasks in enumerate(schedule)]
     tasks = [(k, t, diffs[k].get(t, 0), tuple(covers[k].get(t, ()))) for k, t in
-             _order(lists, done)]
+             _order(lists, done, joint)]
     windows.append(_window(first, last, tasks))
   return windows
 
@@ -118,12 +119,24 @@ def _needs(k, t, K):
   return None
 
 
-def _order(lists, done):
+def _accumulations(schedule):
+  """Joint updates (`schedules.jointly_updated`): b -> every stage's (k, B or W task of b)."""
+  result = collections.defaultdict(list)
+  for k, tasks in enumerate(schedule):
+    for t in tasks:
+      if t.kind in ("B", "W"):
+        result[t.batch].append((k, t))
+  return result
+
+
+def _order(lists, done, joint=None):
   """The window's tasks in trace order: stage by stage, each stage running its next tasks
   while their data is there (made earlier, or in `done`, which gains them).
 
   It depends on the window's own lists only, so windows alike trace alike.
-  An R task and the B it serves both wait for stage k+1's B.
+  An R task and the B it serves both wait for stage k+1's B. With joint updates (`joint`:
+  `_accumulations`), an update U(b) waits for every stage's backwards of b, so a decision
+  over the whole gradient is traced before any stage applies it (`tfpipe.joint`).
   """
   K, heads, order = len(lists), [0] * len(lists), []
   while any(heads[k] < len(lists[k]) for k in range(K)):
@@ -134,6 +147,8 @@ def _order(lists, done):
         need = _needs(k, t, K)
         if need is not None and need not in done and not (t.kind == "B" and (k, type(t)(
             "R", t.batch, t.micro)) in done):
+          break
+        if joint is not None and t.kind == "U" and any(o not in done for o in joint[t.batch]):
           break
         order.append((k, t))
         done.add((k, t))

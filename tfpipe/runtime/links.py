@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfpipe.plan import schedules
 
-__all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Gate", "Links", "spawn",
+__all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Countdown", "Gate", "Links", "spawn",
            "split", "concat", "copy_to"]
 
 
@@ -81,6 +81,33 @@ class Barrier:
           raise Stopped()
         if cancel is not None and cancel():
           self._arrived -= 1
+          raise Skipped()
+        self._cond.wait(self._poll)
+
+
+class Countdown:
+  """Per mini-batch, the backwards (B and W tasks) still to run on every stage: with joint
+  updates (`schedules.jointly_updated`) an update of b `wait`s until none of b's is left;
+  gives up when `stop` is set."""
+
+  def __init__(self, schedule, stop, poll=0.05):
+    self._left = collections.Counter(t.batch for tasks in schedule for t in tasks
+                                     if t.kind in ("B", "W"))
+    self._stop, self._poll = stop, poll
+    self._cond = threading.Condition()
+
+  def done(self, b):
+    with self._cond:
+      self._left[b] -= 1
+      if self._left[b] <= 0:
+        self._cond.notify_all()
+
+  def wait(self, b, cancel=None):
+    with self._cond:
+      while self._left[b] > 0:
+        if self._stop.is_set():
+          raise Stopped()
+        if cancel is not None and cancel():
           raise Skipped()
         self._cond.wait(self._poll)
 

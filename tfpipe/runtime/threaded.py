@@ -18,7 +18,7 @@ import time
 
 from tfpipe.plan import schedules, verify
 from tfpipe.runtime.base import Executor
-from tfpipe.runtime.links import Links, Skipped, concat, copy_to, spawn
+from tfpipe.runtime.links import Countdown, Links, Skipped, concat, copy_to, spawn
 from tfpipe.runtime.records import TaskRecord
 
 __all__ = ["Runtime"]
@@ -68,6 +68,9 @@ class Runtime(Executor):
     fwd, bwd, results, gate = links.forward, links.backward, links.results, links.gate
 
     lanes = schedules.lanes(schedule)   # a device's stages run their tasks in its lane's order
+    # Joint updates (`tfpipe.joint`): an update waits for every stage's backwards of its batch.
+    countdown = (Countdown(schedule, links.stop, self.poll) if getattr(schedule, "joint", False)
+                 else None)
 
     def worker(d):
       stages = {k: (self.programs[k], k == K - 1, verify.covered_units(schedule[k]), {}, {},
@@ -80,6 +83,8 @@ class Runtime(Executor):
           logs = run_task(k, *stages[k], task, logs)
         except Skipped:
           continue
+        if countdown is not None and task.kind in ("B", "W"):
+          countdown.done(task.batch)
 
     def run_task(k, program, last, cover, saved, grads_in, batch_loss, task, logs):
       kind, b, micro = task
@@ -104,7 +109,12 @@ class Runtime(Executor):
         links.barrier.wait(links.cancel(b))
         self._log(k, "S", task, self.updates[k], s, start)
       elif op == "update":
-        program.apply_accumulated()
+        if countdown is not None:
+          countdown.wait(b, links.cancel(b))
+          with program.joint.lock:   # the first update of b decides for every stage
+            program.apply_accumulated()
+        else:
+          program.apply_accumulated()
         self._log(k, "U", task, self.updates[k], s, start)
         self._updated(k)
         if last:
