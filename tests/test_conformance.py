@@ -304,3 +304,22 @@ def test_lambda_callback_batch_hooks_see_keras_batch_logs():
   assert len(seen["keras"]) == 8
   assert [b for b, _, _ in seen["pipe"]] == [b for b, _, _ in seen["keras"]]
   assert _close([v[1:] for v in seen["pipe"]], [v[1:] for v in seen["keras"]], 2e-5)
+
+
+@pytest.mark.parametrize("pipeline", [cc.ONE_F_ONE_B_2, cc.THREADED_ZBV],
+                         ids=lambda p: f"{p[0]}{p[1]}{'-threaded' if len(p) > 2 else ''}")
+def test_loss_scaling_skips_keras_steps_and_ends_on_keras_scale(pipeline):
+  case = next(c for c in cc.CASES if c.name == "loss_scale_optimizer")
+  x, y = case.data()
+  model = case.model()
+  model.compile(**case.compile())
+  model.fit(x, y, **_fit_args(case, x, y))
+  pipe_model = case.model()
+  pipe = _pipeline(pipe_model, *pipeline[:2], **(pipeline[2] if len(pipeline) > 2 else {}))
+  pipe.compile(**case.compile())
+  pipe.fit(x, y, **_fit_args(case, x, y))
+  steps = int(model.optimizer.iterations.numpy())
+  assert 0 < steps < 8   # some of the 8 steps were skipped (the check can fail)
+  assert [int(p.optimizer.iterations.numpy()) for p in pipe.programs] == [steps] * len(
+      pipe.programs)
+  assert pipe.loss_scale == float(model.optimizer.dynamic_scale.numpy())

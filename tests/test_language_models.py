@@ -180,3 +180,16 @@ def test_per_token_llama_global_clipnorm_same_as_keras(method, micro_batches, op
   assert max(float(np.max(np.abs(a - b)))   # the clip acts: the weights differ from unclipped
              for a, b in zip(expected[0], _keras_lm("arrays")[0])) > 1e-2
   conformance.assert_same(expected, _pipe_lm("clipped", method, micro_batches, options), 2e-5)
+
+
+def test_keras_hub_causal_lm_with_tied_embedding_across_stages_is_refused():
+  keras_hub = pytest.importorskip("keras_hub")
+  backbone = keras_hub.models.LlamaBackbone(
+      vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+      hidden_dim=16, intermediate_dim=32)
+  task = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+  with pytest.raises(ValueError, match=r"weight '.*embeddings' of model 'llama_causal_lm' is used "
+                                       r"on stages 0 and 1 .*tied weights across stages"):
+    tfpipe.Pipeline(task, num_stages=2, method="1f1b")
+  with pytest.raises(ValueError, match=r"cannot cut model 'llama_causal_lm' into 4 stages"):
+    tfpipe.Pipeline(task, num_stages=4, method="1f1b")

@@ -39,24 +39,21 @@ def check_compile_arguments(model, loss_weights, run_eagerly, steps_per_executio
         f"tfpipe trains models with one output; {model.name!r} has "
         f"{len(model.outputs)} ({', '.join(model.output_names)}): multi-output "
         "models (and their lists or dicts of losses and metrics) are not supported")
-  if auto_scale_loss and model.dtype_policy.name == "mixed_float16":
-    raise ValueError(
-        "a mixed_float16 model trains with loss scaling (Keras wraps its optimizer in a "
-        "LossScaleOptimizer), which skips updates on an overflow anywhere in the model: not "
-        "supported in a pipeline. Use the mixed_bfloat16 policy (no loss scaling) or float32")
 
 
-def programs(pipe, optimizer, step):
+def programs(pipe, optimizer, step, scaling=None):
   """One `tfpipe.stage.StageProgram` per stage of `pipe`, the last with `step`'s loss and
-  metrics; refuses a stage whose forward cannot keep its tape."""
+  metrics; refuses a stage whose forward cannot keep its tape. `scaling`: (initial scale,
+  growth steps) of dynamic loss scaling (`tfpipe.joint`), or None."""
   options, K = pipe.options, pipe.num_stages
   delays, rules = options.stage_rules(optimizer, K)
   metrics = [step.metrics] if step.metrics is not None else []
   result = []
   clip = getattr(optimizer, "global_clipnorm", None)
-  # global_clipnorm: one factor per mini-batch over every stage's gradient (`tfpipe.joint`); a
-  # stage's own optimizer must not clip by its own part's norm.
-  decision = joint.JointDecision(clip, pipe.devices[0]) if clip else None
+  # global_clipnorm and loss scaling: decided once per mini-batch over every stage's gradient
+  # (`tfpipe.joint`); a stage's own optimizer must not clip by its own part's norm.
+  decision = (joint.JointDecision(clip, scaling, pipe.devices[0]) if clip or scaling
+              else None)
   overrides = {"global_clipnorm": None} if clip else {}
   for k, (sub, device) in enumerate(zip(pipe.partition.stages, pipe.devices)):
     last = k == K - 1

@@ -398,7 +398,10 @@ def set_update_count(optimizer, count):
 
 
 def learning_rate_value(optimizer):
-  """`optimizer`'s learning rate as stored: a variable, or a schedule."""
+  """`optimizer`'s learning rate as stored: a variable, or a schedule (a LossScaleOptimizer's:
+  its inner optimizer's, which its `learning_rate` reads and writes)."""
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    optimizer = optimizer.inner_optimizer
   return optimizer._learning_rate  # pylint: disable=protected-access
 
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tfpipe import compat
 
 __all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metrics", "loss_name",
-           "KerasStep", "check_optimizer",
+           "KerasStep",
            "example_shape", "example_shapes"]
 
 
@@ -32,15 +32,6 @@ def clone_optimizer(optimizer, **overrides):
   return optimizer.__class__.from_config(config)
 
 
-def check_optimizer(optimizer):
-  """Refuses, in one line, optimizer options whose decision spans the whole model and that no
-  stage can make from its own gradients (`global_clipnorm` is made jointly: `tfpipe.joint`)."""
-  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-    raise ValueError(
-        "keras.optimizers.LossScaleOptimizer is not supported in a pipeline: it skips an update "
-        "when any gradient of the model overflows, a decision over every stage at once. Pass "
-        f"its inner optimizer ({type(optimizer.inner_optimizer).__name__}) and train in float32 "
-        "or mixed_bfloat16, which need no loss scaling")
 
 
 class KerasStep:

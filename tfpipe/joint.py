@@ -1,75 +1,132 @@
-"""Whole-model decisions across stages: global-norm clipping, made once per mini-batch.
+"""Whole-model decisions across stages, made once per mini-batch: global-norm clipping and
+dynamic loss scaling.
 
-Keras's `global_clipnorm` clips every gradient of the model by one norm, that of
-the whole gradient. A synchronous schedule (`tfpipe.SYNCHRONOUS_METHODS`) has
-every stage's gradient of mini-batch b accumulated before any stage applies it,
-when the schedule is built with joint updates (`schedules.jointly_updated`: the
-verifier then lets no stage's update U(b) run before every stage's backwards of
-b). The first stage to reach its update of b decides for all:
+Keras decides some things over the whole model's gradient: `global_clipnorm` clips every
+gradient by the norm of all of them, and `LossScaleOptimizer` (what `compile` wraps the
+optimizer in for a mixed_float16 model) skips the step when any gradient is not finite. A
+synchronous schedule (`tfpipe.SYNCHRONOUS_METHODS`) has every stage's gradient of mini-batch
+b accumulated before any stage applies it, when the schedule is built with joint updates
+(`schedules.jointly_updated`: the verifier, the compiled windows and the threaded executor
+then let no stage's update U(b) run before every stage's backwards of b). The first stage to
+reach its update of b decides for all, from every stage's accumulated gradient A_k (already
+summed over its replicas):
 
-    n = sqrt(sum over stages k of ||A_k||^2)     (A_k: stage k's accumulated gradient,
-                                                  already summed over its replicas; an
-                                                  embedding's IndexedSlices counted row by
-                                                  row, as Keras counts them)
-    c_b = clip * min(1 / n, 1 / clip)             (Keras's `clip_by_global_norm`; NaN
-                                                  when n is not finite, as there)
+    loss scaling (scale S, the last stage's loss multiplied by S before its backward):
+      finite_b = every A_k finite
+      finite:  the step runs on A_k / S; after `growth_steps` finite steps in a row S doubles
+      else:    every stage skips the step; S halves
+    clipping (Keras's `clip_by_global_norm`, on the unscaled gradient):
+      n = sqrt(sum over k of ||A_k / S||^2)   (an embedding's IndexedSlices rows counted one
+                                               by one, as Keras counts them)
+      c_b = clip * min(1 / n, 1 / clip)       (NaN when n is not finite, as in Keras)
 
-and records it with the update count it holds for (every stage of a synchronous
-schedule has applied the same number of updates); each stage's update then
-applies c_b * A_k. The decision lives in variables, so it holds across the
-compiled executor's windows, and in the threaded executor the updates of one
-mini-batch take a lock while they decide (`JointDecision.lock`).
+It records the factor c_b / S and finite_b with a ticket (the updates every stage has run:
+equal on a synchronous schedule), so each later update of b reads the same decision, across
+the compiled executor's windows too; in the threaded executor the updates take a lock while
+they decide (`JointDecision.lock`). Every stage's update then applies c_b / S * A_k, or skips
+when not finite_b.
 
-An asynchronous method updates its stages from different mini-batches at
-different times: there is no one gradient to take the norm of, and `compile`
-refuses `global_clipnorm` there, naming the schedules that take it.
+An asynchronous method updates its stages from different mini-batches at different times:
+there is no one gradient to decide over, and `compile` refuses both there, naming the
+schedules that take them.
 """
 
 import threading
 
+import keras
 import tensorflow as tf
 
-__all__ = ["JointDecision", "check"]
+__all__ = ["JointDecision", "check", "loss_scaling"]
+
+# Keras's LossScaleOptimizer defaults, for the optimizer `compile` wraps for mixed_float16.
+INITIAL_SCALE, GROWTH_STEPS = 2.0 ** 15, 2000
 
 
-def check(optimizer, method, synchronous):
-  """Refuses, in one line, `global_clipnorm` on a method whose updates are not joint."""
+def loss_scaling(model, optimizer, auto_scale_loss):
+  """(inner optimizer, initial scale, growth steps) when training scales the loss: an explicit
+  `keras.optimizers.LossScaleOptimizer`, or a mixed_float16 model with `auto_scale_loss` (as
+  `keras.Model.compile` wraps it); None otherwise."""
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    return optimizer.inner_optimizer, optimizer.initial_scale, optimizer.dynamic_growth_steps
+  if auto_scale_loss and model.dtype_policy.name == "mixed_float16":
+    return optimizer, INITIAL_SCALE, GROWTH_STEPS
+  return None
+
+
+def check(optimizer, scaling, method, synchronous):
+  """Refuses, in one line, a whole-model decision on a method whose updates are not joint."""
+  if method in synchronous:
+    return
   clip = getattr(optimizer, "global_clipnorm", None)
-  if clip and method not in synchronous:
-    raise ValueError(
-        f"global_clipnorm={clip} needs every stage's gradient of a mini-batch before any "
-        f"stage updates, which method {method!r} (asynchronous) never has: use one of the "
-        f"synchronous schedules ({', '.join(synchronous)}), or clipnorm (per variable) or "
-        "clipvalue")
+  if clip:
+    what = f"global_clipnorm={clip}"
+  elif scaling is not None:
+    what = ("loss scaling (a LossScaleOptimizer, or a mixed_float16 model, which Keras trains "
+            "with one)")
+  else:
+    return
+  hint = ("clipnorm (per variable) or clipvalue" if clip else
+          "the mixed_bfloat16 policy (no loss scaling) or float32")
+  raise ValueError(
+      f"{what} needs every stage's gradient of a mini-batch before any stage updates, which "
+      f"method {method!r} (asynchronous) never has: use one of the synchronous schedules "
+      f"({', '.join(synchronous)}), or {hint}")
 
 
 class JointDecision:
-  """The clip factor of each mini-batch, decided once across `programs` (see the module).
+  """Each mini-batch's decision, made once across `programs` (see the module).
 
-  `clip`: Keras's `global_clipnorm`. `device`: where the decision's variables live.
+  `clip`: Keras's `global_clipnorm`, or None. `scaling`: (initial scale, growth steps), or
+  None. `device`: where the decision's variables live.
   """
 
-  def __init__(self, clip, device):
-    self.clip = float(clip)
+  def __init__(self, clip, scaling, device):
+    self.clip = float(clip) if clip else None
+    self.scaling = scaling
     self.programs = []
     self.lock = threading.Lock()
     with tf.device(device):
       self.decided_for = tf.Variable(tf.constant(-1, tf.int64), trainable=False,
                                      name="joint_decided_for")
-      self.factor = tf.Variable(1.0, trainable=False, name="joint_clip_factor")
+      self.factor = tf.Variable(1.0, trainable=False, name="joint_factor")
+      self.finite = tf.Variable(True, trainable=False, name="joint_finite")
+      initial, self.growth_steps = scaling or (1.0, 0)
+      self.scale = tf.Variable(float(initial), trainable=False, name="loss_scale")
+      self.step_counter = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                      name="loss_scale_step_counter")
 
-  def factor_for(self, count):
-    """The clip factor of the mini-batch whose update is number `count` (an int64 tensor: the
-    updating stage's update count), decided by the first update that asks."""
-    count = tf.cast(count, tf.int64)
+  def scaled_loss(self, loss):
+    """`loss` times the loss scale (the last stage's target, before its backward)."""
+    if self.scaling is None:
+      return loss
+    return loss * tf.cast(self.scale.read_value(), loss.dtype)
+
+  def decide(self, ticket):
+    """(factor, finite) of the mini-batch whose updates hold `ticket` (an int64 tensor: the
+    updates the stage has run), decided by the first update that asks."""
+    ticket = tf.cast(ticket, tf.int64)
 
     def decide():
-      squares = [q for p in self.programs for q in p.squared_norms()]
-      norm = tf.sqrt(tf.add_n(squares))
-      factor = self.clip * tf.minimum(1.0 / norm, 1.0 / self.clip) + (norm - norm)
-      with tf.control_dependencies([self.factor.assign(factor),
-                                    self.decided_for.assign(count)]):
-        return tf.identity(factor)
+      scale = self.scale.read_value()
+      finite = tf.constant(True)
+      if self.scaling is not None:
+        finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(a))
+                                         for p in self.programs for a in p.accumulators]))
+      factor = 1.0 / scale
+      if self.clip is not None:
+        norm = tf.sqrt(tf.add_n([q for p in self.programs for q in p.squared_norms(scale)]))
+        factor = factor * (self.clip * tf.minimum(1.0 / norm, 1.0 / self.clip) + (norm - norm))
+      updates = [self.factor.assign(factor), self.finite.assign(finite),
+                 self.decided_for.assign(ticket)]
+      if self.scaling is not None:
+        grow = tf.logical_and(finite, tf.equal(self.step_counter, self.growth_steps - 1))
+        updates += [
+            self.scale.assign(tf.where(finite, tf.where(grow, scale * 2.0, scale), scale * 0.5)),
+            self.step_counter.assign(tf.where(tf.logical_and(finite, tf.logical_not(grow)),
+                                              self.step_counter + 1, tf.zeros_like(ticket)))]
+      with tf.control_dependencies(updates):
+        return tf.identity(factor), tf.identity(finite)
 
-    return tf.cond(tf.equal(self.decided_for.read_value(), count),
-                   lambda: tf.identity(self.factor.read_value()), decide)
+    return tf.cond(tf.equal(self.decided_for.read_value(), ticket),
+                   lambda: (tf.identity(self.factor.read_value()),
+                            tf.identity(self.finite.read_value())), decide)

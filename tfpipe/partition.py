@@ -160,4 +160,21 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
       cuts = balance.min_max(costs, num_stages)
   stages = split(model, cuts)
   layer_names = [[node.operation.name for node in nodes[a:b]] for a, b in zip(cuts[:-1], cuts[1:])]
+  _check_no_shared_weights(model, stages, layer_names)
   return Partition(stages, cuts, layer_names, costs)
+
+
+def _check_no_shared_weights(model, stages, layer_names):
+  """Refuses a cut that puts one weight on two stages (a KerasHub causal LM's head calling the
+  backbone's token embedding in reverse): each stage would train its own copy, and they would
+  part. Weights shared within one stage are fine."""
+  owner = {}
+  for k, stage in enumerate(stages):
+    for v in stage.weights:
+      j = owner.setdefault(id(v), k)
+      if j != k:
+        raise ValueError(
+            f"weight {v.path!r} of model {model.name!r} is used on stages {j} and {k} "
+            f"({', '.join(layer_names[j])} / {', '.join(layer_names[k])}): tied weights across "
+            "stages are not supported yet. Cut so that every layer using it is on one stage "
+            "(partition=[...]), or untie them")

@@ -214,6 +214,15 @@ class Pipeline:
     return self.runtime.report if self.runtime else None
 
   @property
+  def loss_scale(self):
+    """The dynamic loss scale (float) where training scales the loss (a LossScaleOptimizer,
+    or a mixed_float16 model: `tfpipe.joint`), else None."""
+    decision = self.programs[0].joint if getattr(self, "programs", None) else None
+    if decision is None or decision.scaling is None:
+      return None
+    return float(decision.scale.numpy())
+
+  @property
   def records(self):
     return self.runtime.records if self.runtime else []
 
@@ -252,20 +261,25 @@ class Pipeline:
     `jit_compile` belongs to the Pipeline (`Pipeline(jit_compile=...)`). Optimizer options
     that decide over the whole model at once: `global_clipnorm` is decided once per
     mini-batch over every stage's gradient on the synchronous schedules (`tfpipe.joint`) and
-    refused by name on the asynchronous ones; `LossScaleOptimizer` and a mixed_float16 model
-    (Keras scales its loss) are refused by name.
+    refused by name on the asynchronous ones; so is loss scaling (`LossScaleOptimizer`, or a
+    mixed_float16 model with `auto_scale_loss`, which Keras wraps in one): one scale for the
+    whole pipeline, a step skipped on every stage when any stage's gradient is not finite
+    (`loss_scale` reads the scale).
     """
     assemble.check_compile_arguments(self.model, loss_weights, run_eagerly, steps_per_execution,
                                      jit_compile, auto_scale_loss)
     self.steps_per_execution = steps_per_execution
     optimizer = compile_utils.resolve_optimizer(optimizer)
-    compile_utils.check_optimizer(optimizer)
-    joint.check(optimizer, self.method, policies.SYNCHRONOUS_METHODS)
-    self.optimizer = optimizer
+    scaling = joint.loss_scaling(self.model, optimizer, auto_scale_loss)
+    inner = scaling[0] if scaling else optimizer
+    joint.check(inner, scaling, self.method, policies.SYNCHRONOUS_METHODS)
+    if scaling and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+      optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    self.optimizer = optimizer   # `model.optimizer` during fit, as Keras's compile leaves it
     self.step = compile_utils.KerasStep(self.model, loss, metrics, weighted_metrics, loss_weights,
                                         self.devices[-1])
     self.metrics = [self.step.metrics] if self.step.metrics is not None else []
-    self.programs = assemble.programs(self, optimizer, self.step)
+    self.programs = assemble.programs(self, inner, self.step, scaling and scaling[1:])
     self.runtime = assemble.executor(self, self.programs, self.AUTO_WINDOW)
 
   def _check_compiled(self):

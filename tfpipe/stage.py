@@ -380,8 +380,11 @@ class StageProgram:
   def _targets(self, ys, dys, reg, scale):
     pairs = [(y, dy if dy is not None else tf.zeros_like(y))
              for y, dy, f in zip(ys, dys, self._float_out) if f]
+    # The regularisation's gradient weighs as the loss's: the micro-batch's share, and the
+    # loss scale where the loss is scaled (the output gradients `dys` carry it already).
     return ([y for y, _ in pairs] + [reg],
-            [dy for _, dy in pairs] + [tf.ones_like(reg) * tf.cast(scale, reg.dtype)])
+            [dy for _, dy in pairs] + [self._loss_scaled(tf.ones_like(reg)
+                                                         * tf.cast(scale, reg.dtype))])
 
   def build_accumulators(self):
     """Creates the gradient accumulators (once) for schedules with micro-batch backwards."""
@@ -399,6 +402,8 @@ class StageProgram:
         self.slice_squares = [tf.Variable(0.0, trainable=False, name=f"s{self.index}_slices{j}")
                               for j in range(len(self._sources))]
         self.sliced = set()   # the variables whose gradients came as IndexedSlices
+        self.joint_updates = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                         name=f"s{self.index}_joint_updates")
 
   # Task functions (traced once per signature; `task` gives them to the executors).
 
@@ -534,6 +539,26 @@ class StageProgram:
       else:
         self._apply_step(list(grads), read)
 
+  def _apply_joint(self, grads):
+    """The update of a whole-model decision (`tfpipe.joint`): the accumulated gradients times
+    the mini-batch's factor (unscaled, clipped), or no step where a gradient was not finite;
+    the accumulators cleared either way."""
+    factor, finite = self.joint.decide(self.joint_updates)
+    grads = [g * tf.cast(factor, g.dtype) for g in grads]
+    with tf.control_dependencies([factor, finite]):
+      self.joint_updates.assign_add(1)
+    if self.joint.scaling is None:
+      self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
+    else:
+      def step():
+        self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
+        return tf.constant(True)
+      tf.cond(finite, step, lambda: tf.constant(False))
+    for a in self.accumulators:
+      a.assign(tf.zeros_like(a))
+    for j in self.sliced:
+      self.slice_squares[j].assign(0.0)
+
   def _add_slice_squares(self, grads):
     """For the global norm (`tfpipe.joint`): the squares of an embedding's gradient rows as
     Keras sums them, each row of its IndexedSlices apart (a token seen twice counts twice;
@@ -543,11 +568,12 @@ class StageProgram:
         self.sliced.add(j)
         self.slice_squares[j].assign_add(tf.reduce_sum(tf.square(tf.cast(g.values, tf.float32))))
 
-  def squared_norms(self):
-    """The squares of this stage's accumulated gradient as Keras's `global_clipnorm` counts
-    them: a dense gradient's sum of squares, an IndexedSlices gradient's per row."""
-    return [self.slice_squares[j] if j in self.sliced
-            else tf.reduce_sum(tf.square(tf.cast(a, tf.float32)))
+  def squared_norms(self, scale):
+    """The squares of this stage's accumulated gradient divided by `scale` (the loss scale) as
+    Keras's `global_clipnorm` counts them: a dense gradient's sum of squares, an
+    IndexedSlices gradient's per row."""
+    return [self.slice_squares[j] / (scale * scale) if j in self.sliced
+            else tf.reduce_sum(tf.square(tf.cast(a, tf.float32) / scale))
             for j, a in enumerate(self.accumulators)]
 
   def _step(self, grads, read):
@@ -573,9 +599,9 @@ class StageProgram:
     with tf.device(self.device):
       self._keep_previous()
       grads = [tf.convert_to_tensor(a) for a in self.accumulators]
-      if self.joint is not None:   # a whole-model decision (`tfpipe.joint`): one clip factor
-        factor = self.joint.factor_for(self.optimizer.iterations)
-        grads = [g * tf.cast(factor, g.dtype) for g in grads]
+      if self.joint is not None:   # a whole-model decision (`tfpipe.joint`)
+        self._apply_joint(grads)
+        return
       if self.rule.delay_compensation:
         n = tf.maximum(tf.convert_to_tensor(self.reads), 1.0)
         grads = self._compensated(grads, [tf.convert_to_tensor(r) / tf.cast(n, r.dtype)
@@ -601,7 +627,7 @@ class StageProgram:
         loss = self.loss(y, ys[0], sample_weight=sample_weight)
         total = loss + tf.cast(reg, loss.dtype)
         same = total.dtype == ys[0].dtype
-        scaled = total * tf.cast(scale, total.dtype) if same else total
+        scaled = self._loss_scaled(total * tf.cast(scale, total.dtype) if same else total)
       grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
       if not same:
         # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
@@ -620,9 +646,14 @@ class StageProgram:
       total = loss + tf.cast(reg, loss.dtype)
       # As `_last_step`: a loss of another dtype than the outputs scales the gradients.
       self._step_scales_loss = total.dtype == ys[0].dtype
-      target = total * tf.cast(scale, total.dtype) if self._step_scales_loss else total
+      target = self._loss_scaled(total * tf.cast(scale, total.dtype) if self._step_scales_loss
+                                 else total)
       self._update_metrics(y, ys[0], total, sample_weight)
       return target, total, self.logs(in_task=True)
+
+  def _loss_scaled(self, loss):
+    """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.joint`), if any."""
+    return self.joint.scaled_loss(loss) if self.joint is not None else loss
 
   def _infer(self, xs):
     with tf.device(self.device):
