@@ -370,9 +370,13 @@ SPECIAL = [
      "`tests/test_data.py`)", "same as Keras (its epoch hooks run per pass)"),
     ("a Python generator", "same as Keras with `steps_per_epoch`; without it, refused: its "
      "length is unknown"),
-    ("KerasHub task models (`LlamaCausalLM`, ...: a nested backbone whose token embedding the "
-     "head calls again, tied)", "refused: weight ... is used on stages 0 and 1 ... (K=2) / "
-     "cannot cut ... (K > 2)"),
+    ("KerasHub task models as built (`LlamaCausalLM`, `GemmaCausalLM`, `MistralCausalLM`, "
+     "`BertTextClassifier`, `ResNetImageClassifier`; `tests/test_language_models.py`)",
+     "same as Keras at K=4 (cut through the backbone; `compile` takes the task's defaults); "
+     "`generate`, `save` and `load_model` after a pipelined `fit`"),
+    ("a layer called on several stages (a causal LM head's token embedding, tied or not; "
+     "BART's shared embedding)", "same as Keras on the synchronous schedules (one summed "
+     "gradient, every copy updated alike); refused on the asynchronous methods"),
 ]
 
 

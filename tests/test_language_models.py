@@ -182,14 +182,157 @@ def test_per_token_llama_global_clipnorm_same_as_keras(method, micro_batches, op
   conformance.assert_same(expected, _pipe_lm("clipped", method, micro_batches, options), 2e-5)
 
 
-def test_keras_hub_causal_lm_with_tied_embedding_across_stages_is_refused():
-  keras_hub = pytest.importorskip("keras_hub")
-  backbone = keras_hub.models.LlamaBackbone(
-      vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-      hidden_dim=16, intermediate_dim=32)
-  task = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-  with pytest.raises(ValueError, match=r"weight '.*embeddings' of model 'llama_causal_lm' is used "
-                                       r"on stages 0 and 1 .*tied weights across stages"):
-    tfpipe.Pipeline(task, num_stages=2, method="1f1b")
-  with pytest.raises(ValueError, match=r"cannot cut model 'llama_causal_lm' into 4 stages"):
-    tfpipe.Pipeline(task, num_stages=4, method="1f1b")
+def test_a_layer_called_on_two_stages_is_refused_on_asynchronous_methods():
+  task = llama_causal_lm()
+  with pytest.raises(ValueError, match=r"weight 'token_embedding/embeddings' of model "
+                                       r"'llama_causal_lm' is used on stages 0 and 1 .* method "
+                                       r"'spectrain' \(asynchronous\)"):
+    tfpipe.Pipeline(task, num_stages=2, method="spectrain")
+  pipe = tfpipe.Pipeline(task, num_stages=4, method="1f1b")   # cut through its backbone
+  assert pipe.partition.layer_names == [["token_embedding", "transformer_layer_0"],
+                                        ["transformer_layer_1"], ["sequence_output_layernorm"],
+                                        ["token_embedding"]]
+  assert pipe.partition.shared == (((0, 0), (3, 0)), ((0, 1), (3, 1)))   # both on 0 and 3
+  with pytest.raises(ValueError, match=r"partition names layer 'no_such_layer'"):
+    tfpipe.Pipeline(task, num_stages=2, method="1f1b", partition=["no_such_layer"])
+
+
+# KerasHub task models as users build them (from config, random weights), passed as built.
+
+def _hub():
+  return pytest.importorskip("keras_hub").models
+
+
+def llama_causal_lm(seed=0):
+  keras.utils.set_random_seed(seed)
+  backbone = _hub().LlamaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
+                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+  return _hub().LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def gemma_causal_lm(seed=0):   # its head is the token embedding, tied
+  keras.utils.set_random_seed(seed)
+  backbone = _hub().GemmaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
+                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+                                  head_dim=8)
+  return _hub().GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def mistral_causal_lm(seed=0):
+  keras.utils.set_random_seed(seed)
+  backbone = _hub().MistralBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
+                                    num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+  return _hub().MistralCausalLM(backbone=backbone, preprocessor=None)
+
+
+def bert_classifier(seed=0):
+  keras.utils.set_random_seed(seed)
+  backbone = _hub().BertBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+                                 intermediate_dim=32, max_sequence_length=LENGTH, dropout=0.0)
+  return _hub().BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None,
+                                   dropout=0.0)
+
+
+def resnet_classifier(seed=0):
+  keras.utils.set_random_seed(seed)
+  backbone = _hub().ResNetBackbone(
+      input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 64],
+      stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
+      image_shape=(16, 16, 3))
+  return _hub().ResNetImageClassifier(backbone=backbone, num_classes=3, preprocessor=None)
+
+
+def bart_lm(seed=0):
+  """An encoder-decoder whose encoder and decoder share the token embedding, with a head."""
+  keras.utils.set_random_seed(seed)
+  backbone = _hub().BartBackbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
+                                 intermediate_dim=32, max_sequence_length=LENGTH, dropout=0.0)
+  head = keras.layers.Dense(VOCAB, name="lm_head")(backbone.output["decoder_sequence_output"])
+  return keras.Model(backbone.inputs, head, name="bart_lm")
+
+
+def _causal_data():
+  x, y = lm_data()
+  x["padding_mask"][:, -2:] = 0   # padded ends, weighted out as KerasHub's preprocessors do
+  return x, y, {"sample_weight": x["padding_mask"].astype("float32")}
+
+
+def _text_data():
+  rng = np.random.default_rng(5)
+  x = {"token_ids": rng.integers(1, VOCAB, (32, LENGTH)).astype("int32"),
+       "padding_mask": np.ones((32, LENGTH), "int32"),
+       "segment_ids": np.zeros((32, LENGTH), "int32")}
+  return x, rng.integers(0, 3, 32), {}
+
+
+def _image_data():
+  rng = np.random.default_rng(6)
+  return rng.standard_normal((32, 16, 16, 3)).astype("float32"), rng.integers(0, 3, 32), {}
+
+
+def _seq2seq_data():
+  rng = np.random.default_rng(7)
+  tokens = rng.integers(1, VOCAB, (32, LENGTH + 1)).astype("int32")
+  ones = np.ones((32, LENGTH), "int32")
+  return ({"encoder_token_ids": rng.integers(1, VOCAB, (32, LENGTH)).astype("int32"),
+           "encoder_padding_mask": ones, "decoder_token_ids": tokens[:, :-1],
+           "decoder_padding_mask": ones}, tokens[:, 1:], {})
+
+
+def _task_compile():
+  return {"optimizer": keras.optimizers.SGD(0.5, momentum=0.9, global_clipnorm=1.0),
+          "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+          "weighted_metrics": ["accuracy"]}
+
+
+TASKS = {
+    # name: (build, data, method, micro-batches, Pipeline options); K=4 devices (zbv: 2, each
+    # holding two stages)
+    "llama_causal_lm": (llama_causal_lm, _causal_data, "1f1b", 2, {}),
+    "llama_causal_lm-threaded-zbv": (llama_causal_lm, _causal_data, "zbv", 2,
+                                     {"executor": "threaded", "num_stages": 2}),
+    "gemma_causal_lm": (gemma_causal_lm, _causal_data, "zb", 2, {}),
+    "mistral_causal_lm": (mistral_causal_lm, _causal_data, "1f1b", 2,
+                          {"partition": ["transformer_layer_1", "sequence_output_layernorm",
+                                         "token_embedding"]}),
+    "bert_text_classifier": (bert_classifier, _text_data, "gpipe", 2, {}),
+    "resnet_image_classifier": (resnet_classifier, _image_data, "sequential", 1, {}),
+    "bart_shared_embedding": (bart_lm, _seq2seq_data, "1f1b", 2,
+                              {"partition": ["token_embedding", "transformer_encoder_layer_0",
+                                             "transformer_decoder_layer_0"]}),
+}
+
+
+def _fit_task(trainer, data, fit_kwargs):
+  x, y, weights = data
+  history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, **fit_kwargs,
+                        **weights)
+  logs = trainer.evaluate(x, y, verbose=0, return_dict=True, **weights)
+  return history.history, logs, trainer.predict(x, verbose=0)
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_keras_hub_task_models_train_as_built_same_as_keras(name, tmp_path):
+  build, data, method, micro_batches, options = TASKS[name]
+  data = data()
+  task = build()
+  task.compile(run_eagerly=True, **_task_compile())
+  expected = _fit_task(task, data, {})
+  expected = (task.get_weights(),) + expected
+  model = build()
+  pipe = tfpipe.Pipeline(model, **{"num_stages": 4, **options}, method=method,
+                         micro_batches=micro_batches)
+  pipe.compile(**_task_compile())
+  got = _fit_task(pipe, data, {})
+  got = (model.get_weights(),) + got
+  conformance.assert_same(expected, got, 5e-5)
+  if hasattr(model, "generate"):   # the trained weights are the task's own: it generates
+    x = data[0]
+    prompt = {"token_ids": x["token_ids"][:2], "padding_mask": x["padding_mask"][:2]}
+    np.testing.assert_array_equal(
+        np.asarray(model.generate(prompt, stop_token_ids=None)["token_ids"]),
+        np.asarray(task.generate(prompt, stop_token_ids=None)["token_ids"]))
+  path = str(tmp_path / "task.keras")   # and saves and loads as Keras
+  model.save(path)
+  loaded = keras.saving.load_model(path)
+  np.testing.assert_allclose(loaded.predict(data[0], verbose=0), got[3], atol=1e-5)

@@ -105,5 +105,8 @@ def test_errors():
     partition.partition(keras.Sequential([keras.layers.Dense(2)]), 1)
   x = keras.Input((4,))
   shared = keras.layers.Dense(4, name="shared")
-  with pytest.raises(ValueError, match="layer 'shared' is called 2 times"):
-    partition.partition(keras.Model(x, shared(shared(x))), 2)
+  # A layer called twice: on one stage nothing is shared; across two its weights are held by
+  # both (trained as one weight on the synchronous schedules, tfpipe.joint).
+  model = keras.Model(x, keras.layers.Dense(2, name="head")(shared(shared(x))))
+  assert partition.partition(model, 2, [0, 2, 3]).shared == ()
+  assert partition.partition(model, 2, [0, 1, 3]).shared == (((0, 0), (1, 0)), ((0, 1), (1, 1)))

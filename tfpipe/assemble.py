@@ -52,8 +52,9 @@ def programs(pipe, optimizer, step, scaling=None):
   clip = getattr(optimizer, "global_clipnorm", None)
   # global_clipnorm and loss scaling: decided once per mini-batch over every stage's gradient
   # (`tfpipe.joint`); a stage's own optimizer must not clip by its own part's norm.
-  decision = (joint.JointDecision(clip, scaling, pipe.devices[0]) if clip or scaling
-              else None)
+  shared = pipe.partition.shared   # weights several stages hold: one summed gradient
+  decision = (joint.JointDecision(clip, scaling, pipe.devices[0], shared)
+              if clip or scaling or shared else None)
   overrides = {"global_clipnorm": None} if clip else {}
   for k, (sub, device) in enumerate(zip(pipe.partition.stages, pipe.devices)):
     last = k == K - 1
@@ -73,7 +74,7 @@ def programs(pipe, optimizer, step, scaling=None):
     p.check_kept_tapes()
     p.joint = decision
   if decision is not None:
-    decision.programs = result
+    decision.set_programs(result)
   return result
 
 

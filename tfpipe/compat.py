@@ -37,7 +37,8 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "calls_inferred_once", "calls_marked", "NOT_INLINED", "call_time_value",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
-           "per_replica", "runtime_started", "data_adapter"]
+           "per_replica", "runtime_started", "data_adapter", "nested_models", "flattened",
+           "overrides_compile", "compile_arguments"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -69,6 +70,12 @@ def missing():
            (optimizer, "_use_weight_decay"), (optimizer, "_get_variable_index"),
            (optimizer, "exclude_from_weight_decay")]
   needs += [(_data_adapters, "get_data_adapter")]
+  probe_model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+  probe_model.compile(optimizer="sgd", loss="mse")
+  if not hasattr(getattr(probe_model, "_compile_config", None), "config"):
+    needs.append((probe_model, "_compile_config"))
+  graph = getattr(probe_model, "_functional", None)
+  needs += [(graph, "_run_through_graph"), (graph, "_inputs_struct"), (graph, "_nodes_by_depth")]
   needs += [(_tf_context, "FunctionCallOptions"), (_tf_context.Context, "function_call_options"),
             (_tf_distribute_values, "PerReplica"),
             (_tf_context.FunctionCallOptions, "config_proto_serialized"),
@@ -92,6 +99,72 @@ def missing():
   except ImportError as error:
     gone.append(f"the profiler's trace converter ({error})")
   return gone
+
+
+def _graph(model):
+  """The functional graph of `model` (a Sequential's own), or None for a subclassed model."""
+  if isinstance(model, keras.Sequential):
+    return getattr(model, "_functional", None)
+  if hasattr(model, "_nodes_by_depth") and getattr(model, "inputs", None):
+    return model
+  return None
+
+
+def _operations(graph):
+  return [node.operation for depth in graph._nodes_by_depth
+          for node in graph._nodes_by_depth[depth] if node.operation is not None
+          and not node.is_input]
+
+
+def nested_models(model):
+  """The functional (or Sequential) models `model`'s graph calls as layers: a KerasHub task's
+  backbone, say."""
+  graph = _graph(model)
+  if graph is None:
+    return []
+  return [op for op in _operations(graph) if isinstance(op, keras.Model) and _graph(op)]
+
+
+def flattened(model):
+  """A functional model computing what `model` computes, with every nested functional model
+  (a KerasHub task's backbone) replaced by its own layers, called on the outer tensors: the
+  same layer objects, so the same variables. Its inputs keep `model`'s names and order."""
+  graph = _graph(model)
+
+  def inline(op):
+    inner = _graph(op) if isinstance(op, keras.Model) else None
+    if inner is None:
+      return op
+
+    def call(inputs, *args, **kwargs):
+      del args, kwargs   # training and mask: a stage's call passes its own
+      # The inner model's inputs are its input structure flattened (a dict's by sorted keys),
+      # as the call's own structure flattens.
+      return inner._run_through_graph(keras.tree.flatten(inputs), operation_fn=inline)
+    return call
+
+  inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name) for t in graph.inputs]
+  outputs = graph._run_through_graph(inputs, operation_fn=inline)
+  structure = keras.tree.pack_sequence_as(graph._inputs_struct, inputs)
+  return keras.Model(structure, outputs, name=model.name)
+
+
+def overrides_compile(model):
+  """Whether `model`'s class has a `compile` of its own (a KerasHub task: defaults of its own
+  for the optimizer, loss and metrics)."""
+  return type(model).compile is not keras.Model.compile
+
+
+_COMPILE_ARGUMENTS = ("optimizer", "loss", "loss_weights", "metrics", "weighted_metrics")
+
+
+def compile_arguments(model, given):
+  """The optimizer, loss, loss weights, metrics and weighted metrics `model.compile(**given)`
+  resolves (its own defaults for what `given` leaves out), as it passes them to
+  `keras.Model.compile`. It compiles `model` with them, as the user's own call would."""
+  model.compile(**given)
+  config = model._compile_config.config
+  return {name: config.get(name) for name in _COMPILE_ARGUMENTS}
 
 
 def data_adapter(x, steps=None, shuffle=False, class_weight=None):

@@ -1,5 +1,5 @@
-"""Whole-model decisions across stages, made once per mini-batch: global-norm clipping and
-dynamic loss scaling.
+"""Whole-model decisions across stages, made once per mini-batch: global-norm clipping,
+dynamic loss scaling, and the gradients of weights that several stages hold.
 
 Keras decides some things over the whole model's gradient: `global_clipnorm` clips every
 gradient by the norm of all of them, and `LossScaleOptimizer` (what `compile` wraps the
@@ -19,6 +19,11 @@ summed over its replicas):
       n = sqrt(sum over k of ||A_k / S||^2)   (an embedding's IndexedSlices rows counted one
                                                by one, as Keras counts them)
       c_b = clip * min(1 / n, 1 / clip)       (NaN when n is not finite, as in Keras)
+
+    weights held by several stages (a layer called on each, as a causal LM's head calls the
+    token embedding again; `partition.shared_weights`), as Megatron-LM trains a tied
+    embedding: each stage holds a copy, and every copy steps with the sum of the copies'
+    gradients, so the copies stay equal (and count once in n)
 
 It records the factor c_b / S and finite_b with a ticket (the updates every stage has run:
 equal on a synchronous schedule), so each later update of b reads the same decision, across
@@ -80,10 +85,11 @@ class JointDecision:
   None. `device`: where the decision's variables live.
   """
 
-  def __init__(self, clip, scaling, device):
+  def __init__(self, clip, scaling, device, shared=()):
     self.clip = float(clip) if clip else None
     self.scaling = scaling
-    self.programs = []
+    self.shared = tuple(shared)
+    self.programs, self.sums, self._group_of = [], [], {}
     self.lock = threading.Lock()
     with tf.device(device):
       self.decided_for = tf.Variable(tf.constant(-1, tf.int64), trainable=False,
@@ -94,6 +100,48 @@ class JointDecision:
       self.scale = tf.Variable(float(initial), trainable=False, name="loss_scale")
       self.step_counter = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                       name="loss_scale_step_counter")
+
+  def set_programs(self, programs):
+    """The stage programs deciding together; for each shared weight, a variable on its first
+    stage's device that holds the sum of its copies' gradients once decided."""
+    self.programs = list(programs)
+    self.sums = []
+    for g, group in enumerate(self.shared):
+      k, j = group[0]
+      v = self.programs[k].trainable[j]
+      with tf.device(self.programs[k].device):
+        self.sums.append(tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                     name=f"joint_shared{g}"))
+      for member in group:
+        self._group_of[member] = g
+
+  def shared_gradient(self, k, j):
+    """The summed gradient of stage k's trainable weight j where that weight is shared (read
+    after `decide`), else None."""
+    g = self._group_of.get((k, j))
+    return None if g is None else self.sums[g].read_value()
+
+  def _squares(self, scale):
+    """The squared norms of the whole model's (unscaled) gradient, each shared weight once."""
+    out = []
+    for p in self.programs:
+      norms = p.squared_norms(scale)
+      for j, q in enumerate(norms):
+        g = self._group_of.get((p.index, j))
+        if g is None:
+          out.append(q)
+        elif self.shared[g][0] == (p.index, j):   # the group's first copy counts for all
+          members = self.shared[g]
+          if all(j2 in self.programs[k2].sliced for k2, j2 in members):
+            out.append(tf.add_n([self.programs[k2].squared_norms(scale)[j2]
+                                 for k2, j2 in members]))
+          else:
+            out.append(tf.reduce_sum(tf.square(tf.cast(self._sum(g), tf.float32) / scale)))
+    return out
+
+  def _sum(self, g):
+    return tf.add_n([tf.convert_to_tensor(self.programs[k].accumulators[j])
+                     for k, j in self.shared[g]])
 
   def scaled_loss(self, loss):
     """`loss` times the loss scale (the last stage's target, before its backward)."""
@@ -114,10 +162,11 @@ class JointDecision:
                                          for p in self.programs for a in p.accumulators]))
       factor = 1.0 / scale
       if self.clip is not None:
-        norm = tf.sqrt(tf.add_n([q for p in self.programs for q in p.squared_norms(scale)]))
+        norm = tf.sqrt(tf.add_n(self._squares(scale)))
         factor = factor * (self.clip * tf.minimum(1.0 / norm, 1.0 / self.clip) + (norm - norm))
       updates = [self.factor.assign(factor), self.finite.assign(finite),
                  self.decided_for.assign(ticket)]
+      updates += [total.assign(self._sum(g)) for g, total in enumerate(self.sums)]
       if self.scaling is not None:
         grow = tf.logical_and(finite, tf.equal(self.step_counter, self.growth_steps - 1))
         updates += [

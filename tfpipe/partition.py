@@ -4,7 +4,11 @@ n: layers, K: stages. Layers are taken in topological order; a cut after
 layer i carries every tensor made at or before i that a later layer (or the
 model output) still needs, so a skip connection crossing a cut makes the cut
 carry several tensors. Stage sub-models reuse the original layers, hence the
-original variables.
+original variables. A nested functional model (a KerasHub task's backbone) is
+cut through where needed: its layers count as the model's own (`cuttable`). A layer
+called on several stages (a causal LM's head calling the token embedding again,
+tied or not) puts its weights on each of them: `Partition.shared` lists them,
+and a synchronous schedule trains them as one (`tfpipe.joint`).
 """
 
 import collections
@@ -12,13 +16,19 @@ import math
 
 import keras
 
+from tfpipe import compat
 from tfpipe.plan import balance, names
 
-__all__ = ["Partition", "graph_nodes", "partition", "split", "STRATEGIES"]
+__all__ = ["Partition", "graph_nodes", "partition", "split", "STRATEGIES", "cuttable",
+           "shared_weights", "check_shared"]
 
 STRATEGIES = ("uniform", "params", "profile")
 
-Partition = collections.namedtuple("Partition", ["stages", "cuts", "layer_names", "costs"])
+Partition = collections.namedtuple("Partition", ["stages", "cuts", "layer_names", "costs", "shared"],
+                                   defaults=((),))
+Partition.__doc__ = """The stage sub-models, the cut positions, each stage's layer names, the
+per-layer costs balanced, and `shared`: per weight that several stages hold, [(stage, index
+in that stage's trainable variables), ...] (trainable weights only)."""
 
 
 def _functional(model):
@@ -36,24 +46,43 @@ def _functional(model):
 
 
 def graph_nodes(model):
-  """The model's call nodes in topological order, without its input nodes.
-
-  Returns (inputs, outputs, nodes). Raises ValueError for a layer called more
-  than once (a shared layer cannot sit on one side of a cut).
-  """
+  """The model's call nodes in topological order, without its input nodes (a layer called
+  twice has two). Returns (inputs, outputs, nodes)."""
   fn = _functional(model)
   nodes = []
   for depth in sorted(fn._nodes_by_depth, reverse=True):
     for node in fn._nodes_by_depth[depth]:
       if node.operation is not None and not node.is_input:
         nodes.append(node)
-  counts = collections.Counter(id(node.operation) for node in nodes)
-  for node in nodes:
-    if counts[id(node.operation)] > 1:
-      raise ValueError(
-          f"layer {node.operation.name!r} is called {counts[id(node.operation)]} times in the "
-          "model; tfpipe cuts at layer boundaries and needs every layer called once")
   return list(fn.inputs), list(fn.outputs), nodes
+
+
+def cuttable(model, num_stages=1, named=False):
+  """`model`, or the same computation with the layers of the functional models it nests as
+  its own (`compat.flattened`): for a KerasHub task (its backbone is one layer of it), when
+  its top level has fewer layers than `num_stages`, or when the cut names layers (`named`).
+  Otherwise a nested model stays one layer (a block), as it is where its layers' names are not
+  unique across the model."""
+  _functional(model)
+  if not compat.nested_models(model):
+    return model
+  top = len(graph_nodes(model)[2])
+  if not (type(model).__module__.startswith("keras_hub.") or num_stages > top or named):
+    return model
+  try:
+    return compat.flattened(model)
+  except ValueError:   # layer names repeat across the nested models: they stay blocks
+    return model
+
+
+def shared_weights(stages):
+  """Per trainable weight held by several stages: [(stage, index in its trainable
+  variables), ...], in stage order."""
+  places = collections.defaultdict(list)
+  for k, stage in enumerate(stages):
+    for j, v in enumerate(stage.trainable_variables):
+      places[id(v)].append((k, j))
+  return tuple(tuple(p) for p in places.values() if len(p) > 1)
 
 
 def _live(inputs, outputs, nodes, cut):
@@ -117,7 +146,10 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
       counts), "profile" (balance measured forward+backward time with
       PipeDream's dynamic program), or the cut positions themselves: K+1
       layer counts rising from 0 to the number of layers (e.g. [0, 1, 5, 9]
-      puts the first layer, such as an embedding, alone on stage 0).
+      puts the first layer, such as an embedding, alone on stage 0), or the
+      names of the K-1 layers that start stages 1..K-1 (e.g.
+      ["transformer_layer_2", "transformer_layer_4", "token_embedding"]: names
+      inside a nested backbone count).
     profile: for "profile", a callable nodes -> (forward_times, backward_times)
       (see `layer_profile.profile_nodes`).
     recompute: for "profile": non-last stages run each forward twice (methods
@@ -129,6 +161,8 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
   explicit = isinstance(strategy, (list, tuple))
   if not explicit:
     strategy = names.lookup("partition strategy", strategy, STRATEGIES)
+  named = explicit and bool(strategy) and all(isinstance(c, str) for c in strategy)
+  model = cuttable(model, num_stages if isinstance(num_stages, int) else 1, named)
   _, _, nodes = graph_nodes(model)
   n = len(nodes)
   if not isinstance(num_stages, int) or num_stages < 1:
@@ -137,6 +171,8 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
     raise ValueError(
         f"cannot cut model {model.name!r} into {num_stages} stages: it has {n} cuttable "
         f"layer{'s' if n != 1 else ''} ({', '.join(node.operation.name for node in nodes)})")
+  if explicit and strategy and all(isinstance(c, str) for c in strategy):
+    strategy = _named_cuts(model, nodes, strategy)
   if explicit:
     cuts = list(strategy)
     if len(cuts) != num_stages + 1:
@@ -160,21 +196,33 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
       cuts = balance.min_max(costs, num_stages)
   stages = split(model, cuts)
   layer_names = [[node.operation.name for node in nodes[a:b]] for a, b in zip(cuts[:-1], cuts[1:])]
-  _check_no_shared_weights(model, stages, layer_names)
-  return Partition(stages, cuts, layer_names, costs)
+  return Partition(stages, cuts, layer_names, costs, shared_weights(stages))
 
 
-def _check_no_shared_weights(model, stages, layer_names):
-  """Refuses a cut that puts one weight on two stages (a KerasHub causal LM's head calling the
-  backbone's token embedding in reverse): each stage would train its own copy, and they would
-  part. Weights shared within one stage are fine."""
-  owner = {}
-  for k, stage in enumerate(stages):
-    for v in stage.weights:
-      j = owner.setdefault(id(v), k)
-      if j != k:
-        raise ValueError(
-            f"weight {v.path!r} of model {model.name!r} is used on stages {j} and {k} "
-            f"({', '.join(layer_names[j])} / {', '.join(layer_names[k])}): tied weights across "
-            "stages are not supported yet. Cut so that every layer using it is on one stage "
-            "(partition=[...]), or untie them")
+def _named_cuts(model, nodes, first_layers):
+  """Cut positions from the names of the layers that start stages 1..K-1 (layers inside a
+  nested model, such as a KerasHub backbone's "transformer_layer_3", count as the model's;
+  a layer called twice starts a stage at its first call after the stage before's start)."""
+  names = [node.operation.name for node in nodes]
+  cuts = [0]
+  for name in first_layers:
+    if name not in names[cuts[-1] + 1:]:
+      raise ValueError(f"partition names layer {name!r}, which model {model.name!r} does not "
+                       f"call after {names[cuts[-1]]!r}; its layers in order: "
+                       f"{', '.join(names)}")
+    cuts.append(names.index(name, cuts[-1] + 1))
+  return cuts + [len(nodes)]
+
+
+def check_shared(model, partition, method, synchronous):
+  """Refuses, in one line, weights held by several stages under a method whose stages update
+  at different times (their copies would part), naming the schedules that train them."""
+  if partition.shared and method not in synchronous:
+    (j, a), (k, _) = partition.shared[0][:2]
+    v = partition.stages[j].trainable_variables[a]
+    raise ValueError(
+        f"weight {v.path!r} of model {model.name!r} is used on stages {j} and {k} (a layer "
+        f"called on both, such as a tied embedding), and method {method!r} (asynchronous) "
+        "updates each stage on its own, so the copies would part: use one of the synchronous "
+        f"schedules ({', '.join(synchronous)}), which sum their gradients into one update, or "
+        "cut so that every layer using it is on one stage (partition=[...])")

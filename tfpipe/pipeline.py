@@ -21,6 +21,9 @@ from tfpipe.plan import policies
 __all__ = ["Pipeline"]
 
 
+_UNSET = object()   # a `compile` argument left out
+
+
 class Pipeline:
   """A Keras model trained with pipelined model parallelism.
 
@@ -69,8 +72,12 @@ class Pipeline:
       forward's and the current weights); see `tfpipe.mitigations`.
       "spectrain" predicts with the step of the optimizer it is compiled
       with (`tfpipe.prediction`: SpecTrain, momentum SGD, Adam, AdamW).
-    partition: "uniform", "params", "profile", or explicit cut positions
-      [0, ..., number of layers] (see `tfpipe.partition.partition`).
+    partition: "uniform", "params", "profile", explicit cut positions
+      [0, ..., number of layers], or the names of the layers that start stages
+      1..K-1 (layers of a nested backbone count; see `tfpipe.partition.partition`).
+      A nested functional model (a KerasHub task's backbone) is cut through; a
+      layer called on several stages (a tied embedding) trains as one weight on
+      the synchronous schedules and is refused on the asynchronous ones.
     spectrain_backward: "reuse" (the backward reads the forward's predicted
       weights, no recomputation) or "repredict" (a new prediction with the
       backward's version difference; in TensorFlow this recomputes the
@@ -189,6 +196,7 @@ class Pipeline:
       profiler = layer_profile.Profiler(profile_batch_size, self.devices[0])
     self.partition = partition_lib.partition(
         model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
+    partition_lib.check_shared(model, self.partition, self.method, policies.SYNCHRONOUS_METHODS)
     self.jit_compile = placement.default_jit_compile(where) if jit_compile is None else jit_compile
     self._fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
     self.runtime = None
@@ -240,8 +248,8 @@ class Pipeline:
       lines.append(f"  stage {k} on {where}: {', '.join(layers)}")
     return "\n".join(lines)
 
-  def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None,
-              weighted_metrics=None, run_eagerly=False, steps_per_execution="auto",
+  def compile(self, optimizer=_UNSET, loss=_UNSET, loss_weights=_UNSET, metrics=_UNSET,
+              weighted_metrics=_UNSET, run_eagerly=False, steps_per_execution="auto",
               jit_compile="auto", auto_scale_loss=True):
     """`keras.Model.compile` for the pipeline: each stage gets its own copy of `optimizer`
     (same config, and its `exclude_from_weight_decay`), the last stage Keras's own loss and
@@ -265,7 +273,20 @@ class Pipeline:
     mixed_float16 model with `auto_scale_loss`, which Keras wraps in one): one scale for the
     whole pipeline, a step skipped on every stage when any stage's gradient is not finite
     (`loss_scale` reads the scale).
+    The optimizer, loss and metrics left out are Keras's defaults ("rmsprop", none), or
+    where the model's class has a `compile` of its own (a KerasHub task) its defaults: the
+    model's own `compile` resolves the arguments, as `model.compile` would.
     """
+    given = {name: value for name, value in (
+        ("optimizer", optimizer), ("loss", loss), ("loss_weights", loss_weights),
+        ("metrics", metrics), ("weighted_metrics", weighted_metrics)) if value is not _UNSET}
+    if compat.overrides_compile(self.model):   # a KerasHub task: its own defaults
+      resolved = compat.compile_arguments(self.model, given)
+    else:
+      resolved = dict({"optimizer": "rmsprop", "loss": None, "loss_weights": None,
+                       "metrics": None, "weighted_metrics": None}, **given)
+    optimizer, loss, loss_weights = (resolved[n] for n in ("optimizer", "loss", "loss_weights"))
+    metrics, weighted_metrics = resolved["metrics"], resolved["weighted_metrics"]
     assemble.check_compile_arguments(self.model, loss_weights, run_eagerly, steps_per_execution,
                                      jit_compile, auto_scale_loss)
     self.steps_per_execution = steps_per_execution

@@ -544,9 +544,12 @@ class StageProgram:
     the mini-batch's factor (unscaled, clipped), or no step where a gradient was not finite;
     the accumulators cleared either way."""
     factor, finite = self.joint.decide(self.joint_updates)
-    grads = [g * tf.cast(factor, g.dtype) for g in grads]
     with tf.control_dependencies([factor, finite]):
       self.joint_updates.assign_add(1)
+      # A weight other stages hold too steps with the sum of every copy's gradient.
+      shared = [self.joint.shared_gradient(self.index, j) for j in range(len(grads))]
+      grads = [g if s is None else s for g, s in zip(grads, shared)]
+    grads = [g * tf.cast(factor, g.dtype) for g in grads]
     if self.joint.scaling is None:
       self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
     else:
