@@ -100,6 +100,26 @@ def two_outputs(seed=0):
   return keras.Model(x, [keras.layers.Dense(3, name="a")(h), keras.layers.Dense(1, name="b")(h)])
 
 
+def auxiliary_head(seed=0, as_dict=False):
+  """A main head on the last layers and an auxiliary head on the first: cut in 2 or 4 stages,
+  the auxiliary output is made on stage 0 and carried to the last."""
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((8,))
+  h = keras.layers.Dense(16, activation="relu", name="d0")(x)
+  aux = keras.layers.Dense(2, name="aux")(h)
+  h = keras.layers.Dense(16, activation="relu", name="d1")(h)
+  h = keras.layers.Dense(16, activation="relu", name="d2")(h)
+  main = keras.layers.Dense(3, name="main")(h)
+  return keras.Model(x, {"main": main, "aux": aux} if as_dict else [main, aux],
+                     name="auxiliary_head")
+
+
+def two_labels(as_dict=False):
+  x, y = data()
+  aux = np.random.default_rng(3).standard_normal((len(y), 2)).astype("float32")
+  return x, ({"main": y, "aux": aux} if as_dict else [y, aux])
+
+
 class OwnTrainStep(keras.Sequential):
   def train_step(self, data):   # noqa: D102 (a user's override)
     return super().train_step(data)
@@ -261,9 +281,19 @@ CASES = [
     Case("gradient_accumulation", "`gradient_accumulation_steps`",
          compile=compiled(optimizer=lambda: keras.optimizers.SGD(
              0.1, momentum=0.5, gradient_accumulation_steps=2))),
-    Case("multi_output_losses", "a multi-output model (a list of losses)", model=two_outputs,
-         compile=compiled(loss=lambda: ["mse", "mse"]),
-         refusal=r"tfpipe trains models with one output; .* has 2 \(a, b\)"),
+    Case("multi_output_losses", "a multi-output model with an auxiliary head on an early "
+         "stage (lists of losses, loss weights and metrics)", model=auxiliary_head,
+         data=two_labels,
+         compile=compiled(loss=lambda: [sparse_xent(), "mse"], loss_weights=[1.0, 0.5],
+                          metrics=[["accuracy"], ["mae"]]),
+         pipelines=EVERY_SYNCHRONOUS),
+    Case("multi_output_dicts", "a multi-output model with dict outputs (losses, loss weights "
+         "and metrics by output name)", model=lambda seed=0: auxiliary_head(seed, True),
+         data=lambda: two_labels(True),
+         compile=compiled(loss=lambda: {"main": sparse_xent(), "aux": "mse"},
+                          loss_weights={"main": 1.0, "aux": 0.5},
+                          metrics={"main": ["accuracy"], "aux": ["mae"]}),
+         pipelines=(SEQUENTIAL, ONE_F_ONE_B_2, THREADED_ZBV)),
     Case("metrics_dict", "`metrics` and `loss` as dicts keyed by output name",
          model=functional_mlp,
          compile=compiled(loss=lambda: {"out": sparse_xent()}, metrics={"out": ["accuracy"]})),

@@ -68,7 +68,10 @@ def assert_same(keras_run, pipe_run, atol):
   assert set(p_logs) == set(logs)
   for key, value in logs.items():
     assert _close(value, p_logs[key], atol), (key, value, p_logs[key])
-  assert _close(predicted, p_predicted, atol)
+  if predicted is not None:   # several outputs: the same structure (list or dict) of each
+    assert type(predicted) is type(p_predicted)
+    for a, b in zip(keras.tree.flatten(predicted), keras.tree.flatten(p_predicted)):
+      assert _close(a, b, atol)
 
 
 def _param(case, pipeline):

@@ -168,7 +168,7 @@ def test_per_token_llama_same_as_keras_on_every_synchronous_schedule(method, mic
 def test_bucketed_sequence_lengths_same_as_keras(method, micro_batches, options):
   expected = _keras_lm("bucketed")
   got = _pipe_lm("bucketed", method, micro_batches, options)
-  conformance.assert_same(expected[:3] + (None,), got[:3] + (None,), 2e-5)
+  conformance.assert_same(expected[:3] + (None,), got[:3] + (None,), 2e-5)   # no predict
 
 
 @pytest.mark.parametrize("method,micro_batches,options", [
@@ -336,3 +336,46 @@ def test_keras_hub_task_models_train_as_built_same_as_keras(name, tmp_path):
   model.save(path)
   loaded = keras.saving.load_model(path)
   np.testing.assert_allclose(loaded.predict(data[0], verbose=0), got[3], atol=1e-5)
+
+
+# Several outputs under the asynchronous methods: each follows its rule (`tfpipe.reference`).
+
+def _two_head_batches(n=6, seed=8):
+  rng = np.random.default_rng(seed)
+  return [(rng.standard_normal((8, 8)), (rng.integers(0, 3, 8), rng.standard_normal((8, 2))))
+          for _ in range(n)]
+
+
+def _two_head_model():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((8,), dtype="float64")
+  h = keras.layers.Dense(16, activation="tanh", name="d0", dtype="float64")(x)
+  aux = keras.layers.Dense(2, name="aux", dtype="float64")(h)   # made on stage 0 of 3
+  h = keras.layers.Dense(16, activation="tanh", name="d1", dtype="float64")(h)
+  h = keras.layers.Dense(16, activation="tanh", name="d2", dtype="float64")(h)
+  return keras.Model(x, [keras.layers.Dense(3, name="main", dtype="float64")(h), aux])
+
+
+@pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
+@pytest.mark.parametrize("method,options", helpers.on_one_worker(
+    "two-heads", [("pipedream", {}), ("spectrain", {"micro_batches": 1}), ("vanilla", {}),
+                  ("timeprest", {"micro_batches": 2})], key=lambda c: c[0]))
+def test_asynchronous_methods_follow_their_rules_with_an_auxiliary_head(method, options,
+                                                                        runtime):
+  lr, momentum = 0.05, 0.9
+  bs = _two_head_batches()
+  x = np.concatenate([b[0] for b in bs])
+  y = [np.concatenate([b[1][i] for b in bs]) for i in range(2)]
+  pipe, compile_ = helpers.pipeline(_two_head_model(), runtime, num_stages=3, method=method,
+                                    **options)
+  sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64")
+  mse = keras.losses.MeanSquaredError(dtype="float64")
+  rule_loss = lambda y_true, y_pred: sce(y_true[0], y_pred[0]) + 0.5 * tf.cast(
+      mse(y_true[1], y_pred[1]), "float64")
+  expected, _ = helpers.reference_train(pipe.stage_models, rule_loss, bs, method, lr, momentum,
+                                        **options)
+  compile_(tfpipe.optimizers.SpecTrain(lr, momentum), [sce, mse], loss_weights=[1.0, 0.5])
+  history = pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  assert {"main_loss", "aux_loss"} <= set(history.history)
+  for p, ref in zip(pipe.programs, expected):
+    helpers.assert_weights_close([v.numpy() for v in p.trainable], ref, rtol=1e-6, atol=1e-8)

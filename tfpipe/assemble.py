@@ -34,11 +34,6 @@ def check_compile_arguments(model, loss_weights, run_eagerly, steps_per_executio
   if jit_compile != "auto":
     raise ValueError(f"jit_compile={jit_compile!r}: XLA is a Pipeline option "
                      "(Pipeline(..., jit_compile=True)), not a compile argument")
-  if len(model.outputs) != 1:
-    raise ValueError(
-        f"tfpipe trains models with one output; {model.name!r} has "
-        f"{len(model.outputs)} ({', '.join(model.output_names)}): multi-output "
-        "models (and their lists or dicts of losses and metrics) are not supported")
 
 
 def programs(pipe, optimizer, step, scaling=None):
@@ -69,7 +64,8 @@ def programs(pipe, optimizer, step, scaling=None):
         replica_devices=pipe.stage_devices[k], rule=rules[k],
         reg_trackers=[p.reg_tracker for p in result if p.reg_tracker] if last else None,
         optimizer_source=optimizer, grouped=pipe.data_parallel > 1,
-        cross_device_ops=pipe.cross_device_ops))
+        cross_device_ops=pipe.cross_device_ops,
+        output_structure=pipe.model.output if last and len(pipe.model.outputs) > 1 else None))
   for p in result:
     p.check_kept_tapes()
     p.joint = decision

@@ -35,7 +35,7 @@ def clone_optimizer(optimizer, **overrides):
 
 
 class KerasStep:
-  """The loss, metrics and loss tracker of Keras's train step for a model with one output.
+  """The loss, metrics and loss tracker of Keras's train step (one output or several).
 
   Built from `keras.Model.compile`'s arguments with Keras's own containers:
   `loss` is a `CompileLoss` (loss_weights, reduction, a dict keyed by output
@@ -62,10 +62,13 @@ class KerasStep:
     """Builds the loss and metrics for labels of `label_spec` (a TensorSpec), eagerly."""
     if label_spec is None or (self.loss.built and (self.metrics is None or self.metrics.built)):
       return
-    out = self.model.outputs[0]
-    true_shape, pred_shape = example_shapes(label_spec.shape, out.shape)
-    y_true = tf.zeros(true_shape, label_spec.dtype)
-    y_pred = tf.zeros(pred_shape, out.dtype)
+    specs = list(label_spec) if isinstance(label_spec, (tuple, list)) else [label_spec]
+    y_true, y_pred = [], []
+    for spec, out in zip(specs, self.model.outputs):
+      true_shape, pred_shape = example_shapes(spec.shape, out.shape)
+      y_true.append(tf.zeros(true_shape, spec.dtype))
+      y_pred.append(tf.zeros(pred_shape, out.dtype))
+    y_true, y_pred = self.structured(y_true), self.structured(y_pred)
     with tf.device(self.device):
       if not self.loss.built:
         self.loss.build(y_true, y_pred)
@@ -73,8 +76,19 @@ class KerasStep:
         self.metrics.build(y_true, y_pred)
         self.metrics.reset_state()
 
+  def structured(self, values):
+    """One tensor per model output (in its output order) in the structure Keras's loss and
+    metrics take: the tensor itself for one output, else the model's output structure (a
+    list, or a dict by output name)."""
+    values = list(values)
+    if len(self.model.outputs) == 1:
+      return values[0]
+    return keras.tree.pack_sequence_as(self.model.output, values)
+
   def reset(self):
     self.loss_tracker.reset_state()
+    for metric in self.loss.metrics:   # each output's loss, for several outputs
+      metric.reset_state()
     if self.metrics is not None:
       self.metrics.reset_state()
 

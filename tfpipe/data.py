@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfpipe import compat
 
 __all__ = ["as_dataset", "validation_split", "class_weights", "input_names", "feature_arrays",
-           "adapted", "is_iterable_data"]
+           "adapted", "is_iterable_data", "flat_labels"]
 
 
 def input_names(model):
@@ -248,8 +248,14 @@ def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
     if any(len(a) != n for a in features):
       raise ValueError(f"every input array needs the same number of samples. Received: "
                        f"{[len(a) for a in features]}")
-    if labels and len(y) != n:
-      raise ValueError(f"`x` and `y` must have the same length. Received: {n} and {len(y)}")
+    if labels:
+      if isinstance(y, (list, tuple, dict)):   # several outputs' labels (tf.data: a tuple)
+        y = keras.tree.map_structure(np.asarray, y)
+        y = tuple(y) if isinstance(y, (list, tuple)) else y
+      lengths = {len(a) for a in keras.tree.flatten(y)}
+      if lengths != {n}:
+        raise ValueError(f"`x` and `y` must have the same length. Received: {n} and "
+                         f"{sorted(lengths) if len(lengths) > 1 else lengths.pop()}")
     if class_weight is not None:
       sample_weight = class_weights(y, class_weight)
     if sample_weight is not None:
@@ -258,7 +264,8 @@ def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
         raise ValueError(f"`sample_weight` needs one weight per sample ({n}). Received: "
                          f"{len(sample_weight)}")
     features = features[0] if len(features) == 1 else features   # one input stays bare
-    data = (features,) + ((np.asarray(y),) if labels else ()) + (
+    data = (features,) + ((y if isinstance(y, (list, tuple, dict)) else np.asarray(y),)
+                          if labels else ()) + (
         (sample_weight,) if sample_weight is not None and labels else ())
     dataset = tf.data.Dataset.from_tensor_slices(data if labels else features)
     if shuffle:
@@ -274,3 +281,23 @@ def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
   if cardinality == 0:
     raise ValueError("the dataset is empty")
   return dataset, cardinality
+
+
+def flat_labels(dataset, output_names):
+  """A dataset of (x, y[, sample_weight]) elements whose `y` holds the labels of several outputs
+  (a list in the model's output order, or a dict by output name) with `y` as a tuple in the
+  model's output order: what the stages carry and split (`StageProgram` gives the loss and
+  metrics Keras's structure back)."""
+  def flat(x, y, *rest):
+    if isinstance(y, dict):
+      missing = [name for name in output_names if name not in y]
+      if missing:
+        raise ValueError(f"the labels lack the model's outputs {missing} (keys: {sorted(y)})")
+      y = tuple(y[name] for name in output_names)
+    else:
+      y = tuple(keras.tree.flatten(y))
+      if len(y) != len(output_names):
+        raise ValueError(f"the model has {len(output_names)} outputs {output_names}; the "
+                         f"labels hold {len(y)}")
+    return (x, y) + rest
+  return dataset.map(flat)

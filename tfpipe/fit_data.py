@@ -29,8 +29,14 @@ def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=No
           f"split into micro_batches={micro_batches}: use a batch size that leaves no smaller "
           f"last batch, or fewer micro-batches{pipe.options.micro_batch_hint()}")
   input_checks.check_inputs(result, pipe.model, names, labelled=labels)
-  if labels:
+  if labels and len(pipe.model.outputs) > 1:   # several outputs: their labels as one tuple
+    if class_weight is not None:
+      raise ValueError("`class_weight` is only supported for models with a single output, "
+                       "as in Keras: give per-output sample weights in the labels' losses")
+    result = data.flat_labels(result, list(pipe.model.output_names))
+  elif labels:
     input_checks.check_labels(y, pipe.model, pipe.step.user_loss, result.element_spec[1])
+  if labels:
     pipe.step.build(result.element_spec[1])
   return result, num_batches
 

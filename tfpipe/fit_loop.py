@@ -234,8 +234,8 @@ def predict(pipe, dataset, num_batches, cbs):
   choose_window(pipe, reads_batches(cbs, "predict"))
 
   def on_result(b, ys):
-    outputs[b] = ys[0].numpy()
-    cbs.on_predict_batch_end(b, {"outputs": outputs[b]})
+    outputs[b] = [y.numpy() for y in ys]
+    cbs.on_predict_batch_end(b, {"outputs": _structured(pipe, outputs[b])})
 
   iterator = iter(dataset)
   try:
@@ -244,7 +244,17 @@ def predict(pipe, dataset, num_batches, cbs):
   finally:
     iterator = iterators.release(iterator)
   cbs.on_predict_end()
-  return np.concatenate([outputs[b] for b in range(num_batches)], axis=0)
+  joined = [np.concatenate([outputs[b][i] for b in range(num_batches)], axis=0)
+            for i in range(len(outputs[0]))]
+  return _structured(pipe, joined)
+
+
+def _structured(pipe, arrays):
+  """One array per model output as Keras's `predict` returns them: the array itself for one
+  output, else the model's output structure (a list, or a dict by output name)."""
+  if len(arrays) == 1:
+    return arrays[0]
+  return keras.tree.pack_sequence_as(pipe.model.output, arrays)
 
 
 def fit_records(pipe, steps=None):

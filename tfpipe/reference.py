@@ -55,7 +55,8 @@ def _pieces(x, y, M):
   n = len(xs[0])
   sizes = schedules.micro_sizes(n, M)
   bounds = np.cumsum([0] + sizes)
-  return [([a[lo:hi] for a in xs], y[lo:hi], (hi - lo) / n)
+  cut = lambda lo, hi: tuple(a[lo:hi] for a in y) if isinstance(y, tuple) else y[lo:hi]
+  return [([a[lo:hi] for a in xs], cut(lo, hi), (hi - lo) / n)
           for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
@@ -150,7 +151,8 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
 
   Args:
     stage_models: the K stage sub-models (their variables give the initial weights).
-    loss_fn: loss(y_true, y_pred) -> scalar, applied at the last stage.
+    loss_fn: loss(y_true, y_pred) -> scalar, applied at the last stage (for several outputs
+      the batches' labels are tuples, and it takes tuples of labels and lists of outputs).
     batches: a list of (x, y) numpy mini-batches, one epoch.
     method: a pipeline method (`tfpipe.PIPELINE_METHODS`).
     learning_rate, momentum: eta and gamma of the SpecTrain rule.
@@ -293,8 +295,13 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
         ys = [tf.concat(list(y), 0) for y in zip(*[r[0] for r in runs])]
         if k == K - 1:
           S[k] = runs[0][1]
-          y_true = np.concatenate([pieces[b][u[1] or 0][1] for u in units])
-          target = loss_fn(tf.constant(y_true), ys[0]) * tf.constant(share, ys[0].dtype)
+          labels = [pieces[b][u[1] or 0][1] for u in units]
+          if isinstance(labels[0], tuple):   # several outputs: a tuple of labels, one each
+            y_true = tuple(tf.constant(np.concatenate(p)) for p in zip(*labels))
+            target = loss_fn(y_true, ys) * tf.constant(share, ys[0].dtype)
+          else:
+            y_true = np.concatenate(labels)
+            target = loss_fn(tf.constant(y_true), ys[0]) * tf.constant(share, ys[0].dtype)
         else:
           target = tf.add_n([tf.reduce_sum(y * tf.constant(g, y.dtype))
                              for y, g in zip(ys, grads_out.pop((k, unit)))])

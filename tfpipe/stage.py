@@ -103,7 +103,7 @@ class StageProgram:
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
                metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
                rule=None, reg_trackers=None, optimizer_source=None, grouped=False,
-               cross_device_ops=None):
+               cross_device_ops=None, output_structure=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
     self.cross_device_ops = (reduction.choose(self.replica_devices, cross_device_ops)
@@ -117,6 +117,9 @@ class StageProgram:
     self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
     self.ops = tasks.ops(policy, last=index == num_stages - 1)   # kind -> what the stage runs
     self.loss_tracker = loss_tracker
+    # The model's outputs (the last stage's, in this order) as Keras's loss and metrics take
+    # them: one tensor, or a list or dict of several (their labels arrive as a tuple).
+    self._output_structure = output_structure
     self.is_first, self.is_last = index == 0, index == num_stages - 1
     if policy.predicts:
       prediction.check(optimizer)
@@ -627,7 +630,8 @@ class StageProgram:
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
         ys, reg, _ = self._call(weights, xs, training=True)
-        loss = self.loss(y, ys[0], sample_weight=sample_weight)
+        y_true, y_pred = self._structured(ys, y)
+        loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
         total = loss + tf.cast(reg, loss.dtype)
         same = total.dtype == ys[0].dtype
         scaled = self._loss_scaled(total * tf.cast(scale, total.dtype) if same else total)
@@ -637,7 +641,7 @@ class StageProgram:
         # scales its gradients in float64, not rounded to float32 (1e-8 relative).
         grads = [_scaled(g, scale) for g in grads]
       self._update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
-      self._update_metrics(y, ys[0], total, sample_weight)
+      self._update_metrics(y_true, y_pred, total, sample_weight)
       return total, self._input_grads(grads[len(weights):]), self.logs(in_task=True)
 
   def _step_on(self, weights, xs, y, sample_weight, scale):
@@ -645,14 +649,24 @@ class StageProgram:
     (`last_step_input`): (the target of its gradients, the loss, the running logs)."""
     with tf.device(self.device):
       ys, reg, _ = self._call(weights, xs, training=True)
-      loss = self.loss(y, ys[0], sample_weight=sample_weight)
+      y_true, y_pred = self._structured(ys, y)
+      loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
       total = loss + tf.cast(reg, loss.dtype)
       # As `_last_step`: a loss of another dtype than the outputs scales the gradients.
       self._step_scales_loss = total.dtype == ys[0].dtype
       target = self._loss_scaled(total * tf.cast(scale, total.dtype) if self._step_scales_loss
                                  else total)
-      self._update_metrics(y, ys[0], total, sample_weight)
+      self._update_metrics(y_true, y_pred, total, sample_weight)
       return target, total, self.logs(in_task=True)
+
+  def _structured(self, ys, y):
+    """(labels, outputs) as Keras's loss and metrics take them: for one output the tensors
+    themselves, for several the model's output structure of each."""
+    if self._output_structure is None or len(ys) == 1:
+      return (y[0] if isinstance(y, (list, tuple)) and len(ys) == 1 and len(y) == 1 else y,
+              ys[0])
+    pack = lambda values: keras.tree.pack_sequence_as(self._output_structure, list(values))
+    return pack(y), pack(ys)
 
   def _loss_scaled(self, loss):
     """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.joint`), if any."""
@@ -666,13 +680,15 @@ class StageProgram:
     """Loss and metrics of a batch with the current weights; returns the running logs."""
     with tf.device(self.device):
       ys, reg, _ = self._call(self.weights(0, "current"), xs, training=False)
-      loss = self.loss(y, ys[0], sample_weight=sample_weight) + reg
-      self._update_metrics(y, ys[0], loss, sample_weight)
+      y_true, y_pred = self._structured(ys, y)
+      loss = self.loss(y_true, y_pred, sample_weight=sample_weight) + reg
+      self._update_metrics(y_true, y_pred, loss, sample_weight)
       return self.logs(in_task=True)
 
   def _update_metrics(self, y, y_pred, loss, sample_weight):
     if self.loss_tracker is not None:
-      self.loss_tracker.update_state(loss, sample_weight=tf.shape(y_pred)[0])
+      first = keras.tree.flatten(y_pred)[0]
+      self.loss_tracker.update_state(loss, sample_weight=tf.shape(first)[0])
     for metric in self.metrics:
       metric.update_state(y, y_pred, sample_weight=sample_weight)
 
@@ -684,7 +700,8 @@ class StageProgram:
     if not (in_task and self.jit_compile):
       loss = self._with_reg(loss)
     logs = {"loss": loss}
-    for metric in self.metrics:
+    # Keras's order: the loss, the compiled metrics, then each output's loss (several outputs).
+    for metric in self.metrics + list(getattr(self.loss, "metrics", None) or []):
       result = metric.result()
       if isinstance(result, dict):
         logs.update(result)

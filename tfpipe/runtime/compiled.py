@@ -506,18 +506,23 @@ class CompiledRuntime(Executor):
       micro-batch, and its share."""
       name = ("labels" if split_labels else "inputs", b)
       if name not in pieces:
+        outputs = None   # labels of several outputs (a tuple): split alike, kept a tuple
         if split_labels:
           y, w = source[b]
-          values = [y] + ([w] if w is not None else [])
+          outputs = len(y) if isinstance(y, (tuple, list)) else None
+          values = (list(y) if outputs else [y]) + ([w] if w is not None else [])
         else:
           values = list(source[b])
         if micro is None:
-          pieces[name] = [(values, 1.0)]
+          split = [(values, 1.0)]
         else:
           n = values[0].shape[0]
           sizes = schedules.micro_sizes(n, M)
           parts = [tf.split(v, sizes) for v in values]
-          pieces[name] = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
+          split = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
+        if outputs:
+          split = [([tuple(v[:outputs])] + v[outputs:], share) for v, share in split]
+        pieces[name] = split
       return pieces[name][0 if micro is None else micro]
 
     for i, (k, kind, b, micro, s, units) in enumerate(key):
