@@ -311,7 +311,8 @@ CASES = [
     # (measured 1.6e-3 on the weights, 4e-3 on the float16 predictions after 8 steps; sequential 0).
     Case("mixed_float16", "a `mixed_float16` model (Keras scales its loss)",
          model=lambda seed=0: _policy_model("mixed_float16", deep_mlp),
-         pipelines=EVERY_SYNCHRONOUS, atol=1e-2),
+         pipelines=(SEQUENTIAL, ONE_F_ONE_B_2, INTERLEAVED_2, DATA_PARALLEL, THREADED_ZBV),
+         atol=1e-2),
     Case("mixed_bfloat16", "a `mixed_bfloat16` model",
          model=lambda seed=0: _policy_mlp("mixed_bfloat16"), atol=1e-2),
     Case("steps_per_execution", "`steps_per_execution`",
@@ -410,6 +411,15 @@ SPECIAL = [
 ]
 
 
+def _describe(pipeline):
+  """A pipeline of a case in words: "1f1b M=2 data_parallel=2"."""
+  method, m = pipeline[:2]
+  options = pipeline[2] if len(pipeline) > 2 else {}
+  words = [method] + ([f"M={m}"] if m > 1 else [])
+  words += ["threaded" if v == "threaded" else f"{k}={v}" for k, v in options.items()]
+  return " ".join(words)
+
+
 def table():
   """README's Keras contract table (markdown), from the cases."""
   rows = ["| Keras feature | in a pipeline (sequential, gpipe and as listed; "
@@ -419,6 +429,8 @@ def table():
     outcome = case.outcome
     if tuple(case.pipelines) == EVERY_SYNCHRONOUS and not case.refusal:
       outcome += " (every synchronous schedule, `data_parallel=2`, both executors)"
+    elif tuple(case.pipelines) != (SEQUENTIAL, GPIPE_2) and not case.refusal:
+      outcome += f" ({', '.join(_describe(p) for p in case.pipelines)})"
     if case.refusal:
       outcome = "refused: " + re.sub(r"\\(.)", r"\1", case.refusal.replace(".*", "...")) + " ..."
     rows.append(f"| {case.feature} | {outcome} |")

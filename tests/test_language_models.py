@@ -109,7 +109,7 @@ def _lm_compile(data="arrays"):
 
 SYNC = [("sequential", 1, {}), ("gpipe", 2, {}), ("1f1b", 2, {}), ("interleaved", 2, {}),
         ("zb", 2, {}), ("zbv", 2, {}), ("1f1b", 2, {"data_parallel": 2}),
-        ("gpipe", 2, {"executor": "threaded"}), ("zb", 2, {"executor": "threaded"})]
+        ("zb", 2, {"executor": "threaded"})]
 _KERAS = {}
 
 
@@ -173,8 +173,7 @@ def test_bucketed_sequence_lengths_same_as_keras(method, micro_batches, options)
 
 @pytest.mark.parametrize("method,micro_batches,options", [
     pytest.param(*c, id=_sync_id(c), marks=pytest.mark.xdist_group("lm-clipped"))
-    for c in [("1f1b", 2, {}), ("zbv", 2, {"executor": "threaded"}),
-              ("1f1b", 2, {"data_parallel": 2})]])
+    for c in [("zbv", 2, {"executor": "threaded"}), ("1f1b", 2, {"data_parallel": 2})]])
 def test_per_token_llama_global_clipnorm_same_as_keras(method, micro_batches, options):
   expected = _keras_lm("clipped")
   assert max(float(np.max(np.abs(a - b)))   # the clip acts: the weights differ from unclipped

@@ -35,3 +35,13 @@ def test_setup_selects_tensorflow_with_extras():
   assert 'pip install -e ".[cpu,test]"' in first_command
   with open(os.path.join(ROOT, ".ci", "run")) as f:
     assert '".[cpu,test]"' in f.read()
+
+
+def test_the_language_model_snippet_runs_as_written(tmp_path):
+  section = _readme().split("## Language models", 1)[1]
+  snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+  result = zygote.run(["-c", snippet + "\nprint('generated', pipe.summary())"], cwd=tmp_path,
+                      env=env)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "generated" in result.stdout and "transformer_layer_0" in result.stdout
