@@ -141,11 +141,12 @@ class _Batches(keras.utils.PyDataset):
     self.begins += 1
 
 
-def _keras_and_pipe(fit, method="gpipe", micro_batches=2):
+def _keras_and_pipe(fit, method="gpipe", micro_batches=2, executor=None):
   """The weights and History of `fit(trainer)` on Keras and on a pipeline of one mlp each."""
   out = []
   for make in (lambda m: m, lambda m: tfpipe.Pipeline(m, num_stages=2, method=method,
-                                                      micro_batches=micro_batches)):
+                                                      micro_batches=micro_batches,
+                                                      executor=executor)):
     model = helpers.mlp()
     trainer = make(model)
     trainer.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
@@ -155,12 +156,14 @@ def _keras_and_pipe(fit, method="gpipe", micro_batches=2):
   return out
 
 
-@pytest.mark.parametrize("workers", [1, 2], ids=["inline", "two-workers"])
-def test_py_dataset_trains_validates_and_evaluates_as_in_keras(workers):
+@pytest.mark.parametrize("workers,executor", [(1, "compiled"), (2, "threaded")],
+                         ids=["inline-compiled", "two-workers-threaded"])
+def test_py_dataset_trains_validates_and_evaluates_as_in_keras(workers, executor):
   bs = helpers.batches(6)
   train = lambda: _Batches(bs[:4], workers=workers)
   runs = _keras_and_pipe(lambda t: (t.fit(train(), epochs=2, shuffle=False, verbose=0,
-                                          validation_data=_Batches(bs[4:])).history))
+                                          validation_data=_Batches(bs[4:])).history),
+                         executor=executor)
   (k_init, k_history, k_model), (p_init, p_history, pipe) = runs
   for key, values in k_history.items():
     np.testing.assert_allclose(p_history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)

@@ -291,6 +291,8 @@ TASKS = {
     "llama_causal_lm-threaded-zbv": (llama_causal_lm, _causal_data, "zbv", 2,
                                      {"executor": "threaded", "num_stages": 2}),
     "gemma_causal_lm": (gemma_causal_lm, _causal_data, "zb", 2, {}),
+    "gemma_causal_lm-data_parallel": (gemma_causal_lm, _causal_data, "1f1b", 2,
+                                      {"num_stages": 2, "data_parallel": 2}),
     "mistral_causal_lm": (mistral_causal_lm, _causal_data, "1f1b", 2,
                           {"partition": ["transformer_layer_1", "sequence_output_layernorm",
                                          "token_embedding"]}),
