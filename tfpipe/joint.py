@@ -122,26 +122,31 @@ class JointDecision:
     return None if g is None else self.sums[g].read_value()
 
   def _squares(self, scale):
-    """The squared norms of the whole model's (unscaled) gradient, each shared weight once."""
+    """The squared norms of the whole model's (unscaled) gradient, each shared weight once;
+    each stage's on its own device (one scalar crosses devices, not the gradient)."""
     out = []
     for p in self.programs:
-      norms = p.squared_norms(scale)
+      with tf.device(p.device):
+        norms = [tf.identity(q) for q in p.squared_norms(scale)]
       for j, q in enumerate(norms):
         g = self._group_of.get((p.index, j))
         if g is None:
           out.append(q)
         elif self.shared[g][0] == (p.index, j):   # the group's first copy counts for all
           members = self.shared[g]
-          if all(j2 in self.programs[k2].sliced for k2, j2 in members):
-            out.append(tf.add_n([self.programs[k2].squared_norms(scale)[j2]
-                                 for k2, j2 in members]))
-          else:
-            out.append(tf.reduce_sum(tf.square(tf.cast(self._sum(g), tf.float32) / scale)))
+          with tf.device(p.device):
+            if all(j2 in self.programs[k2].sliced for k2, j2 in members):
+              out.append(tf.add_n([self.programs[k2].squared_norms(scale)[j2]
+                                   for k2, j2 in members]))
+            else:
+              out.append(tf.reduce_sum(tf.square(tf.cast(self._sum(g), tf.float32) / scale)))
     return out
 
   def _sum(self, g):
-    return tf.add_n([tf.convert_to_tensor(self.programs[k].accumulators[j])
-                     for k, j in self.shared[g]])
+    """The summed gradient of shared weight g, on its first copy's device."""
+    with tf.device(self.programs[self.shared[g][0][0]].device):
+      return tf.add_n([tf.convert_to_tensor(self.programs[k].accumulators[j])
+                       for k, j in self.shared[g]])
 
   def scaled_loss(self, loss):
     """`loss` times the loss scale (the last stage's target, before its backward)."""
@@ -157,9 +162,13 @@ class JointDecision:
     def decide():
       scale = self.scale.read_value()
       finite = tf.constant(True)
-      if self.scaling is not None:
-        finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(a))
-                                         for p in self.programs for a in p.accumulators]))
+      if self.scaling is not None:   # each stage's verdict on its own device
+        verdicts = []
+        for p in self.programs:
+          with tf.device(p.device):
+            verdicts.append(tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(a))
+                                                    for a in p.accumulators])))
+        finite = tf.reduce_all(tf.stack(verdicts))
       factor = 1.0 / scale
       if self.clip is not None:
         norm = tf.sqrt(tf.add_n(self._squares(scale)))
