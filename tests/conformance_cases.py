@@ -399,8 +399,8 @@ SPECIAL = [
     ("batches of different sequence lengths (bucketed text)", "same as Keras"),
     ("a `keras.utils.PyDataset` (`x`, `validation_data`, `evaluate`, `predict`; "
      "`tests/test_data.py`)", "same as Keras (its epoch hooks run per pass)"),
-    ("a Python generator", "same as Keras with `steps_per_epoch`; without it, refused: its "
-     "length is unknown"),
+    ("a Python generator", "same as Keras with `steps_per_epoch`, and without it for one "
+     "epoch (more: stops after one, with Keras's warning)"),
     ("KerasHub task models as built (`LlamaCausalLM`, `GemmaCausalLM`, `MistralCausalLM`, "
      "`BertTextClassifier`, `ResNetImageClassifier`; `tests/test_language_models.py`)",
      "same as Keras at K=4 (cut through the backbone; `compile` takes the task's defaults); "

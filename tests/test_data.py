@@ -114,8 +114,6 @@ def test_fit_arguments_keras_refuses_are_refused_by_name():
   pipe = _pipe(helpers.mlp())
   with pytest.raises(ValueError, match="`sample_weight` and `class_weight` cannot both be given"):
     pipe.fit(x, y, sample_weight=np.ones(len(x)), class_weight={0: 1.0}, verbose=0)
-  with pytest.raises(ValueError, match="the generator's length is unknown .*steps_per_epoch"):
-    pipe.fit((b for b in helpers.batches(2)), verbose=0)
   with pytest.raises(ValueError, match="`batch_size` must be None when `x` is a generator"):
     pipe.fit((b for b in helpers.batches(2)), batch_size=8, verbose=0)
   with pytest.raises(ValueError, match="`validation_split` splits arrays"):
@@ -191,6 +189,20 @@ def test_generator_with_steps_per_epoch_trains_as_in_keras():
   np.testing.assert_allclose(p_history["loss"], k_history["loss"], rtol=1e-5, atol=1e-6)
   for a, b in zip(k_model.get_weights(), pipe.model.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  with pytest.raises(ValueError, match="length is unknown"):
-    pipe.evaluate((b for b in bs), verbose=0)
+  np.testing.assert_allclose(pipe.evaluate((b for b in bs), verbose=0),
+                             k_model.evaluate((b for b in bs), verbose=0), rtol=1e-5, atol=1e-6)
   assert np.all(np.isfinite(pipe.evaluate((b for b in bs), steps=2, verbose=0)))
+
+
+def test_a_finite_generator_without_steps_feeds_one_epoch():
+  bs = helpers.batches(3)
+  runs = _keras_and_pipe(lambda t: t.fit((b for b in bs), epochs=1, verbose=0).history)
+  (_, k_history, k_model), (_, p_history, pipe) = runs
+  np.testing.assert_allclose(p_history["loss"], k_history["loss"], rtol=1e-5, atol=1e-6)
+  for a, b in zip(k_model.get_weights(), pipe.model.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Asked for more epochs, it stops after the one its batches fill, with Keras's warning
+  # (Keras then feeds the two batches it peeked at again; README).
+  with pytest.warns(UserWarning, match="ran out of data"):
+    history = pipe.fit((b for b in bs), epochs=3, verbose=0)
+  assert len(history.history["loss"]) == 1

@@ -11,6 +11,7 @@ model's input order (one input: the tensor itself).
 
 import inspect
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -76,6 +77,23 @@ class _PredictHooks(_EpochHooks):
 _HOOKS = {"train": _EpochHooks, "test": _TestHooks, "predict": _PredictHooks}
 
 
+class _OnePass(keras.callbacks.Callback):
+  """A Python generator of unknown length feeds one epoch: after it, training stops with
+  Keras's warning (Keras finds the generator exhausted at the next epoch and stops)."""
+
+  def __init__(self):
+    super().__init__()
+    self.epochs = 0
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.epochs += 1
+    if self.epochs == 1 and self.params.get("epochs", 1) > epoch + 1:
+      warnings.warn("Your input ran out of data; interrupting training. Make sure that your "
+                    "dataset or generator can generate at least `steps_per_epoch * epochs` "
+                    "batches.", stacklevel=2)
+      self.model.stop_training = True
+
+
 def adapted(x, y=None, sample_weight=None, batch_size=None, steps=None, shuffle=False,
             class_weight=None, use="train"):
   """`x` as `as_dataset` takes it: a PyDataset, generator or iterator becomes the
@@ -96,15 +114,25 @@ def adapted(x, y=None, sample_weight=None, batch_size=None, steps=None, shuffle=
   except (ValueError, TypeError, StopIteration) as e:
     raise ValueError(f"cannot read batches from the {what}: {e}") from None
   num_batches = adapter.num_batches
+  hooks = [_HOOKS[use](adapter)]
   if steps is None and num_batches is None:
-    raise ValueError(
-        f"the {what}'s length is unknown (a generator has none): the pipeline plans each "
-        "epoch's schedule before it starts. Give `steps_per_epoch` (fit, and "
-        "`validation_steps` for validation data) or `steps` (evaluate, predict), or pass a "
-        "keras.utils.PyDataset with a length")
+    if isinstance(x, keras.utils.PyDataset):
+      raise ValueError(
+          f"the {what} has no length (num_batches is None: infinite): give `steps_per_epoch` "
+          "(fit, and `validation_steps` for validation data) or `steps` (evaluate, predict)")
+    # A generator of unknown length: the schedule is planned before the epoch, so its batches
+    # are read first (held in memory); it feeds one pass, as in Keras, which stops there.
+    batches = list(dataset)
+    if not batches:
+      raise ValueError(f"the {what} yielded no batches")
+    spec = dataset.element_spec
+    dataset = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
+    num_batches = len(batches)
+    if use == "train":
+      hooks.append(_OnePass())
   if num_batches is not None:
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(num_batches))
-  return dataset, None, [_HOOKS[use](adapter)]
+  return dataset, None, hooks
 
 
 def feature_arrays(x, names):
