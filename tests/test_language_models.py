@@ -380,3 +380,14 @@ def test_asynchronous_methods_follow_their_rules_with_an_auxiliary_head(method, 
   assert {"main_loss", "aux_loss"} <= set(history.history)
   for p, ref in zip(pipe.programs, expected):
     helpers.assert_weights_close([v.numpy() for v in p.trainable], ref, rtol=1e-6, atol=1e-8)
+
+
+def test_compile_takes_the_tasks_defaults_and_arguments():
+  task = llama_causal_lm()
+  pipe = tfpipe.Pipeline(task, num_stages=2, method="1f1b")
+  pipe.compile(sampler="greedy")   # no loss given: the task's own, as task.compile() gives it
+  assert isinstance(pipe.step.user_loss, keras.losses.SparseCategoricalCrossentropy)
+  assert type(task.sampler).__name__ == "GreedySampler"
+  with pytest.raises(TypeError, match=r"unexpected keyword arguments \['sampler'\]"):
+    tfpipe.Pipeline(token_lm(), num_stages=2, method="1f1b").compile(loss="mse",
+                                                                      sampler="greedy")

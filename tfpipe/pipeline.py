@@ -250,7 +250,7 @@ class Pipeline:
 
   def compile(self, optimizer=_UNSET, loss=_UNSET, loss_weights=_UNSET, metrics=_UNSET,
               weighted_metrics=_UNSET, run_eagerly=False, steps_per_execution="auto",
-              jit_compile="auto", auto_scale_loss=True):
+              jit_compile="auto", auto_scale_loss=True, **model_arguments):
     """`keras.Model.compile` for the pipeline: each stage gets its own copy of `optimizer`
     (same config, and its `exclude_from_weight_decay`), the last stage Keras's own loss and
     metric containers (`tfpipe.compile_utils.KerasStep`: `loss_weights`, `metrics` unweighted,
@@ -275,13 +275,17 @@ class Pipeline:
     (`loss_scale` reads the scale).
     The optimizer, loss and metrics left out are Keras's defaults ("rmsprop", none), or
     where the model's class has a `compile` of its own (a KerasHub task) its defaults: the
-    model's own `compile` resolves the arguments, as `model.compile` would.
+    model's own `compile` resolves the arguments, as `model.compile` would; arguments of its
+    own (a causal LM's `sampler`) go to it.
     """
     given = {name: value for name, value in (
         ("optimizer", optimizer), ("loss", loss), ("loss_weights", loss_weights),
         ("metrics", metrics), ("weighted_metrics", weighted_metrics)) if value is not _UNSET}
     if compat.overrides_compile(self.model):   # a KerasHub task: its own defaults
-      resolved = compat.compile_arguments(self.model, given)
+      resolved = compat.compile_arguments(self.model, dict(given, **model_arguments))
+    elif model_arguments:
+      raise TypeError(f"compile() got unexpected keyword arguments {sorted(model_arguments)} "
+                      f"({type(self.model).__name__} takes keras.Model.compile's)")
     else:
       resolved = dict({"optimizer": "rmsprop", "loss": None, "loss_weights": None,
                        "metrics": None, "weighted_metrics": None}, **given)
