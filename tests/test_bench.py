@@ -182,12 +182,12 @@ def test_in_child_returns_the_result_names_the_error_and_kills_past_its_timeout(
 
 
 def test_lm():
-  # One decoder layer, two mini-batches: a row per trainer, and mixed_float16's loss scaling
-  # trained by the synchronous schedule with clipping.
+  # One decoder layer, two mini-batches: a row per trainer, mixed_float16's loss scaling
+  # trained by the synchronous schedule with clipping as Keras trains it.
   out = _bench("lm.py", "--layers=1", "--batches=2", "--epochs=1", "--stages=2",
-               "--micro_batches=2", "--methods=1f1b", "--precisions=float32,mixed_float16",
+               "--micro_batches=2", "--methods=1f1b", "--precisions=mixed_float16",
                "--vocabulary=64", "--sequence=8")
-  for precision in ("float32", "mixed_float16"):
+  for precision in ("mixed_float16",):
     keras_row = next(l for l in out.splitlines() if l.startswith(f"| {precision} | Keras fit |"))
     row = next(l for l in out.splitlines() if l.startswith(f"| {precision} | 1f1b K=2 M=2 |"))
     speed, ratio, loss = (float(cell) for cell in row.split("|")[3:6])
