@@ -309,7 +309,7 @@ def test_lambda_callback_batch_hooks_see_keras_batch_logs():
   assert _close([v[1:] for v in seen["pipe"]], [v[1:] for v in seen["keras"]], 2e-5)
 
 
-@pytest.mark.parametrize("pipeline", [cc.ONE_F_ONE_B_2, cc.THREADED_ZBV],
+@pytest.mark.parametrize("pipeline", [cc.THREADED_ZBV],
                          ids=lambda p: f"{p[0]}{p[1]}{'-threaded' if len(p) > 2 else ''}")
 def test_loss_scaling_skips_keras_steps_and_ends_on_keras_scale(pipeline):
   case = next(c for c in cc.CASES if c.name == "loss_scale_optimizer")
