@@ -293,7 +293,7 @@ CASES = [
          compile=compiled(loss=lambda: {"main": sparse_xent(), "aux": "mse"},
                           loss_weights={"main": 1.0, "aux": 0.5},
                           metrics={"main": ["accuracy"], "aux": ["mae"]}),
-         pipelines=(SEQUENTIAL, ONE_F_ONE_B_2, THREADED_ZBV)),
+         pipelines=(ONE_F_ONE_B_2,)),
     Case("metrics_dict", "`metrics` and `loss` as dicts keyed by output name",
          model=functional_mlp,
          compile=compiled(loss=lambda: {"out": sparse_xent()}, metrics={"out": ["accuracy"]})),

@@ -44,10 +44,11 @@ def _loss(dtype="float64"):
   return keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype=dtype)
 
 
+# One per kind of rule: recomputing (vanilla), stashed (pipedream), predicted (spectrain, M=1
+# and micro-batched), one update old (2bw), delayed (ddg), a mini-batch backward (timeprest).
 ASYNC = [("vanilla", {}), ("pipedream", {}), ("spectrain", {"micro_batches": 1}),
          ("spectrain", {"micro_batches": 2, "version_difference": "exact"}),
-         ("2bw", {}), ("ddg", {}), ("feature_replay", {}), ("timeprest", {"micro_batches": 2}),
-         ("pipemare", {})]
+         ("2bw", {}), ("ddg", {}), ("timeprest", {"micro_batches": 2})]
 
 
 @pytest.mark.parametrize("runtime", helpers.RUNTIMES, ids=helpers.RUNTIME_IDS)
@@ -173,7 +174,7 @@ def test_bucketed_sequence_lengths_same_as_keras(method, micro_batches, options)
 
 @pytest.mark.parametrize("method,micro_batches,options", [
     pytest.param(*c, id=_sync_id(c), marks=pytest.mark.xdist_group("lm-clipped"))
-    for c in [("zbv", 2, {"executor": "threaded"}), ("1f1b", 2, {"data_parallel": 2})]])
+    for c in [("1f1b", 2, {"data_parallel": 2})]])
 def test_per_token_llama_global_clipnorm_same_as_keras(method, micro_batches, options):
   expected = _keras_lm("clipped")
   assert max(float(np.max(np.abs(a - b)))   # the clip acts: the weights differ from unclipped
