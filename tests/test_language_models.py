@@ -114,20 +114,26 @@ SYNC = [("sequential", 1, {}), ("gpipe", 2, {}), ("1f1b", 2, {}), ("interleaved"
 _KERAS = {}
 
 
+def _train_lm(trainer, data):
+  """(weights, History, evaluate's logs, predict's outputs) of `trainer` (a Keras model or a
+  pipeline, compiled) on `data`: "bucketed" (no predict), else the arrays of `lm_data`."""
+  if data == "bucketed":
+    history = trainer.fit(bucketed(), epochs=2, shuffle=False, verbose=0)
+    logs, predicted = trainer.evaluate(bucketed(), verbose=0, return_dict=True), None
+  else:
+    x, y = lm_data()
+    history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    logs = trainer.evaluate(x, y, verbose=0, return_dict=True)
+    predicted = trainer.predict(x, verbose=0)
+  return history.history, logs, predicted
+
+
 def _keras_lm(data):
   if data not in _KERAS:
     model = hub_lm()
     model.compile(run_eagerly=True, **_lm_compile(data))
-    if data == "bucketed":
-      history = model.fit(bucketed(), epochs=2, shuffle=False, verbose=0)
-      logs = model.evaluate(bucketed(), verbose=0, return_dict=True)
-      predicted = None
-    else:
-      x, y = lm_data()
-      history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-      logs = model.evaluate(x, y, verbose=0, return_dict=True)
-      predicted = model.predict(x, verbose=0)
-    _KERAS[data] = (model.get_weights(), history.history, logs, predicted)
+    history, logs, predicted = _train_lm(model, data)
+    _KERAS[data] = (model.get_weights(), history, logs, predicted)
   return _KERAS[data]
 
 
@@ -136,16 +142,8 @@ def _pipe_lm(data, method, micro_batches, options):
   pipe = tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=micro_batches,
                          **options)
   pipe.compile(**_lm_compile(data))
-  if data == "bucketed":
-    history = pipe.fit(bucketed(), epochs=2, shuffle=False, verbose=0)
-    logs = pipe.evaluate(bucketed(), verbose=0, return_dict=True)
-    predicted = None
-  else:
-    x, y = lm_data()
-    history = pipe.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    logs = pipe.evaluate(x, y, verbose=0, return_dict=True)
-    predicted = pipe.predict(x, verbose=0)
-  return model.get_weights(), history.history, logs, predicted
+  history, logs, predicted = _train_lm(pipe, data)
+  return model.get_weights(), history, logs, predicted
 
 
 def _sync_id(case):

@@ -235,7 +235,7 @@ def predict(pipe, dataset, num_batches, cbs):
 
   def on_result(b, ys):
     outputs[b] = [y.numpy() for y in ys]
-    cbs.on_predict_batch_end(b, {"outputs": _structured(pipe, outputs[b])})
+    cbs.on_predict_batch_end(b, {"outputs": pipe.step.structured(outputs[b])})
 
   iterator = iter(dataset)
   try:
@@ -246,15 +246,7 @@ def predict(pipe, dataset, num_batches, cbs):
   cbs.on_predict_end()
   joined = [np.concatenate([outputs[b][i] for b in range(num_batches)], axis=0)
             for i in range(len(outputs[0]))]
-  return _structured(pipe, joined)
-
-
-def _structured(pipe, arrays):
-  """One array per model output as Keras's `predict` returns them: the array itself for one
-  output, else the model's output structure (a list, or a dict by output name)."""
-  if len(arrays) == 1:
-    return arrays[0]
-  return keras.tree.pack_sequence_as(pipe.model.output, arrays)
+  return pipe.step.structured(joined)   # as Keras's predict: an array, or a list or dict
 
 
 def fit_records(pipe, steps=None):
