@@ -12,7 +12,7 @@ setuptools.setup(
     description="Pipelined model parallelism for Keras on TensorFlow: SpecTrain, PipeDream, "
                 "vanilla pipelining and data-parallel baselines",
     packages=setuptools.find_packages(include=["tfpipe", "tfpipe.*", "trainers", "trainers.*"]),
-    package_data={"tfpipe": ["bind_host.c"]},   # the TF servers' bind shim (tfpipe.bind)
+    package_data={"tfpipe.cluster": ["bind_host.c"]},   # the TF servers' bind shim (tfpipe.cluster.bind)
     python_requires=">=3.9",
     install_requires=[
         "keras>=3",
@@ -30,7 +30,10 @@ setuptools.setup(
         # Tests run on two workers (-n 2) with --dist loadgroup. pytest 9 keeps a test's id
         # where pytest-xdist (3.8) can no longer tag it with its xdist_group, so groups were
         # spread over the workers: pytest < 9 until pytest-xdist follows.
-        "test": ["pytest>=8,<9", "pytest-xdist>=3.5"],
+        # The documentation site (mkdocs.yml): `mkdocs serve`. The tests build it strictly.
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
+        "test": ["pytest>=8,<9", "pytest-xdist>=3.5", "mkdocs>=1.6", "mkdocs-material>=9.5",
+                 "mkdocstrings[python]>=0.26", "mypy>=1.10"],
     },
     entry_points={"console_scripts": ["tfpipe-train=trainers.main:entry"]},
 )

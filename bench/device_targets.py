@@ -1,6 +1,6 @@
 """The targets for a machine with a GPU and many cores, beside plain Keras `fit` in one run.
 
-GPU (`--parts=gpu`): seed 000's SNN, `--gpu_depth` x `--gpu_width` SELU (16 x 4096),
+GPU (`--parts=gpu`): the SpecTrain paper's SNN, `--gpu_depth` x `--gpu_width` SELU (16 x 4096),
 batch 512, on one GPU: Keras `fit` compiled with XLA (`jit_compile=True`) against the
 pipeline at K=1 (its `jit_compile` is on by default when every stage is a GPU), for each of
 `--methods`. Targets: K=1 >= 0.95x Keras's samples/s, and its start-up <= 2x Keras's.
@@ -103,7 +103,7 @@ def _one(config):
       model.compile(optimizer, loss, jit_compile=True if where == "gpu" else "auto")
     runner = model
   else:
-    from tfpipe import advice
+    from tfpipe.rules import advice
     plain = advice.ADVISABLE if config["runner"] == "spectrain" and not config["advised"] else {}
     runner = tfpipe.Pipeline(model, devices=devices[:K], method=config["runner"],
                              profile_batch_size=size["batch_size"], **plain)

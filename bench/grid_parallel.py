@@ -1,7 +1,7 @@
-"""Batch-only, model-only and integrated batch x model parallelism (seed 004) on the fully
+"""Batch-only, model-only and integrated batch x model parallelism (the integrated-parallelism paper (Laugier et al.)) on the fully
 connected workloads: samples/s and the bytes each step moves between devices.
 
-Trains seed 001's DNN (7 sigmoid layers) and seed 000's SNN (SELU), both at
+Trains the layer-wise partitioning paper's DNN (7 sigmoid layers) and the SpecTrain paper's SNN (SELU), both at
 --width, on synthetic 784-feature inputs with `tfpipe.tensor_parallel` on
 grids of --devices logical CPUs (batch-only D x 1, model-only 1 x D, and the
 square grid), beside one device, measured in one run. Writes
@@ -27,7 +27,7 @@ from bench import results_io  # noqa: E402
 flags.DEFINE_integer("width", 1024, "units per hidden layer")
 flags.DEFINE_integer("batch_size", 256, "batch size")
 flags.DEFINE_integer("steps", 40, "steps per runner")
-flags.DEFINE_list("workloads", ["dnn", "snn"], "seed 001's dnn (7 sigmoid layers), seed 000's snn "
+flags.DEFINE_list("workloads", ["dnn", "snn"], "the layer-wise partitioning paper's dnn (7 sigmoid layers), the SpecTrain paper's snn "
                   "(8 SELU layers)")
 flags.DEFINE_integer("devices", 4, "devices in every grid (a square number for the 2-D grid)")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
@@ -38,7 +38,7 @@ def main(argv):
   del argv
   import keras
   import tfpipe
-  from tfpipe import tensor_parallel
+  from tfpipe.baselines import tensor_parallel
   from tfpipe.models import mlp
   from tfpipe.instruments.throughput import ThroughputMeter
   D = FLAGS.devices

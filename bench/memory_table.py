@@ -1,6 +1,6 @@
 """Per-stage memory of every pipeline method: weights, weight versions, activations, optimizer
-slots and gradient accumulators, measured by a short run (the SpecTrain paper's and the EPFL
-report's memory arguments: PipeDream stashes K-k versions, SpecTrain-repredict and vanilla
+slots and gradient accumulators, measured by a short run (the SpecTrain paper's and Kang's
+model-parallelism report's memory arguments: PipeDream stashes K-k versions, SpecTrain-repredict and vanilla
 none, GPipe M micro-batches of activations).
 
 Trains the quickstart SNN (8 x 512 SELU on digits' 64 features) for a few
@@ -37,7 +37,7 @@ def main(argv):
   del argv
   import keras
   import tfpipe
-  from tfpipe import optimizers
+  from tfpipe.rules import optimizers
   from tfpipe.instruments import memory
   from tfpipe.models import mlp
   K = FLAGS.num_stages

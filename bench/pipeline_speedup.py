@@ -1,6 +1,6 @@
 """Pipeline speedup on this machine: 2 stages vs 1 stage vs plain Keras vs MirroredStrategy.
 
-Trains seed 000's SNN (default 8 x 1024 SELU, batch 128) on synthetic data and
+Trains the SpecTrain paper's SNN (default 8 x 1024 SELU, batch 128) on synthetic data and
 prints samples/s of every runner, measured side by side in one run (rounds
 interleave the runners; the median epoch counts), and the ratios:
   pipeline K=2 / pipeline K=1  (the pipeline's speedup; the limit is 2.0 on 2 cores)
@@ -50,7 +50,7 @@ flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to 
 flags.DEFINE_list("more_stages", ["4"], "more K measured in processes of their own (compiled)")
 flags.DEFINE_bool("processes", True, "also measure Keras with all cores and TF servers")
 flags.DEFINE_integer("micro_batches", None, "micro_batches of the pipelines (default: each "
-                     "method's own, tfpipe.advice's for spectrain)")
+                     "method's own, tfpipe.rules.advice's for spectrain)")
 FLAGS = flags.FLAGS
 
 
@@ -94,7 +94,7 @@ def main(argv):
   for name, runner in runners.items():
     runner.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if isinstance(runner, tfpipe.Pipeline):
-      print(runner.summary())
+      runner.summary()
   rates = {name: [] for name in runners}
   cores = {name: [] for name in runners}
   for r in range(FLAGS.rounds + 1):  # round 0 traces and warms up

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from bench import results_io  # noqa: E402
 
-flags.DEFINE_integer("width", 1024, "units per hidden layer (seed 001: 2048)")
+flags.DEFINE_integer("width", 1024, "units per hidden layer (the layer-wise partitioning paper (Wang et al.): 2048)")
 flags.DEFINE_integer("batch_size", 256, "batch size")
 flags.DEFINE_integer("steps", 40, "steps per runner")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
@@ -93,7 +93,7 @@ def main(argv):
   rows.append(["ASGD, 2 workers + 1 parameter server",
                f"{analytic.data_parallel_speedup(2, t_calc, t_comm):.2f}", f"{rate / single:.2f}",
                f"{rate:.0f}"])
-  title = (f"seed 001's DNN (7 x {FLAGS.width} sigmoid), batch {FLAGS.batch_size}, 2 logical "
+  title = (f"the layer-wise partitioning paper's DNN (7 x {FLAGS.width} sigmoid), batch {FLAGS.batch_size}, 2 logical "
            f"CPUs on this machine's cores: T_calc {1e3 * t_calc:.1f} ms, T_comm "
            f"{1e3 * t_comm:.1f} ms (one copy of the weights), {1e3 * t_act:.2f} ms per batch "
            "of activations; speedup over one device")

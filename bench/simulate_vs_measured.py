@@ -1,6 +1,6 @@
 """Every method on the quickstart model (digits, 2 stages): accuracy, samples/s, and the simulator.
 
-For each method: trains seed 000's SNN on scikit-learn's digits with the
+For each method: trains the SpecTrain paper's SNN on scikit-learn's digits with the
 trainer's `run` (the quickstart config, fewer epochs by default), reports
 the best validation accuracy and the median samples/s over epochs; for the
 pipeline methods it asks `tfpipe.plan.simulator` for the samples/s it predicts

@@ -96,7 +96,7 @@ OPTIONS = {
     # Local accumulation as the bound on version drift (PACI, arXiv 2606.07881, as its
     # abstract states it: neither stashed nor predicted weights, one update per mini-batch of
     # M = K micro-batches, so a micro-batch's forward and backward cross at most one update).
-    # Nesterov's look-ahead with Adam (`tfpipe.mitigations`; 2505.01099's code runs NAdam).
+    # Nesterov's look-ahead with Adam (`tfpipe.rules.mitigations`; 2505.01099's code runs NAdam).
     "spectrain+mb+nesterov/adam": ("spectrain", {"micro_batches": STAGES, "nesterov": True,
                                                  "version_difference": "exact"}, "adam"),
     "spectrain+nesterov/adam": ("spectrain", {"nesterov": True}, "adam"),
@@ -178,7 +178,7 @@ def run_one(task, name, K, seed, lr):
   """Trains option `name` at K stages on `task` with `seed` and rate `lr`: a result dict."""
   import keras
   import tfpipe
-  from tfpipe import advice
+  from tfpipe.rules import advice
   from trainers import config as config_lib, datasets, main as trainer_main, models
   method, options, optimizer = OPTIONS[name]
   options = {k: _PER_STAGE[v] * K if v in _PER_STAGE else v for k, v in options.items()}

@@ -38,7 +38,7 @@ FLAGS = flags.FLAGS
 def measure(method, K, x, y, window):
   import keras
   import tfpipe
-  from tfpipe import optimizers
+  from tfpipe.rules import optimizers
   from tfpipe.models import mlp
   from tfpipe.instruments.throughput import ThroughputMeter
   keras.utils.set_random_seed(0)

@@ -17,7 +17,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfpipe  # noqa: E402
-from tfpipe import checkpoint, cluster, optimizers  # noqa: E402
+from tfpipe.cluster import servers as cluster  # noqa: E402
+from tfpipe.rules import optimizers
+from tfpipe.training import checkpoint
 from tests import helpers  # noqa: E402
 
 
@@ -134,7 +136,7 @@ class _OutlivePeer(keras.callbacks.Callback):
     self.address = address
 
   def on_train_end(self, logs=None):
-    from tfpipe import liveness
+    from tfpipe.cluster import liveness
     deadline = time.monotonic() + 120
     while liveness.probe(self.address) != "refused" and time.monotonic() < deadline:
       time.sleep(0.2)
@@ -146,7 +148,7 @@ def mwms(addresses, index):
   ends its training only after worker 1 has exited."""
   os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses.split(",")},
                                         "task": {"type": "worker", "index": int(index)}})
-  from tfpipe import multi_worker
+  from tfpipe.baselines import multi_worker
   strategy = multi_worker.make_strategy()  # before any other TensorFlow op
   x, y = helpers.as_arrays(helpers.batches(6))
   model = helpers.sequential_mlp(width=16, depth=3)

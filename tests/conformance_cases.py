@@ -5,7 +5,7 @@ arguments, and says what a pipeline must do with it: the same as Keras
 (equal weights, History, evaluate and predict, to `atol`) or one refusal
 line (`refusal`, a regular expression), raised before any work.
 `tests/test_conformance.py` runs every case; `python -m tests.conformance_cases`
-prints README's Keras contract table from this list, and a test keeps README
+prints the Keras contract table (docs/keras-contract.md) from this list, and a test keeps it
 equal to it.
 """
 
@@ -421,7 +421,7 @@ def _describe(pipeline):
 
 
 def table():
-  """README's Keras contract table (markdown), from the cases."""
+  """The Keras contract table (docs/keras-contract.md, markdown), from the cases."""
   rows = ["| Keras feature | in a pipeline (sequential, gpipe and as listed; "
           "`tests/test_conformance.py`) |",
           "|---|---|"]

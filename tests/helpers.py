@@ -212,10 +212,10 @@ def _cached(parts, compute):
 
 
 def reference_train(stage_models, loss_fn, batches, method, *args, **kwargs):
-  """`tfpipe.reference.reference_train`, computed once per distinct input in this process
+  """`tfpipe.rules.reference.reference_train`, computed once per distinct input in this process
   (a copy of the result each call); inputs it cannot digest are never cached."""
-  from tfpipe import advice, reference
-  # The options left unset resolve through tfpipe.advice's tables (tests patch them).
+  from tfpipe.rules import advice, reference
+  # The options left unset resolve through tfpipe.rules.advice's tables (tests patch them).
   return _cached(["reference", list(stage_models), loss_fn, batches, method, list(args), kwargs,
                   advice.SPECTRAIN, advice.ONE_UPDATE, advice.ONE_UPDATE_STAGES,
                   advice.ADVISABLE, advice.MICRO_BATCHES],

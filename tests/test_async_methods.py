@@ -1,4 +1,4 @@
-"""The asynchronous rules of 2021-2025 (DESIGN.md section 3): PipeDream-2BW's one-update-old
+"""The asynchronous rules of 2021-2025 (docs/methods.md): PipeDream-2BW's one-update-old
 weights, Nesterov's look-ahead update (momentum SGD and Adam) and DC-ASGD's delay
 compensation, each equal to its slow reference rule and to its rule written out on one whole
 model."""
@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 import tfpipe
 
 LR, MOMENTUM = 0.05, 0.9
@@ -227,20 +227,20 @@ def test_2bw_refuses_too_few_micro_batches():
 ])
 def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, advice_table,
                                                          expected):
-  from tfpipe import advice
+  from tfpipe.rules import advice
   monkeypatch.setitem(advice.SPECTRAIN, "sgd", advice_table)
   monkeypatch.delitem(advice.MICRO_BATCHES, "sgd")   # SPECTRAIN's table alone: M = 1
   monkeypatch.delitem(advice.ONE_UPDATE, "sgd")
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
                                     method="spectrain", **asked)
-  assert "advised for the optimizer at compile" in pipe.summary() or asked
+  assert "advised for the optimizer at compile" in pipe.describe() or asked
   compile_(SGD(), _loss())
   for name, value in expected.items():
     assert getattr(pipe.options, name) == value, name
   advised = {n: v for n, v in advice_table.items() if n not in asked and expected.get(n, v)}
   said = (f"({', '.join(sorted(advised))} advised for sgd" if advised else
           "(no option advised for sgd")
-  assert said in pipe.summary()
+  assert said in pipe.describe()
   # The advised run is the rule of those options: the reference, asked the same, resolves
   # the options left unset the same way.
   bs = _batches(6)
@@ -253,18 +253,18 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
 
 
 def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
-  from tfpipe import advice
+  from tfpipe.rules import advice
   monkeypatch.setitem(advice.SPECTRAIN, "sgd", {"spike_compensation": True})
   monkeypatch.delitem(advice.MICRO_BATCHES, "sgd")
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
                                     method="pipedream")
   compile_(SGD(), _loss())
-  assert pipe.options.spike_compensation is False and "advised" not in pipe.summary()
+  assert pipe.options.spike_compensation is False and "advised" not in pipe.describe()
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
                                     method="spectrain")
   compile_(keras.optimizers.Adam(), _loss())   # the Adam family's advice at K=2: Nesterov's
   assert pipe.options.spike_compensation is False
-  assert "(nesterov advised for adam: tfpipe.advice)" in pipe.summary()
+  assert "(nesterov advised for adam: tfpipe.rules.advice)" in pipe.describe()
 
 
 def _adam():
@@ -297,14 +297,14 @@ def _spectrain_sgd():
 ])
 def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
     K, optimizer, asked, batch_norm, expected):
-  from tfpipe.options import Options
+  from tfpipe.training import options as options_lib
   model = helpers.sequential_mlp(dtype="float64")
   if batch_norm:
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
                               keras.layers.BatchNormalization(), keras.layers.Dense(3)])
-  options = Options(model, method="spectrain", **asked)
-  options.set_stages(model, K)
-  options.stage_rules(optimizer(), K)
+  given = options_lib.Asked(method="spectrain", **asked)
+  checked = options_lib.checked(given, model, K)
+  options, _, _ = options_lib.resolved(checked, given, model, optimizer(), K)
   assert options.micro_batches == expected
   line = options.describe(K)
   family = "adam" if optimizer is _adam else "sgd"
@@ -317,17 +317,17 @@ def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
               and asked.get("version_difference") != "paper")
   assert options.nesterov is nesterov
   if nesterov and not advised and expected == 1:
-    assert f"{K} stages, nesterov (nesterov advised for {family}: tfpipe.advice)" in line, line
+    assert f"{K} stages, nesterov (nesterov advised for {family}: tfpipe.rules.advice)" in line, line
   if nesterov and not advised and expected > 1:
     assert f"{expected} micro-batches, nesterov (nesterov advised for {family}" in line, line
   if advised:
     names = ["micro_batches"] + ([] if "version_difference" in asked else ["version_difference"])
     names = ", ".join(sorted(names + (["nesterov"] if nesterov else [])))
     assert f"{expected} micro-batches{', nesterov' if nesterov else ''} ({names} advised for " \
-           f"{family}: tfpipe.advice)" in line, line
+           f"{family}: tfpipe.rules.advice)" in line, line
     assert options.version_difference == "exact"
   # Compiled again with an optimizer of no family, the advice follows it: none.
-  options.stage_rules(keras.optimizers.RMSprop(0.01), K)
+  options, _, _ = options_lib.resolved(options, given, model, keras.optimizers.RMSprop(0.01), K)
   assert options.micro_batches == asked.get("micro_batches", 1)
   assert "micro_batches" not in options.advised and options.nesterov is False
 
@@ -361,7 +361,7 @@ def test_advised_micro_batches_train_by_the_rule_they_name(runtime, family, opti
     helpers.assert_weights_close(actual, r, rtol=1e-7, atol=1e-9)
   # A last batch too small to split says where M came from and how to opt out.
   with pytest.raises(ValueError, match=r"last batch of 2 samples \(130 in batches of 16\).*"
-                     rf"micro_batches={M} was advised for {family} by tfpipe.advice: pass "
+                     rf"micro_batches={M} was advised for {family} by tfpipe.rules.advice: pass "
                      r"micro_batches=1"):
     pipe.fit(np.concatenate([x] * 2)[:130], np.concatenate([y] * 2)[:130], batch_size=16,
              verbose=0)

@@ -5,7 +5,7 @@ import pytest
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 import tfpipe
 
 

@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import checkpoint, optimizers
+from tfpipe.rules import optimizers
+from tfpipe.training import checkpoint
 from tests import helpers
 
 

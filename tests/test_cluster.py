@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests import zygote
-from tfpipe import cluster
+from tfpipe.cluster import servers as cluster
 import tfpipe
 
 # Multi-process timings: never beside another multi-process test (setup.cfg).
@@ -137,7 +137,7 @@ def test_a_local_server_that_is_not_ready_in_time_is_named_with_its_deadline():
                                          r"did not start \(not ready after 0\.5 s\)"):
     cluster.LocalCluster({"worker": 2}, timeout=0.5)
   assert time.monotonic() - start < 10   # the deadline, then stopping what had started
-  assert cluster._LOCAL == []  # pylint: disable=protected-access
+  assert cluster._LOCAL == []
 
 
 def test_tf_config_is_read_and_checked():
@@ -152,7 +152,7 @@ def test_tf_config_is_read_and_checked():
 
 
 def test_multi_worker_mirrored_data_parallelism_across_two_processes():
-  addresses = ",".join(f"127.0.0.1:{cluster._free_port()}" for _ in range(2))  # pylint: disable=protected-access
+  addresses = ",".join(f"127.0.0.1:{cluster.free_port()}" for _ in range(2))
   workers = [zygote.start(["-m", "tests.cluster_scenarios", "mwms", addresses, str(i)])
              for i in range(2)]
   ends = [worker.communicate(timeout=300) for worker in workers]

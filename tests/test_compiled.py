@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 from tfpipe.plan import policies, schedules, windows
 import tfpipe
 

@@ -107,10 +107,10 @@ def test_refused_in_one_line(case):
     np.testing.assert_array_equal(a, b)
 
 
-def test_readme_contract_table_is_the_cases_table():
-  with open(os.path.join(ROOT, "README.md")) as f:
+def test_the_documented_contract_table_is_the_cases_table():
+  with open(os.path.join(ROOT, "docs", "keras-contract.md")) as f:
     readme = f.read()
-  assert cc.table() in readme, "README's Keras contract table: paste `python -m tests.conformance_cases`"
+  assert cc.table() in readme, "docs/keras-contract.md's table: paste `python -m tests.conformance_cases`"
 
 
 # Cases with a procedure of their own.
@@ -268,10 +268,10 @@ def test_pipemare_trains_with_adam_and_says_rescheduling_is_off():
   pipe.compile(**cc.compiled(optimizer=lambda: keras.optimizers.Adam(0.01))())
   history = pipe.fit(x, y, batch_size=16, epochs=2, verbose=0)
   assert np.all(np.isfinite(history.history["loss"]))
-  assert pipe.options.lr_rescheduling == 0 and "lr_rescheduling" not in pipe.summary()
+  assert pipe.options.lr_rescheduling == 0 and "lr_rescheduling" not in pipe.describe()
   sgd = tfpipe.Pipeline(cc.mlp(), num_stages=2, method="pipemare")
   sgd.compile(**cc.compiled(optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9))())
-  assert "lr_rescheduling=500" in sgd.summary()
+  assert "lr_rescheduling=500" in sgd.describe()
 
 
 def test_xla_stages_report_every_stage_regularisation():

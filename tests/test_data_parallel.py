@@ -12,7 +12,8 @@ import tensorflow as tf
 from tests import helpers
 from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _stage_weights, LR, MOMENTUM
-from tfpipe import optimizers, reduction
+from tfpipe.rules import optimizers
+from tfpipe.stage import reduction
 import tfpipe
 
 

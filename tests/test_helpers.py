@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from tfpipe import advice, optimizers, partition, reference
+from tfpipe.rules import advice, optimizers, reference
+from tfpipe.stage import partition
 
 
 def _stages():

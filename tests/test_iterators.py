@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from tfpipe import iterators
+from tfpipe.runtime import iterators
 
 
 class _Probe:
@@ -81,7 +81,7 @@ def test_the_program_exits_only_once_a_released_iterator_is_deleted():
   # abort): the process waits for it, here a slow deletion released just before the end.
   from tests import zygote
   code = ("import time\n"
-          "from tfpipe import iterators\n"
+          "from tfpipe.runtime import iterators\n"
           "class Slow:\n"
           "  def __del__(self):\n"
           "    time.sleep(1.0)\n"

@@ -3,7 +3,7 @@
 The synchronous schedules and `data_parallel` equal Keras `fit` on a KerasHub Llama with a
 per-token head (weights, History, evaluate, predict), batches of one length and bucketed
 batches of several, and with `global_clipnorm`; the asynchronous methods follow their reference rules on a per-token
-model (`tfpipe.reference`), on both executors.
+model (`tfpipe.rules.reference`), on both executors.
 """
 
 import keras
@@ -338,7 +338,7 @@ def test_keras_hub_task_models_train_as_built_same_as_keras(name, tmp_path):
   np.testing.assert_allclose(loaded.predict(data[0], verbose=0), got[3], atol=1e-5)
 
 
-# Several outputs under the asynchronous methods: each follows its rule (`tfpipe.reference`).
+# Several outputs under the asynchronous methods: each follows its rule (`tfpipe.rules.reference`).
 
 def _two_head_batches(n=6, seed=8):
   rng = np.random.default_rng(seed)

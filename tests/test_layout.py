@@ -1,5 +1,6 @@
 """The tree shows the architecture: planning code is pure Python."""
 
+import ast
 import pathlib
 import subprocess
 import sys
@@ -31,8 +32,97 @@ def test_the_planning_package_imports_no_tensorflow_keras_or_other_tfpipe_module
 
 def test_the_probe_reports_a_keras_or_library_module_loaded_beside_the_plan():
   probe = _PROBE.format(root=str(ROOT / "tfpipe"), names=["names"]).replace(
-      "for name in", "sys.modules['keras.probe'] = sys.modules['tfpipe.stage'] = package\n"
+      "for name in", "sys.modules['keras.probe'] = sys.modules['tfpipe.stage.program'] = package\n"
       "for name in")
   done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                         timeout=60, check=True)
-  assert done.stdout.strip() == "['keras.probe', 'tfpipe.stage']"
+  assert done.stdout.strip() == "['keras.probe', 'tfpipe.stage.program']"
+
+
+# The packages in layer order: each imports only the packages (and top-level modules) before it.
+LAYERS = ["compat", "devices", "plan", "models", "rules", "runtime", "cluster", "instruments",
+          "stage", "training", "baselines", "methods"]
+# Names a module may take from another object although they start with "_": namedtuple
+# methods and os._exit (public APIs spelled with an underscore).
+PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_exit"}
+# Imported inside functions on purpose: matplotlib at module level would cost every
+# `import tfpipe` its import time and pick a plotting backend for the user's process.
+LAZY = {"matplotlib"}
+
+
+def _modules():
+  for path in sorted((ROOT / "tfpipe").rglob("*.py")):
+    yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
+
+
+def _layer(path_or_module):
+  parts = path_or_module.replace("/", ".").removesuffix(".py").split(".")
+  return parts[1] if len(parts) > 1 else None
+
+
+def _tfpipe_imports(tree):
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tfpipe":
+      if node.module == "tfpipe":
+        yield from (alias.name for alias in node.names)
+      else:
+        yield node.module.split(".")[1]
+    elif isinstance(node, ast.Import):
+      yield from (a.name.split(".")[1] for a in node.names
+                  if a.name.startswith("tfpipe.") or a.name == "tfpipe")
+
+
+def test_every_package_imports_only_the_layers_before_it():
+  wrong = []
+  for path, tree in _modules():
+    layer = _layer(path)
+    if layer in (None, "__init__"):
+      continue   # the package's face imports everything
+    assert layer in LAYERS, f"{path}: a folder the layer order does not name"
+    for used in _tfpipe_imports(tree):
+      if used != layer and (used not in LAYERS or LAYERS.index(used) > LAYERS.index(layer)):
+        wrong.append(f"{path} imports tfpipe.{used}")
+  assert wrong == []
+
+
+def test_no_module_imports_inside_a_function():
+  inside = []
+  for path, tree in _modules():
+    for fn in ast.walk(tree):
+      if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        for node in ast.walk(fn):
+          if isinstance(node, (ast.Import, ast.ImportFrom)) and path != "tfpipe/compat.py":
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if not all(n.split(".")[0] in LAZY for n in names):
+              inside.append(f"{path}:{node.lineno} {', '.join(names)}")
+  assert inside == []
+
+
+def _private_uses(tree):
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+        and not node.attr.startswith("__") and node.attr not in PUBLIC_UNDERSCORED
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+      yield node.lineno, node.attr
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1):
+      owner, name = node.args[0], node.args[1]
+      own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+      if isinstance(name, ast.BinOp) or (
+          isinstance(name, ast.Constant) and str(name.value).startswith("_")
+          and not str(name.value).startswith("__") and not own):
+        yield node.lineno, ast.unparse(name)   # a private name, or a name made up at run time
+
+
+def test_private_attributes_of_other_objects_are_read_in_the_compatibility_module_only():
+  found = [f"{path}:{line} {name}" for path, tree in _modules() if path != "tfpipe/compat.py"
+           for line, name in _private_uses(tree)]
+  assert found == []
+
+
+def test_the_private_attribute_check_sees_reads_writes_and_names_built_at_run_time():
+  tree = ast.parse("model._functional\npipe._fit = 1\nself._ok\ngetattr(self, '_' + name)\n"
+                   "getattr(strategy, '_workers')\nrow._replace(a=1)\ngetattr(self, '_own')\n"
+                   "getattr(it, '__next__')\n")
+  assert sorted(name for _, name in _private_uses(tree)) == [
+      "'_' + name", "'_workers'", "_fit", "_functional"]

@@ -4,7 +4,7 @@ import keras
 import pytest
 
 import tfpipe
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 from tfpipe.instruments import memory
 from tests import helpers
 

@@ -1,4 +1,4 @@
-"""Staleness mitigations: each equals its rule (tfpipe.reference) on both executors; errors."""
+"""Staleness mitigations: each equals its rule (tfpipe.rules.reference) on both executors; errors."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from tests import helpers
 import tfpipe
-from tfpipe import mitigations, optimizers
+from tfpipe.rules import mitigations, optimizers
 from tfpipe.plan import schedules
 
 LR, MOMENTUM = 0.05, 0.9

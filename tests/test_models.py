@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tfpipe import models, optimizers
+from tfpipe import models
+from tfpipe.rules import optimizers
 
 SHAPES = {"image": (32, 32, 3), "flat": (8, 8), "tokens": (12,)}
 VOCAB = 50
@@ -46,7 +47,7 @@ _DEEP = ("resnet152", "inception_v4", "transformer")
 def _check_partition(pipe, model, K):
   assert len(pipe.stage_models) == K
   assert sum(len(names) for names in pipe.partition.layer_names) == len(
-      tfpipe.partition.graph_nodes(model)[2])
+      tfpipe.stage.partition.graph_nodes(model)[2])
 
 
 # The models whose step costs 3-6 s train at K=4 only (three cuts; residual_lstm's K=3 cut is
@@ -86,7 +87,7 @@ def test_embedding_stage_and_recurrent_stages():
   # The embedding alone on stage 0 (integer ids in, no input gradient), LSTM layers after it.
   model = _build("residual_lstm")
   x, y = _data("residual_lstm")
-  n = len(tfpipe.partition.graph_nodes(model)[2])
+  n = len(tfpipe.stage.partition.graph_nodes(model)[2])
   pipe, loss, _ = _train(model, x, y, num_stages=3, partition=[0, 1, 5, n])
   assert pipe.partition.layer_names[0] == ["embedding"]
   assert pipe.partition.layer_names[1] == ["lstm0", "lstm1", "lstm2", "lstm3"]
@@ -111,7 +112,7 @@ def test_model_sizes_at_full_scale():
   assert len(snn.layers) == 34 and snn.layers[1].units == 2048
   dnn = models.build("dnn", (400,), 10000)
   assert [l.units for l in dnn.layers[1:-1]] == [2048] * 7
-  assert dnn.count_params() == 2048 * 401 + 6 * 2048 * 2049 + 2049 * 10000  # seed 001's N_W
+  assert dnn.count_params() == 2048 * 401 + 6 * 2048 * 2049 + 2049 * 10000  # the layer-wise partitioning paper's N_W
   assert 0.26e6 < models.build("resnet20", (32, 32, 3), 10).count_params() < 0.28e6
 
 

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 
 
 def test_two_steps_by_hand():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from tfpipe import layer_profile, partition
+from tfpipe.stage import layer_profile, partition
 
 
 def _compose(stages, x):
@@ -106,7 +106,7 @@ def test_errors():
   x = keras.Input((4,))
   shared = keras.layers.Dense(4, name="shared")
   # A layer called twice: on one stage nothing is shared; across two its weights are held by
-  # both (trained as one weight on the synchronous schedules, tfpipe.joint).
+  # both (trained as one weight on the synchronous schedules, tfpipe.rules.joint).
   model = keras.Model(x, keras.layers.Dense(2, name="head")(shared(shared(x))))
   assert partition.partition(model, 2, [0, 2, 3]).shared == ()
   assert partition.partition(model, 2, [0, 1, 3]).shared == (((0, 0), (1, 0)), ((0, 1), (1, 1)))

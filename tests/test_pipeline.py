@@ -9,7 +9,8 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import models, optimizers
+from tfpipe import models
+from tfpipe.rules import optimizers
 from tfpipe.plan import schedules
 import tfpipe
 
@@ -95,7 +96,7 @@ CASES = [
     ("sequential", {}),
     ("vanilla", {}),
     ("pipedream", {}),
-    # The prediction rule itself: without the update options tfpipe.advice adds (their own
+    # The prediction rule itself: without the update options tfpipe.rules.advice adds (their own
     # equivalence is tests/test_mitigations.py's and tests/test_async_methods.py's).
     ("spectrain", {"spectrain_backward": "reuse", "version_difference": "paper",
                    "spike_compensation": False}),
@@ -194,7 +195,7 @@ def test_methods_differ_from_each_other():
     K = 2 if method in ("interleaved", "zbv") else 3
     finals[method] = _run_both(method, {}, K=K, n=8, train=False)[1][0][0]
   # Same weights by design: ddg is pipedream's rule and feature_replay vanilla's, on another
-  # timing (EPFL report section 2); the synchronous methods all equal plain training, here at
+  # timing (Kang's model-parallelism report section 2); the synchronous methods all equal plain training, here at
   # other batch sizes (micro-batches) of the same data, so they differ by round-off only.
   same = {("ddg", "pipedream"), ("feature_replay", "vanilla")}
   sync = set(tfpipe.SYNCHRONOUS_METHODS)

@@ -1,9 +1,9 @@
-"""Where a Pipeline's stages run (`tfpipe.placement`), checked before any TensorFlow work."""
+"""Where a Pipeline's stages run (`tfpipe.stage.placement`), checked before any TensorFlow work."""
 
 import pytest
 
 from tests.conftest import DEVICES
-from tfpipe import placement
+from tfpipe.stage import placement
 from tfpipe.plan import policies
 
 

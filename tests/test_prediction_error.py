@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 from tfpipe.instruments import prediction_error
 from tests import helpers
 

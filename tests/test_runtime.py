@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpipe import iterators, optimizers, runtime
+from tfpipe import runtime
+from tfpipe.rules import optimizers
+from tfpipe.runtime import iterators
 import tfpipe
 
 
@@ -44,7 +46,7 @@ def _model(fail_at):
 
 
 def _pipeline_threads():
-  # An iterator's deleting thread (`tfpipe.iterators`) ends on its own, after the fit.
+  # An iterator's deleting thread (`tfpipe.runtime.iterators`) ends on its own, after the fit.
   return [t for t in threading.enumerate()
           if t.name.startswith("tfpipe-") and t.name != iterators.THREAD_NAME]
 

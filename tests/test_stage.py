@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe import stage
+from tfpipe.stage import program as stage
 from tfpipe.plan import policies
 
 

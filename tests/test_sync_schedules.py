@@ -12,7 +12,7 @@ import pytest
 from tests import helpers
 from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _dropout_pipe, _stage_weights, LR, MOMENTUM
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 from tfpipe.plan import schedules, simulator, verify
 import tfpipe
 

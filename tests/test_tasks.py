@@ -10,7 +10,7 @@ from tfpipe.plan import policies, tasks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# method -> (what its forward reads, what it keeps, what its backward reads): DESIGN.md's
+# method -> (what its forward reads, what it keeps, what its backward reads): docs/methods.md's
 # weight rules table.
 RULES = {
     "sequential": ("current", "tape", "kept"),
@@ -80,8 +80,9 @@ def _policy_reads(path):
           and isinstance(node.value, ast.Attribute) and node.value.attr == "policy"]
 
 
-@pytest.mark.parametrize("module", ["runtime/compiled.py", "runtime/threaded.py", "reference.py",
-                                    "stage.py"])
+@pytest.mark.parametrize("module", ["runtime/compiled.py", "runtime/threaded.py",
+                                    "runtime/interpreter.py", "rules/reference.py",
+                                    "stage/program.py"])
 def test_executors_and_reference_decide_nothing_by_policy_name(module):
   assert _policy_reads(ROOT / "tfpipe" / module) == []
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import tensor_parallel
+from tfpipe.baselines import tensor_parallel
 from tests import helpers
 
 
@@ -41,7 +41,7 @@ def test_shards_compute_on_their_grid_devices():
   kind, kernels, _ = layer.shards[0]
   assert kind == "column" and [k.shape for k in kernels] == [(8, 8), (8, 8)]
   assert layer.shards[1][0] == "row" and [k.shape for k in layer.shards[1][1]] == [(8, 16)] * 2
-  assert "2x2 grid" in trainer.summary()
+  assert "2x2 grid" in trainer.describe()
 
 
 def test_communication_volume_of_batch_model_and_grid():

@@ -6,7 +6,7 @@ import keras
 import pytest
 
 import tfpipe
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 from tfpipe.instruments.throughput import ThroughputMeter
 from tests import helpers
 

@@ -4,7 +4,7 @@ import keras
 import pytest
 
 from tests import helpers
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 from tfpipe.runtime import timeline
 import tfpipe
 

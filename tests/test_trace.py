@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import optimizers
+from tfpipe.rules import optimizers
 from tfpipe.plan import schedules
 from tfpipe.instruments import trace
 from tests import helpers

@@ -1,8 +1,10 @@
 """Trainer: the quickstart config end to end, every method, clear errors for bad input."""
 
 import contextlib
+import dataclasses
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,7 +49,7 @@ def _command(*args):
   with contextlib.chdir(ROOT), mock.patch.dict(os.environ, {"TFDS_DATA_DIR": _NO_DATA}), \
       contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
-      code = main.command(main._parse_flags(["trainers.main", *args]))  # pylint: disable=protected-access
+      code = main.command(main._parse_flags(["trainers.main", *args]))
     except SystemExit as e:
       code = e.code
   return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
@@ -61,7 +63,7 @@ def test_quickstart_config_runs_end_to_end(tmp_path):
   assert "samples/s=" in result.stdout
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "spectrain"))
   # The summary is printed after compile: it names what was advised for the optimizer.
-  assert ("method=spectrain, 2 stages, nesterov (nesterov advised for sgd: tfpipe.advice)"
+  assert ("method=spectrain, 2 stages, nesterov (nesterov advised for sgd: tfpipe.rules.advice)"
           in result.stdout)
 
 
@@ -72,6 +74,8 @@ def test_missing_dataset_offline_is_a_clear_message():
   assert "dataset 'cifar10' is not in" in result.stderr
   assert "--data_dir=DIR" in result.stderr and "TFDS_DATA_DIR" in result.stderr
   assert "Traceback" not in result.stderr
+  said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(said) == 1 and "--data_dir=DIR" in said[0]   # one line
 
 
 def test_typo_in_method_gets_did_you_mean():
@@ -183,12 +187,17 @@ def test_instruments_from_the_command_line(tmp_path):
 
 def test_baseline_trace_and_too_short_window(tmp_path):
   config = config_lib.TrainConfig(method="single", snn_width=16, snn_depth=2, batch_size=16,
-                                  steps=6, verbose=0, logdir=str(tmp_path), trace_steps="2,3")
+                                  steps=6, verbose=0, logdir=str(tmp_path), trace_steps="2,3",
+                                  throughput_window="4,9")
   _, _, lines = main.run(config)
   # Keras's TensorBoard callback profiles the baselines, under its "train" run.
   assert list((tmp_path / "single" / "trace" / "train" / "plugins" / "profile").glob("*/*.pb"))
-  assert any("not measured (the throughput window 50..250 needs 251 steps; the run had 6" in l
+  assert any("not measured (the throughput window 4..9 needs 10 steps; the run had 6" in l
              for l in lines)
+  # A run that never reaches the window (the default 50..250) says nothing of it.
+  config = dataclasses.replace(config, throughput_window="50,250", trace_steps=None)
+  _, _, lines = main.run(config)
+  assert not any("throughput" in line for line in lines)
 
 
 def test_instrument_flags_are_checked():
@@ -211,7 +220,6 @@ def _config_flags(path):
 
 
 def test_every_config_names_known_flags_and_every_workload_has_the_papers_methods():
-  import dataclasses
   from trainers import models
   fields = {f.name for f in dataclasses.fields(config_lib.TrainConfig)}
   configs = sorted(os.listdir(os.path.join(ROOT, "configs")))
@@ -261,7 +269,7 @@ def test_hybrid_from_the_command_line():
   result = _command("--method=spectrain", "--stage_replicas=0:2", "--num_stages=2",
                 "--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=3", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "stage 0 on 2 replicas on" in result.stdout
+  assert re.search(r"^0\s+2 replicas on", result.stdout, re.M)   # the summary's stage 0 row
   result = _command("--method=single", "--stage_replicas=0:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--stage_replicas replicates pipeline stages" in result.stderr
@@ -279,7 +287,7 @@ def test_pipeline_stages_on_local_tf_servers():
                 "--batch_size=16", "--steps=3", "--logdir=")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "started 2 TF servers: 127.0.0.1:" in result.stdout
-  assert "stage 1 on /job:worker/replica:0/task:1/device:CPU:0" in result.stdout
+  assert re.search(r"^1\s+/job:worker/replica:0/task:1/device:CPU:0\s", result.stdout, re.M)
   result = _command("--method=single", "--cluster=local:2", "--steps=1", "--snn_depth=2",
                 "--snn_width=8")
   assert result.returncode == 2 and "--cluster places pipeline stages" in result.stderr
@@ -293,7 +301,7 @@ def test_pipeline_stages_on_local_tf_servers():
 def test_trainer_exits_naming_a_dead_worker():
   import json
   import time
-  from tfpipe import cluster
+  from tfpipe.cluster import servers as cluster
   with cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": local.spec}))
     trainer = zygote.start(
@@ -338,7 +346,7 @@ def _until_epoch(trainer, epoch):
 def test_a_hung_worker_stops_the_trainer_and_sigint_stops_it_sooner(interrupt):
   import signal
   import time
-  from tfpipe import cluster
+  from tfpipe.cluster import servers as cluster
   with cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
     # With SIGINT the watchdog waits 10 misses (21 s): what stops the trainer is the signal.
     trainer = _trainer_on(local.spec, "--steps=20", "--epochs=500",
@@ -416,8 +424,8 @@ def _dataparallel_workers(epochs, count=2, wait=120):
   """(addresses, processes): the first `count` of two data-parallel trainer workers of one
   TF_CONFIG cluster, each in a session of its own."""
   import json
-  from tfpipe import cluster
-  addresses = [f"127.0.0.1:{cluster._free_port()}" for _ in range(2)]  # pylint: disable=protected-access
+  from tfpipe.cluster import servers as cluster
+  addresses = [f"127.0.0.1:{cluster.free_port()}" for _ in range(2)]
   runs = []
   for index in range(count):
     env = dict(os.environ, TF_CONFIG=json.dumps(
@@ -538,7 +546,7 @@ def test_spectrain_with_adam_takes_the_advised_micro_batches_from_the_trainer():
   history, trainer, _ = main.run(config)
   assert np.isfinite(history["loss"][0]) and trainer.micro_batches == 4
   assert ("4 micro-batches, nesterov (micro_batches, nesterov, version_difference advised for "
-          "adam" in trainer.summary())
+          "adam" in trainer.describe())
 
 
 @pytest.mark.parametrize("name", ["classes", "teacher"])
@@ -548,3 +556,17 @@ def test_generated_tasks_are_fixed_and_offline(name):
   assert a.train_size == datasets.TASK_SIZES[0]
   first = lambda d: next(iter(d.validation))[1].numpy()
   np.testing.assert_array_equal(first(a), first(b))   # the seed reorders training only
+
+
+def test_a_run_is_quiet_by_default_and_counts_stages_as_its_summary_does(tmp_path):
+  # data_parallel traces cross-device reductions and the checkpoint saves every epoch: neither
+  # prints a line of TensorFlow's; the final table counts interleaved's stages as the summary.
+  result = _cli("--model=snn", "--snn_width=16", "--snn_depth=4", "--method=interleaved",
+                "--num_stages=2", "--data_parallel=2", "--epochs=2", "--steps=3",
+                "--batch_size=16", f"--checkpoint_dir={tmp_path / 'ck'}", "--logdir=")
+  assert result.returncode == 0, result.stderr[-2000:]
+  out = result.stdout + result.stderr
+  assert "Reduce to" not in out and "Sharding callback" not in out and "INFO" not in out
+  assert "method=interleaved, 4 stages on 2 devices" in result.stdout
+  assert re.search(r"^stages\s+4 on 2 devices$", result.stdout, re.M)
+  assert "throughput" not in result.stdout   # 6 steps never reach the default window

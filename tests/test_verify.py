@@ -66,7 +66,7 @@ def test_every_method_verifies_for_k_up_to_16_and_m_up_to_64(K):
 
 
 def test_memory_table_matches_the_epfl_report_and_design():
-  # EPFL report table 1 (devices counted from 1 there: K-k+1 is K-k here, k from 0):
+  # Kang's model-parallelism report table 1 (devices counted from 1 there: K-k+1 is K-k here, k from 0):
   # sequential 1 mini-batch; DDG and PipeDream K-k states; FR inputs only.
   K, M = 5, 4
   table = verify.memory_table(K, M)
@@ -76,7 +76,7 @@ def test_memory_table_matches_the_epfl_report_and_design():
   assert table["pipedream"] == ("activations", down, down)
   assert table["feature_replay"] == ("inputs", down, [0] * K)
   assert table["vanilla"] == ("inputs", down, [0] * K)
-  # DESIGN.md: gpipe keeps M activation sets (the last stage runs each micro-batch's forward
+  # docs/methods.md: gpipe keeps M activation sets (the last stage runs each micro-batch's forward
   # and backward as one step, so it keeps one); timeprest keeps inputs of M micro-batches,
   # plus the K-1-k it runs ahead; no weight versions.
   assert table["gpipe"] == ("activations", [M] * (K - 1) + [1], [1] * K)
@@ -180,3 +180,19 @@ def test_joint_updates_run_every_stages_backwards_of_a_batch_before_any_of_its_u
 def test_joint_updates_need_update_tasks():
   with pytest.raises(ValueError, match="joint updates need a schedule whose updates are U tasks"):
     schedules.jointly_updated(schedules.sequential(2, 2))
+
+
+def test_a_schedule_error_shows_the_schedule_as_a_grid():
+  schedule = _broken(["F0 B0 F1 B1 F2 B2", "F0 B0 F1 B1 F2"])
+  with pytest.raises(verify.ScheduleError) as raised:
+    verify.verify(schedule)
+  lines = str(raised.value).splitlines()
+  assert lines[0] == "stage 1: forward F2 has no backward"
+  assert lines[1].split() == ["stage", "|", "0", "1", "2", "3", "4", "5"]
+  assert lines[2].split() == ["0", "|", "F0", "B0", "F1", "B1", "F2", "B2"]
+  assert lines[3].split() == ["1", "|", "F0", "B0", "F1", "B1", "F2"]
+
+
+def test_a_long_schedule_grid_shows_its_first_steps_and_counts_the_rest():
+  grid = verify.format_grid(schedules.build("1f1b", 2, 10), width=4).splitlines()
+  assert len(grid) == 3 and grid[1].endswith("... (+16)") and grid[1].split()[2] == "F0"

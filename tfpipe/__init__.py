@@ -1,16 +1,26 @@
-"""tfpipe: pipelined model-parallel training of Keras models on TensorFlow."""
+"""tfpipe: pipelined model-parallel training of Keras models on TensorFlow.
 
-from tfpipe import asgd, checkpoint, cluster, devices, multi_worker, optimizers, runtime, tensor_parallel
-from tfpipe.baselines import DataParallel, Single, create
+The package's folders are its layers, each importing only those listed before it:
+`plan` (pure Python: schedules, weight policies, the task table, the verifier, the
+simulator), `rules` (weight and update rules in TensorFlow), `stage` (a stage's program and
+where it runs), `cluster` (TF servers), `runtime` (the executors), `instruments` (what a run
+shows about itself), `training` (the Keras face: `Pipeline`), `baselines` (what a pipeline
+is measured against) and `models` (the benchmarks' models). `compat` is the one module that
+touches TensorFlow's and Keras's internals.
+"""
+
+from tfpipe import cluster, devices, runtime
+from tfpipe.baselines import asgd, multi_worker, tensor_parallel
+from tfpipe.baselines.keras import DataParallel, Single
 from tfpipe.devices import create_logical_cpus, default_devices
-from tfpipe.pipeline import Pipeline
+from tfpipe.methods import BASELINE_METHODS, CLUSTER_METHODS, METHODS, create
 from tfpipe.plan.policies import PIPELINE_METHODS, SYNCHRONOUS_METHODS
-
-BASELINE_METHODS = ("single", "dataparallel", "grid")   # not pipelines
-CLUSTER_METHODS = ("asgd",)   # on TF servers of a cluster (tfpipe.cluster); not a pipeline
-METHODS = BASELINE_METHODS + PIPELINE_METHODS + CLUSTER_METHODS
+from tfpipe.rules import optimizers
+from tfpipe.training import checkpoint
+from tfpipe.training.pipeline import Pipeline
 
 __all__ = ["Pipeline", "Single", "DataParallel", "create", "create_logical_cpus",
-           "default_devices", "devices", "optimizers", "asgd", "checkpoint", "cluster", "multi_worker", "tensor_parallel", "METHODS", "BASELINE_METHODS", "CLUSTER_METHODS",
+           "default_devices", "devices", "optimizers", "asgd", "checkpoint", "cluster",
+           "multi_worker", "tensor_parallel", "METHODS", "BASELINE_METHODS", "CLUSTER_METHODS",
            "PIPELINE_METHODS", "SYNCHRONOUS_METHODS"]
 __version__ = "0.1.0"

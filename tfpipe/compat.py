@@ -19,6 +19,7 @@ names what the installed versions lack, and a test fails loudly on it.
 """
 
 import contextlib
+import logging
 import threading
 
 import keras
@@ -101,7 +102,7 @@ def missing():
   return gone
 
 
-def _graph(model):
+def functional_graph(model):
   """The functional graph of `model` (a Sequential's own), or None for a subclassed model."""
   if isinstance(model, keras.Sequential):
     return getattr(model, "_functional", None)
@@ -110,29 +111,35 @@ def _graph(model):
   return None
 
 
+def call_nodes(graph):
+  """The call nodes of a functional graph in topological order, without its input nodes (a
+  layer called twice has two)."""
+  return [node for depth in sorted(graph._nodes_by_depth, reverse=True)
+          for node in graph._nodes_by_depth[depth]
+          if node.operation is not None and not node.is_input]
+
+
 def _operations(graph):
-  return [node.operation for depth in graph._nodes_by_depth
-          for node in graph._nodes_by_depth[depth] if node.operation is not None
-          and not node.is_input]
+  return [node.operation for node in call_nodes(graph)]
 
 
 def nested_models(model):
   """The functional (or Sequential) models `model`'s graph calls as layers: a KerasHub task's
   backbone, say."""
-  graph = _graph(model)
+  graph = functional_graph(model)
   if graph is None:
     return []
-  return [op for op in _operations(graph) if isinstance(op, keras.Model) and _graph(op)]
+  return [op for op in _operations(graph) if isinstance(op, keras.Model) and functional_graph(op)]
 
 
 def flattened(model):
   """A functional model computing what `model` computes, with every nested functional model
   (a KerasHub task's backbone) replaced by its own layers, called on the outer tensors: the
   same layer objects, so the same variables. Its inputs keep `model`'s names and order."""
-  graph = _graph(model)
+  graph = functional_graph(model)
 
   def inline(op):
-    inner = _graph(op) if isinstance(op, keras.Model) else None
+    inner = functional_graph(op) if isinstance(op, keras.Model) else None
     if inner is None:
       return op
 
@@ -438,7 +445,7 @@ def is_derived(error):
 
 def per_replica(values):
   """`values` (one tensor per replica device) as the `tf.distribute.DistributedValues` that a
-  `tf.distribute.CrossDeviceOps` reduces (`tfpipe.reduction`)."""
+  `tf.distribute.CrossDeviceOps` reduces (`tfpipe.stage.reduction`)."""
   return _tf_distribute_values.PerReplica(values)
 
 
@@ -508,3 +515,27 @@ def runtime_started():
   its devices): a process forked after that would share it."""
   context = _tf_context.context_safe()
   return context is not None and context._initialized  # noqa: SLF001
+
+
+def num_workers(strategy):
+  """The worker processes a multi-worker `tf.distribute` strategy spans."""
+  return strategy.extended._num_workers
+
+
+class _ReductionNotices(logging.Filter):
+  """Drops `tf.distribute`'s INFO notice of each traced reduction ("Reduce to ... then
+  broadcast to ..."): a replicated stage traces one per weight group."""
+
+  def filter(self, record):
+    return not (record.levelno == logging.INFO
+                and str(record.msg).startswith("Reduce to "))
+
+
+_NOTICES = _ReductionNotices()
+
+
+def drop_reduction_notices():
+  """Keeps TensorFlow's logger from printing a line per traced cross-device reduction."""
+  logger = tf.get_logger()
+  if _NOTICES not in logger.filters:
+    logger.addFilter(_NOTICES)

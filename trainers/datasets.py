@@ -155,12 +155,11 @@ def _tfds(config, name):
                              as_supervised=True, with_info=True)
   except Exception as e:  # tfds raises assertion or not-found errors of several kinds
     where = data_dir or "the default tfds directory (~/tensorflow_datasets)"
+    del e   # tfds's own message names its internals, not what to do
     raise DataUnavailableError(
-        f"dataset {name!r} is not in {where} and cannot be downloaded from this machine.\n"
-        f"Prepare it on a machine with internet access:\n"
-        f"  python -c \"import tensorflow_datasets as tfds; tfds.load('{name}', data_dir='DIR')\"\n"
-        f"then copy DIR here and pass --data_dir=DIR (or set TFDS_DATA_DIR=DIR).\n"
-        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        f"dataset {name!r} is not in {where} and cannot be downloaded here: run "
+        f"tfds.load('{name}', data_dir='DIR') on a machine with internet access, copy DIR "
+        "here and pass --data_dir=DIR (or set TFDS_DATA_DIR=DIR)") from None
   train, val = splits
   classes = info.features["label"].num_classes
   if name == "imdb_reviews":

@@ -23,7 +23,7 @@ def define_flags():
   flags.DEFINE_integer("liveness_misses", 2,
                        "--cluster: probes (2 s each, one a second) a TF server may leave "
                        "unanswered in a row before training stops naming it")
-  flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (seed 004), e.g. 2x2")
+  flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (the integrated-parallelism paper (Laugier et al.)), e.g. 2x2")
   flags.DEFINE_list("stage_replicas", [],
                     "STAGE:R pairs: run stage STAGE data parallel on R devices (hybrid), e.g. 0:2")
   flags.DEFINE_integer("data_parallel", 1,
@@ -39,12 +39,12 @@ def define_flags():
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", None,
-                      "spectrain version difference: paper, exact (default: tfpipe.advice's "
+                      "spectrain version difference: paper, exact (default: tfpipe.rules.advice's "
                       "for the optimizer, else paper)")
   flags.DEFINE_integer("micro_batches", None,
                        "micro-batches per mini-batch (gpipe, 1f1b, interleaved, zb, timeprest: default 4; "
                        "vanilla, "
-                       "pipedream: default 1; spectrain: from tfpipe.advice.MICRO_BATCHES's "
+                       "pipedream: default 1; spectrain: from tfpipe.rules.advice.MICRO_BATCHES's "
                        "depth on (4), K with adam and 2K with momentum SGD, else 1)")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")
@@ -59,7 +59,7 @@ def define_flags():
   flags.DEFINE_bool("spike_compensation", None,
                     "asynchronous pipelines: give each delayed gradient the momentum it missed "
                     "at once (Kosson et al. 2021); default: --method=spectrain takes "
-                    "tfpipe.advice's for the optimizer, others off")
+                    "tfpipe.rules.advice's for the optimizer, others off")
   flags.DEFINE_bool("delay_momentum", False,
                     "asynchronous pipelines: lower each stage's momentum by its delay D to "
                     "max(0, momentum - D/(D+1)) (Mitliagkas et al. 2016)")
@@ -68,7 +68,7 @@ def define_flags():
                     "(Nesterov; with --method=pipedream, Ajanthan et al. 2025; momentum SGD or "
                     "Adam, whose look-ahead is NAdam's step); default: "
                     "--method=spectrain with momentum SGD takes it where a prediction spans "
-                    "one update (K=2, or micro-batches M >= K-1: tfpipe.advice), with Adam up "
+                    "one update (K=2, or micro-batches M >= K-1: tfpipe.rules.advice), with Adam up "
                     "to K=8, others off")
   flags.DEFINE_float("delay_compensation", None,
                      "DC-ASGD's lambda (0: off): move each gradient from the weights its "

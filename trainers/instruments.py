@@ -62,7 +62,8 @@ class Instruments:
     if self.meter is not None and self.config.method == "asgd":
       lines.append("throughput over a window of steps: not measured (asgd runs its steps "
                    "asynchronously on the workers; samples/s per epoch is in the logs)")
-    elif self.meter is not None:
+    elif self.meter is not None and len(self.meter.ends) > self.window[0]:
+      # A run too short to reach the window (a smoke test, a few steps) has nothing to say.
       a, b = self.window
       try:
         rate = self.meter.samples_per_second()

@@ -18,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
 
 from trainers import flags as trainer_flags  # noqa: E402
 from trainers import interrupts  # noqa: E402
@@ -207,8 +208,8 @@ def _train(config, tools, spec=None):
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
       **window)
   if config.verbose:
-    # After compile: the options advised for the optimizer (tfpipe.advice) are then known.
-    print(trainer.summary(), flush=True)
+    # After compile: the options advised for the optimizer (tfpipe.rules.advice) are then known.
+    trainer.summary(print_fn=lambda line: print(line, flush=True))
   if config.method == "asgd":
     train, fit_options = data.train, dict(batch_size=config.batch_size, seed=config.seed)
   else:
@@ -300,6 +301,10 @@ def main(argv):
   """The process's entry after absl parsed the flags: `command` with the SIGINT watcher;
   exits at once after a run that started TF servers."""
   interrupts.exit_on_interrupt(INTERRUPTED)
+  if not trainer_flags.FLAGS["verbosity"].present:
+    # absl logs at INFO under app.run; TensorFlow's INFO lines (one per checkpoint save, per
+    # traced cross-device reduction, ...) are not the trainer's to show unless asked.
+    absl_logging.set_verbosity(absl_logging.WARNING)
   code = command(argv)
   values = trainer_flags.FLAGS
   if code == 0 and (values.method == "asgd" or (values.cluster or "").startswith("local:")):
@@ -319,7 +324,7 @@ def command(argv):
   config = TrainConfig.from_flags(trainer_flags.FLAGS)
   from trainers import datasets
   try:
-    history, _, lines = run(config)
+    history, trainer, lines = run(config)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr, flush=True)
     return INTERRUPTED
@@ -336,7 +341,7 @@ def command(argv):
     print(f"error: {e}", file=sys.stderr)
     return LOST
   from trainers import report
-  print(report.format_table(config, history))
+  print(report.format_table(config, history, trainer))
   for line in lines:
     print(line)
   return 0

@@ -67,10 +67,14 @@ class ResumeReport(keras.callbacks.Callback):
             "use a new --checkpoint_dir to start over with yours)", flush=True)
 
 
-def format_table(config, history):
-  """The last epoch's numbers as a two-column table."""
+def format_table(config, history, trainer=None):
+  """The last epoch's numbers as a two-column table. Its stages are the trainer's, as its
+  summary counts them ("interleaved" and "zbv" place several on each device)."""
+  stages, devices = (getattr(trainer, "num_stages", config.num_stages),
+                     getattr(trainer, "num_devices", None))
+  where = f" on {devices} devices" if devices not in (None, stages) else ""
   rows = [("method", config.method), ("model", config.model), ("dataset", config.dataset),
-          ("stages", str(config.num_stages))]
+          ("stages", f"{stages}{where}")]
   for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
     if key in history:
       rows.append((key, f"{history[key][-1]:.4f}"))

@@ -1,15 +1,15 @@
 """Weight-prediction error (SpecTrain paper fig. 8): how close the weight prediction comes.
 
 s: updates ahead, W_t: a stage's weights after its t-th update, d_t: the step
-its optimizer predicts with then (`tfpipe.prediction`: eta * v_t for SpecTrain,
+its optimizer predicts with then (`tfpipe.rules.prediction`: eta * v_t for SpecTrain,
 v_t its smoothed gradient and eta the learning rate; -m_t for momentum SGD;
 Adam's bias-corrected m / (sqrt(v) + eps) step). After every update t the
 recorder compares, for each s in `horizons`,
-  predicted: RMSE(W_{t-s} - s * d_{t-s}, W_t)   (seed 000 eq. 4; PipeOptim)
+  predicted: RMSE(W_{t-s} - s * d_{t-s}, W_t)   (the SpecTrain paper eq. 4; PipeOptim)
   stale:     RMSE(W_{t-s}, W_t)                  (what vanilla reads)
 over all of the stage's weights. Works in a `Pipeline(prediction_error=...)`
 (per stage, after each of its updates) and in plain `model.fit` through
-`PredictionErrorCallback` (key "model"), with any optimizer `tfpipe.prediction`
+`PredictionErrorCallback` (key "model"), with any optimizer `tfpipe.rules.prediction`
 predicts with.
 """
 
@@ -18,8 +18,9 @@ import threading
 
 import keras
 import numpy as np
+import tensorflow as tf
 
-from tfpipe import prediction
+from tfpipe.rules import prediction
 
 __all__ = ["PredictionError", "PredictionErrorCallback", "check"]
 
@@ -72,7 +73,7 @@ class PredictionError:
 
   def observe_optimizer(self, key, variables, optimizer):
     """`observe_steps` from Keras variables and their optimizer: the step is the one
-    `tfpipe.prediction` predicts with (W minus the weights predicted one update ahead)."""
+    `tfpipe.rules.prediction` predicts with (W minus the weights predicted one update ahead)."""
     check(optimizer)
     weights = [v.numpy() for v in variables]
     ahead = prediction.predict_all(optimizer, variables, 1)
@@ -90,7 +91,6 @@ class PredictionError:
 
   def write_summaries(self, logdir):
     """TensorBoard scalars prediction_error/{key}/s{s}/{predicted,stale} per update."""
-    import tensorflow as tf
     with tf.summary.create_file_writer(logdir).as_default():
       for (key, s), rows in sorted(self.series.items(), key=str):
         for t, predicted, stale in rows:
@@ -126,7 +126,7 @@ class PredictionError:
 
 class PredictionErrorCallback(keras.callbacks.Callback):
   """Feeds a `PredictionError` after each batch of `model.fit` (an optimizer that
-  `tfpipe.prediction` predicts with: SpecTrain, momentum SGD, Adam, AdamW)."""
+  `tfpipe.rules.prediction` predicts with: SpecTrain, momentum SGD, Adam, AdamW)."""
 
   def __init__(self, recorder):
     super().__init__()

@@ -1,4 +1,4 @@
-"""Fully connected workloads: seed 000's SNN and seed 001's DNN."""
+"""Fully connected workloads: the SpecTrain paper's SNN and the layer-wise partitioning paper's DNN."""
 
 import keras
 
@@ -10,7 +10,7 @@ def _width(units, scale):
 
 
 def snn(input_shape, num_classes, scale=1.0, width=2048, depth=32):
-  """Self-normalising MLP (seed 000): `depth` SELU Dense layers of `width` x `scale` units."""
+  """Self-normalising MLP (the SpecTrain paper): `depth` SELU Dense layers of `width` x `scale` units."""
   layers = [keras.Input(input_shape), keras.layers.Flatten(name="flatten")]
   for i in range(depth):
     layers.append(keras.layers.Dense(_width(width, scale), activation="selu",

@@ -1,4 +1,4 @@
-"""Token-sequence workloads: seed 000's Transformer and Residual LSTM, the EPFL report's BERT;
+"""Token-sequence workloads: the SpecTrain paper's Transformer and Residual LSTM, the Kang's model-parallelism report's BERT;
 and the staleness benchmark's small attention classifier.
 
 L: sequence length, V: vocabulary size, d: model width. Inputs are integer
@@ -81,7 +81,7 @@ def transformer(input_shape, num_classes, scale=1.0, vocab_size=20000, blocks=6,
 
 def bert(input_shape, num_classes, scale=1.0, vocab_size=20000, encoders=3, heads=12,
          width=768):
-  """The EPFL report's small BERT: an embedding layer, `encoders` encoders of width `width`
+  """The Kang's model-parallelism report's small BERT: an embedding layer, `encoders` encoders of width `width`
   with `heads` heads and a 4 x width GELU feed-forward, the first position classified."""
   d = _w(width, scale)
   tokens = keras.Input(input_shape, dtype="int32")

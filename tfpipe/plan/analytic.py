@@ -21,14 +21,14 @@ def gpipe_bubble(K, M):
 def step_time(method, T_F, T_B, K, lockstep=True):
   """Time per mini-batch in steady state with K equal stages.
 
-  lockstep=True: EPFL report table 1 (computation-time column), where DDG and
+  lockstep=True: Kang's model-parallelism report table 1 (computation-time column), where DDG and
   Features Replay run each step's forward through all stages before the
   backwards (DDG paper fig. 3): sequential T_F + T_B; ddg and feature_replay
   T_F + T_B/K; pipedream (1F1B) (T_F + T_B)/K.
 
   tfpipe runs them so with `lockstep=True` (a barrier closes every step).
   lockstep=False: the same schedules with only their data dependencies, as
-  tfpipe runs them by default (EPFL table 3's message order: a stage receives the next
+  tfpipe runs them by default (Kang's report, table 3's message order: a stage receives the next
   gradient after its backward). Stage k's next forward then waits only for
   stage k+1's backward: ddg takes (2 T_F + T_B)/K for K >= 2;
   feature_replay too for K = 2, and (3 T_F + T_B)/K for K >= 3, where the
@@ -95,7 +95,7 @@ def communication_time(num_weights, bandwidth, bytes_per_weight=4):
 
 
 def layerwise_speedup(t_calc, K, t_transfer=0.0):
-  """Layer-wise model parallelism with an asynchronous pipeline (seed 001 section 5, seed 000):
+  """Layer-wise model parallelism with an asynchronous pipeline (the layer-wise partitioning paper (Wang et al.) section 5, the SpecTrain paper):
   K equal stages each take T_calc / K per mini-batch, and each cut moves one activation
   forward and one gradient back per mini-batch (t_transfer each way, both ways at once), so
   ideally S = T_calc / max(T_calc / K, t_transfer). This assumes enough batches in flight to

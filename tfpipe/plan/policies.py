@@ -89,7 +89,14 @@ class WeightPolicy:
 
   @property
   def predicts(self):
+    """True when a task reads predicted weights (SpecTrain)."""
     return "predicted" in (self.forward, self.backward)
+
+  @property
+  def corrects(self):
+    """True when the backward reads the current weights corrected back to the forward's
+    (PipeMare's discrepancy correction)."""
+    return self.backward == "corrected"
 
   @property
   def keeps_previous(self):
@@ -102,7 +109,7 @@ LOCKSTEP_METHODS = ("ddg", "feature_replay")
 
 def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=False,
                virtual_stages=None):
-  """The weight policy of a pipeline method (DESIGN.md section 3).
+  """The weight policy of a pipeline method (docs/methods.md).
 
   `recompute=True` keeps only stage inputs and recomputes the forward before
   the backward: allowed where the recomputed forward reads the same weights
@@ -189,7 +196,7 @@ def version_differences(policy, schedule, mode="paper"):
   """Per stage, a dict task -> s, the version difference of each task.
 
   Zero for every task of a policy that does not predict. For SpecTrain:
-  `paper` uses seed 000 eq. 5-6 with k the stage index (one batch per
+  `paper` uses the SpecTrain paper eq. 5-6 with k the stage index (one batch per
   update, so not with micro-batches); `exact` counts the updates the
   schedule really applies between the task and its batch's turn.
   """
@@ -205,7 +212,7 @@ def version_differences(policy, schedule, mode="paper"):
     return schedules.exact_version_differences(schedule)
   if schedules.micro_batches(schedule) > 1:
     raise ValueError(
-        "version_difference='paper' counts one update per batch (seed 000 eq. 5-6); with "
+        "version_difference='paper' counts one update per batch (the SpecTrain paper eq. 5-6); with "
         "micro-batches use version_difference='exact'")
   return [{t: (schedules.paper_version_difference(k, K, t.kind) if t.kind in "FB" else 0)
            for t in tasks} for k, tasks in enumerate(schedule)]

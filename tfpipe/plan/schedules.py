@@ -28,7 +28,9 @@ thread timing: the runtime and the slow reference loop agree exactly.
 
 import collections
 
-__all__ = ["Task", "Schedule", "lanes", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush",
+from tfpipe.plan import names
+
+__all__ = ["Task", "Action", "Schedule", "lanes", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush",
            "interleaved", "zero_bubble_h1", "zero_bubble_v", "device_of", "jointly_updated",
            "ddg", "ddg_lockstep", "timeprest", "build",
            "SCHEDULES", "MICRO_BATCHED", "ALWAYS_MICRO", "SPLIT_BACKWARD", "is_update",
@@ -46,6 +48,13 @@ class Task(collections.namedtuple("Task", ["kind", "batch", "micro"], defaults=(
 
   def __str__(self):
     return f"{self.kind}{self.batch}" + ("" if self.micro is None else f".{self.micro}")
+
+
+class Action(collections.namedtuple("Action", ["stage", "task", "s", "units"])):
+  """A task of stage `stage` as the executors run it (`tfpipe.runtime.interpreter`): with its
+  version difference `s` and, for a backward, the forward units (batch, micro) it covers."""
+
+  __slots__ = ()
 
 
 def is_update(task):
@@ -219,7 +228,7 @@ class Schedule(list):
 def jointly_updated(schedule):
   """`schedule` with joint updates: no stage's update U(b) runs before every stage's
   backwards (B and W) of b have run (`tfpipe.plan.verify`, the executors), so a decision over
-  the whole model's gradient (`tfpipe.joint`) can be made before any stage applies it. For a
+  the whole model's gradient (`tfpipe.rules.joint`) can be made before any stage applies it. For a
   synchronous schedule with U tasks; it costs nothing there: the next mini-batch waits for
   every update anyway."""
   if not any(t.kind == "U" for tasks in schedule for t in tasks):
@@ -368,7 +377,7 @@ def _zbv_order(S, M):
 
 
 def ddg(K, N, lockstep=False):
-  """Decoupled backpropagation with delayed gradients (DDG, EPFL report table 3).
+  """Decoupled backpropagation with delayed gradients (DDG, Kang's model-parallelism report table 3).
 
   Step t of stage k: forward of t, backward of t-d with the gradient it
   already holds, then receive (R) the gradient for its next backward. The
@@ -386,7 +395,7 @@ def ddg(K, N, lockstep=False):
   stage 1, but not of the stages below: a step takes (2 T_F + T_B)/K.
 
   lockstep=True ends every step t with a barrier S(t) on all stages, as in
-  the DDG paper (fig. 3) and the EPFL report's table 1: the next forward
+  the DDG paper (fig. 3) and the Kang's model-parallelism report's table 1: the next forward
   starts when the slowest stage ends its step, T_F + T_B/K. The weights each
   task reads are the same either way.
   """
@@ -457,7 +466,6 @@ SPLIT_BACKWARD = ("zb_h1", "zb_v")   # backwards split into B and W tasks
 def build(name, K, N, M=1, V=1):
   """The schedule called `name` for K stages, N mini-batches and M micro-batches each (V:
   stages per device, for "interleaved")."""
-  from tfpipe.plan import names  # pylint: disable=g-import-not-at-top
   name = names.lookup("schedule", name, SCHEDULES)
   _check(K, N, M)
   if name == "interleaved":
@@ -516,7 +524,7 @@ def exact_version_differences(schedule):
   """For every stage and task, the `exact` version difference s.
 
   s = the number of updates stage k applies, for mini-batches earlier than
-  b, after this task starts (DESIGN.md section 3). Returns K dicts mapping
+  b, after this task starts (docs/methods.md). Returns K dicts mapping
   each task to s.
   """
   result = []
@@ -563,7 +571,7 @@ def paper_version_difference(k, K, kind):
 def timeprest_version_difference(k, K, M, i):
   """Updates between the forward of micro-batch i at stage k and its mini-batch's backward.
 
-  TiMePReSt (seed 002) relates the version difference to the number of
+  TiMePReSt (the TiMePReSt paper) relates the version difference to the number of
   micro-batches M and workers K; for the schedule above it is
   floor((M-1-i + K-1-k) / M) in steady state: the first micro-batches of a
   mini-batch may read weights older than the last ones ("multiple

@@ -12,14 +12,16 @@ recompute=True) costs its stage's forward time more. A split backward (zero-bubb
 runs as B, `input_share` of the backward, and W, the rest. A barrier S(t) (lock-step
 DDG) ends when the last stage reaches it.
 
-`simulate_data_parallel` models seed 001's synchronous data parallelism
+`simulate_data_parallel` models the layer-wise partitioning paper's synchronous data parallelism
 through a parameter host (P workers, gradients out and weights back over one
 link, overlapped with the next iteration's computation).
 """
 
 import dataclasses
+import statistics
 
 from tfpipe.plan import policies, schedules, verify
+from tfpipe.plan.records import TaskRecord
 
 __all__ = ["Costs", "Timeline", "simulate", "simulate_method", "simulate_data_parallel",
            "costs_from_records"]
@@ -61,9 +63,8 @@ class Timeline:
   devices: int = None   # devices the stages run on (None: one per stage)
 
   def records(self):
-    """The timeline as the runtime records it (`tfpipe.runtime.TaskRecord`s, epoch 0): the
+    """The timeline as the runtime records it (`tfpipe.plan.records.TaskRecord`s, epoch 0): the
     last stage's forward inside its FB step, transfers as XF / XB; for `tfpipe.instruments.breakdown`."""
-    from tfpipe.runtime import TaskRecord
     K = len(self.busy)
     out = []
     for k, task, start, end in self.tasks:
@@ -203,7 +204,6 @@ def costs_from_records(records, num_stages, micro_batches=1, recompute=False):
   the running pipeline include what isolated timings miss: stages sharing
   cores, per-task overhead.
   """
-  import statistics
   K, M = num_stages, micro_batches
 
   def median(kind, k):

@@ -1,7 +1,7 @@
 """What a stage computes for each schedule task under a weight policy (pure Python).
 
 The one table the executors (`tfpipe.runtime`), the stage program
-(`tfpipe.stage`) and the slow reference (`tfpipe.reference`) read: a new
+(`tfpipe.stage.program`) and the slow reference (`tfpipe.rules.reference`) read: a new
 weight rule is one entry here plus its math in the stage, nothing in the
 executors.
 
@@ -18,7 +18,7 @@ stage a forward only holds its input: it runs with its backward as one step
          "backward_input" and "backward_weights" (a split backward's B and W) |
          "step" (the last stage's backward; split: "step_input" and
          "step_weights") | "update" | "receive" | "barrier";
-  reads: the weights read (DESIGN.md section 3): "current"; "predicted"
+  reads: the weights read (docs/methods.md): "current"; "predicted"
          (s updates ahead); "kept" (the very weights the forward read: a stash
          or a reused prediction); "corrected" (current minus d times the
          average weight change, PipeMare); "blend" (e^-d * the kept weights +

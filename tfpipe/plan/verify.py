@@ -24,7 +24,7 @@ import dataclasses
 
 from tfpipe.plan import policies, schedules, tasks as task_table
 
-__all__ = ["ScheduleError", "Report", "verify", "covered_units", "memory_table",
+__all__ = ["format_grid", "ScheduleError", "Report", "verify", "covered_units", "memory_table",
            "format_memory_table"]
 
 
@@ -155,10 +155,34 @@ def _check_weight_halves(k, K, tasks, micro_backwards):
 
 
 def verify(schedule, capacity=None):
-  """Checks `schedule` (see the module docstring); returns its `Report`.
+  """Checks `schedule` (see the module docstring); returns its `Report`. A broken schedule
+  raises `ScheduleError`, its message ending with the schedule as a grid (`format_grid`).
 
   `capacity`: the most items a link holds in flight (None: unbounded).
   """
+  try:
+    return _verify(schedule, capacity)
+  except ScheduleError as error:
+    raise ScheduleError(f"{error}\n{format_grid(schedule)}") from None
+
+
+def format_grid(schedule, width=16):
+  """`schedule` as a grid: a row per stage (its device's lane order), a column per step of
+  its list, at most `width` steps shown (the rest counted)."""
+  if not isinstance(schedule, (list, tuple)) or not all(
+      isinstance(tasks, (list, tuple)) for tasks in schedule):
+    return f"(the schedule is not a list of task lists: {type(schedule).__name__})"
+  rows = [[str(t) for t in tasks[:width]] for tasks in schedule]
+  size = max([len(cell) for row in rows for cell in row] + [2])
+  steps = range(max(map(len, rows), default=0))
+  lines = [("stage | " + " ".join(str(i).ljust(size) for i in steps)).rstrip()]
+  for k, (tasks, row) in enumerate(zip(schedule, rows)):
+    more = f" ... (+{len(tasks) - width})" if len(tasks) > width else ""
+    lines.append(f"{k:>5} | " + " ".join(cell.ljust(size) for cell in row).rstrip() + more)
+  return "\n".join(lines)
+
+
+def _verify(schedule, capacity):
   _structure(schedule)
   K = len(schedule)
   capacity = float("inf") if capacity is None else capacity

@@ -30,19 +30,15 @@ from tfpipe.plan import schedules, verify
 __all__ = ["Window", "firsts", "drained_firsts", "plan", "drain", "flush_window"]
 
 Window = collections.namedtuple("Window", ["first", "last", "tasks", "key"])
-Window.__doc__ = """Mini-batches `first`..`last` finish in this window. `tasks`: [(k, task, s,
-units)] in trace order, `units` the forward units (b, micro) a B task covers; `key`: the same as
-plain tuples with batches counted from `first` (micro-batch None as -1), equal for windows that
-trace alike."""
-
-
-def _unit(b, micro, base):
-  return (b - base, -1 if micro is None else micro)
+Window.__doc__ = """Mini-batches `first`..`last` finish in this window. `tasks`: its
+`schedules.Action`s in trace order; `key`: the same actions with batches counted from `first`,
+equal for windows that trace alike."""
 
 
 def _key(tasks, base):
-  return tuple((k, t.kind) + _unit(t.batch, t.micro, base) + (s, tuple(
-      _unit(b, i, base) for b, i in units)) for k, t, s, units in tasks)
+  return tuple(schedules.Action(k, schedules.Task(t.kind, t.batch - base, t.micro), s,
+                                tuple((b - base, i) for b, i in units))
+               for k, t, s, units in tasks)
 
 
 def _window(first, last, tasks):
@@ -104,8 +100,8 @@ def _cut(schedule, diffs, starts, N):
   for w, (first, last) in enumerate(zip(starts, ends)):
     lists = [[t for t in tasks[cuts[w][k]:cuts[w + 1][k]] if t.kind != "S"]
              for k, tasks in enumerate(schedule)]
-    tasks = [(k, t, diffs[k].get(t, 0), tuple(covers[k].get(t, ()))) for k, t in
-             _order(lists, done, joint)]
+    tasks = [schedules.Action(k, t, diffs[k].get(t, 0), tuple(covers[k].get(t, ())))
+             for k, t in _order(lists, done, joint)]
     windows.append(_window(first, last, tasks))
   return windows
 
@@ -136,7 +132,7 @@ def _order(lists, done, joint=None):
   It depends on the window's own lists only, so windows alike trace alike.
   An R task and the B it serves both wait for stage k+1's B. With joint updates (`joint`:
   `_accumulations`), an update U(b) waits for every stage's backwards of b, so a decision
-  over the whole gradient is traced before any stage applies it (`tfpipe.joint`).
+  over the whole gradient is traced before any stage applies it (`tfpipe.rules.joint`).
   """
   K, heads, order = len(lists), [0] * len(lists), []
   while any(heads[k] < len(lists[k]) for k in range(K)):

@@ -8,7 +8,7 @@ by task (the reference, for debugging). Both run the same stage programs.
 
 from tfpipe.runtime.compiled import CompiledRuntime
 from tfpipe.runtime.links import Barrier, Channel, OutOfData, Stopped, spawn
-from tfpipe.runtime.records import TaskRecord
+from tfpipe.plan.records import TaskRecord
 from tfpipe.runtime.threaded import Runtime
 
 EXECUTORS = ("compiled", "threaded")

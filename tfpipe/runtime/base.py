@@ -8,7 +8,7 @@ __all__ = ["Executor"]
 
 
 class Executor:
-  """Runs verified schedules on stage programs (`tfpipe.stage`) placed on their devices.
+  """Runs verified schedules on stage programs (`tfpipe.stage.program`) placed on their devices.
 
   `maxsize`: how many items a link between two stages may hold (the
   verifier checks the schedule against `link_capacity`).
@@ -17,7 +17,7 @@ class Executor:
   def __init__(self, programs, record=False, maxsize=None):
     self.programs = programs
     self.epoch = -1                      # epochs trained so far, minus one
-    self.update_hooks = []               # hook(k, program) after updates of stage k (`_updated`)
+    self.update_hooks = []               # hook(k, program) after updates of stage k (`count_updates`)
     self.K = len(programs)
     self.record = record
     self.maxsize = maxsize or self.K
@@ -40,7 +40,7 @@ class Executor:
         program.build_accumulators()
     return self.report
 
-  def _updated(self, k, count=1):
+  def count_updates(self, k, count=1):
     """Counts `count` updates of stage k and runs the update hooks once: the threaded executor
     calls it per update, the compiled one per window (after the window's updates of k; the
     prediction error asks for windows of one mini-batch, so it sees every update)."""
@@ -48,6 +48,7 @@ class Executor:
     for hook in self.update_hooks:
       hook(k, self.programs[k])
 
-  def _scale(self, k, value):
+  def share(self, k, value):
+    """A micro-batch's share of its mini-batch as stage k's tasks take it: a float64 scalar."""
     with tf.device(self.programs[k].device):
       return tf.constant(value, tf.float64)

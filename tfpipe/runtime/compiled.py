@@ -8,7 +8,7 @@ CPU, one stream per GPU, one partitioned function across TF server tasks):
 Python runs once per window, not once per task. Variables are read and
 updated in each stage's own order (automatic control dependencies order the
 ops on one variable as traced), so every task reads the weights of the
-weight rule (DESIGN.md section 3), as in the threaded executor.
+weight rule (docs/methods.md), as in the threaded executor.
 
 Inside a window a forward whose backward reads its weights (a stash, or
 SpecTrain's reused prediction) keeps its tape; the backward takes the
@@ -33,8 +33,9 @@ import keras
 import tensorflow as tf
 
 from tfpipe import compat
-from tfpipe.plan import schedules, tasks as plan_tasks, windows as windows_lib
-from tfpipe.runtime import groups, records, timeline
+from tfpipe.plan import records, schedules, tasks as plan_tasks, windows as windows_lib
+from tfpipe.plan import pieces
+from tfpipe.runtime import groups, interpreter, timeline
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat
 
@@ -230,7 +231,7 @@ class CompiledRuntime(Executor):
         results += self._run_loop(number, group, M)
       for k, count in enumerate(updates):
         if count:
-          self._updated(k, count * len(items))
+          self.count_updates(k, count * len(items))
       stop = False
       for b, (loss, logs) in zip(range(first, last + 1), results):
         if before is not None:
@@ -364,7 +365,7 @@ class CompiledRuntime(Executor):
       updates[k] += schedules.is_update(task)
     for k, count in enumerate(updates):
       if count:
-        self._updated(k, count)
+        self.count_updates(k, count)
 
   # Window groups (`tfpipe.runtime.groups`): a plan's windows as branches of one function.
 
@@ -495,101 +496,21 @@ class CompiledRuntime(Executor):
     return compat.calls_marked([p.device for p in self.programs])
 
   def _traced_tasks(self, key, inline, carry, inputs, labels, M):
-    K, programs = self.K, self.programs
-    flight = {"x": dict(carry["x"]), "g": dict(carry["g"])}
-    saved = dict(carry["saved"])   # (k, b, micro) -> (stage.Kept, share)
-    held, pieces, batch_loss, results = {}, {}, {}, {}
-    halves = {}   # (k, b, micro) -> the output gradients a split backward's W reads
-
-    def piece(source, b, micro, split_labels):
-      """The inputs (or labels and sample weights) of unit (b, micro): the mini-batch, or its
-      micro-batch, and its share."""
-      name = ("labels" if split_labels else "inputs", b)
-      if name not in pieces:
-        outputs = None   # labels of several outputs (a tuple): split alike, kept a tuple
-        if split_labels:
-          y, w = source[b]
-          outputs = len(y) if isinstance(y, (tuple, list)) else None
-          values = (list(y) if outputs else [y]) + ([w] if w is not None else [])
-        else:
-          values = list(source[b])
-        if micro is None:
-          split = [(values, 1.0)]
-        else:
-          n = values[0].shape[0]
-          sizes = schedules.micro_sizes(n, M)
-          parts = [tf.split(v, sizes) for v in values]
-          split = [([p[i] for p in parts], size / n) for i, size in enumerate(sizes)]
-        if outputs:
-          split = [([tuple(v[:outputs])] + v[outputs:], share) for v, share in split]
-        pieces[name] = split
-      return pieces[name][0 if micro is None else micro]
-
-    for i, (k, kind, b, micro, s, units) in enumerate(key):
-      program, unit = programs[k], (b, micro)
-      op = program.ops[kind].op   # what the stage runs (tfpipe.plan.tasks)
-      m = None if micro < 0 else micro
-      if op in ("receive", "barrier"):
-        continue   # a gradient is a tensor of the graph already; the graph orders the rest
+    moves = _WindowMoves(self, carry, inputs, labels, M, inline)
+    stages = [interpreter.Stage(k, p, k == self.K - 1) for k, p in enumerate(self.programs)]
+    for (k, b, micro), (kept, share) in carry["saved"].items():
+      stages[k].saved[(b, micro)] = interpreter.Saved(kept, None, share)
+    for i, action in enumerate(key):
       with timeline.scope(i):   # names the task's ops in the profile
-        if op in ("hold", "forward"):
-          if k == 0:
-            xs, share = piece(inputs, b, m, False)
-            scale = self._scale(0, share)
-          else:
-            xs, scale = flight["x"].pop((k, b, micro))
-          if op == "hold":   # the last stage's forward runs with its backward (its step)
-            values, _ = piece(labels, b, m, True)
-            sample_weight = values[1] if len(values) > 1 else None
-            held[unit] = (xs, values[0], sample_weight, scale, s)
-            continue
-          ys, kept = program.forward(xs, s, inline)
-          saved[(k, b, micro)] = (kept, scale)
-          flight["x"][(k + 1, b, micro)] = (ys, scale)
-        elif op == "update":
-          program.apply_accumulated(inline)
-          if k == K - 1:
-            results[b] = (batch_loss.pop(b), program.logs())
-        elif op in ("step", "step_input"):
-          parts = [held.pop(u) for u in units]
-          xs, y, sample_weight, scale = (_join([p[i] for p in parts]) for i in range(4))
-          if op == "step_input":   # a split step: its W takes the weight gradients
-            loss, dxs, logs, kept = program.last_step_input(xs, y, sample_weight, parts[0][4],
-                                                            scale, inline)
-            saved[(k, b, micro)] = (kept, scale)
-          else:
-            loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0][4], scale,
-                                                m is not None, inline)
-          if k > 0:
-            flight["g"][(k - 1, b, micro)] = dxs
-          if m is None:
-            results[b] = (loss, logs)
-          else:
-            weighted = tf.cast(loss, tf.float64) * scale
-            batch_loss[b] = weighted if b not in batch_loss else batch_loss[b] + weighted
-        elif op == "step_weights":   # a split step's W
-          kept, share = saved.pop((k, b, micro))
-          program.last_step_weights(kept, share, True, inline)
-        elif op == "backward_weights":   # a split backward's W: its B left state and dys
-          kept, share = saved.pop((k, b, micro))
-          program.backward_weights([kept], halves.pop((k, b, micro)), s, share, True, inline)
-        else:   # "backward", or a split backward's B ("backward_input")
-          dys, split = flight["g"].pop((k, b, micro)), op == "backward_input"
-          parts = [saved[(k,) + u] if split else saved.pop((k,) + u) for u in units]
-          kept, share = [kept for kept, _ in parts], _join([share for _, share in parts])
-          if split:
-            halves[(k, b, micro)] = dys
-            dxs = program.backward_input(kept, dys, s, share, inline)
-          else:
-            dxs = program.backward(kept, dys, s, share, m is not None, inline)
-          if k > 0:
-            flight["g"][(k - 1, b, micro)] = dxs
-    if held or batch_loss or halves:
+        interpreter.run(action, stages[action.stage], moves)
+    if any(stage.held or stage.losses or stage.halves for stage in stages):
       raise AssertionError("a window cut a last-stage step or a split backward apart")   # windows.plan prevents it
     # Forwards still waiting cross into the next window without their tapes: their backward
     # recomputes them on the kept inputs, weights and random state (the same values).
-    flight["saved"] = {u: (kept.recomputable(), share) for u, (kept, share) in saved.items()}
-    return flight, [results[b] for b in sorted(results)]
+    saved = {(stage.k,) + unit: (part.kept.recomputable(), part.share)
+             for stage in stages for unit, part in stage.saved.items()}
+    return ({"x": moves.outputs, "saved": saved, "g": moves.gradients},
+            [moves.results[b] for b in sorted(moves.results)])
 
   # Inference.
 
@@ -625,6 +546,58 @@ class CompiledRuntime(Executor):
         if labels is None:
           results.append(xs)
     return results
+
+
+class _WindowMoves(interpreter.Moves):
+  """How values move within one traced window: tensors of its graph. Stage 0 takes the
+  window's mini-batches (split into micro-batches once each), the last stage their labels;
+  outputs and gradients in flight are kept by unit, with those carried in from the window
+  before (`carry`); shares are float64 tensors; a mini-batch's result is its loss and logs."""
+
+  def __init__(self, runtime, carry, inputs, labels, M, inline):
+    self.runtime, self.inputs, self.labels, self.M, self.inline = (runtime, inputs, labels, M,
+                                                                   inline)
+    self.outputs, self.gradients = dict(carry["x"]), dict(carry["g"])
+    self.pieces, self.results = {}, {}
+
+  def _piece(self, source, name, b, micro):
+    """Unit (b, micro) of mini-batch b's inputs or (labels, sample weights): the mini-batch,
+    or its micro-batch (`tfpipe.plan.pieces`), and its share."""
+    if (name, b) not in self.pieces:
+      self.pieces[(name, b)] = pieces.split(source[b], self.M if micro is not None else 1,
+                                            cut=tf.split)
+    return self.pieces[(name, b)][0 if micro is None else micro]
+
+  def take_input(self, k, b, micro):
+    if k > 0:
+      return self.outputs.pop((k, b, micro))
+    xs, share = self._piece(self.inputs, "inputs", b, micro)
+    return xs, self.runtime.share(0, share)
+
+  def take_labels(self, b, micro):
+    return self._piece(self.labels, "labels", b, micro)[0]
+
+  def take_gradient(self, k, b, micro):
+    return self.gradients.pop((k, b, micro))
+
+  def send_output(self, k, b, micro, ys, share):
+    self.outputs[(k + 1, b, micro)] = (ys, share)
+
+  def send_gradient(self, k, b, micro, dxs):
+    self.gradients[(k - 1, b, micro)] = dxs
+
+  def total(self, shares):
+    return _join(shares)
+
+  def join(self, values):
+    return _join(values)
+
+  def add_loss(self, total, loss, share):
+    weighted = tf.cast(loss, tf.float64) * share
+    return weighted if total is None else total + weighted
+
+  def finished(self, b, loss, logs):
+    self.results[b] = (loss, logs)
 
 
 class _Group:

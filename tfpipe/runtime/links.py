@@ -15,10 +15,10 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfpipe.plan import schedules
+from tfpipe.plan import pieces, schedules
 
 __all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Countdown", "Gate", "Links", "spawn",
-           "split", "concat", "copy_to"]
+           "concat", "copy_to"]
 
 
 class Stopped(Exception):
@@ -154,16 +154,9 @@ class Gate:
     return limit is not None and b >= limit
 
 
-def split(value, sizes):
-  """Splits a tensor (or a list of tensors) along the batch axis into pieces of `sizes`."""
-  if isinstance(value, (list, tuple)):
-    parts = [tf.split(v, sizes) for v in value]
-    return [list(p) for p in zip(*parts)]
-  return tf.split(value, sizes)
-
-
 def concat(values):
-  """The inverse of `split`: pieces (tensors or tensor lists) joined along the batch axis."""
+  """Pieces (tensors or tensor lists: micro-batches, `tfpipe.plan.pieces`) joined along the
+  batch axis."""
   if values[0] is None:
     return None
   if isinstance(values[0], (list, tuple)):
@@ -188,7 +181,7 @@ class Links:
   """The channels of one epoch: per cut a (sender, receiver) pair each way, labels, results.
 
   Stage 0 reads mini-batches `(inputs, y[, sample_weight])` (inputs a tuple,
-  see `tfpipe.data`); labels and sample weights travel to the last stage on
+  see `tfpipe.training.data`); labels and sample weights travel to the last stage on
   their own channel.
   """
 
@@ -228,16 +221,9 @@ class Links:
       x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(item) if labelled else (
           item, None, None)
       xs = list(x) if isinstance(x, (tuple, list)) else [x]
-      if micro is None:
-        self._pieces.append((xs, (y, sample_weight), 1.0))
-      else:
-        n = int(tf.shape(xs[0])[0])
-        sizes = schedules.micro_sizes(n, self.micro_batches)
-        ys = split(y, sizes) if labelled else [None] * len(sizes)
-        ws = split(sample_weight, sizes) if sample_weight is not None else [None] * len(sizes)
-        self._pieces.extend((x_i, (y_i, w_i), size / n)
-                            for x_i, y_i, w_i, size in zip(split(xs, sizes), ys, ws, sizes))
-    xs, y, scale = self._pieces.popleft()
+      M = 1 if micro is None else self.micro_batches
+      self._pieces.extend(pieces.split((xs, (y, sample_weight)), M, cut=tf.split))
+    (xs, y), scale = self._pieces.popleft()
     if labelled and self.K > 1:
       self.labels.put(y)
     return xs, y, scale

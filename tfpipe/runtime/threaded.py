@@ -13,24 +13,15 @@ event: every blocked thread wakes within `poll` seconds and exits, and the
 caller re-raises that first exception with its traceback.
 """
 
-import collections
 import time
 
 from tfpipe.plan import schedules, verify
+from tfpipe.plan.records import TaskRecord
+from tfpipe.runtime import interpreter
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import Countdown, Links, Skipped, concat, copy_to, spawn
-from tfpipe.runtime.records import TaskRecord
 
 __all__ = ["Runtime"]
-
-_Saved = collections.namedtuple("_Saved", ["kept", "version", "scale"])
-_Saved.__doc__ = """A forward waiting for its backward at stage k: what the stage kept
-(`tfpipe.stage.Kept`), the weight version it read and the micro-batch's share of its
-mini-batch."""
-_Held = collections.namedtuple("_Held", ["xs", "labels", "scale", "s"])
-_Held.__doc__ = """A last-stage forward held for its step: inputs, (labels, sample weights),
-share of the mini-batch and version difference."""
-
 
 class Runtime(Executor):
   """Runs schedules task by task: a worker thread per stage, transfer threads between them.
@@ -46,11 +37,6 @@ class Runtime(Executor):
     super().__init__(programs, record=record, maxsize=maxsize)
     self.poll = poll
 
-  def _log(self, k, kind, task, version, s, start):
-    if self.record:
-      self.records.append(TaskRecord(k, kind, task.batch, version, s, start, time.perf_counter(),
-                                     task.micro, self.epoch))
-
   def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None):
     """Runs one epoch of `schedule` (verified) over `num_batches` mini-batches from `batches`.
 
@@ -65,109 +51,27 @@ class Runtime(Executor):
     K = self.K
     links = Links(K, self.poll, self.maxsize, schedules.micro_batches(schedule),
                   lead=schedules.lead(schedule))
-    fwd, bwd, results, gate = links.forward, links.backward, links.results, links.gate
 
     lanes = schedules.lanes(schedule)   # a device's stages run their tasks in its lane's order
-    # Joint updates (`tfpipe.joint`): an update waits for every stage's backwards of its batch.
+    # Joint updates (`tfpipe.rules.joint`): an update waits for every stage's backwards of its batch.
     countdown = (Countdown(schedule, links.stop, self.poll) if getattr(schedule, "joint", False)
                  else None)
+    covers = [verify.covered_units(tasks) for tasks in schedule]
 
     def worker(d):
-      stages = {k: (self.programs[k], k == K - 1, verify.covered_units(schedule[k]), {}, {},
-                    collections.defaultdict(float)) for k in {k for k, _ in lanes[d]}}
-      logs = None
+      moves = _LinkMoves(self, links, batches, diffs, countdown)
+      stages = {k: interpreter.Stage(k, self.programs[k], k == K - 1)
+                for k in {k for k, _ in lanes[d]}}
       for k, task in lanes[d]:
-        if gate.gone(task.batch):
+        if links.gate.gone(task.batch):
           continue
+        action = schedules.Action(k, task, diffs[k].get(task, 0), tuple(covers[k].get(task, ())))
         try:
-          logs = run_task(k, *stages[k], task, logs)
+          interpreter.run(action, stages[k], moves)
         except Skipped:
           continue
         if countdown is not None and task.kind in ("B", "W"):
           countdown.done(task.batch)
-
-    def run_task(k, program, last, cover, saved, grads_in, batch_loss, task, logs):
-      kind, b, micro = task
-      unit, s = (b, micro), diffs[k].get(task, 0)
-      start, op = time.perf_counter(), program.ops[kind].op   # tfpipe.plan.tasks
-      if op in ("hold", "forward"):
-        xs, y, scale = links.inputs(k, batches, labelled=True, b=b, micro=micro)
-        start = time.perf_counter()
-        if op == "hold":
-          saved[unit] = _Held(xs, y, scale, s)
-          return logs  # the last stage runs its forward with the backward
-        ys, kept = program.forward(xs, s)
-        version = program.read_version(self.updates[k], s)
-        saved[unit] = _Saved(kept, version, scale)
-        self._note_saved(k, saved, diffs[k])
-        self._log(k, "F", task, version, s, start)
-        fwd[k][0].put((unit, (ys, scale)))
-      elif op == "receive":
-        grads_in[unit] = bwd[k][1].get(links.cancel(b))[1]
-        self._log(k, "R", task, self.updates[k], s, start)
-      elif op == "barrier":
-        links.barrier.wait(links.cancel(b))
-        self._log(k, "S", task, self.updates[k], s, start)
-      elif op == "update":
-        if countdown is not None:
-          countdown.wait(b, links.cancel(b))
-          with program.joint.lock:   # the first update of b decides for every stage
-            program.apply_accumulated()
-        else:
-          program.apply_accumulated()
-        self._log(k, "U", task, self.updates[k], s, start)
-        self._updated(k)
-        if last:
-          results.put((b, batch_loss.pop(b), logs))
-      elif op in ("step", "step_input"):
-        parts = [saved.pop(u) for u in cover[task]]
-        xs = parts[0].xs if len(parts) == 1 else concat([p.xs for p in parts])
-        y, sample_weight = (parts[0].labels if len(parts) == 1 else
-                            (concat([p.labels[0] for p in parts]),
-                             concat([p.labels[1] for p in parts])))
-        scale = sum(p.scale for p in parts)
-        if op == "step_input":   # a split step: its W takes the weight gradients
-          loss, dxs, logs, kept = program.last_step_input(xs, y, sample_weight, parts[0].s,
-                                                          self._scale(k, scale))
-          saved[unit] = _Saved(kept, program.read_version(self.updates[k], parts[0].s), scale)
-        else:
-          loss, dxs, logs = program.last_step(xs, y, sample_weight, parts[0].s,
-                                              self._scale(k, scale), micro is not None)
-        self._log(k, "FB", task, program.read_version(self.updates[k], parts[0].s), parts[0].s,
-                  start)
-        if micro is None:
-          self._updated(k)
-        if k > 0:
-          bwd[k - 1][0].put((unit, dxs))
-        if micro is None:
-          results.put((b, loss, logs))
-        else:
-          batch_loss[b] += scale * float(loss)
-      elif op == "step_weights":   # a split step's W
-        part = saved.pop(unit)
-        program.last_step_weights(part.kept, self._scale(k, part.scale), True)
-        self._log(k, "W", task, part.version, s, start)
-      elif op == "backward_weights":   # a split backward's W: its B kept the state and dys
-        part, dys = saved.pop(unit), grads_in.pop(("W",) + unit)
-        program.backward_weights([part.kept], dys, s, self._scale(k, part.scale), True)
-        self._log(k, "W", task, self._version(program, [part], k), s, start)
-      else:   # "backward", or a split backward's B ("backward_input")
-        dys = grads_in.pop(unit) if unit in grads_in else bwd[k][1].get(links.cancel(b))[1]
-        start = time.perf_counter()
-        scale = lambda parts: self._scale(k, sum(p.scale for p in parts))
-        if op == "backward_input":
-          parts = [saved[u] for u in cover[task]]
-          grads_in[("W",) + unit] = dys
-          dxs = program.backward_input([p.kept for p in parts], dys, s, scale(parts))
-        else:
-          parts = [saved.pop(u) for u in cover[task]]
-          dxs = program.backward([p.kept for p in parts], dys, s, scale(parts), micro is not None)
-        self._log(k, "B", task, self._version(program, parts, k), s, start)
-        if micro is None:
-          self._updated(k)
-        if k > 0:
-          bwd[k - 1][0].put((unit, dxs))
-      return logs
 
     sent = [([t.batch for t in schedule[k] if t.kind == "F"],
              [t.batch for t in schedule[k + 1] if t.kind == "B"]) for k in range(K - 1)]
@@ -180,22 +84,6 @@ class Runtime(Executor):
     program = self.programs[k]
     grouped = program.grouped_in if forward else program.grouped_out
     return program.replica_devices if grouped else program.device
-
-  def _version(self, program, parts, k):
-    """The weight version a backward read: its forward's (a kept tape) or the current one."""
-    return parts[0].version if program.ops["B"].reads == "kept" else self.updates[k]
-
-  def _note_saved(self, k, saved, diffs):
-    """Tracks the peak count of kept forward states and of weight versions they hold.
-
-    A kept tape (or a blend's kept weights) holds the weights its forward
-    read: version v (stashed) or the prediction (v, s) of that forward;
-    inputs-only states hold none.
-    """
-    self.peak_saved[k] = max(self.peak_saved[k], len(saved))
-    versions = {(part.version, diffs.get(schedules.Task("F", *unit), 0))
-                for unit, part in saved.items() if part.kept.weights is not None}
-    self.peak_versions[k] = max(self.peak_versions[k], len(versions))
 
   def infer_epoch(self, batches, num_batches, on_result, with_labels, before=None):
     """Forward-only pipeline with current weights (evaluate and predict).
@@ -264,3 +152,83 @@ class Runtime(Executor):
         done += 1
         links.gate.handled(b, stop=bool(on_result(*result)))
     return done
+
+
+class _LinkMoves(interpreter.Moves):
+  """How values move between the threaded executor's workers: bounded links (`links.Links`),
+  whose transfer threads copy them onto the next stage's device. Stage 0 reads and splits the
+  mini-batches; shares are floats until a task takes them; versions are counted and tasks
+  timed (`TaskRecord`s); a mini-batch's result goes to the caller's thread."""
+
+  def __init__(self, runtime, links, batches, diffs, countdown):
+    self.runtime, self.links, self.batches, self.diffs = runtime, links, batches, diffs
+    self.countdown, self.gradients, self.labels = countdown, {}, None
+
+  def take_input(self, k, b, micro):
+    xs, self.labels, share = self.links.inputs(k, self.batches, labelled=True, b=b, micro=micro)
+    return xs, share
+
+  def take_labels(self, b, micro):
+    return self.labels
+
+  def take_gradient(self, k, b, micro):
+    if (k, b, micro) in self.gradients:   # received early (an R task)
+      return self.gradients.pop((k, b, micro))
+    return self.links.backward[k][1].get(self.links.cancel(b))[1]
+
+  def receive(self, k, b, micro):
+    self.gradients[(k, b, micro)] = self.links.backward[k][1].get(self.links.cancel(b))[1]
+
+  def barrier(self, b):
+    self.links.barrier.wait(self.links.cancel(b))
+
+  def update(self, program, b):
+    if self.countdown is None:
+      program.apply_accumulated()
+      return
+    self.countdown.wait(b, self.links.cancel(b))
+    with program.joint.lock:   # the first update of b decides for every stage
+      program.apply_accumulated()
+
+  def send_output(self, k, b, micro, ys, share):
+    self.links.forward[k][0].put(((b, micro), (ys, share)))
+
+  def send_gradient(self, k, b, micro, dxs):
+    self.links.backward[k - 1][0].put(((b, micro), dxs))
+
+  def weight(self, k, share):
+    return self.runtime.share(k, share)
+
+  def join(self, values):
+    return values[0] if len(values) == 1 else concat(values)
+
+  def add_loss(self, total, loss, share):
+    return (total or 0.0) + share * float(loss)
+
+  def finished(self, b, loss, logs):
+    self.links.results.put((b, loss, logs))
+
+  def version(self, k, s):
+    return self.runtime.programs[k].read_version(self.runtime.updates[k], s)
+
+  def current(self, k):
+    return self.runtime.updates[k]
+
+  def updated(self, k):
+    self.runtime.count_updates(k)
+
+  def record(self, k, kind, task, version, s, start):
+    if self.runtime.record:
+      self.runtime.records.append(TaskRecord(k, kind, task.batch, version, s, start,
+                                             time.perf_counter(), task.micro,
+                                             self.runtime.epoch))
+
+  def saved(self, stage):
+    """Tracks the peak count of kept forward states and of the weight versions they hold: a
+    kept tape (or a blend's kept weights) holds the weights its forward read, version v
+    (stashed) or the prediction (v, s) of that forward; inputs-only states hold none."""
+    k, runtime = stage.k, self.runtime
+    runtime.peak_saved[k] = max(runtime.peak_saved[k], len(stage.saved))
+    versions = {(part.version, self.diffs[k].get(schedules.Task("F", *unit), 0))
+                for unit, part in stage.saved.items() if part.kept.weights is not None}
+    runtime.peak_versions[k] = max(runtime.peak_versions[k], len(versions))

@@ -35,7 +35,7 @@ import warnings
 import tensorflow as tf
 
 from tfpipe import compat
-from tfpipe.runtime.records import TaskRecord
+from tfpipe.plan.records import TaskRecord
 
 __all__ = ["scope", "Session", "Event", "task_records"]
 

@@ -1,0 +1,31 @@
+"""Every method by name: `METHODS`, and `create`, the trainer of any of them."""
+
+from tfpipe.baselines import asgd, keras as keras_baselines, tensor_parallel
+from tfpipe.plan import names
+from tfpipe.plan.policies import PIPELINE_METHODS
+from tfpipe.training.pipeline import Pipeline
+
+__all__ = ["METHODS", "BASELINE_METHODS", "CLUSTER_METHODS", "create"]
+
+BASELINE_METHODS = ("single", "dataparallel", "grid")   # not pipelines
+CLUSTER_METHODS = ("asgd",)   # on TF servers of a cluster (tfpipe.cluster); not a pipeline
+METHODS = BASELINE_METHODS + PIPELINE_METHODS + CLUSTER_METHODS
+
+
+def create(model, method, devices=None, num_stages=None, **kwargs):
+  """The trainer for `method`: a `Pipeline`, the `single` / `dataparallel` baseline, the
+  `grid` of tensor-parallel Dense layers (`grid=(n_b, n_m)`), or `asgd` on the parameter
+  servers of a cluster (`spec=`)."""
+  method = names.lookup("method", method, METHODS)
+  if method == "asgd":
+    if "spec" not in kwargs:
+      raise ValueError("method 'asgd' needs `spec`, a cluster spec with 'worker' and 'ps' jobs "
+                       "(e.g. tfpipe.cluster.LocalCluster({'worker': 2, 'ps': 1}).spec)")
+    return asgd.ASGD(model, kwargs.pop("spec"))
+  if method == "grid":
+    return tensor_parallel.GridParallel(model, grid=kwargs.pop("grid", (2, 2)), devices=devices)
+  if method == "single":
+    return keras_baselines.Single(model, device=devices[0] if devices else None)
+  if method == "dataparallel":
+    return keras_baselines.DataParallel(model, devices=devices, num_replicas=num_stages)
+  return Pipeline(model, devices=devices, num_stages=num_stages, method=method, **kwargs)

@@ -1,0 +1,319 @@
+"""The slow reference: each method's weight rule (docs/methods.md), one task at a time, on one device.
+
+K: stages, k: stage index, b: mini-batch, i: micro-batch, s: version
+difference, W: weights, V: smoothed gradients (SpecTrain) or momentum slots
+(SGD, Adam's first moment), Q: Adam's second moments, A: accumulated
+gradients, E: PipeMare's average weight change. No threads, no compiled
+functions, no optimizer code: weights are numpy arrays and the update rules
+(SpecTrain `v = gamma*v + (1-gamma)*g; W -= eta*v`, or Keras's SGD, Adam and
+AdamW, read from an optimizer's hyperparameters) are written out, in the
+model's dtype, with the mitigations of `tfpipe.rules.mitigations` on top. The
+tests hold the runtime to these results.
+
+The rules, per task of stage k:
+  F   reads the policy's forward weights (current, or predicted s ahead);
+      at the last stage it only takes its input: the last stage's forward
+      runs with its backward;
+  B   reads the forward's own weights ("forward": stash or reused
+      prediction) or the weights at backward time ("current", "predicted",
+      "corrected": W - d*E, "blend": e^-d * forward's + (1 - e^-d) * current,
+      with d the updates since the forward),
+      on the inputs of the forwards it covers (concatenated for a
+      TiMePReSt mini-batch); a micro-batch's loss is weighted by its share
+      of the mini-batch; a micro-batch backward adds to A, a whole one updates;
+  U   updates with A and clears it;
+  R   (receiving a gradient early) and S (a barrier) change no weights.
+Random layers: each stage's non-trainable state (its seed generators) advances
+with every forward it runs, in its task order; a backward recomputes each
+covered forward with the state that forward read, so it sees the same draws.
+"""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.rules import advice, mitigations, optimizers
+from tfpipe.plan import pieces, policies, schedules, tasks, verify
+
+__all__ = ["reference_train"]
+
+
+def _run(model, weights, state, xs, training=True):
+  """The stage on `xs` with `weights` and non-trainable `state`; returns (outputs, new state)."""
+  inputs = xs[0] if len(xs) == 1 else list(xs)
+  ys, new_state = model.stateless_call(weights, state, inputs, training=training)
+  return tf.nest.flatten(ys), new_state
+
+
+def _micro_batches(x, y, M):
+  """A mini-batch split as the executors split it (`tfpipe.plan.pieces`): [(xs, y, share)]."""
+  xs = list(x) if isinstance(x, (tuple, list)) else [x]
+  return [(xs_i, y_i, share) for (xs_i, y_i), share in pieces.split((xs, y), M)]
+
+
+def _f32(x):
+  """`x` as Keras uses a Python hyperparameter it casts (`ops.cast` goes through float32)."""
+  return float(np.float32(x))
+
+
+class _Rule:
+  """One stage's optimizer rule in numpy: the update and the prediction s updates ahead."""
+
+  def __init__(self, optimizer, learning_rate, momentum, delay, spike, warmup, decay, weights,
+               nesterov=False):
+    config = optimizer.get_config() if optimizer is not None else {}
+    self.kind = ("spectrain" if optimizer is None or isinstance(optimizer, optimizers.SpecTrain)
+                 else "adam" if isinstance(optimizer, keras.optimizers.Adam) else "sgd")
+    self.lr = _f32(config.get("learning_rate", learning_rate))   # Keras keeps it in float32
+    self.gamma = float(config.get("momentum", momentum)) if self.kind != "adam" else None
+    self.config, self.delay, self.spike, self.warmup, self.decay = (config, delay, spike, warmup,
+                                                                    decay)
+    self.nesterov = nesterov
+    self.wd = config.get("weight_decay")
+    self.t = 0
+    self.V = [np.zeros_like(w) for w in weights]
+    self.Q = [np.zeros_like(w) for w in weights]
+    self.E = [np.zeros_like(w) for w in weights]
+
+  def update(self, W, grads):
+    factor = mitigations.lr_factor(self.delay, self.t, self.warmup)
+    a, b = (mitigations.spike_coefficients(self.gamma, self.delay)
+            if self.spike and self.gamma and self.delay
+            else (self.gamma, 1.0) if self.nesterov and self.gamma   # Nesterov: D = 1's spike
+            else (1.0, 0.0))
+    gamma = _f32(self.gamma) if self.kind == "sgd" else self.gamma   # Keras casts it so
+    for j, g in enumerate(grads):
+      dtype, old = W[j].dtype, W[j].copy()
+      g = (g * factor).astype(dtype)
+      if self.wd:   # Keras decays the weights before the step
+        W[j] = (W[j] - W[j] * _f32(self.wd) * self.lr).astype(dtype)
+      if self.kind == "spectrain":
+        self.V[j] = (self.gamma * self.V[j] + (1.0 - self.gamma) * g).astype(dtype)
+        # W - lr*(a*v + (1-a)*g), summed in the order the stage's update rounds it (the
+        # optimizer's step, then its correction; `mitigations.StageRule.apply`).
+        W[j] = (W[j] - self.lr * self.V[j]).astype(dtype)
+        if a != 1.0:
+          W[j] = (W[j] + (self.lr * np.asarray(1.0 - a, dtype) * (self.V[j] - g)).astype(dtype)
+                  ).astype(dtype)
+      elif self.kind == "sgd":
+        self.V[j] = (gamma * self.V[j] - self.lr * g).astype(dtype)
+        W[j] = (W[j] + a * self.V[j] - self.lr * b * g).astype(dtype)
+      else:
+        b1, b2 = self.config["beta_1"], self.config["beta_2"]
+        self.V[j] = (self.V[j] + (g - self.V[j]) * (1 - b1)).astype(dtype)
+        self.Q[j] = (self.Q[j] + (g * g - self.Q[j]) * (1 - b2)).astype(dtype)
+        W[j] = (W[j] - self._adam_step(j, self.t + 1)).astype(dtype)
+        if self.nesterov:   # W0 - alpha*(b1*m + (1-b1)*g)/(sqrt(v)+eps), the stage's rounding
+          W[j] = (W[j] + self._adam_step(j, self.t + 1, (1 - _f32(b1)) * (self.V[j] - g))
+                  ).astype(dtype)
+      if self.decay is not None:
+        self.E[j] = (self.decay * self.E[j] + (1.0 - self.decay) * (W[j] - old)).astype(dtype)
+    self.t += 1
+
+  def _adam_step(self, j, t, direction=None):
+    """alpha * m / (sqrt(v) + eps) at update t (`direction` in place of m)."""
+    b1, b2, eps = self.config["beta_1"], self.config["beta_2"], self.config["epsilon"]
+    alpha = self.lr * math.sqrt(1 - _f32(b2) ** t) / (1 - _f32(b1) ** t)
+    m = self.V[j] if direction is None else direction
+    return m * alpha / (np.sqrt(self.Q[j]) + eps)
+
+  def predict(self, W, s):
+    """W s updates ahead along the optimizer's own step (`tfpipe.rules.prediction`'s table)."""
+    out = []
+    for j, w in enumerate(W):
+      if self.kind == "spectrain":
+        step = self.lr * self.V[j]
+      elif self.kind == "sgd":
+        step = -self.V[j]
+      else:
+        step = self._adam_step(j, self.t) if self.t else np.zeros_like(w)
+      if self.wd and self.kind != "spectrain":   # SpecTrain's prediction is the paper's eq. 4
+        step = step + self.lr * _f32(self.wd) * w
+      out.append((w - s * step).astype(w.dtype))
+    return out
+
+
+def reference_train(stage_models, loss_fn, batches, method, learning_rate, momentum,
+                    spectrain_backward="reuse", version_difference=None, epochs=1,
+                    micro_batches=None, recompute=None, lockstep=False, optimizer=None,
+                    spike_compensation=None, delay_momentum=False, lr_rescheduling=None,
+                    discrepancy_decay=None, nesterov=None, delay_compensation=None):
+  """Trains the stages by the rule of `method`; returns the final weights of every stage.
+
+  Args:
+    stage_models: the K stage sub-models (their variables give the initial weights).
+    loss_fn: loss(y_true, y_pred) -> scalar, applied at the last stage (for several outputs
+      the batches' labels are tuples, and it takes tuples of labels and lists of outputs).
+    batches: a list of (x, y) numpy mini-batches, one epoch.
+    method: a pipeline method (`tfpipe.PIPELINE_METHODS`).
+    learning_rate, momentum: eta and gamma of the SpecTrain rule.
+    micro_batches, recompute, lockstep: as in `tfpipe.Pipeline`.
+    optimizer: None (the SpecTrain rule with learning_rate and momentum), or a
+      SpecTrain, SGD, Adam or AdamW object whose hyperparameters the rules read.
+    spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay,
+      nesterov, delay_compensation: as in `tfpipe.Pipeline` (`tfpipe.rules.mitigations`; left
+      None, what `tfpipe.rules.advice` resolves for the method and optimizer),
+      the delay D_k of stage k being the largest exact version difference of its
+      forwards.
+
+  Returns:
+    (weights, log): weights[k] is a list of numpy arrays; log lists
+    (k, kind, b, i, version) with `version` the update count of stage k whose
+    weights the task read (for a prediction: the count it was made at).
+  """
+  policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
+  K, N = len(stage_models), len(batches)
+  rule_optimizer = optimizer if optimizer is not None else optimizers.SpecTrain(learning_rate,
+                                                                                momentum)
+  batch_norm = any(advice.batch_norm_layers(m) for m in stage_models)
+  M = (advice.micro_batches(policy, rule_optimizer, K, micro_batches, version_difference,
+                            batch_norm)
+       or policies.micro_batches_for(policy, micro_batches, K))
+  W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
+  A = [[np.zeros_like(w) for w in ws] for ws in W]
+  delays = mitigations.delays_for(policy.schedule, K, M, policy.virtual_stages)
+  asked = {"version_difference": version_difference, "spike_compensation": spike_compensation,
+           "nesterov": nesterov, "delay_compensation": delay_compensation}
+  unset = [n for n, v in asked.items() if v is None]
+  asked.update(advice.resolve(policy, M, K, rule_optimizer, unset, any(delays), asked))
+  version_difference, spike_compensation = asked["version_difference"], asked["spike_compensation"]
+  nesterov, delay_compensation = asked["nesterov"], asked["delay_compensation"]
+  if lr_rescheduling is None:
+    lr_rescheduling = mitigations.DEFAULT_LR_RESCHEDULING if policy.corrects else 0
+  if discrepancy_decay is None:
+    discrepancy_decay = mitigations.DEFAULT_DISCREPANCY_DECAY
+  decay = discrepancy_decay if policy.corrects else None
+  rules = []
+  for k, d in enumerate(delays):
+    rule = _Rule(optimizer, learning_rate, momentum, d, spike_compensation, lr_rescheduling, decay,
+                 W[k], nesterov)
+    if delay_momentum:
+      rule.gamma = mitigations.delay_momentum(rule.gamma, d)
+    rules.append(rule)
+  S = [[tf.convert_to_tensor(v) for v in m.non_trainable_variables] for m in stage_models]
+  ops = [tasks.ops(policy, last=k == K - 1) for k in range(K)]   # the executors' table
+  updates = [0] * K
+  log = []
+
+  P = [[w.copy() for w in ws] for ws in W]   # 2BW: each stage's weights before its last update
+  # DC-ASGD with micro-batches: per stage, the sum and count of the weights their gradients read.
+  R, reads_seen = [[np.zeros_like(w) for w in ws] for ws in W], [0] * len(W)
+
+  def compensate(g, current, read_weights):
+    return mitigations.compensate(np.asarray(delay_compensation, g.dtype), g, current,
+                                  read_weights)
+
+  def read(k, source, s):
+    if source == "predicted" and s:
+      return rules[k].predict(W[k], s)
+    if source == "corrected":
+      return [(w - s * e).astype(w.dtype) for w, e in zip(W[k], rules[k].E)]
+    if source == "delayed" and not s:
+      return [p.copy() for p in P[k]]
+    return [w.copy() for w in W[k]]
+
+  def version(k, source, s):
+    """The update count of the weights `read` gives (2BW's second buffer: one less)."""
+    return updates[k] - (source == "delayed" and not s and updates[k] > 0)
+
+  def update(k, grads):
+    P[k] = [w.copy() for w in W[k]]
+    rules[k].update(W[k], grads)
+    updates[k] += 1
+
+  for _ in range(epochs):
+    schedule = policies.build_schedule(policy, K, N, M)
+    diffs = policies.version_differences(policy, schedule, version_difference)
+    covers = [verify.covered_units(stage_tasks) for stage_tasks in schedule]
+    split = {b: _micro_batches(x, y, M) for b, (x, y) in enumerate(batches)}
+    outputs, inputs, used, grads_out, halves = {}, {}, {}, {}, {}
+    for k, task in verify.verify(schedule).order:
+      kind, b, i = task
+      unit, s, model = (b, i), diffs[k][task], stage_models[k]
+      if kind == "F":
+        xs = split[b][i or 0][0] if k == 0 else outputs.pop((k - 1, unit))
+        source = ops[k]["F"].reads or ops[k]["B"].reads   # "hold": the step's weights
+        w = read(k, source, s)
+        used[(k, unit)] = (w, version(k, source, s), s)
+        if k < K - 1:
+          log.append((k, "F", b, i, version(k, source, s)))
+          inputs[(k, unit)] = (xs, S[k])
+          ys, S[k] = _run(model, [tf.constant(a) for a in w], S[k], xs)
+          outputs[(k, unit)] = [y.numpy() for y in ys]
+        else:
+          inputs[(k, unit)] = (xs, None)   # the last stage runs its forward with the backward
+        continue
+      if kind in ("R", "S"):
+        continue
+      if kind == "W":   # a split backward's weight half: what its B computed, accumulated
+        A[k] = [a + g for a, g in zip(A[k], halves.pop((k, unit)))]
+        continue
+      if kind == "U":
+        if delay_compensation:   # the mini-batch's gradient, from the mean of its reads
+          mean = [r / max(1, reads_seen[k]) for r in R[k]]
+          A[k] = [compensate(g, c, r) for g, c, r in zip(A[k], W[k], mean)]
+          R[k], reads_seen[k] = [np.zeros_like(r) for r in R[k]], 0
+        update(k, A[k])
+        A[k] = [np.zeros_like(a) for a in A[k]]
+        continue
+      units = covers[k][task]
+      parts = [inputs.pop((k, u)) for u in units]
+      share = sum(split[b][u[1] or 0][2] for u in units)
+      forward_w, forward_version, forward_s = used.pop((k, units[0]))
+      for u in units[1:]:
+        used.pop((k, u))
+      reads = ops[k]["B"].reads
+      if k == K - 1:  # forward and backward as one step, with the forward's weights
+        w, read_version = read(k, reads, forward_s), version(k, reads, forward_s)
+        log.append((k, "F", b, i, read_version))
+        parts = [([np.concatenate(p) for p in zip(*[xs for xs, _ in parts])], S[k])]
+      elif reads == "kept":
+        w, read_version = forward_w, forward_version
+      elif reads == "blend":
+        sigma = mitigations.blend_factor(updates[k] - forward_version)
+        w = [(sigma * f + (1.0 - sigma) * c).astype(c.dtype) for f, c in zip(forward_w, W[k])]
+        read_version = updates[k]
+      else:
+        d = updates[k] - forward_version if reads == "corrected" else s
+        w, read_version = read(k, reads, d), updates[k]
+      log.append((k, "B", b, i, read_version))
+      w_t = [tf.constant(a) for a in w]
+      parts = [([tf.constant(x) for x in xs], state) for xs, state in parts]
+      floats = [x for xs, _ in parts for x in xs if x.dtype.is_floating] if k > 0 else []
+      with tf.GradientTape() as tape:
+        tape.watch(w_t + floats)
+        runs = [_run(model, w_t, state, xs) for xs, state in parts]
+        ys = [tf.concat(list(y), 0) for y in zip(*[r[0] for r in runs])]
+        if k == K - 1:
+          S[k] = runs[0][1]
+          labels = [split[b][u[1] or 0][1] for u in units]
+          if isinstance(labels[0], tuple):   # several outputs: a tuple of labels, one each
+            y_true = tuple(tf.constant(np.concatenate(p)) for p in zip(*labels))
+            target = loss_fn(y_true, ys) * tf.constant(share, ys[0].dtype)
+          else:
+            y_true = np.concatenate(labels)
+            target = loss_fn(tf.constant(y_true), ys[0]) * tf.constant(share, ys[0].dtype)
+        else:
+          target = tf.add_n([tf.reduce_sum(y * tf.constant(g, y.dtype))
+                             for y, g in zip(ys, grads_out.pop((k, unit)))])
+      grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      # Dense, also an embedding's (IndexedSlices): the update rules are written for arrays.
+      weight_grads = [tf.convert_to_tensor(g).numpy() for g in grads[:len(w_t)]]
+      if ops[k]["B"].op in ("backward_input", "step_input"):   # its W adds them
+        halves[(k, unit)] = weight_grads
+      elif i is None:
+        if delay_compensation:   # DC-ASGD: from the weights read to the current ones
+          weight_grads = [compensate(g, c, r) for g, c, r in zip(weight_grads, W[k], w)]
+        update(k, weight_grads)
+      else:
+        A[k] = [a + g for a, g in zip(A[k], weight_grads)]
+        if delay_compensation:
+          R[k], reads_seen[k] = [r + x for r, x in zip(R[k], w)], reads_seen[k] + 1
+      if k > 0:
+        n = len(floats) // len(parts)
+        per_part = [grads[len(w_t) + j * n:len(w_t) + (j + 1) * n] for j in range(len(parts))]
+        grads_out[(k - 1, unit)] = [np.concatenate([g.numpy() for g in gs])
+                                    for gs in zip(*per_part)]
+  return W, log

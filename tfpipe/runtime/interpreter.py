@@ -1,0 +1,207 @@
+"""One interpreter of a stage's actions: what each op of the task table does, written once.
+
+K: stages, k: stage, b: mini-batch, s: version difference. An action is one task of one stage
+as the schedule orders it (`tfpipe.plan.schedules.Action`); the stage's weight policy says
+which op it runs (`tfpipe.plan.tasks`). Both executors run every action through `run`; they
+differ only in how values move (`Moves`): the threaded executor's bounded links between
+threads, the compiled executor's tensors within one traced window.
+"""
+
+import collections
+import time
+
+__all__ = ["Saved", "Held", "Stage", "Moves", "run"]
+
+Saved = collections.namedtuple("Saved", ["kept", "version", "share"])
+Saved.__doc__ = """A forward waiting for its backward: what the stage kept
+(`tfpipe.stage.program.Kept`), the weight version it read (None where the executor does not
+count versions) and the micro-batch's share of its mini-batch."""
+
+Held = collections.namedtuple("Held", ["xs", "labels", "share", "s"])
+Held.__doc__ = """A last-stage forward held for its step: inputs, (labels, sample weights),
+share of the mini-batch and version difference."""
+
+
+class Stage:
+  """What one stage keeps between its actions: forwards waiting for their backward (`saved`),
+  last-stage forwards held for their step (`held`), the output gradients a split backward's
+  weight half reads (`halves`), per mini-batch the loss of its micro-batches so far
+  (`losses`), and the running logs of its latest step (`logs`)."""
+
+  def __init__(self, k, program, last):
+    self.k, self.program, self.last = k, program, last
+    self.saved, self.held, self.halves, self.losses = {}, {}, {}, {}
+    self.logs = None
+
+
+class Moves:
+  """How values move between stages and actions: what an executor provides `run`.
+
+  `inline`: stage tasks traced into the caller's graph (the compiled executor's small stages).
+  A share is a micro-batch's fraction of its mini-batch as the executor carries it (a float,
+  or a float64 tensor); `weight` makes it what a stage task takes.
+  """
+  inline = False
+
+  def take_input(self, k, b, micro):
+    """(inputs, share) of stage k's forward of unit (b, micro)."""
+    raise NotImplementedError
+
+  def take_labels(self, b, micro):
+    """(labels, sample weights) of the last stage's unit (b, micro)."""
+    raise NotImplementedError
+
+  def take_gradient(self, k, b, micro):
+    """The output gradients of stage k's backward of unit (b, micro)."""
+    raise NotImplementedError
+
+  def send_output(self, k, b, micro, ys, share):
+    """Stage k's forward outputs of (b, micro), to stage k + 1."""
+    raise NotImplementedError
+
+  def send_gradient(self, k, b, micro, dxs):
+    """Stage k's input gradients of (b, micro), to stage k - 1."""
+    raise NotImplementedError
+
+  def receive(self, k, b, micro):
+    """An R task: stage k takes its output gradients early (DDG); nothing where data orders it."""
+
+  def barrier(self, b):
+    """An S task: every stage meets (lockstep); nothing where data orders it."""
+
+  def update(self, program, b):
+    """Applies stage `program`'s accumulated gradients of mini-batch b."""
+    program.apply_accumulated(self.inline)
+
+  def weight(self, k, share):
+    return share
+
+  def total(self, shares):
+    """The share of several units together."""
+    return sum(shares)
+
+  def join(self, values):
+    """Several units' inputs or labels (lists of tensors, or tensors) as one batch."""
+    raise NotImplementedError
+
+  def add_loss(self, total, loss, share):
+    """A mini-batch's loss so far (None: nothing yet) with a micro-batch's loss added."""
+    raise NotImplementedError
+
+  def finished(self, b, loss, logs):
+    """Mini-batch b's loss and the running logs, once its last stage is done with it."""
+    raise NotImplementedError
+
+  # Bookkeeping of the executors that count versions and time tasks (the threaded one).
+
+  def version(self, k, s):
+    """The weight version a task of stage k with version difference s reads, or None."""
+    return None
+
+  def current(self, k):
+    """Stage k's update count now, or None."""
+    return None
+
+  def updated(self, k):
+    """Stage k applied an update."""
+
+  def record(self, k, kind, action, version, s, start):
+    """Task `action` ran as `kind` ("F", "R", "S", "U", "FB", "W", "B") from `start`."""
+
+  def saved(self, stage):
+    """Stage `stage` kept a forward (its peak of kept forwards)."""
+
+
+def run(action, stage, moves):
+  """Runs `action` (`schedules.Action`) on `stage` (`Stage`), moving values with `moves`."""
+  k, task, s, units = action
+  kind, b, micro = task
+  program, unit = stage.program, (b, micro)
+  op = program.ops[kind].op   # tfpipe.plan.tasks
+  start = time.perf_counter()
+  if op in ("hold", "forward"):
+    xs, share = moves.take_input(k, b, micro)
+    start = time.perf_counter()
+    if op == "hold":   # the last stage runs its forward with the backward (its step)
+      stage.held[unit] = Held(xs, moves.take_labels(b, micro), share, s)
+      return
+    ys, kept = program.forward(xs, s, moves.inline)
+    version = moves.version(k, s)
+    stage.saved[unit] = Saved(kept, version, share)
+    moves.saved(stage)
+    moves.record(k, "F", task, version, s, start)
+    moves.send_output(k, b, micro, ys, share)
+  elif op == "receive":
+    moves.receive(k, b, micro)
+    moves.record(k, "R", task, moves.current(k), s, start)
+  elif op == "barrier":
+    moves.barrier(b)
+    moves.record(k, "S", task, moves.current(k), s, start)
+  elif op == "update":
+    moves.update(program, b)
+    moves.record(k, "U", task, moves.current(k), s, start)
+    moves.updated(k)
+    if stage.last:
+      moves.finished(b, stage.losses.pop(b), stage.logs)
+  elif op in ("step", "step_input"):
+    _step(op, k, task, units, stage, moves, start)
+  elif op == "step_weights":   # a split step's weight half
+    part = stage.saved.pop(unit)
+    program.last_step_weights(part.kept, moves.weight(k, part.share), True, moves.inline)
+    moves.record(k, "W", task, part.version, s, start)
+  elif op == "backward_weights":   # a split backward's weight half: its B kept state and dys
+    part = stage.saved.pop(unit)
+    program.backward_weights([part.kept], stage.halves.pop(unit), s,
+                             moves.weight(k, part.share), True, moves.inline)
+    moves.record(k, "W", task, _version(program, [part], k, moves), s, start)
+  else:   # "backward", or a split backward's input half ("backward_input")
+    dys = moves.take_gradient(k, b, micro)
+    start = time.perf_counter()
+    split = op == "backward_input"
+    parts = [stage.saved[u] if split else stage.saved.pop(u) for u in units]
+    kept, share = [p.kept for p in parts], moves.total([p.share for p in parts])
+    if split:
+      stage.halves[unit] = dys
+      dxs = program.backward_input(kept, dys, s, moves.weight(k, share), moves.inline)
+    else:
+      dxs = program.backward(kept, dys, s, moves.weight(k, share), micro is not None,
+                             moves.inline)
+    moves.record(k, "B", task, _version(program, parts, k, moves), s, start)
+    if micro is None:
+      moves.updated(k)
+    if k > 0:
+      moves.send_gradient(k, b, micro, dxs)
+
+
+def _step(op, k, task, units, stage, moves, start):
+  """The last stage's step: its held forwards' inputs joined, forward, loss and backward."""
+  kind, b, micro = task
+  program = stage.program
+  parts = [stage.held.pop(u) for u in units]
+  xs = moves.join([p.xs for p in parts])
+  y = moves.join([p.labels[0] for p in parts])
+  sample_weight = moves.join([p.labels[1] for p in parts])
+  share, s = moves.total([p.share for p in parts]), parts[0].s
+  version = moves.version(k, s)
+  if op == "step_input":   # a split step: its W takes the weight gradients
+    loss, dxs, logs, kept = program.last_step_input(xs, y, sample_weight, s,
+                                                    moves.weight(k, share), moves.inline)
+    stage.saved[(b, micro)] = Saved(kept, version, share)
+  else:
+    loss, dxs, logs = program.last_step(xs, y, sample_weight, s, moves.weight(k, share),
+                                        micro is not None, moves.inline)
+  stage.logs = logs
+  moves.record(k, "FB", task, version, s, start)
+  if micro is None:
+    moves.updated(k)
+  if k > 0:
+    moves.send_gradient(k, b, micro, dxs)
+  if micro is None:
+    moves.finished(b, loss, logs)
+  else:
+    stage.losses[b] = moves.add_loss(stage.losses.get(b), loss, share)
+
+
+def _version(program, parts, k, moves):
+  """The weight version a backward read: its forward's (a kept tape) or the current one."""
+  return parts[0].version if program.ops["B"].reads == "kept" else moves.current(k)

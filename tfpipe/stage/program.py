@@ -1,0 +1,859 @@
+"""Stage programs: one stage's weights, optimizer and compiled task functions.
+
+k: stage index, K: stages, s: version difference. Each stage owns copies of
+its sub-model's variables placed on its device, and its own optimizer. Task
+functions read the weights explicitly through `keras.Model.stateless_call`,
+so current, stashed and predicted weights all run the same compiled code.
+"""
+
+import collections
+
+import keras
+import tensorflow as tf
+
+from tfpipe import compat
+from tfpipe.rules import mitigations, prediction
+from tfpipe.stage import keras_step as compile_utils, reduction
+from tfpipe.plan import tasks
+
+__all__ = ["StageProgram", "Kept"]
+
+_ZERO = tf.UnconnectedGradients.ZERO
+# The traced task functions (`StageProgram.task`).
+Kept = collections.namedtuple("Kept", ["xs", "state", "weights", "tape", "ys", "reg"],
+                              defaults=(None, None, None, None))
+Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
+inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
+replays); the `weights` it read (for "tape" and "weights"); for "tape" also the gradient
+`tape` (persistent when the backward runs as two halves) with its outputs `ys` and
+regularisation `reg`. `Kept.recomputable()` drops the tape (what a compiled window carries
+across its boundary): the backward then recomputes the forward on its kept weights, which
+gives the same values."""
+Kept.recomputable = lambda self: Kept(self.xs, self.state, self.weights)
+
+
+def _scaled(grad, scale):
+  """`grad` (a tensor or IndexedSlices) times `scale`, in the gradient's dtype."""
+  if isinstance(scale, (int, float)) and scale == 1:
+    return grad
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices,
+                            grad.dense_shape)
+  return grad * tf.cast(scale, grad.dtype)
+
+
+def _summed(grads):
+  """The sum of one weight's gradients from several parts; IndexedSlices (an embedding's)
+  join as the tape joins them (their rows concatenated)."""
+  if all(isinstance(g, tf.IndexedSlices) for g in grads):
+    return tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
+                            tf.concat([g.indices for g in grads], 0), grads[0].dense_shape)
+  return tf.add_n([tf.convert_to_tensor(g) for g in grads])
+
+
+def _is_float(t):
+  return tf.as_dtype(t.dtype).is_floating
+
+
+class StageProgram:
+  """Stage k of a pipeline: its variables on `device` and its task functions.
+
+  Its operations (`forward`, `backward` or its halves `backward_input` and
+  `backward_weights`, `apply_accumulated`, `last_step`) run what
+  `tfpipe.plan.tasks` says for its policy (`self.ops`): a forward whose
+  backward reads its weights keeps its tape (`Kept`), so the backward
+  recomputes nothing and reads the forward's weights exactly (the stash);
+  other backwards recompute the stage from its kept input. The executors
+  call these operations and nothing else while training.
+
+  Backwards of micro-batches add their weight gradients into accumulators
+  (`accumulate=True`); `apply_accumulated` then updates once. `scale` (a
+  scalar tensor) weights a micro-batch's loss and regularisation by its share
+  of the mini-batch, so the accumulated gradient is the mini-batch's.
+
+  `replica_devices` (hybrid parallelism): every call splits its batch over
+  these devices and runs the stage on each part in parallel (in-graph
+  replication). The variables live on `device`, the first of them:
+  each replica reads its copy of the weights (`tfpipe.stage.reduction.replicate`),
+  and on the way back `cross_device_ops` (a `tf.distribute.CrossDeviceOps`)
+  sums the parts' gradients there, so the update is the one of the whole batch.
+  Non-trainable state (BatchNorm statistics) becomes the replicas' mean;
+  regularisation losses are the first replica's (weight penalties count once).
+  `grouped` (data-parallel replicas of the whole pipeline): the batch is split
+  once, at stage 0; between stages each replica's part travels on its own
+  (a stage's inputs and outputs are the replicas' lists one after another, so
+  replica r of stage k feeds replica r of stage k+1 directly), and the last
+  stage joins them for the loss. The gradients are summed as above: the
+  update is the whole batch's.
+
+  `rule` (`tfpipe.rules.mitigations.StageRule`): what an update does beyond the
+  optimizer's step (spike compensation, PipeMare's rescheduling and its
+  average weight change `deltas`, kept when the policy reads "corrected").
+
+  Regularisation losses (`model.losses` of the stage's layers) count in the
+  reported loss as in Keras: a stage before the last adds each forward's to
+  its `reg_tracker` (a mean over samples, as the loss tracker's), and the
+  last stage's logs add those `reg_trackers` to its loss.
+
+  `optimizer_source`: the compiled optimizer `optimizer` was cloned from; its
+  `exclude_from_weight_decay` choices carry over to this stage's variables.
+  """
+
+  def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
+               metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
+               rule=None, reg_trackers=None, optimizer_source=None, grouped=False,
+               cross_device_ops=None, output_structure=None):
+    self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
+    self.replica_devices = list(replica_devices or [device])
+    self.cross_device_ops = (reduction.choose(self.replica_devices, cross_device_ops)
+                             if len(self.replica_devices) > 1 else None)
+    if self.replica_devices[0] != device:
+      raise ValueError(f"the first replica device must be the stage's device {device!r}. "
+                       f"Received: {self.replica_devices}")
+    if jit_compile and len(self.replica_devices) > 1:
+      raise ValueError("jit_compile=True compiles a stage for one device; a replicated stage "
+                       f"(stage {index} on {self.replica_devices}) runs on several")
+    self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
+    self.ops = tasks.ops(policy, last=index == num_stages - 1)   # kind -> what the stage runs
+    self.loss_tracker = loss_tracker
+    # The model's outputs (the last stage's, in this order) as Keras's loss and metrics take
+    # them: one tensor, or a list or dict of several (their labels arrive as a tuple).
+    self._output_structure = output_structure
+    self.is_first, self.is_last = index == 0, index == num_stages - 1
+    if policy.predicts:
+      prediction.check(optimizer)
+    self.rule = rule or mitigations.StageRule()
+    if self.is_last and loss is None:
+      raise ValueError("the last stage needs a loss")
+    R = len(self.replica_devices)
+    self._groups_in = R if grouped and not self.is_first else 1   # input lists, one per replica
+    self._groups_out = R if grouped and not self.is_last else 1
+    self.grouped_in, self.grouped_out = self._groups_in > 1, self._groups_out > 1
+    self._float_in = [_is_float(t) for t in model.inputs] * self._groups_in
+    self._float_out = [_is_float(t) for t in model.outputs] * self._groups_out
+    self.reg_trackers = list(reg_trackers or [])
+    with tf.device(device):
+      self.trainable = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_{v.name}")
+                        for v in model.trainable_variables]
+      self.non_trainable = [keras.Variable(v.numpy(), trainable=False, name=f"s{index}_{v.name}")
+                            for v in model.non_trainable_variables]
+      # (model variable, own copy), fixed at compile: a later `layer.trainable = False` moves
+      # model variables between Keras's lists, never between these pairs.
+      self._pairs = list(zip(model.trainable_variables + model.non_trainable_variables,
+                             self.trainable + self.non_trainable))
+      self._split = self._model_split()
+      if optimizer_source is not None:
+        compat.copy_weight_decay_exclusions(optimizer_source, optimizer,
+                                                  self._pairs[:len(self.trainable)])
+      optimizer.build(self.trainable)
+      self.reg_tracker = (keras.metrics.Mean(name=f"s{index}_reg")
+                          if not self.is_last and self._has_losses() else None)
+      self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
+                      for j, v in enumerate(self.trainable)]
+                     if self.ops["B"].reads == "corrected" else [])
+      # PipeDream-2BW's second buffer: the weights before the latest update ("delayed").
+      self.previous = ([tf.Variable(v, trainable=False, name=f"s{index}_previous{j}")
+                        for j, v in enumerate(self.trainable)] if policy.keeps_previous else [])
+    self._sources = [v.value for v in self.trainable]
+    self.accumulators = None
+    self.joint = None   # a `tfpipe.rules.joint.JointDecision` the updates share (global_clipnorm)
+    self.jit_compile = jit_compile
+    self._functions, self._traced = {}, {}
+    # The optimizer step, traced once per signature wherever an update is traced. Not marked
+    # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
+    # holds one call op per update rather than a Python trace of the optimizer each time
+    # (measured, 8 x Dense(32), K=4, 8 mini-batches: first epoch 5.1 s, then 3.5 s).
+    self._apply_step = tf.function(self._step, reduce_retracing=True, autograph=False)
+    # Tasks no tape reads through that inlined windows call as such functions too (`task`):
+    # a recomputing backward's parts (measured, timeprest, 8 x Dense(32), K=4, 64 mini-batches:
+    # first epoch 23.5 s traced per part, 18 s so).
+    self._inlinable = {"part_grads": tf.function(self._part_grads, reduce_retracing=True,
+                                                 autograph=False)}
+    for name, body in self._bodies().items():
+      # Traced once per signature, called (not inlined) from the window graph.
+      traced = self._traced[name] = tf.function(
+          body, reduce_retracing=True, jit_compile=jit_compile,
+          autograph=False, experimental_attributes=compat.NOT_INLINED)
+      self._functions[name] = self._placed(traced) if jit_compile else traced
+
+  def _has_losses(self):
+    """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
+    xs = [tf.zeros(compile_utils.example_shape(t.shape), t.dtype) for t in self.model.inputs]
+    _, _, losses = self.model.stateless_call(
+        [tf.convert_to_tensor(v) for v in self.trainable],
+        [tf.convert_to_tensor(v) for v in self.non_trainable], xs[0] if len(xs) == 1 else xs,
+        training=True, return_losses=True)
+    return bool(losses)
+
+  def _with_reg_logs(self, out):
+    """`out` (a task's logs, or a tuple ending with them) with the other stages'
+    regularisation added to the loss outside an XLA task (XLA reads no variable of another
+    device); as it is otherwise (the task added it)."""
+    if not (self.jit_compile and self.reg_trackers):
+      return out
+    logs = out if isinstance(out, dict) else out[-1]
+    logs = dict(logs, loss=self._with_reg(logs["loss"]))
+    return logs if isinstance(out, dict) else tuple(out[:-1]) + (logs,)
+
+  def _with_reg(self, loss):
+    for tracker in self.reg_trackers:
+      loss = loss + tf.cast(tracker.result(), loss.dtype)
+    return loss
+
+  def task(self, name, inline=False):
+    """Task function `name` for a larger graph (the compiled executor): the traced function,
+    which stays one call there; with `inline`, its Python body, traced into the caller (each
+    op named in the caller's scopes: what the profiled timeline reads), or for the tasks of
+    `_inlinable` a traced function TensorFlow inlines when the graph runs (traced once, not
+    per call); with XLA always the compiled function (one XLA call per task)."""
+    if not inline or self.jit_compile:
+      return self._functions[name]
+    return self._inlinable.get(name) or self._bodies()[name]
+
+  def _bodies(self):
+    """The tasks' Python bodies by name: what `task` traces or inlines."""
+    return {"read_weights": self._read_weights, "forward": self._forward,
+            "forward_on": self._forward_on, "backward_on": self._backward_on,
+            "part_grads": self._part_grads, "update": self._update,
+            "apply_accumulated": self._apply_accumulated, "last_step": self._last_step,
+            "step_on": self._step_on, "infer": self._infer, "evaluate_last": self._evaluate_last}
+
+  def _placed(self, fn):
+    """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
+
+    Only for XLA: without it, the ops inside already carry the stage's device, and a
+    call-site scope made TensorFlow run the stages' calls one at a time (measured).
+    """
+    def call(*args):
+      with tf.device(self.device):
+        return fn(*args)
+    return call
+
+  def check_kept_tapes(self):
+    """Refuses a stage whose forward runs a `tf.py_function` when forward tapes are kept.
+
+    TensorFlow keeps one tape per py_function op for its gradient, so two
+    forwards in flight (each kept until its backward) overwrite each other's
+    and the backward fails. Tracing the forward here (the trace the run then
+    calls, for any batch size) finds such ops before any work.
+    """
+    if self.ops["F"].keeps != "tape":
+      return   # recomputed forwards, or the last stage's fused step: no tape outlives a task
+    graph = self._forward_trace().graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    # EagerPyFunc: tf.py_function, whose gradient reads that cache (tf.numpy_function's PyFunc
+    # has no gradient, so nothing to break).
+    found = [n.name for n in nodes if n.op == "EagerPyFunc"]
+    if found:
+      scope = found[0].split("/")[0]   # the layer's name scope (Keras may add a suffix)
+      names = [l.name for l in self.model.layers if scope.startswith(l.name)]
+      layer = max(names, key=len) if names else scope
+      raise ValueError(
+          f"stage {self.index} runs a tf.py_function (in {layer!r}), and method "
+          f"{self.policy.method!r} keeps each forward's tape until its backward: TensorFlow's "
+          "py_function gradient keeps one tape per op, so two forwards in flight break it. "
+          "Use a method that recomputes (vanilla, feature_replay, timeprest, spectrain with "
+          "spectrain_backward='repredict', or recompute=True for sequential and gpipe), or "
+          "write the layer with TensorFlow ops")
+
+  def _forward_trace(self):
+    """The forward's trace that the executors then call (a batch of any size is a subtype)."""
+    weights = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
+    inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype)
+              for t in self.model.inputs] * self._groups_in
+    return self._traced["forward_on"].get_concrete_function(weights, inputs)
+
+  def forward_ops(self):
+    """Ops in one traced forward of the stage (what an inlined task copies into a window)."""
+    return len(self._forward_trace().graph.get_operations())
+
+  # Weights and the stage call.
+
+  def weights(self, s, source):
+    """The weights a task reads: "current"; "predicted" `s` updates ahead (the optimizer's
+    own step, `tfpipe.rules.prediction`); "corrected" back by `s` updates of the average weight
+    change (PipeMare); "delayed" one update old (2BW: the weights before the latest update
+    when s = 0, else the current ones). Any other source (the forward's own, a blend) reads
+    "current" here.
+
+    `s` is a Python number, so each value traces once and s = 0 costs nothing; for
+    "corrected" it may be a scalar tensor (one trace for every s: `_backward`).
+    """
+    if source == "predicted" and s:
+      return prediction.predict_all(self.optimizer, self.trainable, s)
+    if source == "corrected" and not (isinstance(s, (int, float)) and not s):
+      return [tf.convert_to_tensor(v) - tf.cast(s, d.dtype) * d
+              for v, d in zip(self.trainable, self.deltas)]
+    if source == "delayed" and not s:   # mini-batch b after b updates: W^(b-1), the 2nd buffer
+      return [tf.convert_to_tensor(p) for p in self.previous]
+    return [tf.convert_to_tensor(v) for v in self.trainable]
+
+  def _call(self, weights, xs, training, update_state=True, state=None):
+    """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
+
+    `state`: the non-trainable values to read (None: the variables'). Random
+    layers draw from their seed generators' state, which is part of it: a
+    recomputation passes the state its forward read and so draws the same
+    masks (docs/architecture.md).
+    """
+    if state is None:
+      state = [tf.convert_to_tensor(v) for v in self.non_trainable]
+    moved = self._model_split() != self._split   # a layer's `trainable` changed since compile
+    call_weights, call_state = self._as_model_split(weights, state) if moved else (weights, state)
+    if len(self.replica_devices) > 1:
+      ys, new_state, losses = self._replicated_call(call_weights, call_state, xs, training)
+    else:
+      inputs = xs[0] if len(xs) == 1 else list(xs)
+      ys, new_state, losses = self.model.stateless_call(
+          call_weights, call_state, inputs, training=training, return_losses=True)
+      ys = tf.nest.flatten(ys)
+    if moved:
+      new_state = self._from_model_split(new_state, state)
+    if training and update_state:
+      for v, value in zip(self.non_trainable, new_state):
+        v.assign(value)
+    # Keras adds each additional loss summed, in floatx (Trainer._aggregate_additional_loss).
+    losses = [tf.reduce_sum(tf.cast(l, keras.backend.floatx()) if not l.dtype.is_floating else l)
+              for l in losses]
+    reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
+    if losses and update_state and self.reg_tracker is not None:
+      size = len(xs) // self._groups_in   # the samples of every replica's inputs
+      self.reg_tracker.update_state(
+          reg, sample_weight=tf.add_n([tf.shape(x)[0] for x in xs[::size]]))
+    return ys, reg, state
+
+  def read_version(self, updates, s):
+    """The update count of the weights a forward (the last stage: its step) reads, `updates`
+    applied so far and `s` its version difference: one less from 2BW's second buffer."""
+    reads = self.ops["F"].reads or self.ops["B"].reads
+    return updates - (reads == "delayed" and not s and updates > 0)
+
+  def _model_split(self):
+    """Which of this stage's variables Keras now lists as trainable (ids, in its order)."""
+    return ([id(v) for v in self.model.trainable_variables],
+            [id(v) for v in self.model.non_trainable_variables])
+
+  def _as_model_split(self, weights, state):
+    """`weights` and `state` (the compile-time split) as Keras's lists are after a layer's
+    `trainable` changed: predict and evaluate still read every variable's own value
+    (`Pipeline.fit` asks for a new compile)."""
+    values = {id(src): value for (src, _), value in zip(self._pairs, list(weights) + list(state))}
+    return ([values[id(v)] for v in self.model.trainable_variables],
+            [values[id(v)] for v in self.model.non_trainable_variables])
+
+  def _from_model_split(self, new_state, state):
+    """The non-trainable values after a call, back in the compile-time order."""
+    values = {id(v): value for v, value in zip(self.model.non_trainable_variables, new_state)}
+    sources = [src for src, _ in self._pairs[len(self.trainable):]]
+    return [values.get(id(src), old) for src, old in zip(sources, state)]
+
+  def _replicated_call(self, weights, state, xs, training):
+    """The stage on each replica's share of the batch (the first n % R get one more), or on
+    each replica's own inputs (`grouped`)."""
+    R = len(self.replica_devices)
+    if self._groups_in > 1:
+      size = len(xs) // R
+      replica_inputs = [list(xs[r * size:(r + 1) * size]) for r in range(R)]
+    else:
+      n = tf.shape(xs[0])[0]
+      sizes = tf.stack([n // R + tf.cast(i < n % R, n.dtype) for i in range(R)])
+      parts = [tf.split(x, sizes, num=R) for x in xs]
+      replica_inputs = [[p[r] for p in parts] for r in range(R)]
+    outputs, states, first_losses = [], [], None
+    copies = reduction.replicate(weights, self.replica_devices, self.cross_device_ops)
+    for r, device in enumerate(self.replica_devices):
+      with tf.device(device):
+        inputs = replica_inputs[r]
+        ys, new_state, losses = self.model.stateless_call(
+            copies[r], state, inputs[0] if len(inputs) == 1 else inputs, training=training,
+            return_losses=True)
+      outputs.append(tf.nest.flatten(ys))
+      states.append(new_state)
+      first_losses = losses if first_losses is None else first_losses
+    with tf.device(self.device):
+      ys = ([y for out in outputs for y in out] if self._groups_out > 1 else
+            [tf.concat(list(pieces), 0) for pieces in zip(*outputs)])
+      new_state = [tf.add_n(list(values)) / R if values[0].dtype.is_floating else values[0]
+                   for values in zip(*states)]
+    return ys, new_state, first_losses
+
+  def _float_inputs(self, xs):
+    return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
+
+  def _input_grads(self, grads):
+    """Gradients for every stage input (None for integer inputs); none for stage 0."""
+    if self.is_first:
+      return []
+    grads = iter(grads)
+    return [next(grads) if f else None for f in self._float_in]
+
+  def _targets(self, ys, dys, reg, scale):
+    pairs = [(y, dy if dy is not None else tf.zeros_like(y))
+             for y, dy, f in zip(ys, dys, self._float_out) if f]
+    # The regularisation's gradient weighs as the loss's: the micro-batch's share, and the
+    # loss scale where the loss is scaled (the output gradients `dys` carry it already).
+    return ([y for y, _ in pairs] + [reg],
+            [dy for _, dy in pairs] + [self._loss_scaled(tf.ones_like(reg)
+                                                         * tf.cast(scale, reg.dtype))])
+
+  def build_accumulators(self):
+    """Creates the gradient accumulators (once) for schedules with micro-batch backwards."""
+    if self.accumulators is None:
+      with tf.device(self.device):
+        self.accumulators = [tf.Variable(tf.zeros_like(v), trainable=False,
+                                         name=f"s{self.index}_accumulator{j}")
+                             for j, v in enumerate(self._sources)]
+        # DC-ASGD with micro-batches: the sum and count of the weights their gradients read.
+        self.read_sums = ([tf.Variable(tf.zeros_like(v), trainable=False,
+                                       name=f"s{self.index}_read_sum{j}")
+                           for j, v in enumerate(self._sources)]
+                          if self.rule.delay_compensation else [])
+        self.reads = tf.Variable(0.0, trainable=False, name=f"s{self.index}_reads")
+        self.slice_squares = [tf.Variable(0.0, trainable=False, name=f"s{self.index}_slices{j}")
+                              for j in range(len(self._sources))]
+        self.sliced = set()   # the variables whose gradients came as IndexedSlices
+        self.joint_updates = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                         name=f"s{self.index}_joint_updates")
+
+  # Task functions (traced once per signature; `task` gives them to the executors).
+
+  def _read_weights(self, s):
+    """The forward's weights as tensors of their own: what a kept forward or a blend reads
+    (the last stage: its step's)."""
+    with tf.device(self.device):
+      return [tf.identity(w) for w in self.weights(s, self.ops["F"].reads or
+                                                   self.ops["B"].reads)]
+
+  def _forward(self, xs, s):
+    """The training forward on the weights it reads: (outputs, regularisation, the
+    non-trainable state read: kept for a recompute)."""
+    with tf.device(self.device):
+      return self._call(self.weights(s, self.ops["F"].reads), xs, training=True)
+
+  def _forward_on(self, weights, xs):
+    """The training forward on `weights` (tensors): (outputs, regularisation, state read)."""
+    with tf.device(self.device):
+      return self._call(weights, xs, training=True)
+
+  def _backward_read(self, kept_weights, s):
+    """The weights a recomputing backward reads (`tasks.StageOp.reads`): the forward's
+    `kept_weights`, their blend with the current ones (`s`: the updates since the forward),
+    or the policy's source `s` updates ahead ("predicted") or back ("corrected")."""
+    reads = self.ops["B"].reads
+    if reads == "kept":
+      return list(kept_weights)
+    if reads == "blend":
+      if isinstance(s, (int, float)):
+        sigma = mitigations.blend_factor(s)
+        return [w if not s else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
+                for w, v in zip(kept_weights, self.trainable)]
+      sigma = tf.exp(-tf.cast(s, tf.float64))   # mitigations.blend_factor, as a tensor
+      return [tf.cast(sigma, w.dtype) * w + tf.cast(1.0 - sigma, w.dtype) * tf.convert_to_tensor(v)
+              for w, v in zip(kept_weights, self.trainable)]
+    return self.weights(s, reads)
+
+  def _backward_on(self, kept_weights, parts, dys, s, scale, accumulate, wrt, inline=False):
+    """Recomputes the forwards of `parts` [(inputs, state read)] on the backward's weights
+    (`_backward_read`) and takes their gradients `wrt` ("both", "inputs", "weights"); the
+    weight gradients update (or accumulate); returns the input gradients ([] for "weights").
+
+    Each part replays its own forward's random draws; outputs (and input gradients) of
+    several parts (a TiMePReSt mini-batch) join along the batch axis. Regularisation losses
+    are the first part's (weight penalties count once). Several parts run as calls of one
+    traced `part_grads` (its body, `inline`), their weight gradients summed: one trace of the
+    stage for all the parts, not one per part.
+    """
+    with tf.device(self.device):
+      weights = self._backward_read(kept_weights, s)
+      if len(parts) > 1 and not (self.grouped_in or self.grouped_out):
+        weight_grads, input_grads = self._summed_grads(weights, parts, dys, scale, wrt, inline)
+      else:
+        weight_grads, input_grads = self._joined_grads(weights, parts, dys, scale, wrt)
+      if wrt == "weights":
+        self._update(weight_grads, accumulate, self._read(weights))
+        return []
+      if wrt == "both":
+        self._update_after(input_grads, weight_grads, accumulate, weights)
+      return self._input_grads(input_grads)
+
+  def _joined_grads(self, weights, parts, dys, scale, wrt):
+    """(weight gradients, input gradients) of the parts' forwards traced side by side, their
+    outputs joined along the batch axis."""
+    float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
+    with tf.GradientTape() as tape:
+      tape.watch(list(weights) + float_xs)
+      outs = [self._call(weights, xs, training=True, update_state=False, state=state)
+              for xs, state in parts]
+      ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
+                                              for y in zip(*[o[0] for o in outs])]
+      targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
+    sources = ((list(weights) if wrt != "inputs" else []) +
+               (float_xs if wrt != "weights" else []))
+    grads = tape.gradient(targets, sources, output_gradients=out_grads,
+                          unconnected_gradients=_ZERO)
+    n_weights = len(weights) if wrt != "inputs" else 0
+    if wrt == "weights":
+      return grads, []
+    n = len(float_xs) // len(parts)
+    per_part = [grads[n_weights + i * n:n_weights + (i + 1) * n] for i in range(len(parts))]
+    joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
+    return grads[:n_weights], joined
+
+  def _summed_grads(self, weights, parts, dys, scale, wrt, inline):
+    """(weight gradients, input gradients) of the parts' forwards, one `part_grads` call
+    each: the weight gradients summed, the input gradients joined along the batch axis."""
+    sizes = [tf.shape(xs[0])[0] for xs, _ in parts]
+    dys = [[None] * len(parts) if dy is None else tf.split(dy, sizes) for dy in dys]
+    call = self.task("part_grads", inline)
+    zero = tf.zeros((), tf.float32)
+    results = [call(weights, xs, state, [dy[i] for dy in dys],
+                    tf.cast(scale, tf.float32) if i == 0 else zero, wrt)
+               for i, (xs, state) in enumerate(parts)]
+    weight_grads = [_summed(list(g)) for g in zip(*[r[0] for r in results])]
+    input_grads = [tf.concat(list(g), 0) for g in zip(*[r[1] for r in results])]
+    return weight_grads, input_grads
+
+  def _part_grads(self, weights, xs, state, dys, reg_scale, wrt):
+    """One part of a recomputing backward (`_joined_grads` of that part alone): its forward
+    on `weights` replaying `state`, then (weight gradients, input gradients) `wrt`, its
+    regularisation weighted by `reg_scale` (0: a later part's, counted by the first)."""
+    with tf.device(self.device):
+      return self._joined_grads(weights, [(xs, state)], dys, reg_scale, wrt)
+
+  def _update_after(self, outputs, grads, accumulate, read=None):
+    """The update with `grads`, run only once a task's `outputs` (its input gradients) are
+    computed. Without the order TensorFlow may run the update first and the input gradients
+    then read the updated weights (measured: 1 whole backward in 12 gave other input
+    gradients than its two halves)."""
+    with tf.control_dependencies([g for g in outputs if g is not None]):
+      self._update([tf.identity(g) for g in grads], accumulate, self._read(read))
+
+  def _read(self, weights):
+    """The weights a gradient was taken at, where the update needs them (DC-ASGD), else None."""
+    return list(weights) if self.rule.delay_compensation and weights is not None else None
+
+  def _update(self, grads, accumulate, read=None):
+    """One update with `grads` taken at the weights `read` (DC-ASGD moves them to the
+    current ones), or their addition to the accumulators (with `read`, to the mean of the
+    reads: the accumulated gradient is compensated from there at the update)."""
+    with tf.device(self.device):
+      if accumulate:
+        for a, g in zip(self.accumulators, grads):
+          a.assign_add(tf.cast(g, a.dtype))
+        if self.joint is not None:
+          self._add_slice_squares(grads)
+        if read is not None:
+          for r, w in zip(self.read_sums, read):
+            r.assign_add(w)
+          self.reads.assign_add(1.0)
+      else:
+        self._apply_step(list(grads), read)
+
+  def _apply_joint(self, grads):
+    """The update of a whole-model decision (`tfpipe.rules.joint`): the accumulated gradients times
+    the mini-batch's factor (unscaled, clipped), or no step where a gradient was not finite;
+    the accumulators cleared either way."""
+    factor, finite = self.joint.decide(self.joint_updates)
+    with tf.control_dependencies([factor, finite]):
+      self.joint_updates.assign_add(1)
+      # A weight other stages hold too steps with the sum of every copy's gradient.
+      shared = [self.joint.shared_gradient(self.index, j) for j in range(len(grads))]
+      grads = [g if s is None else s for g, s in zip(grads, shared)]
+    grads = [g * tf.cast(factor, g.dtype) for g in grads]
+    if self.joint.scaling is None:
+      self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
+    else:
+      def step():
+        self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
+        return tf.constant(True)
+      tf.cond(finite, step, lambda: tf.constant(False))
+    for a in self.accumulators:
+      a.assign(tf.zeros_like(a))
+    for j in self.sliced:
+      self.slice_squares[j].assign(0.0)
+
+  def _add_slice_squares(self, grads):
+    """For the global norm (`tfpipe.rules.joint`): the squares of an embedding's gradient rows as
+    Keras sums them, each row of its IndexedSlices apart (a token seen twice counts twice;
+    the dense sum of those rows, which the accumulator holds, would count it once, squared)."""
+    for j, g in enumerate(grads):
+      if isinstance(g, tf.IndexedSlices):
+        self.sliced.add(j)
+        self.slice_squares[j].assign_add(tf.reduce_sum(tf.square(tf.cast(g.values, tf.float32))))
+
+  def squared_norms(self, scale):
+    """The squares of this stage's accumulated gradient divided by `scale` (the loss scale) as
+    Keras's `global_clipnorm` counts them: a dense gradient's sum of squares, an
+    IndexedSlices gradient's per row."""
+    return [self.slice_squares[j] / (scale * scale) if j in self.sliced
+            else tf.reduce_sum(tf.square(tf.cast(a, tf.float32) / scale))
+            for j, a in enumerate(self.accumulators)]
+
+  def _step(self, grads, read):
+    """The optimizer's step (with the stage's rule) on gradients taken at `read` (`_update`)."""
+    self._keep_previous()
+    self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable, self.deltas)
+
+  def _compensated(self, grads, read):
+    """DC-ASGD (`tfpipe.rules.mitigations`): weight gradients taken at `read`, moved to the current
+    weights; as they are without `delay_compensation`."""
+    if read is None:
+      return grads
+    lam = self.rule.delay_compensation
+    return [mitigations.compensate(tf.cast(lam, g.dtype), g, tf.convert_to_tensor(v), w)
+            for g, v, w in zip(grads, self.trainable, read)]
+
+  def _keep_previous(self):
+    """2BW: the weights about to be updated become the second buffer."""
+    for p, v in zip(self.previous, self.trainable):
+      p.assign(v)
+
+  def _apply_accumulated(self):
+    with tf.device(self.device):
+      self._keep_previous()
+      grads = [tf.convert_to_tensor(a) for a in self.accumulators]
+      if self.joint is not None:   # a whole-model decision (`tfpipe.rules.joint`)
+        self._apply_joint(grads)
+        return
+      if self.rule.delay_compensation:
+        n = tf.maximum(tf.convert_to_tensor(self.reads), 1.0)
+        grads = self._compensated(grads, [tf.convert_to_tensor(r) / tf.cast(n, r.dtype)
+                                          for r in self.read_sums])
+        for r in self.read_sums:
+          r.assign(tf.zeros_like(r))
+        self.reads.assign(0.0)
+      self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
+      for a in self.accumulators:
+        a.assign(tf.zeros_like(a))
+      for j in self.sliced:
+        self.slice_squares[j].assign(0.0)
+
+  def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
+    """The last stage's forward, loss, backward and update: returns (loss, input gradients,
+    the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
+    with tf.device(self.device):
+      weights = self.weights(s, self.ops["B"].reads)
+      float_xs = self._float_inputs(xs)
+      with tf.GradientTape() as tape:
+        tape.watch(weights + float_xs)
+        ys, reg, _ = self._call(weights, xs, training=True)
+        y_true, y_pred = self._structured(ys, y)
+        loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
+        total = loss + tf.cast(reg, loss.dtype)
+        same = total.dtype == ys[0].dtype
+        scaled = self._loss_scaled(total * tf.cast(scale, total.dtype) if same else total)
+      grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
+      if not same:
+        # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
+        # scales its gradients in float64, not rounded to float32 (1e-8 relative).
+        grads = [_scaled(g, scale) for g in grads]
+      self._update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
+      self._update_metrics(y_true, y_pred, total, sample_weight)
+      return total, self._input_grads(grads[len(weights):]), self.logs(in_task=True)
+
+  def _step_on(self, weights, xs, y, sample_weight, scale):
+    """The last stage's forward, loss and metrics on `weights` (tensors), for a split step
+    (`last_step_input`): (the target of its gradients, the loss, the running logs)."""
+    with tf.device(self.device):
+      ys, reg, _ = self._call(weights, xs, training=True)
+      y_true, y_pred = self._structured(ys, y)
+      loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
+      total = loss + tf.cast(reg, loss.dtype)
+      # As `_last_step`: a loss of another dtype than the outputs scales the gradients.
+      self._step_scales_loss = total.dtype == ys[0].dtype
+      target = self._loss_scaled(total * tf.cast(scale, total.dtype) if self._step_scales_loss
+                                 else total)
+      self._update_metrics(y_true, y_pred, total, sample_weight)
+      return target, total, self.logs(in_task=True)
+
+  def _structured(self, ys, y):
+    """(labels, outputs) as Keras's loss and metrics take them: for one output the tensors
+    themselves, for several the model's output structure of each."""
+    if self._output_structure is None or len(ys) == 1:
+      return (y[0] if isinstance(y, (list, tuple)) and len(ys) == 1 and len(y) == 1 else y,
+              ys[0])
+    pack = lambda values: keras.tree.pack_sequence_as(self._output_structure, list(values))
+    return pack(y), pack(ys)
+
+  def _loss_scaled(self, loss):
+    """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.rules.joint`), if any."""
+    return self.joint.scaled_loss(loss) if self.joint is not None else loss
+
+  def _infer(self, xs):
+    with tf.device(self.device):
+      return self._call(self.weights(0, "current"), xs, training=False)[0]
+
+  def _evaluate_last(self, xs, y, sample_weight):
+    """Loss and metrics of a batch with the current weights; returns the running logs."""
+    with tf.device(self.device):
+      ys, reg, _ = self._call(self.weights(0, "current"), xs, training=False)
+      y_true, y_pred = self._structured(ys, y)
+      loss = self.loss(y_true, y_pred, sample_weight=sample_weight) + reg
+      self._update_metrics(y_true, y_pred, loss, sample_weight)
+      return self.logs(in_task=True)
+
+  def _update_metrics(self, y, y_pred, loss, sample_weight):
+    if self.loss_tracker is not None:
+      first = keras.tree.flatten(y_pred)[0]
+      self.loss_tracker.update_state(loss, sample_weight=tf.shape(first)[0])
+    for metric in self.metrics:
+      metric.update_state(y, y_pred, sample_weight=sample_weight)
+
+  def logs(self, in_task=False):
+    """The running loss and metric results (what Keras passes to batch hooks); last stage.
+    The loss adds the earlier stages' regularisation (`reg_trackers`); in an XLA task
+    (`in_task`) that is added outside it (`_with_reg_logs`)."""
+    loss = self.loss_tracker.result()
+    if not (in_task and self.jit_compile):
+      loss = self._with_reg(loss)
+    logs = {"loss": loss}
+    # Keras's order: the loss, the compiled metrics, then each output's loss (several outputs).
+    for metric in self.metrics + list(getattr(self.loss, "metrics", None) or []):
+      result = metric.result()
+      if isinstance(result, dict):
+        logs.update(result)
+      else:
+        logs[metric.name] = result
+    return logs
+
+  # The stage's operations (`tfpipe.plan.tasks`): what every executor calls, eagerly (the
+  # threaded executor) or while tracing a window (the compiled one; `inline`: see `task`).
+
+  def forward(self, xs, s, inline=False, split=False):
+    """Task F: the forward on the weights it reads (s: its version difference); returns
+    (outputs, `Kept`: what its backward needs, as the table's `keeps` says).
+
+    `split`: its backward will run as two halves (`backward_input`, then
+    `backward_weights`: a zero-bubble schedule, where the table says so), so a
+    kept tape is persistent. Only then: under a persistent tape TensorFlow
+    builds higher-order gradient functions for every stage call (measured: 4x
+    the ops, twice the start-up).
+    """
+    split = split or self.ops["B"].op == "backward_input"
+    keeps = self.ops["F"].keeps
+    if keeps == "inputs":
+      ys, _, state = self.task("forward", inline)(xs, s)
+      return ys, Kept(xs, state)
+    weights = self.task("read_weights", inline)(s)
+    if keeps == "weights":
+      ys, _, state = self.task("forward_on", inline)(weights, xs)
+      return ys, Kept(xs, state, weights)
+    with tf.device(self.device), tf.GradientTape(persistent=split) as tape:
+      tape.watch(list(weights) + self._float_inputs(xs))
+      ys, reg, state = self.task("forward_on", inline)(weights, xs)
+    return ys, Kept(xs, state, list(weights), tape, ys, reg)
+
+  def backward(self, parts, dys, s, scale, accumulate, inline=False):
+    """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
+    mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
+    says (`s`: the task's version difference); updates with the weight gradients (adds
+    them to the accumulators with `accumulate`); returns the input gradients."""
+    return self._backward(parts, dys, s, scale, accumulate, "both", inline)
+
+  def backward_input(self, parts, dys, s, scale, inline=False):
+    """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
+    tape must be persistent (`forward(..., split=True)`)."""
+    return self._backward(parts, dys, s, scale, False, "inputs", inline)
+
+  def backward_weights(self, parts, dys, s, scale, accumulate, inline=False):
+    """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update."""
+    self._backward(parts, dys, s, scale, accumulate, "weights", inline)
+
+  def _backward(self, parts, dys, s, scale, accumulate, wrt, inline):
+    if len(parts) == 1 and parts[0].tape is not None:
+      return self._through_tape(parts[0], dys, scale, accumulate, wrt, inline)
+    weights = parts[0].weights if parts[0].weights is not None else []
+    if self.ops["B"].reads in ("corrected", "blend"):
+      # s: the updates since the forward, which vary over warm-up, steady state and drain; as
+      # a tensor the backward traces once for all of them.
+      with tf.device(self.device):
+        s = tf.constant(float(s), tf.float64)
+    return self.task("backward_on", inline)(weights, [(p.xs, p.state) for p in parts], dys, s,
+                                            scale, accumulate, wrt, inline)
+
+  def _through_tape(self, kept, dys, scale, accumulate, wrt, inline):
+    """The gradient through a kept forward's tape (its own weights), then the update."""
+    with tf.device(self.device):
+      float_xs = self._float_inputs(kept.xs)
+      weights = kept.weights if wrt != "inputs" else []
+      targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
+      grads = kept.tape.gradient(targets, weights + (float_xs if wrt != "weights" else []),
+                                 output_gradients=out_grads, unconnected_gradients=_ZERO)
+      if wrt != "inputs":   # after the input gradients, as `_update_after` says
+        with tf.control_dependencies([g for g in grads[len(weights):] if g is not None]):
+          self.task("update", inline)(grads[:len(weights)], accumulate, self._read(weights))
+      if wrt == "weights":
+        return []
+      # Each input's gradient has the input's shape. Through a call of the forward traced for
+      # any batch size (`_forward_trace`) TensorFlow does not know it, and the backward of
+      # the stage before, called with these gradients, would trace once more for them.
+      for g, x in zip(grads[len(weights):], float_xs):
+        if isinstance(g, tf.Tensor) and not tf.executing_eagerly():
+          g.set_shape(x.shape)
+      return self._input_grads(grads[len(weights):])
+
+  def apply_accumulated(self, inline=False):
+    """Task U: one update with the accumulated gradients, which it clears."""
+    return self.task("apply_accumulated", inline)()
+
+  def last_step(self, xs, y, sample_weight, s, scale, accumulate, inline=False):
+    """The last stage's task B (its F only holds the input): forward, loss, backward and
+    update on the forward's weights; returns (loss, input gradients, running logs)."""
+    return self._with_reg_logs(self.task("last_step", inline)(xs, y, sample_weight, s, scale,
+                                                              accumulate))
+
+  def last_step_input(self, xs, y, sample_weight, s, scale, inline=False):
+    """A split step's B (zero-bubble schedules): the last stage's forward, loss, metrics and
+    input gradients, no update; returns (loss, input gradients, running logs, `Kept` with
+    the persistent tape `last_step_weights` takes the weight gradients from)."""
+    weights = list(self.task("read_weights", inline)(s))
+    float_xs = self._float_inputs(xs)
+    with tf.device(self.device), tf.GradientTape(persistent=True) as tape:
+      tape.watch(weights + float_xs)
+      target, loss, logs = self.task("step_on", inline)(weights, xs, y, sample_weight, scale)
+    with tf.device(self.device):
+      grads = tape.gradient(target, float_xs, unconnected_gradients=_ZERO)
+      if not self._step_scales_loss:
+        grads = [_scaled(g, scale) for g in grads]
+    kept = Kept(xs, None, weights, tape, [target], None)
+    return loss, self._input_grads(grads), self._with_reg_logs(logs), kept
+
+  def last_step_weights(self, kept, scale, accumulate, inline=False):
+    """A split step's W: the weight gradients from `last_step_input`'s tape, then the update
+    (or the accumulators)."""
+    with tf.device(self.device):
+      grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
+      if not self._step_scales_loss:
+        grads = [_scaled(g, scale) for g in grads]
+      self.task("update", inline)(grads, accumulate, self._read(kept.weights))
+
+  def infer(self, xs, inline=False):
+    """The inference forward (current weights, training=False): the outputs."""
+    return self.task("infer", inline)(xs)
+
+  def evaluate_last(self, xs, y, sample_weight, inline=False):
+    """The last stage's evaluation of a batch: the running logs."""
+    return self._with_reg_logs(self.task("evaluate_last", inline)(xs, y, sample_weight))
+
+  # Moving weights between the stage and the user's model.
+
+  def load_from_model(self):
+    for src, own in self._pairs:
+      own.assign(src.numpy())
+    self._keep_previous()   # 2BW: no update yet, so the second buffer holds the same weights
+
+  def write_to_model(self):
+    for dst, own in self._pairs:
+      dst.assign(own.numpy())
+
+  def finalize(self):
+    """The optimizer's end-of-fit step (`finalize_variable_values`: EMA weights swapped in)."""
+    with tf.device(self.device):
+      self.optimizer.finalize_variable_values(self.trainable)
+
+  def trainable_changed(self):
+    """Names of this stage's layers whose `trainable` changed since compile."""
+    now = set(id(v) for v in self.model.trainable_variables)
+    then = set(self._split[0])
+    return [l.name for l in self.model.layers
+            if any((id(v) in now) != (id(v) in then) for v in l.weights)]

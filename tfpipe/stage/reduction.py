@@ -1,0 +1,83 @@
+"""How a replicated stage's gradients come together: `tf.distribute` cross-device ops.
+
+A stage on several replica devices (`data_parallel=R`, `stage_replicas`) keeps one set of
+variables on its first device. `replicate` hands each replica its copy of the weights
+read; on the way back, the replicas' weight gradients are summed by a
+`tf.distribute.CrossDeviceOps` (`batch_reduce` to the variables' device) before the
+stage's update, as `tf.distribute.MirroredStrategy` sums its replicas' gradients.
+
+`choose(devices, ops)` checks a user's choice or picks MirroredStrategy's: NCCL
+all-reduce when every replica is a GPU of this process, else a reduction to one device.
+"""
+
+import tensorflow as tf
+
+from tfpipe import compat
+
+__all__ = ["check", "choose", "replicate", "NAMES"]
+
+# --cross_device_ops names: the classes MirroredStrategy users pass.
+NAMES = {
+    "reduce_to_one_device": lambda: tf.distribute.ReductionToOneDevice(),
+    "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(num_packs=1),
+    "nccl": lambda: tf.distribute.NcclAllReduce(num_packs=1),
+}
+
+
+def check(ops):
+  """Refuses a `cross_device_ops` value that is not an instance, a name of NAMES or None."""
+  if isinstance(ops, str) and ops not in NAMES:
+    raise ValueError(f"unknown `cross_device_ops` {ops!r}; choose from "
+                     f"{', '.join(NAMES)} or pass a tf.distribute.CrossDeviceOps")
+  if not isinstance(ops, (str, tf.distribute.CrossDeviceOps, type(None))):
+    raise ValueError("`cross_device_ops` must be a tf.distribute.CrossDeviceOps, one of "
+                     f"{', '.join(NAMES)}, or None. Received: {ops!r}")
+
+
+def choose(devices, ops=None):
+  """The `tf.distribute.CrossDeviceOps` that sums gradients over `devices` (one stage's
+  replicas): `ops` (an instance, a name of NAMES, or None for MirroredStrategy's choice)."""
+  check(ops)
+  if isinstance(ops, tf.distribute.CrossDeviceOps):
+    return ops
+  if isinstance(ops, str):
+    return NAMES[ops]()
+  specs = [tf.DeviceSpec.from_string(d) for d in devices]
+  local_gpus = all(s.device_type == "GPU" and s.job in (None, "localhost") for s in specs)
+  if local_gpus and len(devices) > 1:
+    return NAMES["nccl"]()
+  return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
+
+
+def replicate(weights, devices, ops):
+  """[copies of `weights` on each of `devices`]; the gradient sums the copies' gradients with
+  `ops` onto `devices[0]` (a copy a replica did not use counts as zeros)."""
+  weights = list(weights)
+  if not weights:
+    return [[] for _ in devices]
+  compat.drop_reduction_notices()
+
+  @tf.custom_gradient
+  def copies(*tensors):
+    out = []
+    for device in devices:
+      with tf.device(device):
+        out += [tf.identity(t) for t in tensors]
+
+    def grad(*upstream):
+      n = len(tensors)
+      per_weight = []
+      for i, t in enumerate(tensors):
+        parts = []
+        for r, device in enumerate(devices):
+          g = upstream[r * n + i]
+          with tf.device(device):
+            parts.append(tf.zeros_like(out[r * n + i]) if g is None else g)
+        per_weight.append((compat.per_replica(parts), devices[0]))
+      return list(ops.batch_reduce(tf.distribute.ReduceOp.SUM, per_weight))
+
+    return out, grad
+
+  flat = copies(*weights)
+  n = len(weights)
+  return [list(flat[r * n:(r + 1) * n]) for r in range(len(devices))]

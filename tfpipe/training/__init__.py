@@ -1,0 +1,11 @@
+"""The Keras face: `Pipeline`'s `compile` / `fit` / `evaluate` / `predict` and what they take.
+
+  pipeline:      `Pipeline`, the Keras-like model of a pipelined method;
+  options:       its options, resolved once at `compile`;
+  fit_loop:      the epoch loop (callbacks, History, progress);
+  fit_data:      `fit`'s arguments checked and made into datasets;
+  data:          Keras's input forms as batched datasets;
+  input_checks:  bad input refused before any work, in one line;
+  checkpoint:    `BackupAndRestore` for a pipeline;
+  learning_rate: one learning rate that drives every stage's optimizer.
+"""

@@ -1,0 +1,281 @@
+"""A Pipeline's epoch loop: Keras callbacks around the executor's epochs, validation, resume.
+
+What `tfpipe.Pipeline.fit`, `evaluate` and `predict` run once their data and
+arguments are checked (`tfpipe.training.fit_data`): the hooks in Keras's order in the
+caller's thread, the compiled executor's window for the call, the data put
+where a resumed run left it, and the trained weights into the user's model.
+"""
+
+import os
+import time
+
+import keras
+import numpy as np
+
+from tfpipe import runtime
+from tfpipe.runtime import iterators
+from tfpipe.training import checkpoint as checkpoint_lib
+from tfpipe.instruments import breakdown as breakdown_lib, trace
+
+__all__ = ["train", "evaluate", "predict", "choose_window", "restore", "reads_batches",
+           "fit_records"]
+
+_BATCH_HOOKS = {"train": ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin",
+                           "on_batch_end"),
+                "test": ("on_test_batch_begin", "on_test_batch_end"),
+                "predict": ("on_predict_batch_begin", "on_predict_batch_end")}
+
+
+def _has_batch_hooks(callback, mode="train"):
+  """True when the callback overrides a `mode` batch hook of `keras.callbacks.Callback`: in
+  its class, or on the instance (`keras.callbacks.LambdaCallback` sets the hooks it is given)."""
+  base = keras.callbacks.Callback
+  for name in _BATCH_HOOKS[mode]:
+    hook = getattr(callback, name, None)
+    if getattr(hook, "__func__", hook) is not getattr(base, name):
+      return True
+  return False
+
+
+def reads_batches(cbs, mode):
+  """True when a callback besides the progress bar has `mode` batch hooks."""
+  return any(_has_batch_hooks(cb, mode) and not isinstance(cb, keras.callbacks.ProgbarLogger)
+             for cb in cbs.callbacks)
+
+
+def _should_validate(epoch, validation_freq):
+  if isinstance(validation_freq, int):
+    return (epoch + 1) % validation_freq == 0
+  return epoch + 1 in validation_freq
+
+
+def train(pipe, dataset, num_batches, schedule, diffs, cbs, link, epochs, initial_epoch,
+          steps_per_epoch, validation, validation_freq):
+  """Trains epochs `initial_epoch` .. `epochs`-1 of `schedule` on `pipe`'s executor with the
+  hooks of `cbs` (the learning-rate `link` synced around them); returns the History."""
+  options = pipe.options
+
+  def hook(name, *args):
+    link.sync()
+    getattr(cbs, name)(*args)
+    link.push()
+
+  # Batch hooks: the learning-rate link runs around them only when a callback besides the
+  # progress bar has batch hooks (that eager work in the caller thread slows the stage
+  # threads: 7% of a tiny model's throughput, measured); logs become floats only if read.
+  batch_readers = [cb for cb in cbs.callbacks if _has_batch_hooks(cb)]
+  linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger) for cb in batch_readers)
+  # Window ends fall on multiples of the window only where a batch hook reads them.
+  choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
+
+  def batch_hook(name, *args):
+    if linked:
+      hook(name, *args)
+    elif batch_readers:
+      getattr(cbs, name)(*args)
+
+  pipe.model.stop_training = False
+  pipe.fit_epochs = (pipe.runtime.epoch + 1, num_batches, initial_epoch)
+  profiled = isinstance(pipe.runtime, runtime.CompiledRuntime)  # the runtime runs the profiler
+  tracer = (trace.StepTracer(options.trace_dir, options.trace_steps)
+            if options.trace_steps is not None and not profiled else None)
+  if tracer:
+    tracer.begin(initial_epoch * num_batches)
+  hook("on_train_begin")
+  logs, iterator = {}, None
+  try:
+    iterator = _replay_data(dataset, initial_epoch, steps_per_epoch, num_batches)
+    for epoch in range(initial_epoch, epochs):
+      if steps_per_epoch is None or iterator is None:
+        iterator = iterators.release(iterator)   # the last epoch's, deleted off this thread
+        iterator = iter(dataset)
+      _reset_metrics(pipe)
+      if profiled and options.trace_steps is not None:   # its profile of the traced epochs
+        first, last = options.trace_steps
+        traced = epoch * num_batches <= last and (epoch + 1) * num_batches > first
+        pipe.runtime.profile_dir = options.trace_dir if traced else None
+      hook("on_epoch_begin", epoch)
+      start = time.perf_counter()
+      stopping = []
+
+      def before(b):
+        if not stopping:
+          batch_hook("on_train_batch_begin", b)
+
+      def on_result(b, loss, batch_logs, epoch=epoch):
+        if tracer:
+          tracer.on_step_end(epoch * num_batches + b)
+        if stopping:
+          return True   # drained after a stop: trained, no hooks
+        if batch_readers:
+          batch_hook("on_train_batch_end", b, {k: float(v) for k, v in batch_logs.items()})
+        if pipe.model.stop_training:
+          stopping.append(b)
+        return bool(stopping)
+
+      try:
+        pipe.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result, before)
+      except runtime.OutOfData:
+        raise ValueError(
+            f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
+            "`steps_per_epoch` the data can fill, or repeat the dataset") from None
+      seconds = time.perf_counter() - start
+      logs = _metric_logs(pipe)
+      samples = float(pipe.step.loss_tracker.count.numpy())
+      logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
+      for p in pipe.programs:
+        p.write_to_model()
+      if validation is not None and _should_validate(epoch, validation_freq):
+        logs.update(evaluate(pipe, *validation, cbs, prefix="val_"))
+      hook("on_epoch_end", epoch, logs)
+      if pipe.model.stop_training:
+        break
+  finally:
+    iterator = iterators.release(iterator)
+    if tracer:
+      tracer.end()
+  _finalize_weights(pipe)
+  if options.trace_steps is not None:
+    trace.write_chrome_trace(os.path.join(options.trace_dir, trace.TRACE_FILE),
+                             fit_records(pipe), pipe.devices, num_batches, options.trace_steps)
+  hook("on_train_end", logs)
+  return pipe.model.history
+
+
+def _reset_metrics(pipe):
+  pipe.step.reset()
+  for p in pipe.programs[:-1]:
+    if p.reg_tracker is not None:
+      p.reg_tracker.reset_state()
+
+
+def _metric_logs(pipe, prefix=""):
+  return {prefix + k: float(v) for k, v in pipe.programs[-1].logs().items()}
+
+
+def _finalize_weights(pipe):
+  """What Keras's `fit` does at its end: each optimizer's `finalize_variable_values`
+  (with `use_ema`, the weights become their moving average), then into the model."""
+  if any(p.optimizer.use_ema for p in pipe.programs):
+    for p in pipe.programs:
+      p.finalize()
+      p.write_to_model()
+
+
+def choose_window(pipe, batch_hooks, aligned=True):
+  """The compiled executor's window for this call (see `tfpipe.Pipeline.compile`); `aligned`:
+  its training windows end on multiples of it (`tfpipe.runtime.CompiledRuntime`)."""
+  if isinstance(pipe.runtime, runtime.CompiledRuntime):
+    window = pipe.steps_per_execution
+    prediction_error = pipe.options.prediction_error
+    if window == "auto":
+      window = (1 if batch_hooks or prediction_error is not None else
+                pipe.AUTO_REMOTE_WINDOW if pipe.remote_stages() else pipe.AUTO_WINDOW)
+    elif window > 1 and prediction_error is not None:
+      raise ValueError(
+          "the prediction error compares weights update by update, and a compiled window of "
+          f"{window} mini-batches updates several times per call: use steps_per_execution=1 "
+          "(or 'auto') with prediction_error")
+    # The prediction error compares weights update by update: windows of one, the drain too.
+    pipe.runtime.set_window(window, aligned or prediction_error is not None)
+
+
+def restore(pipe, callbacks):
+  """Resumes from the latest checkpoint of a BackupAndRestore callback; returns epochs done."""
+  done = 0
+  for cb in callbacks or []:
+    if isinstance(cb, checkpoint_lib.BackupAndRestore):
+      cb.attach(pipe)
+      done = max(done, cb.restore())
+  if done:
+    for p in pipe.programs:
+      p.write_to_model()
+  return done
+
+
+def _replay_data(dataset, epochs_done, steps_per_epoch, num_batches):
+  """Puts the data where an uninterrupted run would be after `epochs_done` epochs.
+
+  Returns the persistent iterator (steps_per_epoch) advanced past the
+  batches trained, or None after advancing a reshuffling dataset by one
+  unread iterator per epoch done.
+  """
+  if not epochs_done:
+    return None
+  if steps_per_epoch is None:
+    for _ in range(epochs_done):
+      iterators.release(iter(dataset))
+    return None
+  iterator = iter(dataset)
+  for _ in range(epochs_done * num_batches):
+    next(iterator)
+  return iterator
+
+
+def evaluate(pipe, dataset, num_batches, cbs, prefix=""):
+  """Loss and metrics over `dataset`, with the `on_test_*` hooks (validation, evaluate)."""
+  _reset_metrics(pipe)
+  cbs.on_test_begin()
+  iterator = iter(dataset)
+  try:
+    pipe.runtime.infer_epoch(
+        iterator, num_batches,
+        lambda b, logs: cbs.on_test_batch_end(b, {k: float(v) for k, v in logs.items()}),
+        with_labels=True, before=cbs.on_test_batch_begin)
+  finally:
+    iterator = iterators.release(iterator)
+  logs = _metric_logs(pipe)
+  cbs.on_test_end(logs)
+  return {prefix + k: v for k, v in logs.items()}
+
+
+def predict(pipe, dataset, num_batches, cbs):
+  """The model's outputs over `dataset` as one numpy array, with the `on_predict_*` hooks."""
+  outputs = {}
+  cbs.on_predict_begin()
+  choose_window(pipe, reads_batches(cbs, "predict"))
+
+  def on_result(b, ys):
+    outputs[b] = [y.numpy() for y in ys]
+    cbs.on_predict_batch_end(b, {"outputs": pipe.step.structured(outputs[b])})
+
+  iterator = iter(dataset)
+  try:
+    pipe.runtime.infer_epoch(iterator, num_batches, on_result, with_labels=False,
+                             before=cbs.on_predict_batch_begin)
+  finally:
+    iterator = iterators.release(iterator)
+  cbs.on_predict_end()
+  joined = [np.concatenate([outputs[b][i] for b in range(num_batches)], axis=0)
+            for i in range(len(outputs[0]))]
+  return pipe.step.structured(joined)   # as Keras's predict: an array, or a list or dict
+
+
+def fit_records(pipe, steps=None):
+  """Records of `pipe`'s last fit, with the fit's epoch index (from `initial_epoch`), within
+  `steps` (epoch * batches per epoch + batch) if given."""
+  if pipe.fit_epochs is None:
+    raise RuntimeError("no timeline yet: call `fit` first")
+  first, per_epoch, initial = pipe.fit_epochs
+  chosen = [r._replace(epoch=r.epoch - first + initial) for r in pipe.records if r.epoch >= first]
+  if steps is not None:
+    chosen = [r for r in chosen if steps[0] <= r.epoch * per_epoch + r.batch <= steps[1]]
+  return chosen
+
+
+def breakdown(pipe, steps=None):
+  """`Pipeline.breakdown`: per-stage shares of the last fit's training time, or its `steps`."""
+  if not pipe.record:
+    raise RuntimeError("the breakdown reads the recorded timeline: build the Pipeline with "
+                       "record=True")
+  records = fit_records(pipe)
+  if not records and pipe.executor == "compiled" and pipe.remote_stages():
+    raise ValueError(
+        "no recorded task: the compiled executor reads its timeline from this process's "
+        f"profiler, and stages on TF servers ({', '.join(pipe.remote_stages())}) run in other "
+        "processes. Use executor='threaded' for their timeline")
+  steps = trace.parse_steps(steps)
+  chosen = fit_records(pipe, steps)
+  if not chosen:
+    raise ValueError(f"no recorded task in steps {steps}")
+  return breakdown_lib.of_epochs(records, chosen, pipe.num_stages)

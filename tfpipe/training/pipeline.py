@@ -1,0 +1,462 @@
+"""Pipeline: train one Keras model split into stages over several devices, Keras-style.
+
+K: stages. `Pipeline(model, ...)` cuts the model, `compile` gives every stage
+its own optimizer (built from the user's config) on its device, and
+`fit`/`evaluate`/`predict` run the schedule of the chosen method. After
+`fit` the trained weights are in the user's model. This module is the face:
+the options live in `tfpipe.training.options`, `compile`'s work in `tfpipe.stage.assemble`,
+the data in `tfpipe.training.fit_data`, the epoch loop in `tfpipe.training.fit_loop`.
+"""
+
+import contextlib
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+import keras
+import tensorflow as tf
+
+from tfpipe import compat
+from tfpipe.cluster import servers as cluster
+from tfpipe.stage import assemble, keras_step as compile_utils
+from tfpipe.training import checkpoint as checkpoint_lib, data
+from tfpipe.rules import joint
+from tfpipe.stage import layer_profile
+from tfpipe.training import fit_data, fit_loop, learning_rate
+from tfpipe.stage import partition as partition_lib, placement, reduction
+from tfpipe.training import options as options_lib, summary as summary_lib
+from tfpipe.instruments import prediction_error as prediction_error_lib
+from tfpipe.plan import policies
+
+__all__ = ["Pipeline"]
+
+
+_UNSET = object()   # a `compile` argument left out
+
+
+class Pipeline:
+  """A Keras model trained with pipelined model parallelism.
+
+  AUTO_WINDOW: mini-batches per compiled window when `steps_per_execution` is
+  "auto" and nothing reads every batch; AUTO_REMOTE_WINDOW when a stage is on
+  a TF server, where each window call pays remote calls (measured, tiny
+  model on 2 servers: 1.52 ms per mini-batch with 16 per window, 1.26 with 64).
+
+  Args:
+    model: a built Sequential or functional Keras model.
+    devices: one device string per stage (local or remote); or None with
+      `num_stages` to take the first K local GPUs (else logical CPUs).
+    num_stages: K, when `devices` is None.
+    stage_replicas: {stage: R} (or ["0:2"]): hybrid parallelism. Stage k runs
+      data parallel on R devices (the next R of `devices`): each call splits
+      its batch over them, the weights are shared and the gradients summed,
+      as the SpecTrain paper does for VGG16's slow first stage. Works with
+      every method; the weight rule is unchanged.
+    cross_device_ops: how a replicated stage (data_parallel, stage_replicas)
+      sums its replicas' gradients: a tf.distribute.CrossDeviceOps, or one of
+      "reduce_to_one_device", "hierarchical_copy", "nccl"; None picks
+      MirroredStrategy's choice (NCCL on local GPUs, else a reduction to the
+      variables' device).
+    virtual_stages: V for "interleaved" (default 2; "zbv": 2 only): the
+      model is cut into V x K stages (interleaved: stage s on device s mod K,
+      micro_batches a multiple of K); `num_stages` and `devices` count devices.
+    data_parallel: R, replicas of the whole pipeline (data parallel x
+      pipeline, as Megatron and DeepSpeed run them) on R x K devices, given
+      replica by replica: each replica takes 1/R of every (micro-)batch, its
+      activations and gradients flow between its own stages, and each stage's
+      gradients are summed over its replicas by `cross_device_ops` before the
+      stage's one update (the variables live on replica 0's device, which
+      sends the weights to the others). Equals the method at the global
+      batch; not with stage_replicas, nor with "timeprest" and
+      "i_timeprest" (a step that joins several forwards).
+    method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
+      (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
+      kept at stage k), "interleaved" (interleaved 1F1B: `virtual_stages` V
+      model chunks per device, K x V stages, the bubble V times smaller),
+      "zbv" (zero-bubble ZB-V: two stages per device in a V, device d
+      holding stages d and 2K-1-d, backwards split as "zb"'s), "zb" (zero-bubble ZB-H1: backwards split into input
+      and weight halves, the weight halves filling the bubble), "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
+      "timeprest" (docs/methods.md), "pipemare" (vanilla's schedule, the
+      backward on weights corrected back to the forward's, PipeMare) or
+      "i_timeprest" (TiMePReSt's schedule, the backward on a blend of the
+      forward's and the current weights); see `tfpipe.rules.mitigations`.
+      "spectrain" predicts with the step of the optimizer it is compiled
+      with (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW).
+    partition: "uniform", "params", "profile", explicit cut positions
+      [0, ..., number of layers], or the names of the layers that start stages
+      1..K-1 (layers of a nested backbone count; see `tfpipe.stage.partition.partition`).
+      A nested functional model (a KerasHub task's backbone) is cut through; a
+      layer called on several stages (a tied embedding) trains as one weight on
+      the synchronous schedules and is refused on the asynchronous ones.
+    spectrain_backward: "reuse" (the backward reads the forward's predicted
+      weights, no recomputation) or "repredict" (a new prediction with the
+      backward's version difference; in TensorFlow this recomputes the
+      stage from its saved input: one extra forward per backward).
+    version_difference: "paper" (the SpecTrain paper's eq. 5-6) or "exact" (counted
+      from the schedule). None: "paper" ("exact" with micro-batches), except where
+      `tfpipe.rules.advice` advises otherwise. `spike_compensation`, `nesterov`,
+      `delay_compensation` and `version_difference` left None are set at `compile`,
+      with method "spectrain", to what `tfpipe.rules.advice` advises for the optimizer
+      (the SpecTrain variant that held best over `bench/staleness.py`'s tasks;
+      `summary()` names it); otherwise off ("paper"). A value passed is kept.
+    micro_batches: M, micro-batches per mini-batch: for "gpipe", "1f1b",
+      "zb" and "timeprest" (default 4), and for "vanilla", "pipedream" and
+      "spectrain" (default 1), whose stages then accumulate the M gradients
+      and update once per mini-batch (SpecTrain needs version_difference="exact").
+      "spectrain" left None with momentum SGD or Adam from
+      `tfpipe.rules.advice.MICRO_BATCHES`'s depth on (4 stages): M = K with Adam, 2K
+      with momentum SGD, at `compile` (a prediction then spans at most one
+      update, on fewer micro-batches the larger M is, and momentum SGD also takes
+      nesterov, as Adam does up to K=8, `advice.ONE_UPDATE`; not with
+      version_difference="paper", nor with BatchNormalization unless
+      batch_statistics="micro_batch");
+      `summary()` says so. At K=2 M=1 bounds a prediction to one update too,
+      and momentum SGD and Adam take nesterov there. version_difference="paper" keeps
+      the paper's rule.
+    recompute: keep only stage inputs and recompute the forward before the
+      backward (the synchronous methods); None takes the method's rule.
+    lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
+      on all stages, as the DDG paper runs them (same weights, other timing).
+    profile_batch_size: the batch size at which "profile" measures layers.
+    record: keep a `TaskRecord` of every task and transfer in `self.records`
+      (what `breakdown()` reads). The threaded executor times each task in
+      Python; the compiled one profiles each epoch with `tf.profiler` and
+      reads the tasks from its timeline (`tfpipe.runtime.timeline`: this
+      process's devices only; it slows the run while it profiles).
+    trace_dir: where `trace_steps` writes its traces.
+    trace_steps: (first, last) or "first,last": steps of each `fit` (counted
+      from 0 over its epochs) to trace into `trace_dir`: a TensorBoard profile
+      of the device ops (`tf.profiler`; with the compiled executor, of the
+      whole epochs holding those steps) and `tfpipe_trace.json`, the
+      runtime's tasks as Chrome trace events (Perfetto). Turns `record` on.
+    prediction_error: a `tfpipe.instruments.prediction_error.PredictionError` (or True
+      for one with s = 1, 2, 3) fed after every stage update: the RMSE of the
+      predicted and of the stale weights to the weights reached s updates
+      later (SpecTrain fig. 8), predicting along the optimizer's own step
+      (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW); costs a copy
+      of the stage's weights per update. Kept in `self.prediction_error`.
+    jit_compile: compile each stage task with XLA. One XLA call runs on one
+      thread (with 1 intra-op thread), so stages on logical CPU devices never
+      compete for the shared inter-op pool. None: on when every stage is on a
+      GPU (as Keras's `jit_compile="auto"`), off otherwise.
+    spike_compensation: Kosson et al.'s spike compensation: each stage's
+      update gives its delayed gradient the momentum it missed at once
+      (`tfpipe.rules.mitigations`; momentum SGD or SpecTrain).
+    delay_momentum: each stage runs with momentum max(0, gamma - D/(D+1)) for
+      its delay D (asynchrony acts as momentum, Mitliagkas et al. 2016).
+    lr_rescheduling: PipeMare's learning-rate rescheduling over this many
+      updates (the gradients of a stage with delay D start scaled by 1/D);
+      None: for "pipemare" 500 with an optimizer the rule is written for
+      (momentum SGD, SpecTrain) and off with any other (Adam, ...: PipeMare's
+      discrepancy correction still acts); else off (0). `summary()` says
+      which is in force.
+    nesterov: every stage's update looks ahead along its momentum (Nesterov's
+      step; with "pipedream", Ajanthan et al. 2025's method; momentum SGD,
+      SpecTrain, or Adam without amsgrad: NAdam's step).
+    delay_compensation: DC-ASGD's lambda (0: off): a gradient taken at the
+      forward's weights is moved to the current ones, g + lam*g*g*(W - W_read)
+      (methods whose backward reads the forward's weights).
+    batch_statistics: BatchNormalization with micro_batches > 1 normalises
+      each micro-batch by its own statistics (as GPipe does), where Keras
+      uses the mini-batch's: "warn" (default), "refuse", or "micro_batch"
+      (accept silently). With micro_batches=1 it is Keras's.
+    discrepancy_decay: "pipemare" only: the decay of the average weight
+      change its backward corrects with, in [0, 1).
+    executor: "compiled" (one `tf.function` per window of mini-batches runs
+      every stage: TensorFlow overlaps the stages; `tfpipe.runtime.compiled`)
+      or "threaded" (a Python thread per stage runs the schedule task by
+      task: the reference, for debugging). The weights are the same. None:
+      "compiled".
+  """
+
+  AUTO_WINDOW = 16
+  AUTO_REMOTE_WINDOW = 64
+
+  def __init__(
+      self, model: keras.Model, devices: Optional[Sequence[str]] = None,
+      num_stages: Optional[int] = None, method: str = "spectrain",
+      partition: Union[str, Sequence[int], Sequence[str]] = "uniform",
+      spectrain_backward: str = "reuse", version_difference: Optional[str] = None,
+      micro_batches: Optional[int] = None, recompute: Optional[bool] = None,
+      lockstep: bool = False, profile_batch_size: int = 32, record: bool = False,
+      trace_steps: Union[Tuple[int, int], str, None] = None, trace_dir: Optional[str] = None,
+      prediction_error: Union[prediction_error_lib.PredictionError, bool, None] = None,
+      stage_replicas: Union[Mapping[int, int], Sequence[str], None] = None,
+      jit_compile: Optional[bool] = None, executor: Optional[str] = None,
+      spike_compensation: Optional[bool] = None, delay_momentum: bool = False,
+      lr_rescheduling: Optional[int] = None, discrepancy_decay: Optional[float] = None,
+      batch_statistics: str = "warn", data_parallel: int = 1,
+      virtual_stages: Optional[int] = None, nesterov: Optional[bool] = None,
+      delay_compensation: Optional[float] = None,
+      cross_device_ops: Union[tf.distribute.CrossDeviceOps, str, None] = None):
+    if not isinstance(model, keras.Model):
+      raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
+    overrides = compat.trainer_overrides(model)
+    if overrides:
+      raise ValueError(
+          f"{type(model).__name__} overrides {', '.join(overrides)}: a pipeline runs Keras's "
+          "own train step split over its stages, so it cannot run yours. Put the custom "
+          "computation in a loss, a metric or a layer, or train with model.fit")
+    self.model = model
+    self.asked = options_lib.Asked(
+        method=method, spectrain_backward=spectrain_backward,
+        version_difference=version_difference, micro_batches=micro_batches, recompute=recompute,
+        lockstep=lockstep, record=record, trace_steps=trace_steps, trace_dir=trace_dir,
+        prediction_error=prediction_error, executor=executor,
+        spike_compensation=spike_compensation, delay_momentum=delay_momentum,
+        lr_rescheduling=lr_rescheduling, discrepancy_decay=discrepancy_decay,
+        batch_statistics=batch_statistics, virtual_stages=virtual_stages, nesterov=nesterov,
+        delay_compensation=delay_compensation)
+    policy = options_lib.policy_of(self.asked)
+    reduction.check(cross_device_ops)
+    self.cross_device_ops = cross_device_ops
+    where = placement.place(devices, num_stages, policy, stage_replicas, data_parallel)
+    self.stage_devices, self.stage_replicas, self.data_parallel = where
+    self.devices = [d[0] for d in self.stage_devices]   # where each stage's variables live
+    self.num_stages = len(self.devices)
+    self.options = options_lib.checked(self.asked, model, self.num_stages)
+    profiler = None
+    if partition == "profile":
+      profiler = layer_profile.Profiler(profile_batch_size, self.devices[0])
+    self.partition = partition_lib.partition(
+        model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
+    partition_lib.check_shared(model, self.partition, self.method, policies.SYNCHRONOUS_METHODS)
+    self.jit_compile = placement.default_jit_compile(where) if jit_compile is None else jit_compile
+    self.fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
+    self.runtime = None
+
+  policy = property(lambda self: self.options.policy, doc="The method's weight policy.")
+  method = property(lambda self: self.options.method, doc="The pipeline method.")
+  micro_batches = property(lambda self: self.options.micro_batches, doc="M.")
+  executor = property(lambda self: self.options.executor, doc='"compiled" or "threaded".')
+  record = property(lambda self: self.options.record, doc="Whether tasks are recorded.")
+  prediction_error = property(lambda self: self.options.prediction_error,
+                              doc="The `PredictionError` fed after updates, or None.")
+
+  def remote_stages(self):
+    """The devices of stages on TF servers (empty: every stage in this process)."""
+    return placement.remote(self.stage_devices)
+
+  @property
+  def stage_models(self):
+    return self.partition.stages
+
+  @property
+  def schedule_report(self):
+    """The verifier's report on the last schedule run (`tfpipe.plan.verify.Report`), or None."""
+    return self.runtime.report if self.runtime else None
+
+  @property
+  def loss_scale(self):
+    """The dynamic loss scale (float) where training scales the loss (a LossScaleOptimizer,
+    or a mixed_float16 model: `tfpipe.rules.joint`), else None."""
+    decision = self.programs[0].joint if getattr(self, "programs", None) else None
+    if decision is None or decision.scaling is None:
+      return None
+    return float(decision.scale.numpy())
+
+  @property
+  def records(self):
+    return self.runtime.records if self.runtime else []
+
+  def breakdown(self, steps=None):
+    """Per-stage shares of wall time training the last `fit`'s epochs (validation left out), or
+    its `steps` ("first,last"): compute, transfer, idle_transfer, idle_imbalance
+    (`tfpipe.instruments.breakdown`). Needs record=True."""
+    return fit_loop.breakdown(self, steps)
+
+  @property
+  def num_devices(self):
+    """The devices the stages' variables live on (fewer than the stages for "interleaved"
+    and "zbv", which place several stages on each device)."""
+    return len(set(self.devices))
+
+  def describe(self):
+    """The summary's first line: the method, stages, devices and options in force."""
+    return self.options.describe(self.num_stages, self.num_devices)
+
+  def summary(self, print_fn=None):
+    """Prints a table of the stages as `keras.Model.summary()` prints the layers: each
+    stage's devices, layers and parameters, then the model's totals. `print_fn`: called with
+    each line (default `print`)."""
+    for line in summary_lib.lines(self):
+      (print_fn or print)(line)
+
+  def compile(self, optimizer=_UNSET, loss=_UNSET, loss_weights=_UNSET, metrics=_UNSET,
+              weighted_metrics=_UNSET, run_eagerly=False, steps_per_execution="auto",
+              jit_compile="auto", auto_scale_loss=True, **model_arguments):
+    """`keras.Model.compile` for the pipeline: each stage gets its own copy of `optimizer`
+    (same config, and its `exclude_from_weight_decay`), the last stage Keras's own loss and
+    metric containers (`tfpipe.stage.keras_step.KerasStep`: `loss_weights`, `metrics` unweighted,
+    `weighted_metrics` weighted, names and "accuracy" as Keras resolves them).
+
+    `steps_per_execution` (the compiled executor): mini-batches per window, one
+    `tf.function` call each, as in Keras: batch hooks run after each window,
+    once per batch, and a stop takes effect at the window's end. "auto": one
+    when a callback besides the progress bar has batch hooks, or the
+    prediction error is recorded (hooks then see every batch as Keras's
+    default does), else `AUTO_WINDOW` (`AUTO_REMOTE_WINDOW` with stages on TF servers).
+    Training windows end on multiples of the window when a callback besides the progress
+    bar reads batch hooks; otherwise where the steady state allows, so an epoch's last
+    distinct window is the drain alone (fewer ops to trace; `plan.windows.drained_firsts`).
+    `run_eagerly=True` is refused (use `executor="threaded"` to step through tasks);
+    `jit_compile` belongs to the Pipeline (`Pipeline(jit_compile=...)`). Optimizer options
+    that decide over the whole model at once: `global_clipnorm` is decided once per
+    mini-batch over every stage's gradient on the synchronous schedules (`tfpipe.rules.joint`) and
+    refused by name on the asynchronous ones; so is loss scaling (`LossScaleOptimizer`, or a
+    mixed_float16 model with `auto_scale_loss`, which Keras wraps in one): one scale for the
+    whole pipeline, a step skipped on every stage when any stage's gradient is not finite
+    (`loss_scale` reads the scale).
+    The optimizer, loss and metrics left out are Keras's defaults ("rmsprop", none), or
+    where the model's class has a `compile` of its own (a KerasHub task) its defaults: the
+    model's own `compile` resolves the arguments, as `model.compile` would; arguments of its
+    own (a causal LM's `sampler`) go to it.
+    """
+    given = {name: value for name, value in (
+        ("optimizer", optimizer), ("loss", loss), ("loss_weights", loss_weights),
+        ("metrics", metrics), ("weighted_metrics", weighted_metrics)) if value is not _UNSET}
+    if compat.overrides_compile(self.model):   # a KerasHub task: its own defaults
+      resolved = compat.compile_arguments(self.model, dict(given, **model_arguments))
+    elif model_arguments:
+      raise TypeError(f"compile() got unexpected keyword arguments {sorted(model_arguments)} "
+                      f"({type(self.model).__name__} takes keras.Model.compile's)")
+    else:
+      resolved = dict({"optimizer": "rmsprop", "loss": None, "loss_weights": None,
+                       "metrics": None, "weighted_metrics": None}, **given)
+    optimizer, loss, loss_weights = (resolved[n] for n in ("optimizer", "loss", "loss_weights"))
+    metrics, weighted_metrics = resolved["metrics"], resolved["weighted_metrics"]
+    assemble.check_compile_arguments(self.model, loss_weights, run_eagerly, steps_per_execution,
+                                     jit_compile, auto_scale_loss)
+    self.steps_per_execution = steps_per_execution
+    optimizer = compile_utils.resolve_optimizer(optimizer)
+    scaling = joint.loss_scaling(self.model, optimizer, auto_scale_loss)
+    inner = scaling[0] if scaling else optimizer
+    joint.check(inner, scaling, self.method, policies.SYNCHRONOUS_METHODS)
+    if scaling and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+      optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    self.optimizer = optimizer   # `model.optimizer` during fit, as Keras's compile leaves it
+    self.step = compile_utils.KerasStep(self.model, loss, metrics, weighted_metrics, loss_weights,
+                                        self.devices[-1])
+    self.metrics = [self.step.metrics] if self.step.metrics is not None else []
+    self.options, _, rules = options_lib.resolved(self.options, self.asked, self.model, inner,
+                                                  self.num_stages)
+    self.programs = assemble.programs(self, self.options, rules, inner, self.step,
+                                      scaling and scaling[1:])
+    self.runtime = assemble.executor(self, self.programs, self.AUTO_WINDOW)
+
+  def _check_compiled(self):
+    if self.runtime is None:
+      raise RuntimeError("call `compile(optimizer, loss, metrics)` before fit/evaluate/predict")
+
+  def _load_weights(self):
+    """Takes the user model's current weights (it may have changed since the last call)."""
+    for p in self.programs:
+      p.load_from_model()
+
+  def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+          validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+          sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+          validation_batch_size=None, validation_freq=1, seed=None):
+    """Trains epochs `initial_epoch` .. `epochs`-1; returns a `keras.callbacks.History`.
+
+    Takes `keras.Model.fit`'s arguments with their meaning (plus `seed`, the
+    shuffle seed of array data). Each epoch runs the method's schedule over
+    its batches and drains at the end, so every batch's update lands in the
+    epoch that drew it. Callbacks see Keras's hooks in Keras's order, in the
+    caller's thread: `on_train_batch_begin(b)` when the caller starts waiting
+    for batch b (with K stages up to K batches are in flight, so b may
+    already be running), `on_train_batch_end(b, logs)` with the running loss
+    and metrics once b's update is done; validation and `evaluate` send the
+    `on_test_*` hooks. `model.optimizer` is the compiled optimizer, whose
+    learning rate drives every stage (`tfpipe.training.learning_rate`).
+    `model.stop_training = True` in a hook stops after that batch: exactly
+    the L-1 batches already due finish their updates (`schedules.lead`: none
+    for sequential and gpipe, K-1 for 1F1B and DDG; they count in the
+    epoch's metrics and get no batch hooks).
+    A `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the
+    pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
+    """
+    self._check_compiled()
+    fit_data.check_fit_arguments(self, epochs, initial_epoch, validation_freq, batch_size)
+    x, class_weight, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps_per_epoch,
+                                               shuffle, class_weight)
+    if validation_split and validation_data is None:
+      (x, y, sample_weight), validation_data = data.validation_split(
+          x, y, sample_weight, validation_split)
+    dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps_per_epoch, shuffle,
+                                            seed, sample_weight=sample_weight,
+                                            class_weight=class_weight,
+                                            micro_batches=self.micro_batches)
+    validation = None
+    if validation_data is not None:
+      validation, validation_hooks = fit_data.validation(
+          self, validation_data, batch_size, validation_batch_size, validation_steps)
+      data_hooks += validation_hooks
+    schedule = policies.build_schedule(self.policy, self.num_stages, num_batches,
+                                       self.micro_batches,
+                                       joint=self.programs[0].joint is not None)
+    diffs = policies.version_differences(self.policy, schedule, self.options.version_difference)
+    verbose = 1 if verbose == "auto" else verbose
+    callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)
+                 if isinstance(cb, keras.callbacks.BackupAndRestore) else cb
+                 for cb in callbacks or []]
+    callbacks = data_hooks + callbacks
+    with learning_rate.driving(self.model, self.optimizer, self.metrics):
+      cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+                                         model=self.model, verbose=verbose, epochs=epochs,
+                                         steps=num_batches)
+      self._load_weights()
+      initial_epoch = max(initial_epoch, fit_loop.restore(self, callbacks))
+      link = learning_rate.LearningRateLink(self.optimizer, [p.optimizer for p in self.programs],
+                                            lambda: self.runtime.updates[-1])
+      with link, self._watched():
+        return fit_loop.train(self, dataset, num_batches, schedule, diffs, cbs, link, epochs,
+                              initial_epoch, steps_per_epoch, validation, validation_freq)
+
+  @contextlib.contextmanager
+  def _watched(self):
+    """The body's remote calls: a hung server is named within seconds (`cluster.guard`), a
+    task that died raises `cluster.WorkerLost` naming it."""
+    try:
+      with cluster.guard(self.remote_stages()):
+        yield
+    except tf.errors.OpError as e:
+      lost = cluster.describe_lost(e, self.remote_stages()) if self.remote_stages() else None
+      if lost is None:
+        raise
+      raise lost from e
+
+  def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+               steps=None, callbacks=None, return_dict=False):
+    """Loss and metrics over the data with the current weights, pipelined forward only
+    (`keras.Model.evaluate`'s arguments and return value)."""
+    self._check_compiled()
+    x, _, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps, use="test")
+    dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
+                                            sample_weight=sample_weight)
+    logs = self._forward_only(fit_loop.evaluate, dataset, num_batches,
+                              data_hooks + list(callbacks or []), verbose, test_hooks=True)
+    return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
+
+  def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array, with the
+    `on_predict_*` hooks (`keras.Model.predict`'s arguments)."""
+    self._check_compiled()
+    x, _, data_hooks = data.adapted(x, batch_size=batch_size, steps=steps, use="predict")
+    if isinstance(x, tf.data.Dataset) and isinstance(x.element_spec, tuple):
+      x = x.map(lambda *element: element[0])   # Keras: a tuple element is (x, y, sample_weight)
+    dataset, num_batches = fit_data.dataset(self, x, None, batch_size, steps, labels=False)
+    return self._forward_only(fit_loop.predict, dataset, num_batches,
+                              data_hooks + list(callbacks or []), verbose)
+
+  def _forward_only(self, run, dataset, num_batches, callbacks, verbose, test_hooks=False):
+    """`run` (`fit_loop.evaluate` or `fit_loop.predict`) over `dataset` with the user model's
+    weights, Keras's progress bar and `callbacks`; `test_hooks`: the window follows whether
+    a callback reads every test batch."""
+    self._load_weights()
+    verbose = 1 if verbose == "auto" else verbose
+    with learning_rate.driving(self.model, self.optimizer, self.metrics):
+      cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
+                                         verbose=verbose, epochs=1, steps=num_batches)
+      if test_hooks:
+        fit_loop.choose_window(self, fit_loop.reads_batches(cbs, "test"))
+      with self._watched():
+        return run(self, dataset, num_batches, cbs)

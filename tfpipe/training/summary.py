@@ -1,0 +1,40 @@
+"""`Pipeline.summary()`: a table as `keras.Model.summary()` prints one, a row per stage."""
+
+import textwrap
+
+__all__ = ["lines"]
+
+_WIDTHS = (6, 44, 38, 11)   # stage, devices, layers, parameters
+_HEADER = ("Stage", "Device", "Layers", "Param #")
+
+
+def lines(pipe):
+  """The summary's lines: the method line, a row per stage (its devices, layers and
+  parameters), then the model's totals (a weight several stages hold counted once)."""
+  width = sum(_WIDTHS) + len(_WIDTHS) - 1
+  out = [f'Pipeline "{pipe.model.name}": ' + pipe.options.describe(pipe.num_stages,
+                                                                    pipe.num_devices),
+         "_" * width, _row(_HEADER), "=" * width]
+  for k, (devices, layers) in enumerate(zip(pipe.stage_devices, pipe.partition.layer_names)):
+    where = (devices[0] if len(devices) == 1
+             else f"{len(devices)} replicas on {', '.join(devices)}")
+    params = pipe.partition.stages[k].count_params()
+    out += _rows((str(k), where, ", ".join(layers), f"{params:,}"))
+    out.append(("_" if k < pipe.num_stages - 1 else "=") * width)
+  trainable = sum(int(w.numpy().size) for w in pipe.model.trainable_weights)
+  total = sum(int(w.numpy().size) for w in pipe.model.weights)
+  out += [f" Total params: {total:,}", f" Trainable params: {trainable:,}",
+          f" Non-trainable params: {total - trainable:,}"]
+  return out
+
+
+def _row(cells):
+  return " ".join(cell.ljust(w) for cell, w in zip(cells, _WIDTHS)).rstrip()
+
+
+def _rows(cells):
+  """A stage's row, its devices and layers wrapped within their columns."""
+  wrapped = [textwrap.wrap(cell, w - 1, break_on_hyphens=False) or [""]
+             for cell, w in zip(cells, _WIDTHS)]
+  depth = max(len(w) for w in wrapped)
+  return [_row([w[i] if i < len(w) else "" for w in wrapped]) for i in range(depth)]
