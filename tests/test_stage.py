@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe.stage import program as stage
+from tfpipe.stage import program as stage, tracing
 from tfpipe.plan import policies
 
 
@@ -24,7 +24,7 @@ def test_recomputed_activations_equal_the_forward_bit_for_bit():
   second, _ = program.forward(x, 0)   # the seed state has moved on: other masks
   assert not np.array_equal(first[0].numpy(), second[0].numpy())
   # Compiled as the forward is (eager ops round differently from the fused graph).
-  replay = tf.function(lambda xs, st: program._call(program.weights(0, False), xs, training=True,
+  replay = tf.function(lambda xs, st: program._call(program.sources.read(0, "current"), xs, training=True,
                                                     update_state=False, state=st)[0])
   replayed = replay(x, kept.state)
   np.testing.assert_array_equal(replayed[0].numpy(), first[0].numpy())
@@ -89,7 +89,7 @@ def test_a_backward_updates_only_after_its_input_gradients(method):
   args = ([] if kept.weights is None else kept.weights, [(kept.xs, kept.state)],
           [tf.ones((6, 3))], tf.constant(1.0, tf.float64), tf.constant(1.0, tf.float64),
           False, "both")
-  graph = program._functions["backward_on"].get_concrete_function(*args).graph
+  graph = program.functions.functions["backward_on"].get_concrete_function(*args).graph
   outputs = [t.op.inputs[0].op.name if t.op.type == "Identity" else t.op.name
              for t in graph.outputs if t.dtype == tf.float32]   # the input gradients
   # The variable writes: assignments, and the calls of the optimizer step (`_apply_step`).
@@ -108,7 +108,7 @@ def test_a_kept_forwards_input_gradients_have_the_inputs_static_shape():
   (whose backward takes them) traces once for them and for a recompute's alike."""
   program = stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
                                keras.optimizers.SGD(0.1), policies.policy_for("pipedream"))
-  program.check_kept_tapes()   # traces the forward for any batch size, as compile does
+  tracing.check_kept_tapes(program)   # traces the forward for any batch size, as compile does
 
   @tf.function(autograph=False)
   def window(x, dy):
@@ -146,7 +146,7 @@ def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_
   scale = tf.constant(0.5, tf.float64)
   summed = tf.function(lambda: program._summed_grads(weights, parts, dys, scale, wrt, inline))()
   joined = tf.function(lambda: program._joined_grads(weights, parts, dys, scale, wrt))()
-  traced = program._inlinable["part_grads"] if inline else program._traced["part_grads"]
+  traced = program.functions.inlinable["part_grads"] if inline else program.functions.traced["part_grads"]
   assert traced.experimental_get_tracing_count() == 1
   counts = [0 if wrt == "inputs" else len(weights), 0 if wrt == "weights" else 1]
   assert [len(g) for g in summed] == [len(g) for g in joined] == counts

@@ -77,7 +77,7 @@ def stage_memory(pipeline, batch_size):
         "versions": max(0, pipeline.runtime.peak_versions[k] - extra_current) * trainable,
         "activations": pipeline.runtime.peak_saved[k] * state * unit,
         "optimizer": _bytes(program.optimizer.variables),
-        "accumulators": _bytes(program.accumulators or []),
+        "accumulators": _bytes(program.updates.accumulators or []),
     }
     row["total"] = sum(row.values())
     result.append(row)

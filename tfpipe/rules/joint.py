@@ -102,8 +102,9 @@ class JointDecision:
                                       name="loss_scale_step_counter")
 
   def set_programs(self, programs):
-    """The stage programs deciding together; for each shared weight, a variable on its first
-    stage's device that holds the sum of its copies' gradients once decided."""
+    """The stages deciding together (their `tfpipe.stage.updates.Updates`); for each shared
+    weight, a variable on its first stage's device that holds the sum of its copies'
+    gradients once decided."""
     self.programs = list(programs)
     self.sums = []
     for g, group in enumerate(self.shared):

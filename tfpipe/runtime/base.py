@@ -37,7 +37,7 @@ class Executor:
     self.epoch += 1
     if any(t.kind == "U" for tasks in schedule for t in tasks):
       for program in self.programs:
-        program.build_accumulators()
+        program.updates.build_accumulators()
     return self.report
 
   def count_updates(self, k, count=1):

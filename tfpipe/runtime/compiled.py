@@ -269,7 +269,7 @@ class CompiledRuntime(Executor):
     """The loop of `_train_loops`: one iteration for each of the first `n` mini-batches, each
     the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
     key, inline = next(key for key, i in self._keys.items() if i == number)
-    names = list(self.programs[-1].logs())
+    names = list(self.programs[-1].reports.results())
     empty = {"x": {}, "saved": {}, "g": {}}
 
     def body(i, losses, logs):

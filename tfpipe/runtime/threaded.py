@@ -187,7 +187,7 @@ class _LinkMoves(interpreter.Moves):
       program.apply_accumulated()
       return
     self.countdown.wait(b, self.links.cancel(b))
-    with program.joint.lock:   # the first update of b decides for every stage
+    with program.updates.joint.lock:   # the first update of b decides for every stage
       program.apply_accumulated()
 
   def send_output(self, k, b, micro, ys, share):
@@ -209,7 +209,7 @@ class _LinkMoves(interpreter.Moves):
     self.links.results.put((b, loss, logs))
 
   def version(self, k, s):
-    return self.runtime.programs[k].read_version(self.runtime.updates[k], s)
+    return self.runtime.programs[k].sources.version(self.runtime.updates[k], s)
 
   def current(self, k):
     return self.runtime.updates[k]

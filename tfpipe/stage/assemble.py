@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from tfpipe import runtime
 from tfpipe.rules import joint, mitigations
-from tfpipe.stage import keras_step as compile_utils, program as stage
+from tfpipe.stage import keras_step as compile_utils, program as stage, tracing
 from tfpipe.instruments import prediction_error as prediction_error_lib
 
 __all__ = ["check_compile_arguments", "programs", "executor"]
@@ -70,10 +70,10 @@ def programs(pipe, options, rules, optimizer, step, scaling=None):
         cross_device_ops=pipe.cross_device_ops,
         output_structure=pipe.model.output if last and len(pipe.model.outputs) > 1 else None))
   for p in result:
-    p.check_kept_tapes()
-    p.joint = decision
+    tracing.check_kept_tapes(p)
+    p.updates.joint = decision
   if decision is not None:
-    decision.set_programs(result)
+    decision.set_programs([p.updates for p in result])
   return result
 
 

@@ -13,7 +13,8 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.rules import mitigations, prediction
-from tfpipe.stage import keras_step as compile_utils, reduction
+from tfpipe.stage import keras_step as compile_utils, reduction, updates as updates_lib
+from tfpipe.stage import logs as logs_lib, tracing, weights as weights_lib
 from tfpipe.plan import tasks
 
 __all__ = ["StageProgram", "Kept"]
@@ -113,12 +114,8 @@ class StageProgram:
     if jit_compile and len(self.replica_devices) > 1:
       raise ValueError("jit_compile=True compiles a stage for one device; a replicated stage "
                        f"(stage {index} on {self.replica_devices}) runs on several")
-    self.policy, self.optimizer, self.loss, self.metrics = policy, optimizer, loss, list(metrics)
+    self.policy, self.optimizer, self.loss = policy, optimizer, loss
     self.ops = tasks.ops(policy, last=index == num_stages - 1)   # kind -> what the stage runs
-    self.loss_tracker = loss_tracker
-    # The model's outputs (the last stage's, in this order) as Keras's loss and metrics take
-    # them: one tensor, or a list or dict of several (their labels arrive as a tuple).
-    self._output_structure = output_structure
     self.is_first, self.is_last = index == 0, index == num_stages - 1
     if policy.predicts:
       prediction.check(optimizer)
@@ -126,12 +123,15 @@ class StageProgram:
     if self.is_last and loss is None:
       raise ValueError("the last stage needs a loss")
     R = len(self.replica_devices)
-    self._groups_in = R if grouped and not self.is_first else 1   # input lists, one per replica
-    self._groups_out = R if grouped and not self.is_last else 1
-    self.grouped_in, self.grouped_out = self._groups_in > 1, self._groups_out > 1
-    self._float_in = [_is_float(t) for t in model.inputs] * self._groups_in
-    self._float_out = [_is_float(t) for t in model.outputs] * self._groups_out
-    self.reg_trackers = list(reg_trackers or [])
+    self.groups_in = R if grouped and not self.is_first else 1   # input lists, one per replica
+    self.groups_out = R if grouped and not self.is_last else 1
+    self.grouped_in, self.grouped_out = self.groups_in > 1, self.groups_out > 1
+    self._float_in = [_is_float(t) for t in model.inputs] * self.groups_in
+    self._float_out = [_is_float(t) for t in model.outputs] * self.groups_out
+    # The model's outputs (the last stage's, in this order) as Keras's loss and metrics take
+    # them: one tensor, or a list or dict of several (their labels arrive as a tuple).
+    self.reports = logs_lib.Logs(loss, metrics, loss_tracker, reg_trackers, output_structure,
+                                 bool(jit_compile))
     with tf.device(device):
       self.trainable = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_{v.name}")
                         for v in model.trainable_variables]
@@ -148,33 +148,11 @@ class StageProgram:
       optimizer.build(self.trainable)
       self.reg_tracker = (keras.metrics.Mean(name=f"s{index}_reg")
                           if not self.is_last and self._has_losses() else None)
-      self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
-                      for j, v in enumerate(self.trainable)]
-                     if self.ops["B"].reads == "corrected" else [])
-      # PipeDream-2BW's second buffer: the weights before the latest update ("delayed").
-      self.previous = ([tf.Variable(v, trainable=False, name=f"s{index}_previous{j}")
-                        for j, v in enumerate(self.trainable)] if policy.keeps_previous else [])
-    self._sources = [v.value for v in self.trainable]
-    self.accumulators = None
-    self.joint = None   # a `tfpipe.rules.joint.JointDecision` the updates share (global_clipnorm)
+      self.sources = weights_lib.WeightSources(index, self.trainable, optimizer, policy,
+                                               self.ops)
+    self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources)
     self.jit_compile = jit_compile
-    self._functions, self._traced = {}, {}
-    # The optimizer step, traced once per signature wherever an update is traced. Not marked
-    # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
-    # holds one call op per update rather than a Python trace of the optimizer each time
-    # (measured, 8 x Dense(32), K=4, 8 mini-batches: first epoch 5.1 s, then 3.5 s).
-    self._apply_step = tf.function(self._step, reduce_retracing=True, autograph=False)
-    # Tasks no tape reads through that inlined windows call as such functions too (`task`):
-    # a recomputing backward's parts (measured, timeprest, 8 x Dense(32), K=4, 64 mini-batches:
-    # first epoch 23.5 s traced per part, 18 s so).
-    self._inlinable = {"part_grads": tf.function(self._part_grads, reduce_retracing=True,
-                                                 autograph=False)}
-    for name, body in self._bodies().items():
-      # Traced once per signature, called (not inlined) from the window graph.
-      traced = self._traced[name] = tf.function(
-          body, reduce_retracing=True, jit_compile=jit_compile,
-          autograph=False, experimental_attributes=compat.NOT_INLINED)
-      self._functions[name] = self._placed(traced) if jit_compile else traced
+    self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile)
 
   def _has_losses(self):
     """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
@@ -185,108 +163,23 @@ class StageProgram:
         training=True, return_losses=True)
     return bool(losses)
 
-  def _with_reg_logs(self, out):
-    """`out` (a task's logs, or a tuple ending with them) with the other stages'
-    regularisation added to the loss outside an XLA task (XLA reads no variable of another
-    device); as it is otherwise (the task added it)."""
-    if not (self.jit_compile and self.reg_trackers):
-      return out
-    logs = out if isinstance(out, dict) else out[-1]
-    logs = dict(logs, loss=self._with_reg(logs["loss"]))
-    return logs if isinstance(out, dict) else tuple(out[:-1]) + (logs,)
-
-  def _with_reg(self, loss):
-    for tracker in self.reg_trackers:
-      loss = loss + tf.cast(tracker.result(), loss.dtype)
-    return loss
-
   def task(self, name, inline=False):
-    """Task function `name` for a larger graph (the compiled executor): the traced function,
-    which stays one call there; with `inline`, its Python body, traced into the caller (each
-    op named in the caller's scopes: what the profiled timeline reads), or for the tasks of
-    `_inlinable` a traced function TensorFlow inlines when the graph runs (traced once, not
-    per call); with XLA always the compiled function (one XLA call per task)."""
-    if not inline or self.jit_compile:
-      return self._functions[name]
-    return self._inlinable.get(name) or self._bodies()[name]
+    """Task function `name` (`tfpipe.stage.tracing.TaskFunctions.get`)."""
+    return self.functions.get(name, inline)
+
+  def forward_ops(self):
+    """Ops in one traced forward of the stage (`tfpipe.stage.tracing.forward_ops`)."""
+    return tracing.forward_ops(self)
 
   def _bodies(self):
     """The tasks' Python bodies by name: what `task` traces or inlines."""
     return {"read_weights": self._read_weights, "forward": self._forward,
             "forward_on": self._forward_on, "backward_on": self._backward_on,
-            "part_grads": self._part_grads, "update": self._update,
-            "apply_accumulated": self._apply_accumulated, "last_step": self._last_step,
+            "part_grads": self._part_grads, "update": self.updates.update,
+            "apply_accumulated": self.updates.apply_accumulated, "last_step": self._last_step,
             "step_on": self._step_on, "infer": self._infer, "evaluate_last": self._evaluate_last}
 
-  def _placed(self, fn):
-    """Calls `fn` from within the stage's device scope (XLA places a call by its call site).
-
-    Only for XLA: without it, the ops inside already carry the stage's device, and a
-    call-site scope made TensorFlow run the stages' calls one at a time (measured).
-    """
-    def call(*args):
-      with tf.device(self.device):
-        return fn(*args)
-    return call
-
-  def check_kept_tapes(self):
-    """Refuses a stage whose forward runs a `tf.py_function` when forward tapes are kept.
-
-    TensorFlow keeps one tape per py_function op for its gradient, so two
-    forwards in flight (each kept until its backward) overwrite each other's
-    and the backward fails. Tracing the forward here (the trace the run then
-    calls, for any batch size) finds such ops before any work.
-    """
-    if self.ops["F"].keeps != "tape":
-      return   # recomputed forwards, or the last stage's fused step: no tape outlives a task
-    graph = self._forward_trace().graph.as_graph_def()
-    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
-    # EagerPyFunc: tf.py_function, whose gradient reads that cache (tf.numpy_function's PyFunc
-    # has no gradient, so nothing to break).
-    found = [n.name for n in nodes if n.op == "EagerPyFunc"]
-    if found:
-      scope = found[0].split("/")[0]   # the layer's name scope (Keras may add a suffix)
-      names = [l.name for l in self.model.layers if scope.startswith(l.name)]
-      layer = max(names, key=len) if names else scope
-      raise ValueError(
-          f"stage {self.index} runs a tf.py_function (in {layer!r}), and method "
-          f"{self.policy.method!r} keeps each forward's tape until its backward: TensorFlow's "
-          "py_function gradient keeps one tape per op, so two forwards in flight break it. "
-          "Use a method that recomputes (vanilla, feature_replay, timeprest, spectrain with "
-          "spectrain_backward='repredict', or recompute=True for sequential and gpipe), or "
-          "write the layer with TensorFlow ops")
-
-  def _forward_trace(self):
-    """The forward's trace that the executors then call (a batch of any size is a subtype)."""
-    weights = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
-    inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype)
-              for t in self.model.inputs] * self._groups_in
-    return self._traced["forward_on"].get_concrete_function(weights, inputs)
-
-  def forward_ops(self):
-    """Ops in one traced forward of the stage (what an inlined task copies into a window)."""
-    return len(self._forward_trace().graph.get_operations())
-
   # Weights and the stage call.
-
-  def weights(self, s, source):
-    """The weights a task reads: "current"; "predicted" `s` updates ahead (the optimizer's
-    own step, `tfpipe.rules.prediction`); "corrected" back by `s` updates of the average weight
-    change (PipeMare); "delayed" one update old (2BW: the weights before the latest update
-    when s = 0, else the current ones). Any other source (the forward's own, a blend) reads
-    "current" here.
-
-    `s` is a Python number, so each value traces once and s = 0 costs nothing; for
-    "corrected" it may be a scalar tensor (one trace for every s: `_backward`).
-    """
-    if source == "predicted" and s:
-      return prediction.predict_all(self.optimizer, self.trainable, s)
-    if source == "corrected" and not (isinstance(s, (int, float)) and not s):
-      return [tf.convert_to_tensor(v) - tf.cast(s, d.dtype) * d
-              for v, d in zip(self.trainable, self.deltas)]
-    if source == "delayed" and not s:   # mini-batch b after b updates: W^(b-1), the 2nd buffer
-      return [tf.convert_to_tensor(p) for p in self.previous]
-    return [tf.convert_to_tensor(v) for v in self.trainable]
 
   def _call(self, weights, xs, training, update_state=True, state=None):
     """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
@@ -301,7 +194,9 @@ class StageProgram:
     moved = self._model_split() != self._split   # a layer's `trainable` changed since compile
     call_weights, call_state = self._as_model_split(weights, state) if moved else (weights, state)
     if len(self.replica_devices) > 1:
-      ys, new_state, losses = self._replicated_call(call_weights, call_state, xs, training)
+      ys, new_state, losses = reduction.replicated_call(
+          self.model, call_weights, call_state, xs, training, self.replica_devices,
+          self.cross_device_ops, self.groups_in, self.groups_out)
     else:
       inputs = xs[0] if len(xs) == 1 else list(xs)
       ys, new_state, losses = self.model.stateless_call(
@@ -317,16 +212,10 @@ class StageProgram:
               for l in losses]
     reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
     if losses and update_state and self.reg_tracker is not None:
-      size = len(xs) // self._groups_in   # the samples of every replica's inputs
+      size = len(xs) // self.groups_in   # the samples of every replica's inputs
       self.reg_tracker.update_state(
           reg, sample_weight=tf.add_n([tf.shape(x)[0] for x in xs[::size]]))
     return ys, reg, state
-
-  def read_version(self, updates, s):
-    """The update count of the weights a forward (the last stage: its step) reads, `updates`
-    applied so far and `s` its version difference: one less from 2BW's second buffer."""
-    reads = self.ops["F"].reads or self.ops["B"].reads
-    return updates - (reads == "delayed" and not s and updates > 0)
 
   def _model_split(self):
     """Which of this stage's variables Keras now lists as trainable (ids, in its order)."""
@@ -347,36 +236,6 @@ class StageProgram:
     sources = [src for src, _ in self._pairs[len(self.trainable):]]
     return [values.get(id(src), old) for src, old in zip(sources, state)]
 
-  def _replicated_call(self, weights, state, xs, training):
-    """The stage on each replica's share of the batch (the first n % R get one more), or on
-    each replica's own inputs (`grouped`)."""
-    R = len(self.replica_devices)
-    if self._groups_in > 1:
-      size = len(xs) // R
-      replica_inputs = [list(xs[r * size:(r + 1) * size]) for r in range(R)]
-    else:
-      n = tf.shape(xs[0])[0]
-      sizes = tf.stack([n // R + tf.cast(i < n % R, n.dtype) for i in range(R)])
-      parts = [tf.split(x, sizes, num=R) for x in xs]
-      replica_inputs = [[p[r] for p in parts] for r in range(R)]
-    outputs, states, first_losses = [], [], None
-    copies = reduction.replicate(weights, self.replica_devices, self.cross_device_ops)
-    for r, device in enumerate(self.replica_devices):
-      with tf.device(device):
-        inputs = replica_inputs[r]
-        ys, new_state, losses = self.model.stateless_call(
-            copies[r], state, inputs[0] if len(inputs) == 1 else inputs, training=training,
-            return_losses=True)
-      outputs.append(tf.nest.flatten(ys))
-      states.append(new_state)
-      first_losses = losses if first_losses is None else first_losses
-    with tf.device(self.device):
-      ys = ([y for out in outputs for y in out] if self._groups_out > 1 else
-            [tf.concat(list(pieces), 0) for pieces in zip(*outputs)])
-      new_state = [tf.add_n(list(values)) / R if values[0].dtype.is_floating else values[0]
-                   for values in zip(*states)]
-    return ys, new_state, first_losses
-
   def _float_inputs(self, xs):
     return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
 
@@ -396,61 +255,24 @@ class StageProgram:
             [dy for _, dy in pairs] + [self._loss_scaled(tf.ones_like(reg)
                                                          * tf.cast(scale, reg.dtype))])
 
-  def build_accumulators(self):
-    """Creates the gradient accumulators (once) for schedules with micro-batch backwards."""
-    if self.accumulators is None:
-      with tf.device(self.device):
-        self.accumulators = [tf.Variable(tf.zeros_like(v), trainable=False,
-                                         name=f"s{self.index}_accumulator{j}")
-                             for j, v in enumerate(self._sources)]
-        # DC-ASGD with micro-batches: the sum and count of the weights their gradients read.
-        self.read_sums = ([tf.Variable(tf.zeros_like(v), trainable=False,
-                                       name=f"s{self.index}_read_sum{j}")
-                           for j, v in enumerate(self._sources)]
-                          if self.rule.delay_compensation else [])
-        self.reads = tf.Variable(0.0, trainable=False, name=f"s{self.index}_reads")
-        self.slice_squares = [tf.Variable(0.0, trainable=False, name=f"s{self.index}_slices{j}")
-                              for j in range(len(self._sources))]
-        self.sliced = set()   # the variables whose gradients came as IndexedSlices
-        self.joint_updates = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                         name=f"s{self.index}_joint_updates")
-
   # Task functions (traced once per signature; `task` gives them to the executors).
 
   def _read_weights(self, s):
     """The forward's weights as tensors of their own: what a kept forward or a blend reads
     (the last stage: its step's)."""
     with tf.device(self.device):
-      return [tf.identity(w) for w in self.weights(s, self.ops["F"].reads or
-                                                   self.ops["B"].reads)]
+      return [tf.identity(w) for w in self.sources.forward(s)]
 
   def _forward(self, xs, s):
     """The training forward on the weights it reads: (outputs, regularisation, the
     non-trainable state read: kept for a recompute)."""
     with tf.device(self.device):
-      return self._call(self.weights(s, self.ops["F"].reads), xs, training=True)
+      return self._call(self.sources.read(s, self.ops["F"].reads), xs, training=True)
 
   def _forward_on(self, weights, xs):
     """The training forward on `weights` (tensors): (outputs, regularisation, state read)."""
     with tf.device(self.device):
       return self._call(weights, xs, training=True)
-
-  def _backward_read(self, kept_weights, s):
-    """The weights a recomputing backward reads (`tasks.StageOp.reads`): the forward's
-    `kept_weights`, their blend with the current ones (`s`: the updates since the forward),
-    or the policy's source `s` updates ahead ("predicted") or back ("corrected")."""
-    reads = self.ops["B"].reads
-    if reads == "kept":
-      return list(kept_weights)
-    if reads == "blend":
-      if isinstance(s, (int, float)):
-        sigma = mitigations.blend_factor(s)
-        return [w if not s else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
-                for w, v in zip(kept_weights, self.trainable)]
-      sigma = tf.exp(-tf.cast(s, tf.float64))   # mitigations.blend_factor, as a tensor
-      return [tf.cast(sigma, w.dtype) * w + tf.cast(1.0 - sigma, w.dtype) * tf.convert_to_tensor(v)
-              for w, v in zip(kept_weights, self.trainable)]
-    return self.weights(s, reads)
 
   def _backward_on(self, kept_weights, parts, dys, s, scale, accumulate, wrt, inline=False):
     """Recomputes the forwards of `parts` [(inputs, state read)] on the backward's weights
@@ -464,16 +286,16 @@ class StageProgram:
     stage for all the parts, not one per part.
     """
     with tf.device(self.device):
-      weights = self._backward_read(kept_weights, s)
+      weights = self.sources.backward(kept_weights, s)
       if len(parts) > 1 and not (self.grouped_in or self.grouped_out):
         weight_grads, input_grads = self._summed_grads(weights, parts, dys, scale, wrt, inline)
       else:
         weight_grads, input_grads = self._joined_grads(weights, parts, dys, scale, wrt)
       if wrt == "weights":
-        self._update(weight_grads, accumulate, self._read(weights))
+        self.updates.update(weight_grads, accumulate, self.updates.read(weights))
         return []
       if wrt == "both":
-        self._update_after(input_grads, weight_grads, accumulate, weights)
+        self.updates.update_after(input_grads, weight_grads, accumulate, weights)
       return self._input_grads(input_grads)
 
   def _joined_grads(self, weights, parts, dys, scale, wrt):
@@ -520,124 +342,16 @@ class StageProgram:
     with tf.device(self.device):
       return self._joined_grads(weights, [(xs, state)], dys, reg_scale, wrt)
 
-  def _update_after(self, outputs, grads, accumulate, read=None):
-    """The update with `grads`, run only once a task's `outputs` (its input gradients) are
-    computed. Without the order TensorFlow may run the update first and the input gradients
-    then read the updated weights (measured: 1 whole backward in 12 gave other input
-    gradients than its two halves)."""
-    with tf.control_dependencies([g for g in outputs if g is not None]):
-      self._update([tf.identity(g) for g in grads], accumulate, self._read(read))
-
-  def _read(self, weights):
-    """The weights a gradient was taken at, where the update needs them (DC-ASGD), else None."""
-    return list(weights) if self.rule.delay_compensation and weights is not None else None
-
-  def _update(self, grads, accumulate, read=None):
-    """One update with `grads` taken at the weights `read` (DC-ASGD moves them to the
-    current ones), or their addition to the accumulators (with `read`, to the mean of the
-    reads: the accumulated gradient is compensated from there at the update)."""
-    with tf.device(self.device):
-      if accumulate:
-        for a, g in zip(self.accumulators, grads):
-          a.assign_add(tf.cast(g, a.dtype))
-        if self.joint is not None:
-          self._add_slice_squares(grads)
-        if read is not None:
-          for r, w in zip(self.read_sums, read):
-            r.assign_add(w)
-          self.reads.assign_add(1.0)
-      else:
-        self._apply_step(list(grads), read)
-
-  def _apply_joint(self, grads):
-    """The update of a whole-model decision (`tfpipe.rules.joint`): the accumulated gradients times
-    the mini-batch's factor (unscaled, clipped), or no step where a gradient was not finite;
-    the accumulators cleared either way."""
-    factor, finite = self.joint.decide(self.joint_updates)
-    with tf.control_dependencies([factor, finite]):
-      self.joint_updates.assign_add(1)
-      # A weight other stages hold too steps with the sum of every copy's gradient.
-      shared = [self.joint.shared_gradient(self.index, j) for j in range(len(grads))]
-      grads = [g if s is None else s for g, s in zip(grads, shared)]
-    grads = [g * tf.cast(factor, g.dtype) for g in grads]
-    if self.joint.scaling is None:
-      self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
-    else:
-      def step():
-        self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
-        return tf.constant(True)
-      tf.cond(finite, step, lambda: tf.constant(False))
-    for a in self.accumulators:
-      a.assign(tf.zeros_like(a))
-    for j in self.sliced:
-      self.slice_squares[j].assign(0.0)
-
-  def _add_slice_squares(self, grads):
-    """For the global norm (`tfpipe.rules.joint`): the squares of an embedding's gradient rows as
-    Keras sums them, each row of its IndexedSlices apart (a token seen twice counts twice;
-    the dense sum of those rows, which the accumulator holds, would count it once, squared)."""
-    for j, g in enumerate(grads):
-      if isinstance(g, tf.IndexedSlices):
-        self.sliced.add(j)
-        self.slice_squares[j].assign_add(tf.reduce_sum(tf.square(tf.cast(g.values, tf.float32))))
-
-  def squared_norms(self, scale):
-    """The squares of this stage's accumulated gradient divided by `scale` (the loss scale) as
-    Keras's `global_clipnorm` counts them: a dense gradient's sum of squares, an
-    IndexedSlices gradient's per row."""
-    return [self.slice_squares[j] / (scale * scale) if j in self.sliced
-            else tf.reduce_sum(tf.square(tf.cast(a, tf.float32) / scale))
-            for j, a in enumerate(self.accumulators)]
-
-  def _step(self, grads, read):
-    """The optimizer's step (with the stage's rule) on gradients taken at `read` (`_update`)."""
-    self._keep_previous()
-    self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable, self.deltas)
-
-  def _compensated(self, grads, read):
-    """DC-ASGD (`tfpipe.rules.mitigations`): weight gradients taken at `read`, moved to the current
-    weights; as they are without `delay_compensation`."""
-    if read is None:
-      return grads
-    lam = self.rule.delay_compensation
-    return [mitigations.compensate(tf.cast(lam, g.dtype), g, tf.convert_to_tensor(v), w)
-            for g, v, w in zip(grads, self.trainable, read)]
-
-  def _keep_previous(self):
-    """2BW: the weights about to be updated become the second buffer."""
-    for p, v in zip(self.previous, self.trainable):
-      p.assign(v)
-
-  def _apply_accumulated(self):
-    with tf.device(self.device):
-      self._keep_previous()
-      grads = [tf.convert_to_tensor(a) for a in self.accumulators]
-      if self.joint is not None:   # a whole-model decision (`tfpipe.rules.joint`)
-        self._apply_joint(grads)
-        return
-      if self.rule.delay_compensation:
-        n = tf.maximum(tf.convert_to_tensor(self.reads), 1.0)
-        grads = self._compensated(grads, [tf.convert_to_tensor(r) / tf.cast(n, r.dtype)
-                                          for r in self.read_sums])
-        for r in self.read_sums:
-          r.assign(tf.zeros_like(r))
-        self.reads.assign(0.0)
-      self.rule.apply(self.optimizer, grads, self.trainable, self.deltas)
-      for a in self.accumulators:
-        a.assign(tf.zeros_like(a))
-      for j in self.sliced:
-        self.slice_squares[j].assign(0.0)
-
   def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
     """The last stage's forward, loss, backward and update: returns (loss, input gradients,
     the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
     with tf.device(self.device):
-      weights = self.weights(s, self.ops["B"].reads)
+      weights = self.sources.read(s, self.ops["B"].reads)
       float_xs = self._float_inputs(xs)
       with tf.GradientTape() as tape:
         tape.watch(weights + float_xs)
         ys, reg, _ = self._call(weights, xs, training=True)
-        y_true, y_pred = self._structured(ys, y)
+        y_true, y_pred = self.reports.structured(ys, y)
         loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
         total = loss + tf.cast(reg, loss.dtype)
         same = total.dtype == ys[0].dtype
@@ -647,74 +361,42 @@ class StageProgram:
         # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
         # scales its gradients in float64, not rounded to float32 (1e-8 relative).
         grads = [_scaled(g, scale) for g in grads]
-      self._update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
-      self._update_metrics(y_true, y_pred, total, sample_weight)
-      return total, self._input_grads(grads[len(weights):]), self.logs(in_task=True)
+      self.updates.update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
+      self.reports.update(y_true, y_pred, total, sample_weight)
+      return total, self._input_grads(grads[len(weights):]), self.reports.results(in_task=True)
 
   def _step_on(self, weights, xs, y, sample_weight, scale):
     """The last stage's forward, loss and metrics on `weights` (tensors), for a split step
     (`last_step_input`): (the target of its gradients, the loss, the running logs)."""
     with tf.device(self.device):
       ys, reg, _ = self._call(weights, xs, training=True)
-      y_true, y_pred = self._structured(ys, y)
+      y_true, y_pred = self.reports.structured(ys, y)
       loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
       total = loss + tf.cast(reg, loss.dtype)
       # As `_last_step`: a loss of another dtype than the outputs scales the gradients.
       self._step_scales_loss = total.dtype == ys[0].dtype
       target = self._loss_scaled(total * tf.cast(scale, total.dtype) if self._step_scales_loss
                                  else total)
-      self._update_metrics(y_true, y_pred, total, sample_weight)
-      return target, total, self.logs(in_task=True)
-
-  def _structured(self, ys, y):
-    """(labels, outputs) as Keras's loss and metrics take them: for one output the tensors
-    themselves, for several the model's output structure of each."""
-    if self._output_structure is None or len(ys) == 1:
-      return (y[0] if isinstance(y, (list, tuple)) and len(ys) == 1 and len(y) == 1 else y,
-              ys[0])
-    pack = lambda values: keras.tree.pack_sequence_as(self._output_structure, list(values))
-    return pack(y), pack(ys)
+      self.reports.update(y_true, y_pred, total, sample_weight)
+      return target, total, self.reports.results(in_task=True)
 
   def _loss_scaled(self, loss):
     """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.rules.joint`), if any."""
-    return self.joint.scaled_loss(loss) if self.joint is not None else loss
+    joint = self.updates.joint
+    return joint.scaled_loss(loss) if joint is not None else loss
 
   def _infer(self, xs):
     with tf.device(self.device):
-      return self._call(self.weights(0, "current"), xs, training=False)[0]
+      return self._call(self.sources.read(0, "current"), xs, training=False)[0]
 
   def _evaluate_last(self, xs, y, sample_weight):
     """Loss and metrics of a batch with the current weights; returns the running logs."""
     with tf.device(self.device):
-      ys, reg, _ = self._call(self.weights(0, "current"), xs, training=False)
-      y_true, y_pred = self._structured(ys, y)
+      ys, reg, _ = self._call(self.sources.read(0, "current"), xs, training=False)
+      y_true, y_pred = self.reports.structured(ys, y)
       loss = self.loss(y_true, y_pred, sample_weight=sample_weight) + reg
-      self._update_metrics(y_true, y_pred, loss, sample_weight)
-      return self.logs(in_task=True)
-
-  def _update_metrics(self, y, y_pred, loss, sample_weight):
-    if self.loss_tracker is not None:
-      first = keras.tree.flatten(y_pred)[0]
-      self.loss_tracker.update_state(loss, sample_weight=tf.shape(first)[0])
-    for metric in self.metrics:
-      metric.update_state(y, y_pred, sample_weight=sample_weight)
-
-  def logs(self, in_task=False):
-    """The running loss and metric results (what Keras passes to batch hooks); last stage.
-    The loss adds the earlier stages' regularisation (`reg_trackers`); in an XLA task
-    (`in_task`) that is added outside it (`_with_reg_logs`)."""
-    loss = self.loss_tracker.result()
-    if not (in_task and self.jit_compile):
-      loss = self._with_reg(loss)
-    logs = {"loss": loss}
-    # Keras's order: the loss, the compiled metrics, then each output's loss (several outputs).
-    for metric in self.metrics + list(getattr(self.loss, "metrics", None) or []):
-      result = metric.result()
-      if isinstance(result, dict):
-        logs.update(result)
-      else:
-        logs[metric.name] = result
-    return logs
+      self.reports.update(y_true, y_pred, loss, sample_weight)
+      return self.reports.results(in_task=True)
 
   # The stage's operations (`tfpipe.plan.tasks`): what every executor calls, eagerly (the
   # threaded executor) or while tracing a window (the compiled one; `inline`: see `task`).
@@ -781,7 +463,8 @@ class StageProgram:
                                  output_gradients=out_grads, unconnected_gradients=_ZERO)
       if wrt != "inputs":   # after the input gradients, as `_update_after` says
         with tf.control_dependencies([g for g in grads[len(weights):] if g is not None]):
-          self.task("update", inline)(grads[:len(weights)], accumulate, self._read(weights))
+          self.task("update", inline)(grads[:len(weights)], accumulate,
+                                      self.updates.read(weights))
       if wrt == "weights":
         return []
       # Each input's gradient has the input's shape. Through a call of the forward traced for
@@ -799,7 +482,7 @@ class StageProgram:
   def last_step(self, xs, y, sample_weight, s, scale, accumulate, inline=False):
     """The last stage's task B (its F only holds the input): forward, loss, backward and
     update on the forward's weights; returns (loss, input gradients, running logs)."""
-    return self._with_reg_logs(self.task("last_step", inline)(xs, y, sample_weight, s, scale,
+    return self.reports.completed(self.task("last_step", inline)(xs, y, sample_weight, s, scale,
                                                               accumulate))
 
   def last_step_input(self, xs, y, sample_weight, s, scale, inline=False):
@@ -816,7 +499,7 @@ class StageProgram:
       if not self._step_scales_loss:
         grads = [_scaled(g, scale) for g in grads]
     kept = Kept(xs, None, weights, tape, [target], None)
-    return loss, self._input_grads(grads), self._with_reg_logs(logs), kept
+    return loss, self._input_grads(grads), self.reports.completed(logs), kept
 
   def last_step_weights(self, kept, scale, accumulate, inline=False):
     """A split step's W: the weight gradients from `last_step_input`'s tape, then the update
@@ -825,7 +508,7 @@ class StageProgram:
       grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
       if not self._step_scales_loss:
         grads = [_scaled(g, scale) for g in grads]
-      self.task("update", inline)(grads, accumulate, self._read(kept.weights))
+      self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
 
   def infer(self, xs, inline=False):
     """The inference forward (current weights, training=False): the outputs."""
@@ -833,14 +516,14 @@ class StageProgram:
 
   def evaluate_last(self, xs, y, sample_weight, inline=False):
     """The last stage's evaluation of a batch: the running logs."""
-    return self._with_reg_logs(self.task("evaluate_last", inline)(xs, y, sample_weight))
+    return self.reports.completed(self.task("evaluate_last", inline)(xs, y, sample_weight))
 
   # Moving weights between the stage and the user's model.
 
   def load_from_model(self):
     for src, own in self._pairs:
       own.assign(src.numpy())
-    self._keep_previous()   # 2BW: no update yet, so the second buffer holds the same weights
+    self.sources.keep_previous()   # 2BW: no update yet, so the 2nd buffer holds the same weights
 
   def write_to_model(self):
     for dst, own in self._pairs:

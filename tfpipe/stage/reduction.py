@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfpipe import compat
 
-__all__ = ["check", "choose", "replicate", "NAMES"]
+__all__ = ["replicated_call", "check", "choose", "replicate", "NAMES"]
 
 # --cross_device_ops names: the classes MirroredStrategy users pass.
 NAMES = {
@@ -81,3 +81,39 @@ def replicate(weights, devices, ops):
   flat = copies(*weights)
   n = len(weights)
   return [list(flat[r * n:(r + 1) * n]) for r in range(len(devices))]
+
+
+def replicated_call(model, weights, state, xs, training, devices, ops, groups_in=1,
+                    groups_out=1):
+  """`model` (a stage) on each of `devices`: each replica on its share of the batch `xs` (the
+  first n % R get one more), or with `groups_in` > 1 on its own inputs (a data-parallel
+  pipeline's replicas travel apart); weights copied to each replica, their gradients summed
+  with `ops` (`replicate`). Returns (outputs: joined along the batch axis, or the replicas'
+  one after another with `groups_out` > 1; the non-trainable state, the replicas' mean; the
+  first replica's losses: weight penalties count once)."""
+  R = len(devices)
+  if groups_in > 1:
+    size = len(xs) // R
+    replica_inputs = [list(xs[r * size:(r + 1) * size]) for r in range(R)]
+  else:
+    n = tf.shape(xs[0])[0]
+    sizes = tf.stack([n // R + tf.cast(i < n % R, n.dtype) for i in range(R)])
+    parts = [tf.split(x, sizes, num=R) for x in xs]
+    replica_inputs = [[p[r] for p in parts] for r in range(R)]
+  outputs, states, first_losses = [], [], None
+  copies = replicate(weights, devices, ops)
+  for r, device in enumerate(devices):
+    with tf.device(device):
+      inputs = replica_inputs[r]
+      ys, new_state, losses = model.stateless_call(
+          copies[r], state, inputs[0] if len(inputs) == 1 else inputs, training=training,
+          return_losses=True)
+    outputs.append(tf.nest.flatten(ys))
+    states.append(new_state)
+    first_losses = losses if first_losses is None else first_losses
+  with tf.device(devices[0]):
+    ys = ([y for out in outputs for y in out] if groups_out > 1 else
+          [tf.concat(list(pieces), 0) for pieces in zip(*outputs)])
+    new_state = [tf.add_n(list(values)) / R if values[0].dtype.is_floating else values[0]
+                 for values in zip(*states)]
+  return ys, new_state, first_losses

@@ -123,8 +123,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       # (empty for other methods).
       stages[f"stage{k}"] = tf.train.Checkpoint(
           weights=list(program.trainable), state=list(program.non_trainable),
-          optimizer=list(program.optimizer.variables), deltas=list(program.deltas),
-          previous=list(program.previous))
+          optimizer=list(program.optimizer.variables), deltas=list(program.sources.deltas),
+          previous=list(program.sources.previous))
     self._checkpoint = tf.train.Checkpoint(epochs_done=self._epochs, learning_rate=self._rate,
                                            **stages)
     self._remove_temporaries()

@@ -150,7 +150,7 @@ def _reset_metrics(pipe):
 
 
 def _metric_logs(pipe, prefix=""):
-  return {prefix + k: float(v) for k, v in pipe.programs[-1].logs().items()}
+  return {prefix + k: float(v) for k, v in pipe.programs[-1].reports.results().items()}
 
 
 def _finalize_weights(pipe):

@@ -248,7 +248,7 @@ class Pipeline:
   def loss_scale(self):
     """The dynamic loss scale (float) where training scales the loss (a LossScaleOptimizer,
     or a mixed_float16 model: `tfpipe.rules.joint`), else None."""
-    decision = self.programs[0].joint if getattr(self, "programs", None) else None
+    decision = self.programs[0].updates.joint if getattr(self, "programs", None) else None
     if decision is None or decision.scaling is None:
       return None
     return float(decision.scale.numpy())
@@ -392,7 +392,7 @@ class Pipeline:
       data_hooks += validation_hooks
     schedule = policies.build_schedule(self.policy, self.num_stages, num_batches,
                                        self.micro_batches,
-                                       joint=self.programs[0].joint is not None)
+                                       joint=self.programs[0].updates.joint is not None)
     diffs = policies.version_differences(self.policy, schedule, self.options.version_difference)
     verbose = 1 if verbose == "auto" else verbose
     callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)
