@@ -1,5 +1,9 @@
 """Every method by name: `METHODS`, and `create`, the trainer of any of them."""
 
+from typing import Any, Optional, Sequence
+
+import keras
+
 from tfpipe.baselines import asgd, keras as keras_baselines, tensor_parallel
 from tfpipe.plan import names
 from tfpipe.plan.policies import PIPELINE_METHODS
@@ -12,7 +16,8 @@ CLUSTER_METHODS = ("asgd",)   # on TF servers of a cluster (tfpipe.cluster); not
 METHODS = BASELINE_METHODS + PIPELINE_METHODS + CLUSTER_METHODS
 
 
-def create(model, method, devices=None, num_stages=None, **kwargs):
+def create(model: keras.Model, method: str, devices: Optional[Sequence[str]] = None,
+           num_stages: Optional[int] = None, **kwargs: Any) -> Any:
   """The trainer for `method`: a `Pipeline`, the `single` / `dataparallel` baseline, the
   `grid` of tensor-parallel Dense layers (`grid=(n_b, n_m)`), or `asgd` on the parameter
   servers of a cluster (`spec=`)."""

@@ -5,18 +5,19 @@ cuts[K] = n; stage j holds layers cuts[j] .. cuts[j+1]-1.
 """
 
 import functools
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["uniform", "min_max", "stage_costs"]
 
 
-def _check(n, K):
+def _check(n: int, K: int) -> None:
   if not isinstance(K, int) or K < 1:
     raise ValueError(f"the number of stages must be a positive integer. Received: {K!r}")
   if K > n:
     raise ValueError(f"cannot cut {n} layers into {K} stages: more stages than cuttable layers")
 
 
-def uniform(n, K):
+def uniform(n: int, K: int) -> List[int]:
   """Cuts giving every stage n // K layers, the first n % K stages one more."""
   _check(n, K)
   base, extra = divmod(n, K)
@@ -26,9 +27,11 @@ def uniform(n, K):
   return cuts
 
 
-def stage_costs(costs, cuts, boundary_costs=None, last_costs=None):
+def stage_costs(costs: Sequence[float], cuts: Sequence[int],
+                boundary_costs: Optional[Sequence[float]] = None,
+                last_costs: Optional[Sequence[float]] = None) -> List[float]:
   """The cost of each stage: its layers' costs plus the transfer out of it."""
-  out = []
+  out: List[float] = []
   n = len(costs)
   for a, b in zip(cuts[:-1], cuts[1:]):
     if b == n:
@@ -38,7 +41,8 @@ def stage_costs(costs, cuts, boundary_costs=None, last_costs=None):
   return out
 
 
-def min_max(costs, K, boundary_costs=None, last_costs=None):
+def min_max(costs: Sequence[float], K: int, boundary_costs: Optional[Sequence[float]] = None,
+            last_costs: Optional[Sequence[float]] = None) -> List[int]:
   """PipeDream's dynamic program: the cuts that minimise the slowest stage.
 
   Args:
@@ -62,23 +66,24 @@ def min_max(costs, K, boundary_costs=None, last_costs=None):
     prefix.append(prefix[-1] + c)
     last_prefix.append(last_prefix[-1] + l)
 
-  def cost(a, b):
+  def cost(a: int, b: int) -> float:
     if b == n:
       return last_prefix[b] - last_prefix[a]
     transfer = boundary_costs[b - 1] if boundary_costs is not None else 0.0
     return prefix[b] - prefix[a] + transfer
 
   @functools.lru_cache(maxsize=None)
-  def best(start, stages):
+  def best(start: int, stages: int) -> Tuple[float, Tuple[int, ...]]:
     # Lowest achievable max stage cost for layers start..n-1 in `stages` stages.
     if stages == 1:
       return cost(start, n), (n,)
-    choice = None
+    choice: Optional[Tuple[float, Tuple[int, ...]]] = None
     for end in range(start + 1, n - stages + 2):
       rest, rest_cuts = best(end, stages - 1)
       value = max(cost(start, end), rest)
       if choice is None or value < choice[0] - 1e-12:
         choice = (value, (end,) + rest_cuts)
+    assert choice is not None   # stages <= n - start: at least one end
     return choice
 
   return [0] + list(best(0, K)[1])

@@ -1,9 +1,10 @@
 """Name lookups that answer a typo with "did you mean"."""
 
 import difflib
+from typing import Any, Iterable
 
 
-def lookup(kind, name, choices):
+def lookup(kind: str, name: Any, choices: Iterable[Any]) -> Any:
   """Returns `name` if it is one of `choices`, else raises a ValueError that suggests one."""
   choices = list(choices)
   if name in choices:

@@ -24,6 +24,7 @@ stage applied since the forward, as its version difference.
 """
 
 import dataclasses
+from typing import Dict, List, Optional
 
 from tfpipe.plan import names, schedules
 
@@ -78,28 +79,28 @@ class WeightPolicy:
   virtual_stages: int = 1   # V: stages (model chunks) per device (interleaved schedules)
 
   @property
-  def recompute(self):
+  def recompute(self) -> bool:
     """True when the backward recomputes the forward from the saved stage input."""
     return self.backward != "forward"
 
   @property
-  def splits_backward(self):
+  def splits_backward(self) -> bool:
     """True when the schedule splits each backward into B (input gradient) and W (weights)."""
     return self.schedule in schedules.SPLIT_BACKWARD
 
   @property
-  def predicts(self):
+  def predicts(self) -> bool:
     """True when a task reads predicted weights (SpecTrain)."""
     return "predicted" in (self.forward, self.backward)
 
   @property
-  def corrects(self):
+  def corrects(self) -> bool:
     """True when the backward reads the current weights corrected back to the forward's
     (PipeMare's discrepancy correction)."""
     return self.backward == "corrected"
 
   @property
-  def keeps_previous(self):
+  def keeps_previous(self) -> bool:
     """True when a stage keeps its weights from before its latest update (2BW's 2nd buffer)."""
     return self.forward == "delayed"
 
@@ -107,8 +108,8 @@ class WeightPolicy:
 LOCKSTEP_METHODS = ("ddg", "feature_replay")
 
 
-def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=False,
-               virtual_stages=None):
+def policy_for(method: str, spectrain_backward: str = "reuse", recompute: Optional[bool] = None,
+               lockstep: bool = False, virtual_stages: Optional[int] = None) -> WeightPolicy:
   """The weight policy of a pipeline method (docs/methods.md).
 
   `recompute=True` keeps only stage inputs and recomputes the forward before
@@ -163,7 +164,8 @@ def policy_for(method, spectrain_backward="reuse", recompute=None, lockstep=Fals
       "Received: recompute=False")
 
 
-def micro_batches_for(policy, micro_batches=None, num_stages=None):
+def micro_batches_for(policy: WeightPolicy, micro_batches: Optional[int] = None,
+                      num_stages: Optional[int] = None) -> int:
   """M for `policy`: the method's default when None; checked against what the method supports
   (`num_stages`: K, when known: "2bw" needs M >= K - 1 and defaults to K, PipeDream-2BW's
   m >= d)."""
@@ -192,7 +194,8 @@ def micro_batches_for(policy, micro_batches=None, num_stages=None):
   return micro_batches
 
 
-def version_differences(policy, schedule, mode="paper"):
+def version_differences(policy: WeightPolicy, schedule: schedules.Lists,
+                        mode: str = "paper") -> List[Dict[schedules.Task, int]]:
   """Per stage, a dict task -> s, the version difference of each task.
 
   Zero for every task of a policy that does not predict. For SpecTrain:
@@ -218,7 +221,8 @@ def version_differences(policy, schedule, mode="paper"):
            for t in tasks} for k, tasks in enumerate(schedule)]
 
 
-def build_schedule(policy, K, N, M=1, joint=False):
+def build_schedule(policy: WeightPolicy, K: int, N: int, M: int = 1,
+                   joint: bool = False) -> schedules.Lists:
   """The schedule of `policy` for K stages (K / V devices with virtual stages), N mini-batches
   of M micro-batches. `joint` (a synchronous policy): with joint updates
   (`schedules.jointly_updated`); "sequential" then runs as GPipe with one micro-batch, the

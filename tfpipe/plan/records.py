@@ -1,10 +1,13 @@
 """What executors record: one `TaskRecord` per task, and the peaks of kept state per stage."""
 
 import collections
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from tfpipe.plan import schedules
 
-__all__ = ["TaskRecord", "kept_peaks"]
+__all__ = ["TaskRecord", "kind_of", "kept_peaks", "STEP"]
+
+STEP = "FB"   # how a record names the last stage's step: its forward and backward as one task
 
 TaskRecord = collections.namedtuple(
     "TaskRecord", ["stage", "kind", "batch", "version", "s", "start", "end", "micro", "epoch"],
@@ -19,7 +22,14 @@ sending stage k, with version and s None. The compiled executor's come from the 
 (`tfpipe.runtime.timeline`): one record per run of a task's ops, no R or S."""
 
 
-def kept_peaks(tasks, diffs, keeps_weights, last):
+def kind_of(k: int, K: int, kind: str) -> str:
+  """The record kind of a task of kind `kind` at stage k of K: the last stage's backward is
+  its step (`STEP`, forward and backward as one task); any other task keeps its kind."""
+  return STEP if k == K - 1 and kind == "B" else kind
+
+
+def kept_peaks(tasks: Sequence[schedules.Task], diffs: Mapping[schedules.Task, int],
+               keeps_weights: bool, last: bool) -> Tuple[int, int]:
   """(most forward states kept at once, most weight versions among them) for one stage's list.
 
   A forward's state lives until the backward that covers it (a split backward's W). With
@@ -30,7 +40,8 @@ def kept_peaks(tasks, diffs, keeps_weights, last):
   split = {(t.batch, t.micro) for t in tasks if t.kind == "W"}
   if last and not split:   # a split step keeps its tape for its W
     return 0, 0
-  held, updates, peak_states, peak_versions = {}, 0, 0, 0
+  held: Dict[Tuple[int, Optional[int]], Tuple[int, int]] = {}
+  updates, peak_states, peak_versions = 0, 0, 0
   for task in tasks:
     unit = (task.batch, task.micro)
     if task.kind == "W":

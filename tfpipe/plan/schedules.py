@@ -27,6 +27,7 @@ thread timing: the runtime and the slow reference loop agree exactly.
 """
 
 import collections
+from typing import Callable, Counter, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from tfpipe.plan import names
 
@@ -40,35 +41,43 @@ __all__ = ["Task", "Action", "Schedule", "lanes", "sequential", "one_f_one_b", "
            "micro_sizes"]
 
 
-class Task(collections.namedtuple("Task", ["kind", "batch", "micro"], defaults=(None,))):
+class Task(NamedTuple):
   """One task of one stage: kind "F", "B", "W", "U", "R" or "S", a mini-batch (S: a step), and a
   micro-batch or None."""
+  kind: str
+  batch: int
+  micro: Optional[int] = None
 
-  __slots__ = ()
-
-  def __str__(self):
+  def __str__(self) -> str:
     return f"{self.kind}{self.batch}" + ("" if self.micro is None else f".{self.micro}")
 
 
-class Action(collections.namedtuple("Action", ["stage", "task", "s", "units"])):
+Unit = Tuple[int, Optional[int]]   # a forward unit: (mini-batch, micro-batch or None)
+Lists = List[List[Task]]   # a schedule: each stage's task list
+Lane = List[Tuple[int, Task]]   # one device's (stage, task) order
+
+
+class Action(NamedTuple):
   """A task of stage `stage` as the executors run it (`tfpipe.runtime.interpreter`): with its
   version difference `s` and, for a backward, the forward units (batch, micro) it covers."""
+  stage: int
+  task: Task
+  s: int
+  units: Tuple[Unit, ...]
 
-  __slots__ = ()
 
-
-def is_update(task):
+def is_update(task: Task) -> bool:
   """True for the tasks that apply an update: U(b), and B(b) of a whole mini-batch."""
   return task.kind == "U" or (task.kind == "B" and task.micro is None)
 
 
-def _check(K, N, M=1):
+def _check(K: int, N: int, M: int = 1) -> None:
   for label, value in (("K", K), ("N", N), ("M", M)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"`{label}` must be a positive integer. Received: {label}={value!r}")
 
 
-def sequential(K, N):
+def sequential(K: int, N: int) -> Lists:
   """Naive model parallelism: one batch in flight.
 
   K = 3, N = 2 (time runs left to right; Fb / Bb = forward / backward of b):
@@ -83,21 +92,21 @@ def sequential(K, N):
   return [[t for b in range(N) for t in (Task("F", b), Task("B", b))] for _ in range(K)]
 
 
-def _units(N, M):
+def _units(N: int, M: int) -> List[Unit]:
   """Forward units in order: mini-batches, or (b, i) micro-batches when M > 1."""
   if M == 1:
     return [(b, None) for b in range(N)]
   return [(b, i) for b in range(N) for i in range(M)]
 
 
-def _backward(b, i, M, tasks):
+def _backward(b: int, i: Optional[int], M: int, tasks: List[Task]) -> None:
   """B of a unit; with micro-batches, the update U(b) follows the last one."""
   tasks.append(Task("B", b, i))
   if i is not None and i == M - 1:
     tasks.append(Task("U", b))
 
 
-def one_f_one_b(K, N, M=1):
+def one_f_one_b(K: int, N: int, M: int = 1) -> Lists:
   """Asynchronous 1F1B (PipeDream's steady state), drained at the end.
 
   Stage k starts with d = K-1-k forwards, then alternates one forward, one
@@ -127,7 +136,7 @@ def one_f_one_b(K, N, M=1):
   return stages
 
 
-def gpipe(K, N, M):
+def gpipe(K: int, N: int, M: int) -> Lists:
   """GPipe: per mini-batch, all M micro-batch forwards, then all backwards, then one update.
 
   K = 2, N = 1, M = 3 (the last stage runs each micro-batch's forward and
@@ -154,7 +163,7 @@ def gpipe(K, N, M):
   return stages
 
 
-def one_f_one_b_flush(K, N, M):
+def one_f_one_b_flush(K: int, N: int, M: int) -> Lists:
   """1F1B with a flush (PipeDream-Flush, DAPPLE; Megatron-LM's default): per mini-batch, the
   1F1B order over its M micro-batches, then one update; the next mini-batch starts after it.
 
@@ -174,7 +183,7 @@ def one_f_one_b_flush(K, N, M):
   return [_flushed_1f1b(k, K, N, M, None) for k in range(K)]
 
 
-def _flushed_1f1b(k, K, N, M, lag):
+def _flushed_1f1b(k: int, K: int, N: int, M: int, lag: Optional[int]) -> List[Task]:
   """Stage k's list of 1F1B with a flush; with `lag`, each B(b, i) is followed by the W of
   micro-batch i - lag (the rest after the last B): the zero-bubble split."""
   warm, tasks = min(K - 1 - k, M), []
@@ -192,7 +201,7 @@ def _flushed_1f1b(k, K, N, M, lag):
   return tasks
 
 
-def zero_bubble_h1(K, N, M):
+def zero_bubble_h1(K: int, N: int, M: int) -> Lists:
   """ZB-H1 (Qi et al., ICLR 2024), per mini-batch and with a flush: each backward splits into
   B (the gradient for the stage input, on the critical path: stage k-1 waits for it; at the
   last stage the forward, loss and that gradient) and W (the weight gradient, accumulated).
@@ -214,18 +223,18 @@ def zero_bubble_h1(K, N, M):
   return [_flushed_1f1b(k, K, N, M, lag=k) for k in range(K)]
 
 
-class Schedule(list):
+class Schedule(List[List[Task]]):
   """A schedule (a list of per-stage task lists) whose stages share devices: `lanes[d]` is
   the order in which device d runs its stages' tasks, as (stage, task) pairs; each stage's
   list is its tasks in that order. Plain lists run one stage per device."""
 
-  def __init__(self, stages, lanes, joint=False):
+  def __init__(self, stages: Lists, lanes: Optional[List[Lane]], joint: bool = False) -> None:
     super().__init__(stages)
     self.lanes = lanes
     self.joint = joint
 
 
-def jointly_updated(schedule):
+def jointly_updated(schedule: Lists) -> "Schedule":
   """`schedule` with joint updates: no stage's update U(b) runs before every stage's
   backwards (B and W) of b have run (`tfpipe.plan.verify`, the executors), so a decision over
   the whole model's gradient (`tfpipe.rules.joint`) can be made before any stage applies it. For a
@@ -238,13 +247,13 @@ def jointly_updated(schedule):
                   joint=True)
 
 
-def lanes(schedule):
+def lanes(schedule: Lists) -> List[Lane]:
   """Per device, the (stage, task) order it runs: `Schedule.lanes`, else one stage each."""
   return getattr(schedule, "lanes", None) or [[(k, t) for t in tasks]
                                               for k, tasks in enumerate(schedule)]
 
 
-def interleaved(S, N, M, V):
+def interleaved(S: int, N: int, M: int, V: int) -> "Schedule":
   """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21), with a flush per mini-batch: S =
   K x V stages on K devices, device d holding the V chunks d, d + K, ..., (V-1)K + d.
 
@@ -271,16 +280,21 @@ def interleaved(S, N, M, V):
                      f"micro_batches must be a multiple of the {K} devices. Received: "
                      f"micro_batches={M}")
 
-  def unit(i, backward):
+  def unit(i: int, backward: bool) -> Tuple[int, int]:
     chunk = (i // K) % V
     return ((V - 1 - chunk) if backward else chunk), (i // (K * V)) * K + i % K
 
   device_lanes = []
   for d in range(K):
-    warm, lane = min((K - 1 - d) * 2 + (V - 1) * K, M * V), []
+    warm, lane = min((K - 1 - d) * 2 + (V - 1) * K, M * V), []   # type: int, Lane
     for b in range(N):
-      forward = lambda i: (unit(i, False)[0] * K + d, Task("F", b, unit(i, False)[1]))
-      backward = lambda i: (unit(i, True)[0] * K + d, Task("B", b, unit(i, True)[1]))
+
+      def forward(i: int, b: int = b) -> Tuple[int, Task]:
+        return unit(i, False)[0] * K + d, Task("F", b, unit(i, False)[1])
+
+      def backward(i: int, b: int = b) -> Tuple[int, Task]:
+        return unit(i, True)[0] * K + d, Task("B", b, unit(i, True)[1])
+
       lane += [forward(i) for i in range(warm)]
       for i in range(M * V - warm):
         lane += [forward(warm + i), backward(i)]
@@ -291,7 +305,7 @@ def interleaved(S, N, M, V):
   return Schedule(stages, device_lanes)
 
 
-def device_of(name, S, V):
+def device_of(name: str, S: int, V: int) -> List[int]:
   """The device index of each of the S stages of schedule `name` with V stages per device:
   round robin (interleaved: device d holds d, d + K, ...), or a V (zb_v: device d holds d and
   2K-1-d, so the first device also holds the last stage)."""
@@ -301,7 +315,7 @@ def device_of(name, S, V):
   return [s % K for s in range(S)]
 
 
-def zero_bubble_v(S, N, M):
+def zero_bubble_v(S: int, N: int, M: int) -> "Schedule":
   """ZB-V (Qi et al., ICLR 2024), with a flush per mini-batch: S = 2K stages on K devices in a
   V (device d holds stages d and 2K-1-d: the forward goes down the devices and back up), each
   backward split into B and W as in `zero_bubble_h1`.
@@ -326,7 +340,7 @@ def zero_bubble_v(S, N, M):
                      f"Received: {S} stages")
   K = S // 2
   order = _zbv_order(S, M)
-  lanes = [[] for _ in range(K)]
+  lanes: List[Lane] = [[] for _ in range(K)]
   for b in range(N):
     for d, tasks in enumerate(order):
       lanes[d] += [(s, Task(kind, b, i)) for s, kind, i in tasks]
@@ -335,7 +349,7 @@ def zero_bubble_v(S, N, M):
   return Schedule(stages, lanes)
 
 
-def _zbv_order(S, M):
+def _zbv_order(S: int, M: int) -> List[List[Tuple[int, str, int]]]:
   """Per device, [(stage, kind, micro)] of one mini-batch in the paper's ZB-V order (section 6,
   figure 8), for n = max(M, 2K-1) micro-batches with those past M left out. Device d (chunk a:
   stage d, chunk b: stage 2K-1-d): warm-up with 2(K-d)-1 forwards of a, then d pairs Fb Fa,
@@ -349,26 +363,30 @@ def _zbv_order(S, M):
     count = {(s, kind): 0 for s in (a, b) for kind in "FBW"}
     tasks = []
 
-    def run(s, kind, micro=None):
+    def run(s: int, kind: str, micro: Optional[int] = None) -> None:
       i = count[(s, kind)] if micro is None else micro
       count[(s, kind)] += 1
       if i < M:
         tasks.append((s, kind, i))
 
+    def runs(*steps: Tuple[int, str]) -> None:
+      for s, kind in steps:
+        run(s, kind)
+
     for _ in range(2 * (K - d) - 1):
       run(a, "F")
     for _ in range(d):
-      run(b, "F"), run(a, "F")
+      runs((b, "F"), (a, "F"))
     for _ in range(K - d):
-      run(b, "F"), run(b, "B"), run(b, "W")
+      runs((b, "F"), (b, "B"), (b, "W"))
     while count[(b, "F")] < count[(a, "F")] or count[(a, "F")] < n:
       if count[(a, "F")] < n:
         run(a, "F")
-      run(a, "B"), run(a, "W"), run(b, "F"), run(b, "B"), run(b, "W")
+      runs((a, "B"), (a, "W"), (b, "F"), (b, "B"), (b, "W"))
     for _ in range(d):
-      run(a, "B"), run(b, "B")
+      runs((a, "B"), (b, "B"))
     for _ in range(K - d):
-      run(a, "B"), run(a, "W")
+      runs((a, "B"), (a, "W"))
     for s in (b, a):
       while count[(s, "W")] < count[(s, "B")]:
         run(s, "W")
@@ -376,7 +394,7 @@ def _zbv_order(S, M):
   return order
 
 
-def ddg(K, N, lockstep=False):
+def ddg(K: int, N: int, lockstep: bool = False) -> Lists:
   """Decoupled backpropagation with delayed gradients (DDG, Kang's model-parallelism report table 3).
 
   Step t of stage k: forward of t, backward of t-d with the gradient it
@@ -420,12 +438,12 @@ def ddg(K, N, lockstep=False):
   return stages
 
 
-def ddg_lockstep(K, N):
+def ddg_lockstep(K: int, N: int) -> Lists:
   """`ddg` with a barrier S(t) closing every step (see `ddg`)."""
   return ddg(K, N, lockstep=True)
 
 
-def timeprest(K, N, M):
+def timeprest(K: int, N: int, M: int) -> Lists:
   """TiMePReSt: pipelined micro-batch forwards, one backward per mini-batch on the latest weights.
 
   Stage k runs the micro-batch forwards in order and the backward of
@@ -454,7 +472,7 @@ def timeprest(K, N, M):
   return stages
 
 
-SCHEDULES = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe,
+SCHEDULES: Dict[str, Callable[..., Lists]] = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe,
              "1f1b_flush": one_f_one_b_flush, "interleaved": interleaved,
              "zb_h1": zero_bubble_h1, "zb_v": zero_bubble_v, "ddg": ddg,
              "ddg_lockstep": ddg_lockstep, "timeprest": timeprest}
@@ -463,7 +481,7 @@ ALWAYS_MICRO = ("gpipe", "1f1b_flush", "interleaved", "zb_h1", "zb_v", "timepres
 SPLIT_BACKWARD = ("zb_h1", "zb_v")   # backwards split into B and W tasks
 
 
-def build(name, K, N, M=1, V=1):
+def build(name: str, K: int, N: int, M: int = 1, V: int = 1) -> Lists:
   """The schedule called `name` for K stages, N mini-batches and M micro-batches each (V:
   stages per device, for "interleaved")."""
   name = names.lookup("schedule", name, SCHEDULES)
@@ -485,13 +503,13 @@ def build(name, K, N, M=1, V=1):
   return SCHEDULES[name](K, N)
 
 
-def micro_batches(schedule):
+def micro_batches(schedule: Lists) -> int:
   """M: the most micro-batches of one mini-batch in the schedule (1 without micro-batches)."""
   micros = [t.micro for tasks in schedule for t in tasks if t.micro is not None]
   return max(micros) + 1 if micros else 1
 
 
-def lead(schedule):
+def lead(schedule: Lists) -> int:
   """L: how many mini-batches stage 0 starts before its tasks of the earliest unfinished one end.
 
   Stage 0 starts batch b (its first task of b) only after its last task of
@@ -501,7 +519,9 @@ def lead(schedule):
   """
   tasks = schedule[0]
   last = {t.batch: i for i, t in enumerate(tasks)}
-  result, finished, started = 1, set(), set()
+  finished: Set[int] = set()
+  started: Set[int] = set()
+  result = 1
   for i, t in enumerate(tasks):
     if t.batch not in started:
       started.add(t.batch)
@@ -511,7 +531,7 @@ def lead(schedule):
   return result
 
 
-def micro_sizes(n, M):
+def micro_sizes(n: int, M: int) -> List[int]:
   """Sizes of the M micro-batches of a mini-batch of n samples (the first n % M get one more)."""
   if n < M:
     raise ValueError(
@@ -520,7 +540,7 @@ def micro_sizes(n, M):
   return [n // M + (1 if i < n % M else 0) for i in range(M)]
 
 
-def exact_version_differences(schedule):
+def exact_version_differences(schedule: Lists) -> List[Dict[Task, int]]:
   """For every stage and task, the `exact` version difference s.
 
   s = the number of updates stage k applies, for mini-batches earlier than
@@ -529,7 +549,8 @@ def exact_version_differences(schedule):
   """
   result = []
   for tasks in schedule:
-    diffs, later = {}, collections.Counter()
+    diffs: Dict[Task, int] = {}
+    later: Counter[int] = collections.Counter()
     for task in reversed(tasks):
       diffs[task] = sum(n for batch, n in later.items() if batch < task.batch)
       if is_update(task):
@@ -538,12 +559,14 @@ def exact_version_differences(schedule):
   return result
 
 
-def updates_since_forward(schedule):
+def updates_since_forward(schedule: Lists) -> List[Dict[Task, int]]:
   """For every stage: each B task -> d, the updates stage k applied between the forward of its
   (first) unit and the backward; every other task -> 0."""
   result = []
   for tasks in schedule:
-    diffs, count, at_forward = {}, 0, {}
+    diffs: Dict[Task, int] = {}
+    at_forward: Dict[int, Dict[Optional[int], int]] = {}
+    count = 0
     for task in tasks:
       if task.kind == "F":
         at_forward.setdefault(task.batch, {})[task.micro] = count
@@ -557,8 +580,8 @@ def updates_since_forward(schedule):
   return result
 
 
-def paper_version_difference(k, K, kind):
-  """Seed 000 eq. 5-6: forward s = floor(k/2) + K - k - 1, backward s = floor(k/2)."""
+def paper_version_difference(k: int, K: int, kind: str) -> int:
+  """The SpecTrain paper's eq. 5-6: forward s = floor(k/2) + K - k - 1, backward s = floor(k/2)."""
   if not 0 <= k < K:
     raise ValueError(f"stage index must be in [0, {K}). Received: k={k}")
   if kind == "F":
@@ -568,7 +591,7 @@ def paper_version_difference(k, K, kind):
   raise ValueError(f"task kind must be 'F' or 'B'. Received: {kind!r}")
 
 
-def timeprest_version_difference(k, K, M, i):
+def timeprest_version_difference(k: int, K: int, M: int, i: int) -> int:
   """Updates between the forward of micro-batch i at stage k and its mini-batch's backward.
 
   TiMePReSt (the TiMePReSt paper) relates the version difference to the number of

@@ -18,10 +18,11 @@ link, overlapped with the next iteration's computation).
 """
 
 import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
 import statistics
 
 from tfpipe.plan import policies, schedules, verify
-from tfpipe.plan.records import TaskRecord
+from tfpipe.plan.records import STEP, TaskRecord, kind_of
 
 __all__ = ["Costs", "Timeline", "simulate", "simulate_method", "simulate_data_parallel",
            "costs_from_records"]
@@ -33,13 +34,13 @@ class Costs:
   cut k -> k+1 (the gradient back takes the same), update: one optimizer update; input_share:
   the part of a backward that a split backward's B takes (the stage input's gradient), the
   rest being its W (the weight gradient); about half for matrix products."""
-  forward: list
-  backward: list
-  transfer: list = None
+  forward: List[float]
+  backward: List[float]
+  transfer: Optional[List[float]] = None
   update: float = 0.0
   input_share: float = 0.5
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     K = len(self.forward)
     if len(self.backward) != K:
       raise ValueError(f"need one backward time per stage: {K} forward times, "
@@ -47,7 +48,7 @@ class Costs:
     self.transfer = [0.0] * (K - 1) if self.transfer is None else list(self.transfer)
     if len(self.transfer) != K - 1:
       raise ValueError(f"need one transfer time per cut ({K - 1}). Received: {self.transfer}")
-    if min(list(self.forward) + list(self.backward) + self.transfer + [self.update]) < 0:
+    if min(list(self.forward) + list(self.backward) + list(self.transfer) + [self.update]) < 0:
       raise ValueError("times must be >= 0")
     if not 0.0 <= self.input_share <= 1.0:
       raise ValueError(f"input_share must be in [0, 1]. Received: {self.input_share}")
@@ -55,14 +56,16 @@ class Costs:
 
 @dataclasses.dataclass
 class Timeline:
-  tasks: list      # (k, task, start, end)
+  tasks: List[Tuple[int, schedules.Task, float, float]]   # (k, task, start, end)
   makespan: float
-  busy: list       # per stage: seconds computing
+  busy: List[float]       # per stage: seconds computing
   batches: int     # N
-  transfers: list = dataclasses.field(default_factory=list)  # (sending k, "XF"|"XB", unit, start, end)
-  devices: int = None   # devices the stages run on (None: one per stage)
+  # (sending k, "XF" | "XB", unit, start, end)
+  transfers: List[Tuple[int, str, schedules.Unit, float, float]] = dataclasses.field(
+      default_factory=list)
+  devices: Optional[int] = None   # devices the stages run on (None: one per stage)
 
-  def records(self):
+  def records(self) -> List[TaskRecord]:
     """The timeline as the runtime records it (`tfpipe.plan.records.TaskRecord`s, epoch 0): the
     last stage's forward inside its FB step, transfers as XF / XB; for `tfpipe.instruments.breakdown`."""
     K = len(self.busy)
@@ -70,36 +73,36 @@ class Timeline:
     for k, task, start, end in self.tasks:
       if k == K - 1 and task.kind == "F":
         continue
-      kind = "FB" if k == K - 1 and task.kind == "B" else task.kind
-      out.append(TaskRecord(k, kind, task.batch, None, None, start, end, task.micro))
+      out.append(TaskRecord(k, kind_of(k, K, task.kind), task.batch, None, None, start,
+                            end, task.micro))
     out += [TaskRecord(k, kind, b, None, None, start, end, i)
             for k, kind, (b, i), start, end in self.transfers]
     return sorted(out, key=lambda r: r.start)
 
   @property
-  def idle(self):
+  def idle(self) -> List[float]:
     """Per stage: seconds not computing between 0 and the end of the schedule."""
     return [self.makespan - b for b in self.busy]
 
   @property
-  def bubble(self):
+  def bubble(self) -> float:
     """The share of device time idle: 1 - busy / (devices * makespan)."""
     devices = self.devices or len(self.busy)
     return 1.0 - sum(self.busy) / (devices * self.makespan) if self.makespan else 0.0
 
   @property
-  def step_time(self):
+  def step_time(self) -> float:
     return self.makespan / self.batches
 
-  def samples_per_second(self, batch_size):
+  def samples_per_second(self, batch_size: int) -> float:
     return self.batches * batch_size / self.makespan if self.makespan else float("inf")
 
 
-def _share(units, M):
+def _share(units: Sequence[schedules.Unit], M: int) -> float:
   return sum(1.0 / M if i is not None else 1.0 for _, i in units)
 
 
-def simulate(schedule, costs, recompute=False):
+def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -> Timeline:
   """Plays `schedule` out with `costs` (a `Costs`); returns its `Timeline`."""
   K = len(schedule)
   if len(costs.forward) != K:
@@ -112,12 +115,16 @@ def simulate(schedule, costs, recompute=False):
   device = {k: d for d, lane in enumerate(lanes) for k, _ in lane}
   free, busy = [0.0] * len(lanes), [0.0] * K
   fwd_link, bwd_link = [0.0] * (K - 1), [0.0] * (K - 1)
-  arrived_fwd, arrived_bwd, ended, barrier = {}, {}, {}, {}
-  tasks = []
+  arrived_fwd: Dict[Tuple[int, schedules.Unit], float] = {}
+  arrived_bwd: Dict[Tuple[int, schedules.Unit], float] = {}
+  ended: Dict[Tuple[int, schedules.Task], float] = {}
+  barrier: Dict[schedules.Task, float] = {}
+  tasks: List[Tuple[int, schedules.Task, float, float]] = []
+  transfers: List[Tuple[int, str, schedules.Unit, float, float]] = []
+  transfer = costs.transfer or []
 
-  transfers = []
-
-  def send(link, k, ready, seconds, sender, kind, unit):
+  def send(link: List[float], k: int, ready: float, seconds: float, sender: int, kind: str,
+           unit: schedules.Unit) -> float:
     start = max(ready, link[k])
     link[k] = start + seconds
     transfers.append((sender, kind, unit, start, link[k]))
@@ -154,18 +161,20 @@ def simulate(schedule, costs, recompute=False):
     ended[(k, task)] = end
     tasks.append((k, task, start, end))
     if task.kind == "F" and k < K - 1:
-      arrived_fwd[(k, unit)] = send(fwd_link, k, end, costs.transfer[k] * _share([unit], M),
+      arrived_fwd[(k, unit)] = send(fwd_link, k, end, transfer[k] * _share([unit], M),
                                     k, "XF", unit)
     if task.kind == "B" and k > 0:
       arrived_bwd[(k - 1, unit)] = send(bwd_link, k - 1, end,
-                                        costs.transfer[k - 1] * _share(covers[k][task], M),
+                                        transfer[k - 1] * _share(covers[k][task], M),
                                         k, "XB", unit)
   N = len({t.batch for t in schedule[0]})
   return Timeline(tasks, max(free), busy, N, transfers, len(lanes))
 
 
-def simulate_method(method, costs, num_batches, micro_batches=None, recompute=None,
-                    spectrain_backward="reuse", lockstep=False, virtual_stages=None):
+def simulate_method(method: str, costs: Costs, num_batches: int,
+                    micro_batches: Optional[int] = None, recompute: Optional[bool] = None,
+                    spectrain_backward: str = "reuse", lockstep: bool = False,
+                    virtual_stages: Optional[int] = None) -> Timeline:
   """The timeline of `method` (its schedule and recomputation) over `num_batches` mini-batches
   (`costs`: one entry per stage, V per device with `virtual_stages`)."""
   policy = policies.policy_for(method, spectrain_backward, recompute, lockstep, virtual_stages)
@@ -174,8 +183,9 @@ def simulate_method(method, costs, num_batches, micro_batches=None, recompute=No
   return simulate(schedule, costs, recompute=policy.recompute)
 
 
-def simulate_data_parallel(P, t_calc, t_comm, iterations):
-  """Seed 001 fig. 4b: P workers compute a batch each (t_calc) while the host link moves the
+def simulate_data_parallel(P: int, t_calc: float, t_comm: float,
+                           iterations: int) -> Tuple[float, float]:
+  """The layer-wise partitioning paper's fig. 4b: P workers compute a batch each (t_calc) while the host link moves the
   previous iteration's P gradients and P weight copies (t_comm each, one at a time).
 
   Returns (makespan, speedup over one worker running the same P * iterations batches).
@@ -193,7 +203,8 @@ def simulate_data_parallel(P, t_calc, t_comm, iterations):
   return makespan, P * iterations * t_calc / makespan if makespan else float("inf")
 
 
-def costs_from_records(records, num_stages, micro_batches=1, recompute=False):
+def costs_from_records(records: Sequence[TaskRecord], num_stages: int, micro_batches: int = 1,
+                       recompute: bool = False) -> Costs:
   """`Costs` measured in a run: each stage's median task times, per mini-batch.
 
   `records`: `tfpipe.runtime.TaskRecord`s of a `Pipeline(record=True)` run
@@ -206,7 +217,7 @@ def costs_from_records(records, num_stages, micro_batches=1, recompute=False):
   """
   K, M = num_stages, micro_batches
 
-  def median(kind, k):
+  def median(kind: str, k: int) -> Optional[float]:
     times = [(r.end - r.start) * (M if r.micro is not None else 1) for r in records
              if r.kind == kind and r.stage == k]
     return statistics.median(times) if times else None
@@ -215,7 +226,7 @@ def costs_from_records(records, num_stages, micro_batches=1, recompute=False):
   for k in range(K):
     if k == K - 1:
       forward.append(0.0)
-      backward.append(median("FB", k) or 0.0)
+      backward.append(median(STEP, k) or 0.0)
       continue
     f, b, w = median("F", k), median("B", k), median("W", k)
     if f is None or b is None:

@@ -31,7 +31,13 @@ stage a forward only holds its input: it runs with its backward as one step
          them) or "inputs" (inputs and random state: the backward recomputes).
 """
 
+from __future__ import annotations
+
 import dataclasses
+from typing import TYPE_CHECKING, Dict, Optional
+
+if TYPE_CHECKING:
+  from tfpipe.plan.policies import WeightPolicy
 
 __all__ = ["StageOp", "op", "ops", "keeps_weights", "BACKWARD_READS"]
 
@@ -39,8 +45,8 @@ __all__ = ["StageOp", "op", "ops", "keeps_weights", "BACKWARD_READS"]
 @dataclasses.dataclass(frozen=True)
 class StageOp:
   op: str
-  reads: str = None
-  keeps: str = None
+  reads: Optional[str] = None
+  keeps: Optional[str] = None
 
 
 # The policy's backward source -> (what the backward reads, what the forward keeps).
@@ -55,7 +61,7 @@ BACKWARD_READS = {
 _PLAIN = {"U": StageOp("update"), "R": StageOp("receive"), "S": StageOp("barrier")}
 
 
-def op(policy, kind, last=False):
+def op(policy: WeightPolicy, kind: str, last: bool = False) -> StageOp:
   """The `StageOp` of a task of kind `kind` at a stage (`last`: the last stage) under `policy`
   (`tfpipe.plan.policies.WeightPolicy`)."""
   if kind in _PLAIN:
@@ -79,11 +85,11 @@ def op(policy, kind, last=False):
   return StageOp("backward_input" if policy.splits_backward else "backward", reads)
 
 
-def ops(policy, last=False):
+def ops(policy: WeightPolicy, last: bool = False) -> Dict[str, StageOp]:
   """{kind: StageOp} for every task kind of a stage."""
   return {kind: op(policy, kind, last) for kind in ("F", "B", "W", "U", "R", "S")}
 
 
-def keeps_weights(policy):
+def keeps_weights(policy: WeightPolicy) -> bool:
   """Whether a forward's kept state holds the weights it read (a version to keep)."""
   return op(policy, "F").keeps in ("tape", "weights")

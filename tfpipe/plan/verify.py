@@ -20,6 +20,7 @@ schedule that fails is refused with a `ScheduleError` naming stage and task.
 """
 
 import collections
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 import dataclasses
 
 from tfpipe.plan import policies, schedules, tasks as task_table
@@ -34,14 +35,15 @@ class ScheduleError(ValueError):
 
 @dataclasses.dataclass
 class Report:
-  order: list            # (k, task) in an order that respects every dependency
-  peak_states: list      # per stage: most forward states (activations or inputs) kept at once
-  peak_versions: list    # per stage: most distinct weight versions among the kept states
-  staleness: list        # per stage: most updates between a forward and its backward
-  peak_in_flight: list   # per cut k -> k+1: most items in flight (forward, backward)
+  order: List[Tuple[int, schedules.Task]]   # every task, in an order respecting dependencies
+  peak_states: List[int]      # per stage: most forward states (activations or inputs) kept
+  peak_versions: List[int]    # per stage: most distinct weight versions among the kept states
+  staleness: List[int]        # per stage: most updates between a forward and its backward
+  peak_in_flight: List[Tuple[int, ...]]   # per cut k -> k+1: most items in flight (fwd, bwd)
 
 
-def covered_units(tasks):
+def covered_units(tasks: Sequence[schedules.Task]
+                  ) -> Dict[schedules.Task, List[schedules.Unit]]:
   """For each B task of one stage, the forward units (batch, micro) it covers."""
   forwards = collections.defaultdict(list)
   for t in tasks:
@@ -51,7 +53,7 @@ def covered_units(tasks):
           for t in tasks if t.kind == "B"}
 
 
-def _micro_backwards(tasks):
+def _micro_backwards(tasks: Sequence[schedules.Task]) -> Dict[int, List[schedules.Task]]:
   """Mini-batch -> its micro-batch B tasks, in one stage's list."""
   result = collections.defaultdict(list)
   for t in tasks:
@@ -60,7 +62,7 @@ def _micro_backwards(tasks):
   return result
 
 
-def _structure(schedule):
+def _structure(schedule: schedules.Lists) -> None:
   """Checks what a schedule must contain, before it is played out."""
   if not schedule or any(not isinstance(tasks, (list, tuple)) for tasks in schedule):
     raise ScheduleError("a schedule is a non-empty list of per-stage task lists")
@@ -82,7 +84,7 @@ def _structure(schedule):
               else f"runs forward {schedules.Task('F', *extra[0])} that stage 0 does not")
       raise ScheduleError(f"stage {k} {what}")
     cover = covered_units(tasks)
-    unit_set, owner = set(units), {}
+    unit_set, owner = set(units), {}  # type: Set[schedules.Unit], Dict[schedules.Unit, schedules.Task]
     for b_task, units_ in cover.items():
       if not units_:
         raise ScheduleError(f"stage {k}: {b_task} covers no forward")
@@ -128,7 +130,7 @@ def _structure(schedule):
           f"({', '.join(str(schedules.Task('F', *u)) for u in units_)})")
 
 
-def _weight_halves(tasks):
+def _weight_halves(tasks: Sequence[schedules.Task]) -> Dict[int, List[schedules.Task]]:
   """Mini-batch -> its W tasks (the weight-gradient halves of a zero-bubble schedule)."""
   result = collections.defaultdict(list)
   for t in tasks:
@@ -137,7 +139,8 @@ def _weight_halves(tasks):
   return result
 
 
-def _check_weight_halves(k, K, tasks, micro_backwards):
+def _check_weight_halves(k: int, K: int, tasks: Sequence[schedules.Task],
+                         micro_backwards: Dict[int, List[schedules.Task]]) -> None:
   """A stage splits a mini-batch's backwards into B and W halves for all its micro-batches or
   none; each W follows its B."""
   halves, seen = _weight_halves(tasks), set()
@@ -149,12 +152,12 @@ def _check_weight_halves(k, K, tasks, micro_backwards):
   for b, ws in halves.items():
     wanted = {o.micro for o in micro_backwards[b]}
     if {w.micro for w in ws} != wanted:
-      missing = sorted(wanted - {w.micro for w in ws})
+      missing = sorted(i for i in wanted - {w.micro for w in ws} if i is not None)
       raise ScheduleError(f"stage {k}: mini-batch {b} splits some backwards into B and W but not "
                           f"{schedules.Task('B', b, missing[0]) if missing else 'all'}")
 
 
-def verify(schedule, capacity=None):
+def verify(schedule: schedules.Lists, capacity: Optional[float] = None) -> Report:
   """Checks `schedule` (see the module docstring); returns its `Report`. A broken schedule
   raises `ScheduleError`, its message ending with the schedule as a grid (`format_grid`).
 
@@ -166,7 +169,7 @@ def verify(schedule, capacity=None):
     raise ScheduleError(f"{error}\n{format_grid(schedule)}") from None
 
 
-def format_grid(schedule, width=16):
+def format_grid(schedule: Any, width: int = 16) -> str:
   """`schedule` as a grid: a row per stage (its device's lane order), a column per step of
   its list, at most `width` steps shown (the rest counted)."""
   if not isinstance(schedule, (list, tuple)) or not all(
@@ -182,22 +185,22 @@ def format_grid(schedule, width=16):
   return "\n".join(lines)
 
 
-def _verify(schedule, capacity):
+def _verify(schedule: schedules.Lists, capacity: Optional[float]) -> Report:
   _structure(schedule)
   K = len(schedule)
   capacity = float("inf") if capacity is None else capacity
   if capacity < 1:
     raise ScheduleError(f"link capacity must be at least 1. Received: {capacity}")
-  fwd = [collections.deque() for _ in range(K - 1)]   # items sent k -> k+1
-  bwd = [collections.deque() for _ in range(K - 1)]   # items sent k+1 -> k
+  fwd: List[Deque[schedules.Unit]] = [collections.deque() for _ in range(K - 1)]
+  bwd: List[Deque[schedules.Unit]] = [collections.deque() for _ in range(K - 1)]
   cover = [covered_units(tasks) for tasks in schedule]
   micro_backwards = [_micro_backwards(tasks) for tasks in schedule]
   halves = [_weight_halves(tasks) for tasks in schedule]
   split = [{(w.batch, w.micro) for ws in h.values() for w in ws} for h in halves]
-  done = [set() for _ in range(K)]
-  received = [set() for _ in range(K)]
+  done: List[Set[schedules.Task]] = [set() for _ in range(K)]
+  received: List[Set[schedules.Unit]] = [set() for _ in range(K)]
   pos = [0] * K
-  held = [dict() for _ in range(K)]       # unit -> update count when its forward ran
+  held: List[Dict[schedules.Unit, int]] = [{} for _ in range(K)]   # unit -> updates at its F
   updates = [0] * K
   peaks = dict(states=[0] * K, versions=[0] * K, stale=[0] * K)
   in_flight = [[0, 0] for _ in range(K - 1)]
@@ -209,7 +212,7 @@ def _verify(schedule, capacity):
       if o.kind in ("B", "W"):
         accumulations[o.batch].append((j, o))
 
-  def blocked(k, t):
+  def blocked(k: int, t: schedules.Task) -> Optional[str]:
     """Why task t of stage k cannot run now (None when it can)."""
     unit = (t.batch, t.micro)
     if t.kind == "S":
@@ -254,7 +257,7 @@ def _verify(schedule, capacity):
             return f"waits for stage {j}'s {o} (joint updates)"
     return None
 
-  def run(k, t):
+  def run(k: int, t: schedules.Task) -> None:
     unit = (t.batch, t.micro)
     if t.kind == "F":
       if k > 0:
@@ -319,7 +322,8 @@ def _verify(schedule, capacity):
 
 
 
-def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
+def memory_table(K: int, M: int = 4, N: Optional[int] = None,
+                 methods: Sequence[str] = policies.PIPELINE_METHODS) -> Dict[str, Tuple[str, List[int], List[int]]]:
   """Per method, what each stage keeps at its peak, from the verified schedule.
 
   Returns {method: (kept, states, versions)}: `kept` is "activations" (a
@@ -333,7 +337,7 @@ def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
   otherwise, its error says why.
   """
   N = N or 2 * K + 2
-  table = {}
+  table: Dict[str, Tuple[str, List[int], List[int]]] = {}
   requested = () if methods is policies.PIPELINE_METHODS else tuple(methods)
   for method in methods:
     policy = policies.policy_for(method)
@@ -350,7 +354,7 @@ def memory_table(K, M=4, N=None, methods=policies.PIPELINE_METHODS):
   return table
 
 
-def format_memory_table(table):
+def format_memory_table(table: Dict[str, Tuple[str, List[int], List[int]]]) -> str:
   """The memory table as text, one row per method."""
   K = len(next(iter(table.values()))[1])
   head = f"{'method':<16}{'keeps':<13}" + "".join(f"{'stage ' + str(k):>16}" for k in range(K))

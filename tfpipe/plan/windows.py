@@ -24,28 +24,37 @@ one trace.
 """
 
 import collections
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 from tfpipe.plan import schedules, verify
 
 __all__ = ["Window", "firsts", "drained_firsts", "plan", "drain", "flush_window"]
 
-Window = collections.namedtuple("Window", ["first", "last", "tasks", "key"])
-Window.__doc__ = """Mini-batches `first`..`last` finish in this window. `tasks`: its
-`schedules.Action`s in trace order; `key`: the same actions with batches counted from `first`,
-equal for windows that trace alike."""
+class Window(NamedTuple):
+  """Mini-batches `first`..`last` finish in this window. `tasks`: its `schedules.Action`s in
+  trace order; `key`: the same actions with batches counted from `first`, equal for windows
+  that trace alike."""
+  first: int
+  last: int
+  tasks: List[schedules.Action]
+  key: Tuple[schedules.Action, ...]
 
 
-def _key(tasks, base):
+Diffs = Sequence[Mapping[schedules.Task, int]]   # per stage: each task's version difference
+Done = Set[Tuple[int, schedules.Task]]
+
+
+def _key(tasks: Sequence[schedules.Action], base: int) -> Tuple[schedules.Action, ...]:
   return tuple(schedules.Action(k, schedules.Task(t.kind, t.batch - base, t.micro), s,
                                 tuple((b - base, i) for b, i in units))
                for k, t, s, units in tasks)
 
 
-def _window(first, last, tasks):
+def _window(first: int, last: int, tasks: List[schedules.Action]) -> Window:
   return Window(first, last, tasks, _key(tasks, first))
 
 
-def firsts(N, size):
+def firsts(N: int, size: int) -> List[int]:
   """The first mini-batch of each window of an epoch of N: windows of `size`, the last one
   shorter. The steady windows trace alike, so an epoch traces the warm-up window, the steady
   window and the last one, which drains the pipeline. Fewer distinct windows start faster
@@ -56,7 +65,7 @@ def firsts(N, size):
   return list(range(0, N, size))
 
 
-def drained_firsts(N, size, lead):
+def drained_firsts(N: int, size: int, lead: int) -> Optional[List[int]]:
   """The first mini-batch of each window when window ends need not fall on multiples of
   `size` (no batch hook reads them): a first window of 1 to `size` mini-batches, then
   windows of `size` that end where a steady window can (stage 0 starts `lead` - 1 batches
@@ -71,7 +80,7 @@ def drained_firsts(N, size, lead):
   return [0] + [first + i * size for i in range(steady)] + ([end + 1] if lead > 1 else [])
 
 
-def plan(schedule, diffs, size, aligned=True):
+def plan(schedule: schedules.Lists, diffs: Diffs, size: int, aligned: bool = True) -> List[Window]:
   """The windows that run `schedule` (verified), `size` mini-batches at most: `firsts`, or
   when not `aligned` `drained_firsts` where its steady windows trace alike."""
   if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -86,7 +95,7 @@ def plan(schedule, diffs, size, aligned=True):
   return _cut(schedule, diffs, firsts(N, size), N)
 
 
-def _cut(schedule, diffs, starts, N):
+def _cut(schedule: schedules.Lists, diffs: Diffs, starts: List[int], N: int) -> List[Window]:
   """The windows that start at `starts` (ascending, from 0) in an epoch of N mini-batches."""
   K = len(schedule)
   covers = [verify.covered_units(tasks) for tasks in schedule]
@@ -96,7 +105,8 @@ def _cut(schedule, diffs, starts, N):
   for last in ends:
     cuts.append([1 + max(i for i, t in enumerate(tasks) if t.kind != "S" and t.batch <= last)
                  for tasks in schedule])
-  windows, done = [], set()
+  windows: List[Window] = []
+  done: Done = set()
   for w, (first, last) in enumerate(zip(starts, ends)):
     lists = [[t for t in tasks[cuts[w][k]:cuts[w + 1][k]] if t.kind != "S"]
              for k, tasks in enumerate(schedule)]
@@ -106,7 +116,7 @@ def _cut(schedule, diffs, starts, N):
   return windows
 
 
-def _needs(k, t, K):
+def _needs(k: int, t: schedules.Task, K: int) -> Optional[Tuple[int, schedules.Task]]:
   """The other stage's task whose data task t of stage k reads (None: its own stage's)."""
   if t.kind == "F" and k > 0:
     return (k - 1, t)
@@ -115,7 +125,8 @@ def _needs(k, t, K):
   return None
 
 
-def _accumulations(schedule):
+def _accumulations(schedule: schedules.Lists
+                   ) -> Dict[int, List[Tuple[int, schedules.Task]]]:
   """Joint updates (`schedules.jointly_updated`): b -> every stage's (k, B or W task of b)."""
   result = collections.defaultdict(list)
   for k, tasks in enumerate(schedule):
@@ -125,7 +136,9 @@ def _accumulations(schedule):
   return result
 
 
-def _order(lists, done, joint=None):
+def _order(lists: schedules.Lists, done: Done,
+           joint: Optional[Dict[int, List[Tuple[int, schedules.Task]]]] = None
+           ) -> List[Tuple[int, schedules.Task]]:
   """The window's tasks in trace order: stage by stage, each stage running its next tasks
   while their data is there (made earlier, or in `done`, which gains them).
 
@@ -155,7 +168,7 @@ def _order(lists, done, joint=None):
   return order
 
 
-def drain(windows, w):
+def drain(windows: List[Window], w: int) -> Optional[Window]:
   """The window that finishes the batches already started by windows 0..w, and no other:
   what runs when training stops after window w (None when nothing is in flight)."""
   started = 1 + max(task[1].batch for win in windows[:w + 1] for task in win.tasks
@@ -166,7 +179,7 @@ def drain(windows, w):
   return _window(windows[w].last + 1, started - 1, tasks)
 
 
-def flush_window(schedule, diffs):
+def flush_window(schedule: schedules.Lists, diffs: Diffs) -> Optional[Window]:
   """The window of mini-batch 0 when `schedule` finishes every mini-batch before the next one
   starts and runs each alike (sequential, gpipe: a flush after each mini-batch), else None.
   Such a schedule runs as a loop over that window (`tfpipe.runtime.compiled`)."""

@@ -184,11 +184,13 @@ class CompiledRuntime(Executor):
     for w, window in enumerate(plan):
       if group is not None:
         try:
-          carry, results = self._run_grouped(group, window, numbers[w], carry, feed, M)
+          ran = self._run_grouped(group, window, numbers[w], carry, feed, M)
         except groups.Ungroupable:   # found while tracing, before any window ran
-          self._groups[group.numbers], group = None, None
-        except _OtherShapes:   # this epoch's other windows: each its own function
+          self._groups[group.numbers], ran = None, None
+        if ran is None:   # ungroupable, or batches of other shapes: each its own function
           group = None
+        else:
+          carry, results = ran
       if group is None:
         carry, results = self._run(window, numbers[w], carry, feed, M)
       pending += zip(range(window.first, window.last + 1), results)
@@ -387,15 +389,16 @@ class CompiledRuntime(Executor):
     return self._groups[distinct]
 
   def _run_grouped(self, group, window, number, carry, feed, M):
-    """`_run` through the group's function: the window's branch. The carry a branch takes is
-    read when the function is called (`compat.call_time_value`): the carry handed on, or for
-    the plan's first window the template's zeros."""
+    """`_run` through the group's function: the window's branch, or None when the window's
+    batches are shaped unlike the group's (a smaller batch: the function would trace again).
+    The carry a branch takes is read when the function is called (`compat.call_time_value`):
+    the carry handed on, or for the plan's first window the template's zeros."""
     inputs, labels = self._data(window, feed)
     if group.fillers is None:   # the first call: its batches' shapes are the group's
       group.fillers = [next(iter(data.values())) for data in (inputs, labels)]
     for data, keys, filler in zip((inputs, labels), (group.inputs, group.labels), group.fillers):
       if any(_shapes(item) != _shapes(filler) for item in data.values()):
-        raise _OtherShapes()   # a smaller batch: the group's function would trace again
+        return None
       for key in keys:   # keys of the other windows: a batch of the same shapes, unused
         data.setdefault(key, filler)
     group.carry = carry if any(carry[part] for part in groups.PARTS) else None
@@ -460,7 +463,7 @@ class CompiledRuntime(Executor):
       elif task.kind == "B":
         forwards = [self._forwards.pop((k,) + u) for u in units]
         if last:
-          entry = (k, "FB", task.batch, task.micro, counts[k], forwards[0][1])
+          entry = (k, records.STEP, task.batch, task.micro, counts[k], forwards[0][1])
         else:
           kept = len(units) == 1 and self.programs[k].ops["B"].reads == "kept"
           entry = (k, "B", task.batch, task.micro, forwards[0][0] if kept else counts[k], s)
@@ -623,10 +626,6 @@ class _Group:
     if self._zeros is None:
       self._zeros = [tf.zeros(s.shape, s.dtype) for s in self.specs]
     return self._zeros
-
-
-class _OtherShapes(Exception):
-  """A window's mini-batches are shaped unlike the group's first window's."""
 
 
 def _shapes(item):

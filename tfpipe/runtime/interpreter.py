@@ -10,6 +10,8 @@ threads, the compiled executor's tensors within one traced window.
 import collections
 import time
 
+from tfpipe.plan import records
+
 __all__ = ["Saved", "Held", "Stage", "Moves", "run"]
 
 Saved = collections.namedtuple("Saved", ["kept", "version", "share"])
@@ -106,7 +108,7 @@ class Moves:
     """Stage k applied an update."""
 
   def record(self, k, kind, action, version, s, start):
-    """Task `action` ran as `kind` ("F", "R", "S", "U", "FB", "W", "B") from `start`."""
+    """Task `action` ran as `kind` (`tfpipe.plan.records.TaskRecord`'s kinds) from `start`."""
 
   def saved(self, stage):
     """Stage `stage` kept a forward (its peak of kept forwards)."""
@@ -191,7 +193,7 @@ def _step(op, k, task, units, stage, moves, start):
     loss, dxs, logs = program.last_step(xs, y, sample_weight, s, moves.weight(k, share),
                                         micro is not None, moves.inline)
   stage.logs = logs
-  moves.record(k, "FB", task, version, s, start)
+  moves.record(k, records.STEP, task, version, s, start)
   if micro is None:
     moves.updated(k)
   if k > 0:

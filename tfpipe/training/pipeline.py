@@ -9,7 +9,7 @@ the data in `tfpipe.training.fit_data`, the epoch loop in `tfpipe.training.fit_l
 """
 
 import contextlib
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
@@ -231,7 +231,7 @@ class Pipeline:
   prediction_error = property(lambda self: self.options.prediction_error,
                               doc="The `PredictionError` fed after updates, or None.")
 
-  def remote_stages(self):
+  def remote_stages(self) -> List[str]:
     """The devices of stages on TF servers (empty: every stage in this process)."""
     return placement.remote(self.stage_devices)
 
@@ -264,25 +264,27 @@ class Pipeline:
     return fit_loop.breakdown(self, steps)
 
   @property
-  def num_devices(self):
+  def num_devices(self) -> int:
     """The devices the stages' variables live on (fewer than the stages for "interleaved"
     and "zbv", which place several stages on each device)."""
     return len(set(self.devices))
 
-  def describe(self):
+  def describe(self) -> str:
     """The summary's first line: the method, stages, devices and options in force."""
     return self.options.describe(self.num_stages, self.num_devices)
 
-  def summary(self, print_fn=None):
+  def summary(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
     """Prints a table of the stages as `keras.Model.summary()` prints the layers: each
     stage's devices, layers and parameters, then the model's totals. `print_fn`: called with
     each line (default `print`)."""
     for line in summary_lib.lines(self):
       (print_fn or print)(line)
 
-  def compile(self, optimizer=_UNSET, loss=_UNSET, loss_weights=_UNSET, metrics=_UNSET,
-              weighted_metrics=_UNSET, run_eagerly=False, steps_per_execution="auto",
-              jit_compile="auto", auto_scale_loss=True, **model_arguments):
+  def compile(self, optimizer: Any = _UNSET, loss: Any = _UNSET, loss_weights: Any = _UNSET,
+              metrics: Any = _UNSET, weighted_metrics: Any = _UNSET, run_eagerly: bool = False,
+              steps_per_execution: Union[int, str] = "auto",
+              jit_compile: Union[bool, str] = "auto", auto_scale_loss: bool = True,
+              **model_arguments: Any) -> None:
     """`keras.Model.compile` for the pipeline: each stage gets its own copy of `optimizer`
     (same config, and its `exclude_from_weight_decay`), the last stage Keras's own loss and
     metric containers (`tfpipe.stage.keras_step.KerasStep`: `loss_weights`, `metrics` unweighted,
@@ -351,10 +353,14 @@ class Pipeline:
     for p in self.programs:
       p.load_from_model()
 
-  def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-          validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-          sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-          validation_batch_size=None, validation_freq=1, seed=None):
+  def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, epochs: int = 1,
+          verbose: Union[str, int] = "auto",
+          callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
+          validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+          class_weight: Optional[Mapping[int, float]] = None, sample_weight: Any = None,
+          initial_epoch: int = 0, steps_per_epoch: Optional[int] = None,
+          validation_steps: Optional[int] = None, validation_batch_size: Optional[int] = None,
+          validation_freq: int = 1, seed: Optional[int] = None) -> keras.callbacks.History:
     """Trains epochs `initial_epoch` .. `epochs`-1; returns a `keras.callbacks.History`.
 
     Takes `keras.Model.fit`'s arguments with their meaning (plus `seed`, the
@@ -424,8 +430,11 @@ class Pipeline:
         raise
       raise lost from e
 
-  def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
-               steps=None, callbacks=None, return_dict=False):
+  def evaluate(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None,
+               verbose: Union[str, int] = "auto", sample_weight: Any = None,
+               steps: Optional[int] = None,
+               callbacks: Optional[Sequence[keras.callbacks.Callback]] = None,
+               return_dict: bool = False) -> Union[float, List[float], Dict[str, float]]:
     """Loss and metrics over the data with the current weights, pipelined forward only
     (`keras.Model.evaluate`'s arguments and return value)."""
     self._check_compiled()
@@ -436,7 +445,9 @@ class Pipeline:
                               data_hooks + list(callbacks or []), verbose, test_hooks=True)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
-  def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+  def predict(self, x: Any, batch_size: Optional[int] = None, verbose: Union[str, int] = "auto",
+              steps: Optional[int] = None,
+              callbacks: Optional[Sequence[keras.callbacks.Callback]] = None) -> Any:
     """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array, with the
     `on_predict_*` hooks (`keras.Model.predict`'s arguments)."""
     self._check_compiled()
