@@ -1,4 +1,4 @@
-"""Seed 001's speedup model against measurement: data parallel, ASGD and layer-wise
+"""Wang et al.'s speedup model against measurement: data parallel, ASGD and layer-wise
 (pipelined) model parallelism on its fully connected DNN, 2 workers here.
 
 Measures on this machine T_calc (one device's time for a batch), T_comm (moving

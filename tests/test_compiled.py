@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from tfpipe.rules import optimizers
 from tfpipe.plan import policies, schedules, windows
+from tfpipe.rules import optimizers
 import tfpipe
 
 SCHEDULES = [("sequential", 3, 1), ("1f1b", 3, 1), ("1f1b", 4, 2), ("gpipe", 3, 3),

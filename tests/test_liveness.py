@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tfpipe.cluster import servers as cluster, liveness
+from tfpipe.cluster import liveness, servers as cluster
 
 # Multi-process timings: never beside another multi-process test (setup.cfg).
 pytestmark = pytest.mark.xdist_group("processes")

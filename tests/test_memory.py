@@ -4,8 +4,8 @@ import keras
 import pytest
 
 import tfpipe
-from tfpipe.rules import optimizers
 from tfpipe.instruments import memory
+from tfpipe.rules import optimizers
 from tests import helpers
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from tests import helpers
 import tfpipe
-from tfpipe.rules import mitigations, optimizers
 from tfpipe.plan import schedules
+from tfpipe.rules import mitigations, optimizers
 
 LR, MOMENTUM = 0.05, 0.9
 

@@ -10,8 +10,8 @@ import tensorflow as tf
 from tests import helpers
 from tests.conftest import DEVICES
 from tfpipe import models
-from tfpipe.rules import optimizers
 from tfpipe.plan import schedules
+from tfpipe.rules import optimizers
 import tfpipe
 
 LR, MOMENTUM = 0.05, 0.9

@@ -3,8 +3,8 @@
 import pytest
 
 from tests.conftest import DEVICES
-from tfpipe.stage import placement
 from tfpipe.plan import policies
+from tfpipe.stage import placement
 
 
 def _policy(method, virtual_stages=None):

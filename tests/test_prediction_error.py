@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tfpipe.rules import optimizers
 from tfpipe.instruments import prediction_error
+from tfpipe.rules import optimizers
 from tests import helpers
 
 

@@ -7,8 +7,8 @@ import tensorflow as tf
 
 from tests import helpers
 from tests.conftest import DEVICES
-from tfpipe.stage import program as stage, tracing
 from tfpipe.plan import policies
+from tfpipe.stage import program as stage, tracing
 
 
 def _program(method="vanilla"):

@@ -12,8 +12,8 @@ import pytest
 from tests import helpers
 from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _dropout_pipe, _stage_weights, LR, MOMENTUM
-from tfpipe.rules import optimizers
 from tfpipe.plan import schedules, simulator, verify
+from tfpipe.rules import optimizers
 import tfpipe
 
 SYNC = {"1f1b": "1f1b_flush", "zb": "zb_h1"}

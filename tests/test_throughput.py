@@ -6,8 +6,8 @@ import keras
 import pytest
 
 import tfpipe
-from tfpipe.rules import optimizers
 from tfpipe.instruments.throughput import ThroughputMeter
+from tfpipe.rules import optimizers
 from tests import helpers
 
 

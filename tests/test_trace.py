@@ -10,9 +10,9 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe.rules import optimizers
-from tfpipe.plan import schedules
 from tfpipe.instruments import trace
+from tfpipe.plan import schedules
+from tfpipe.rules import optimizers
 from tests import helpers
 
 

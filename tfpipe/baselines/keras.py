@@ -6,8 +6,8 @@ import keras
 import tensorflow as tf
 
 from tfpipe import devices as devices_lib
-from tfpipe.stage import keras_step as compile_utils
 from tfpipe.plan import names
+from tfpipe.stage import keras_step as compile_utils
 
 __all__ = ["Single", "DataParallel"]
 

@@ -25,11 +25,10 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.baselines import epochs as epochs_lib
-from tfpipe.cluster import servers as cluster_lib
+from tfpipe.cluster import liveness, servers as cluster_lib
 from tfpipe.runtime import iterators
 from tfpipe.stage import keras_step as compile_utils
 from tfpipe.training import data
-from tfpipe.cluster import liveness
 
 __all__ = ["make_strategy", "MultiWorkerDataParallel"]
 

@@ -20,7 +20,7 @@ def snn(input_shape, num_classes, scale=1.0, width=2048, depth=32):
 
 
 def dnn(input_shape, num_classes, scale=1.0, width=2048, depth=7):
-  """Seed 001's speech DNN: `depth` sigmoid layers of `width` x `scale` units, softmax output
+  """Wang et al.'s speech DNN: `depth` sigmoid layers of `width` x `scale` units, softmax output
   (the logits here; the trainer's loss applies the softmax)."""
   layers = [keras.Input(input_shape), keras.layers.Flatten(name="flatten")]
   for i in range(depth):

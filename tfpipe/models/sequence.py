@@ -62,7 +62,7 @@ def _decoder(shape, heads, hidden, name):
 
 def transformer(input_shape, num_classes, scale=1.0, vocab_size=20000, blocks=6, heads=8,
                 width=512, hidden=2048):
-  """Seed 000's Transformer for sentiment (Vaswani et al.): `blocks` encoder and `blocks`
+  """The SpecTrain paper's Transformer for sentiment (Vaswani et al.): `blocks` encoder and `blocks`
   decoder blocks, `heads` heads, model width `width` (the paper's 512 units), feed-forward
   `hidden`. The decoder reads the same tokens (its own embedding) and attends to the
   encoder; its mean over positions feeds the classifier."""
@@ -107,7 +107,7 @@ def _lstm_layer(shape, memory, output, name):
 
 def residual_lstm(input_shape, num_classes, scale=1.0, vocab_size=20000, layers=8,
                   embedding=512, output=512, memory=1024):
-  """Seed 000's Residual LSTM: `layers` LSTM layers of `memory` cells with `output` units and
+  """The SpecTrain paper's Residual LSTM: `layers` LSTM layers of `memory` cells with `output` units and
   residual connections, over a `embedding`-unit embedding; the last step classifies."""
   e, o, m = _w(embedding, scale), _w(output, scale), _w(memory, scale)
   tokens = keras.Input(input_shape, dtype="int32")

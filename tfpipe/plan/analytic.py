@@ -46,50 +46,50 @@ def step_time(method: str, T_F: float, T_B: float, K: int, lockstep: bool = True
 
 
 def speedup(t_ser: float, t_par: float) -> float:
-  """Seed 001 eq. 4: S = t_ser / t_par."""
+  """Wang et al. eq. 4: S = t_ser / t_par."""
   return t_ser / t_par
 
 
 def efficiency(t_ser: float, t_par: float, P: int) -> float:
-  """Seed 001 eq. 4: E = S / P."""
+  """Wang et al. eq. 4: E = S / P."""
   return speedup(t_ser, t_par) / P
 
 
 def serial_time(iterations: int, t_calc: float) -> float:
-  """Seed 001 eq. 5: t_ser = I_ser(b) * T_calc(b)."""
+  """Wang et al. eq. 5: t_ser = I_ser(b) * T_calc(b)."""
   return iterations * t_calc
 
 
 def data_parallel_time(iterations: int, P: int, t_calc: float, t_comm: float) -> float:
-  """Seed 001 eq. 6: t_par = I_par(b, P) / P * max(T_calc(b), 2P * T_comm), with computation
+  """Wang et al. eq. 6: t_par = I_par(b, P) / P * max(T_calc(b), 2P * T_comm), with computation
   and communication overlapped; eq. 7 takes I_par(b, P) = I_ser(b) iterations in all."""
   return iterations / P * max(t_calc, 2 * P * t_comm)
 
 
 def data_parallel_speedup(P: int, t_calc: float, t_comm: float) -> float:
-  """Seed 001 eq. 8: S = P * T_calc / max(T_calc, 2P * T_comm)."""
+  """Wang et al. eq. 8: S = P * T_calc / max(T_calc, 2P * T_comm)."""
   return P * t_calc / max(t_calc, 2 * P * t_comm)
 
 
 def data_parallel_efficiency(P: int, t_calc: float, t_comm: float) -> float:
-  """Seed 001 eq. 8: E = S / P."""
+  """Wang et al. eq. 8: E = S / P."""
   return data_parallel_speedup(P, t_calc, t_comm) / P
 
 
 def balanced_workers(t_calc: float, t_comm: float) -> float:
-  """Seed 001 eq. 9: the P at which computation and communication balance, T_calc = 2P T_comm."""
+  """Wang et al. eq. 9: the P at which computation and communication balance, T_calc = 2P T_comm."""
   return t_calc / (2 * t_comm)
 
 
 def dnn_weights(n_in: int, n_hidden: int, n_out: int, layers: int) -> int:
-  """Seed 001 section 2: N_W = N_h (N_i + (L-2) N_h + N_o) weights of a DNN with L-1 hidden
-  layers of N_h units (biases left out, as there). Seed 001's example: L-1 = 7, N_i = 400,
+  """Wang et al. section 2: N_W = N_h (N_i + (L-2) N_h + N_o) weights of a DNN with L-1 hidden
+  layers of N_h units (biases left out, as there). Wang et al.'s example: L-1 = 7, N_i = 400,
   N_h = 2048, N_o = 10k gives ~4.9e7."""
   return n_hidden * (n_in + (layers - 2) * n_hidden + n_out)
 
 
 def communication_time(num_weights: int, bandwidth: float, bytes_per_weight: int = 4) -> float:
-  """Seed 001 section 4.4: T_comm = M / bandwidth with M = N_W * omega_B bytes of the model
+  """Wang et al. section 4.4: T_comm = M / bandwidth with M = N_W * omega_B bytes of the model
   (bandwidth in bytes/s): the one-way time to move one copy of the gradients or weights."""
   return num_weights * bytes_per_weight / bandwidth
 

@@ -13,8 +13,8 @@ every prediction to one update (at the depths ONE_UPDATE_STAGES says it was meas
 
 import keras
 
-from tfpipe.rules import mitigations
 from tfpipe.plan import tasks
+from tfpipe.rules import mitigations
 
 __all__ = ["ADVISABLE", "SPECTRAIN", "ONE_UPDATE", "ONE_UPDATE_STAGES", "MICRO_BATCHES",
            "family", "advised", "resolve", "micro_batches", "one_update", "batch_norm_layers"]

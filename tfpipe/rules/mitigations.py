@@ -55,8 +55,8 @@ import tensorflow as tf
 from keras import ops
 
 from tfpipe import compat
-from tfpipe.rules import prediction
 from tfpipe.plan import schedules
+from tfpipe.rules import prediction
 
 __all__ = ["StageRule", "stage_delays", "delay_momentum", "lr_factor", "blend_factor",
            "spike_coefficients", "momentum_of", "adam_of", "check_optimizer", "compensate",

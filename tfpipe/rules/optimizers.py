@@ -11,7 +11,7 @@ Schedule = keras.optimizers.schedules.LearningRateSchedule
 
 
 def predict_weights(weights, smoothed_gradient, learning_rate, s):
-  """Seed 000 eq. 4: the weights expected `s` updates ahead.
+  """The SpecTrain paper's eq. 4: the weights expected `s` updates ahead.
 
   ```
   W_hat_{t+s} = W_t - s * eta * v_{t-1}

@@ -34,8 +34,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe.rules import advice, mitigations, optimizers
 from tfpipe.plan import pieces, policies, schedules, tasks, verify
+from tfpipe.rules import advice, mitigations, optimizers
 
 __all__ = ["reference_train"]
 

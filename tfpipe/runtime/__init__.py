@@ -6,9 +6,9 @@ devices. `threaded`: a worker thread per stage interprets the schedule task
 by task (the reference, for debugging). Both run the same stage programs.
 """
 
+from tfpipe.plan.records import TaskRecord
 from tfpipe.runtime.compiled import CompiledRuntime
 from tfpipe.runtime.links import Barrier, Channel, OutOfData, Stopped, spawn
-from tfpipe.plan.records import TaskRecord
 from tfpipe.runtime.threaded import Runtime
 
 EXECUTORS = ("compiled", "threaded")

@@ -33,8 +33,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import compat
-from tfpipe.plan import records, schedules, tasks as plan_tasks, windows as windows_lib
-from tfpipe.plan import pieces
+from tfpipe.plan import pieces, records, schedules, tasks as plan_tasks, windows as windows_lib
 from tfpipe.runtime import groups, interpreter, timeline
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import OutOfData, concat

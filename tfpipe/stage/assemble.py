@@ -10,9 +10,9 @@ import keras
 import tensorflow as tf
 
 from tfpipe import runtime
+from tfpipe.instruments import prediction_error as prediction_error_lib
 from tfpipe.rules import joint, mitigations
 from tfpipe.stage import keras_step as compile_utils, program as stage, tracing
-from tfpipe.instruments import prediction_error as prediction_error_lib
 
 __all__ = ["check_compile_arguments", "programs", "executor"]
 

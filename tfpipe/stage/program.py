@@ -12,10 +12,10 @@ import keras
 import tensorflow as tf
 
 from tfpipe import compat
-from tfpipe.rules import mitigations, prediction
-from tfpipe.stage import keras_step as compile_utils, reduction, updates as updates_lib
-from tfpipe.stage import logs as logs_lib, tracing, weights as weights_lib
 from tfpipe.plan import tasks
+from tfpipe.rules import mitigations, prediction
+from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reduction, tracing
+from tfpipe.stage import updates as updates_lib, weights as weights_lib
 
 __all__ = ["StageProgram", "Kept"]
 
@@ -65,7 +65,11 @@ class StageProgram:
   backward reads its weights keeps its tape (`Kept`), so the backward
   recomputes nothing and reads the forward's weights exactly (the stash);
   other backwards recompute the stage from its kept input. The executors
-  call these operations and nothing else while training.
+  call these operations and nothing else while training. What they read
+  and do is delegated: `sources` (`tfpipe.stage.weights`: the weights a task
+  reads), `updates` (`tfpipe.stage.updates`: the step with the stage's rule,
+  accumulation, whole-model decisions), `reports` (`tfpipe.stage.logs`: the
+  last stage's loss and metrics) and `functions` (`tfpipe.stage.tracing`).
 
   Backwards of micro-batches add their weight gradients into accumulators
   (`accumulate=True`); `apply_accumulated` then updates once. `scale` (a

@@ -13,9 +13,9 @@ import keras
 import numpy as np
 
 from tfpipe import runtime
+from tfpipe.instruments import breakdown as breakdown_lib, trace
 from tfpipe.runtime import iterators
 from tfpipe.training import checkpoint as checkpoint_lib
-from tfpipe.instruments import breakdown as breakdown_lib, trace
 
 __all__ = ["train", "evaluate", "predict", "choose_window", "restore", "reads_batches",
            "fit_records"]

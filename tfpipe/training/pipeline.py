@@ -16,15 +16,13 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.cluster import servers as cluster
-from tfpipe.stage import assemble, keras_step as compile_utils
-from tfpipe.training import checkpoint as checkpoint_lib, data
-from tfpipe.rules import joint
-from tfpipe.stage import layer_profile
-from tfpipe.training import fit_data, fit_loop, learning_rate
-from tfpipe.stage import partition as partition_lib, placement, reduction
-from tfpipe.training import options as options_lib, summary as summary_lib
 from tfpipe.instruments import prediction_error as prediction_error_lib
 from tfpipe.plan import policies
+from tfpipe.rules import joint
+from tfpipe.stage import assemble, keras_step as compile_utils, layer_profile
+from tfpipe.stage import partition as partition_lib, placement, reduction
+from tfpipe.training import checkpoint as checkpoint_lib, data, fit_data, fit_loop, learning_rate
+from tfpipe.training import options as options_lib, summary as summary_lib
 
 __all__ = ["Pipeline"]
 
