@@ -1,7 +1,9 @@
-"""Batch-only, model-only and integrated batch x model parallelism (the integrated-parallelism paper (Laugier et al.)) on the fully
+"""Batch-only, model-only and integrated batch x model parallelism (Laugier et al.'s integrated
+parallelism paper) on the fully
 connected workloads: samples/s and the bytes each step moves between devices.
 
-Trains the layer-wise partitioning paper's DNN (7 sigmoid layers) and the SpecTrain paper's SNN (SELU), both at
+Trains the layer-wise partitioning paper's DNN (7 sigmoid layers) and the SpecTrain paper's SNN
+(SELU), both at
 --width, on synthetic 784-feature inputs with `tfpipe.tensor_parallel` on
 grids of --devices logical CPUs (batch-only D x 1, model-only 1 x D, and the
 square grid), beside one device, measured in one run. Writes

@@ -1,6 +1,7 @@
 """Per-stage memory of every pipeline method: weights, weight versions, activations, optimizer
 slots and gradient accumulators, measured by a short run (the SpecTrain paper's and Kang's
-model-parallelism report's memory arguments: PipeDream stashes K-k versions, SpecTrain-repredict and vanilla
+model-parallelism report's memory arguments: PipeDream stashes K-k versions, SpecTrain-repredict and
+vanilla
 none, GPipe M micro-batches of activations).
 
 Trains the quickstart SNN (8 x 512 SELU on digits' 64 features) for a few

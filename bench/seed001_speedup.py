@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from bench import results_io  # noqa: E402
 
-flags.DEFINE_integer("width", 1024, "units per hidden layer (the layer-wise partitioning paper (Wang et al.): 2048)")
+flags.DEFINE_integer("width", 1024, "units per hidden layer (Wang et al.'s layer-wise partitioning paper: 2048)")
 flags.DEFINE_integer("batch_size", 256, "batch size")
 flags.DEFINE_integer("steps", 40, "steps per runner")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")

@@ -2,7 +2,8 @@
 
 The synchronous schedules and `data_parallel` equal Keras `fit` on a KerasHub Llama with a
 per-token head (weights, History, evaluate, predict), batches of one length and bucketed
-batches of several, and with `global_clipnorm`; the asynchronous methods follow their reference rules on a per-token
+batches of several, and with `global_clipnorm`; the asynchronous methods follow their reference
+rules on a per-token
 model (`tfpipe.rules.reference`), on both executors.
 """
 

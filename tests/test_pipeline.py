@@ -195,7 +195,8 @@ def test_methods_differ_from_each_other():
     K = 2 if method in ("interleaved", "zbv") else 3
     finals[method] = _run_both(method, {}, K=K, n=8, train=False)[1][0][0]
   # Same weights by design: ddg is pipedream's rule and feature_replay vanilla's, on another
-  # timing (Kang's model-parallelism report section 2); the synchronous methods all equal plain training, here at
+  # timing (Kang's model-parallelism report section 2); the synchronous methods all equal plain
+  # training, here at
   # other batch sizes (micro-batches) of the same data, so they differ by round-off only.
   same = {("ddg", "pipedream"), ("feature_replay", "vanilla")}
   sync = set(tfpipe.SYNCHRONOUS_METHODS)

@@ -40,7 +40,8 @@ def test_gpipe_golden_k3():
 
 
 def test_ddg_golden_k4():
-  # Kang's model-parallelism report table 3: step t of stage k is F(t), B(t-d) with the gradient in store, then
+  # Kang's model-parallelism report table 3: step t of stage k is F(t), B(t-d) with the gradient in
+  # store, then
   # receive the gradient of t-d+1 (d = K-1-k).
   assert _table(schedules.ddg(4, 5)) == [
       "F0 F1 F2 R0 F3 B0 R1 F4 B1 R2 B2 R3 B3 R4 B4",

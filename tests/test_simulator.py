@@ -1,4 +1,4 @@
-"""Simulator: the textbook bubble, the Kang's model-parallelism report's table 1, the layer-wise partitioning paper's eq. 8."""
+"""Simulator: the textbook bubble, Kang's model-parallelism report's table 1, the layer-wise partitioning paper's eq. 8."""
 
 import pytest
 

@@ -66,7 +66,8 @@ def test_every_method_verifies_for_k_up_to_16_and_m_up_to_64(K):
 
 
 def test_memory_table_matches_the_epfl_report_and_design():
-  # Kang's model-parallelism report table 1 (devices counted from 1 there: K-k+1 is K-k here, k from 0):
+  # Kang's model-parallelism report table 1 (devices counted from 1 there: K-k+1 is K-k here, k from
+  # 0):
   # sequential 1 mini-batch; DDG and PipeDream K-k states; FR inputs only.
   K, M = 5, 4
   table = verify.memory_table(K, M)

@@ -23,7 +23,7 @@ def define_flags():
   flags.DEFINE_integer("liveness_misses", 2,
                        "--cluster: probes (2 s each, one a second) a TF server may leave "
                        "unanswered in a row before training stops naming it")
-  flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (the integrated-parallelism paper (Laugier et al.)), e.g. 2x2")
+  flags.DEFINE_string("grid", "2x2", "grid method: BATCHxMODEL devices (Laugier et al.'s integrated parallelism paper), e.g. 2x2")
   flags.DEFINE_list("stage_replicas", [],
                     "STAGE:R pairs: run stage STAGE data parallel on R devices (hybrid), e.g. 0:2")
   flags.DEFINE_integer("data_parallel", 1,

@@ -5,11 +5,13 @@ W: workers, P: parameter servers. The model's variables (and the momentum
 slots) live on the P servers; this process is the coordinator. Each
 scheduled step runs on whichever worker is free: it reads the current
 weights, computes a mini-batch gradient, and applies its update to the
-servers without waiting for the others (the layer-wise partitioning paper (Wang et al.), algorithm 1, without the
+servers without waiting for the others (Wang et al.'s layer-wise partitioning paper, algorithm 1,
+without the
 mutex), so a gradient may have been computed on weights other workers have
 already moved: the staleness ASGD trades for throughput.
 
-Synchronous parameter-server data parallelism (the layer-wise partitioning paper (Wang et al.), fig. 4b: workers
+Synchronous parameter-server data parallelism (Wang et al.'s layer-wise partitioning paper, fig. 4b:
+workers
 send gradients to a host, which averages and sends the weights back) is not
 what this strategy does; in tfpipe it is the `dataparallel` baseline,
 `MirroredStrategy` with `ReductionToOneDevice` (reduce on one device, then

@@ -1,4 +1,4 @@
-"""Integrated batch x model parallelism (the integrated-parallelism paper (Laugier et al.)): tensor-parallel Dense layers on a device grid.
+"""Integrated batch x model parallelism (Laugier et al.): tensor-parallel Dense layers on a grid.
 
 n_b: batch groups, n_m: model shards, grid device (i, j): batch group i,
 shard j; L: Dense layers. Layers alternate: a column layer splits its

@@ -1,8 +1,10 @@
 """The papers' workloads as Keras models, each with a width `scale` so a small one runs in tests.
 
 Images (CIFAR-10 shaped): vgg16, resnet20, resnet152, inception_v4 (the SpecTrain paper,
-Kang's model-parallelism report). Flat inputs: snn (the SpecTrain paper: 32 x 2048 SELU), dnn (the layer-wise partitioning paper (Wang et al.): 7 x
-2048 sigmoid), mlp (8 x 256 ReLU, the staleness benchmark's). Token sequences: transformer (the SpecTrain paper: 6 + 6 blocks, 8 heads,
+Kang's model-parallelism report). Flat inputs: snn (the SpecTrain paper: 32 x 2048 SELU), dnn (Wang
+et al.'s layer-wise partitioning paper: 7 x
+2048 sigmoid), mlp (8 x 256 ReLU, the staleness benchmark's). Token sequences: transformer (the
+SpecTrain paper: 6 + 6 blocks, 8 heads,
 512 units), bert (Kang's model-parallelism report: 3 encoders, 768 hidden, 12 heads),
 residual_lstm (the SpecTrain paper: 8 LSTM layers; 512 embedding, 512 output, 1024
 memory units). The staleness benchmark's: mlp, small_cnn (images), counter

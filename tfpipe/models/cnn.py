@@ -83,7 +83,8 @@ def _head(x, num_classes):
 
 
 def resnet20(input_shape, num_classes, scale=1.0):
-  """ResNet20 for CIFAR-10 (He et al.; Kang's model-parallelism report): a 3x3 conv, 9 basic blocks of 16/32/64
+  """ResNet20 for CIFAR-10 (He et al.; Kang's model-parallelism report): a 3x3 conv, 9 basic blocks
+  of 16/32/64
   channels, pool and classifier: the report's 11 layers (stem, blocks, head)."""
   _check_size("resnet20", input_shape)
   inputs = keras.Input(input_shape)

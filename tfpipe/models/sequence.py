@@ -1,4 +1,4 @@
-"""Token-sequence workloads: the SpecTrain paper's Transformer and Residual LSTM, the Kang's model-parallelism report's BERT;
+"""Token-sequence workloads: SpecTrain's Transformer and Residual LSTM, Kang's report's BERT;
 and the staleness benchmark's small attention classifier.
 
 L: sequence length, V: vocabulary size, d: model width. Inputs are integer
@@ -81,7 +81,8 @@ def transformer(input_shape, num_classes, scale=1.0, vocab_size=20000, blocks=6,
 
 def bert(input_shape, num_classes, scale=1.0, vocab_size=20000, encoders=3, heads=12,
          width=768):
-  """The Kang's model-parallelism report's small BERT: an embedding layer, `encoders` encoders of width `width`
+  """Kang's model-parallelism report's small BERT: an embedding layer, `encoders` encoders of width
+  `width`
   with `heads` heads and a 4 x width GELU feed-forward, the first position classified."""
   d = _w(width, scale)
   tokens = keras.Input(input_shape, dtype="int32")
@@ -107,7 +108,8 @@ def _lstm_layer(shape, memory, output, name):
 
 def residual_lstm(input_shape, num_classes, scale=1.0, vocab_size=20000, layers=8,
                   embedding=512, output=512, memory=1024):
-  """The SpecTrain paper's Residual LSTM: `layers` LSTM layers of `memory` cells with `output` units and
+  """The SpecTrain paper's Residual LSTM: `layers` LSTM layers of `memory` cells with `output` units
+  and
   residual connections, over a `embedding`-unit embedding; the last step classifies."""
   e, o, m = _w(embedding, scale), _w(output, scale), _w(memory, scale)
   tokens = keras.Input(input_shape, dtype="int32")

@@ -95,7 +95,8 @@ def communication_time(num_weights: int, bandwidth: float, bytes_per_weight: int
 
 
 def layerwise_speedup(t_calc: float, K: int, t_transfer: float = 0.0) -> float:
-  """Layer-wise model parallelism with an asynchronous pipeline (the layer-wise partitioning paper (Wang et al.) section 5, the SpecTrain paper):
+  """Layer-wise model parallelism with an asynchronous pipeline (Wang et al.'s layer-wise
+  partitioning paper section 5, the SpecTrain paper):
   K equal stages each take T_calc / K per mini-batch, and each cut moves one activation
   forward and one gradient back per mini-batch (t_transfer each way, both ways at once), so
   ideally S = T_calc / max(T_calc / K, t_transfer). This assumes enough batches in flight to

@@ -395,7 +395,7 @@ def _zbv_order(S: int, M: int) -> List[List[Tuple[int, str, int]]]:
 
 
 def ddg(K: int, N: int, lockstep: bool = False) -> Lists:
-  """Decoupled backpropagation with delayed gradients (DDG, Kang's model-parallelism report table 3).
+  """Decoupled backpropagation with delayed gradients (DDG; Kang's report, table 3).
 
   Step t of stage k: forward of t, backward of t-d with the gradient it
   already holds, then receive (R) the gradient for its next backward. The
@@ -413,7 +413,7 @@ def ddg(K: int, N: int, lockstep: bool = False) -> Lists:
   stage 1, but not of the stages below: a step takes (2 T_F + T_B)/K.
 
   lockstep=True ends every step t with a barrier S(t) on all stages, as in
-  the DDG paper (fig. 3) and the Kang's model-parallelism report's table 1: the next forward
+  the DDG paper (fig. 3) and Kang's model-parallelism report's table 1: the next forward
   starts when the slowest stage ends its step, T_F + T_B/K. The weights each
   task reads are the same either way.
   """

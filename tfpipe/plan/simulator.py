@@ -185,7 +185,8 @@ def simulate_method(method: str, costs: Costs, num_batches: int,
 
 def simulate_data_parallel(P: int, t_calc: float, t_comm: float,
                            iterations: int) -> Tuple[float, float]:
-  """The layer-wise partitioning paper's fig. 4b: P workers compute a batch each (t_calc) while the host link moves the
+  """The layer-wise partitioning paper's fig. 4b: P workers compute a batch each (t_calc) while the
+  host link moves the
   previous iteration's P gradients and P weight copies (t_comm each, one at a time).
 
   Returns (makespan, speedup over one worker running the same P * iterations batches).

@@ -91,7 +91,8 @@ def batch_norm_layers(model):
 
 
 def micro_batches(policy, optimizer, num_stages, asked, version_difference, batch_norm):
-  """M that `MICRO_BATCHES` advises for `policy`'s method (SpecTrain's: it predicts) with `optimizer` at `num_stages` stages, or
+  """M that `MICRO_BATCHES` advises for `policy`'s method (SpecTrain's: it predicts) with
+  `optimizer` at `num_stages` stages, or
   None (the method's own default): only where the user left `asked` (micro_batches) None and
   nothing they chose excludes it (`version_difference` "paper" counts one update per batch;
   `batch_norm`: BatchNormalization whose statistics micro-batches would change)."""

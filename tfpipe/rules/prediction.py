@@ -5,7 +5,7 @@ s: version difference, lr: the learning rate, t: the optimizer's update count.
 
 | optimizer | step d (one update) | prediction |
 |---|---|---|
-| `tfpipe.optimizers.SpecTrain` | lr * v (smoothed gradient) | W - s * d (the SpecTrain paper eq. 4) |
+| `tfpipe.optimizers.SpecTrain` | lr * v (smoothed gradient) | W - s * d (SpecTrain eq. 4) |
 | `keras.optimizers.SGD`, momentum > 0 | -m (Keras's momentum slot is the last step) | W - s * d |
 | `keras.optimizers.Adam`, `AdamW` | lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps) | W - s * d |
 

@@ -1,4 +1,4 @@
-"""The slow reference: each method's weight rule (docs/methods.md), one task at a time, on one device.
+"""The slow reference: each method's weight rule (docs/methods.md), a task at a time, one device.
 
 K: stages, k: stage index, b: mini-batch, i: micro-batch, s: version
 difference, W: weights, V: smoothed gradients (SpecTrain) or momentum slots

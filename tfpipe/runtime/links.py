@@ -2,7 +2,8 @@
 
 K: stages, b: mini-batch. Channels are bounded FIFOs whose blocking calls
 give up when the epoch's `stop` event is set (an error somewhere) or when a
-`cancel` test says the item will never come (training stopped, see `Gate`). `spawn` starts threads and always joins them; the first exception
+`cancel` test says the item will never come (training stopped, see `Gate`). `spawn` starts threads
+and always joins them; the first exception
 in any thread stops the others and is re-raised in the caller.
 """
 

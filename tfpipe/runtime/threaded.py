@@ -8,7 +8,8 @@ share of the mini-batch (the `scale` of its loss). Forward outputs go into a
 bounded channel; a transfer thread copies them onto stage k+1's device and
 hands them on; gradients flow back the same way. At the last stage a
 backward follows the forwards it covers and runs with them as one compiled
-step (on their concatenation, for a TiMePReSt mini-batch). The first exception in any thread sets a shared stop
+step (on their concatenation, for a TiMePReSt mini-batch). The first exception in any thread sets a
+shared stop
 event: every blocked thread wakes within `poll` seconds and exits, and the
 caller re-raises that first exception with its traceback.
 """
@@ -53,7 +54,8 @@ class Runtime(Executor):
                   lead=schedules.lead(schedule))
 
     lanes = schedules.lanes(schedule)   # a device's stages run their tasks in its lane's order
-    # Joint updates (`tfpipe.rules.joint`): an update waits for every stage's backwards of its batch.
+    # Joint updates (`tfpipe.rules.joint`): an update waits for every stage's backwards of its
+    # batch.
     countdown = (Countdown(schedule, links.stop, self.poll) if getattr(schedule, "joint", False)
                  else None)
     covers = [verify.covered_units(tasks) for tasks in schedule]

@@ -70,8 +70,10 @@ class Pipeline:
       kept at stage k), "interleaved" (interleaved 1F1B: `virtual_stages` V
       model chunks per device, K x V stages, the bubble V times smaller),
       "zbv" (zero-bubble ZB-V: two stages per device in a V, device d
-      holding stages d and 2K-1-d, backwards split as "zb"'s), "zb" (zero-bubble ZB-H1: backwards split into input
-      and weight halves, the weight halves filling the bubble), "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
+      holding stages d and 2K-1-d, backwards split as "zb"'s), "zb" (zero-bubble ZB-H1: backwards
+      split into input
+      and weight halves, the weight halves filling the bubble), "vanilla", "pipedream", "spectrain",
+      "ddg", "feature_replay",
       "timeprest" (docs/methods.md), "pipemare" (vanilla's schedule, the
       backward on weights corrected back to the forward's, PipeMare) or
       "i_timeprest" (TiMePReSt's schedule, the backward on a blend of the
