@@ -27,6 +27,7 @@ With `record`, each training epoch runs under the TensorFlow profiler and the
 tasks' records come from its timeline (`tfpipe.runtime.timeline`).
 """
 
+import collections
 import contextlib
 
 import keras
@@ -108,7 +109,7 @@ class CompiledRuntime(Executor):
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
     self._keys = {}   # (window key, inlined) -> its number (the traced function's argument)
-    self._inlines = {}   # number -> whether its window is inlined
+    self._numbered = []   # number -> its `_Numbered` window
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
@@ -117,7 +118,6 @@ class CompiledRuntime(Executor):
     self._train = tf.function(self._train_window, autograph=False)
     self._group = tf.function(self._train_group, autograph=False)
     self._groups = {}   # the plan's numbers -> its `_Group`, or None: ungroupable
-    self._shifts = {}   # number -> its window's mini-batches (what its carry is rebased by)
     self._loop = tf.function(self._train_loop, autograph=False)
     self._infer = tf.function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
@@ -207,8 +207,8 @@ class CompiledRuntime(Executor):
       if stop and w + 1 < len(plan):
         last = windows_lib.drain(plan, w)
         if last is not None:
-          _, results = self._run(last, self._number(last, self._inlines[numbers[w]]), carry,
-                                 feed, M)
+          inline = self._numbered[numbers[w]].inline
+          _, results = self._run(last, self._number(last, inline), carry, feed, M)
           for b in range(last.first, last.last + 1):
             on_result(b, *results[b - last.first])
             done += 1
@@ -269,7 +269,7 @@ class CompiledRuntime(Executor):
   def _train_loop(self, number, n, xs, y, weights, M):
     """The loop of `_train_loops`: one iteration for each of the first `n` mini-batches, each
     the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
-    key, inline = next(key for key, i in self._keys.items() if i == number)
+    key, inline, _ = self._numbered[number]
     names = list(self.programs[-1].reports.results())
     empty = {"x": {}, "saved": {}, "g": {}}
 
@@ -296,8 +296,8 @@ class CompiledRuntime(Executor):
     instead of the key (a large Python argument is hashed by tf.function on every call;
     measured: most of a call's cost at K=8). Numbered once per plan."""
     number = self._keys.setdefault((window.key, inline), len(self._keys))
-    self._inlines[number] = inline
-    self._shifts[number] = window.last + 1 - window.first
+    if number == len(self._numbered):
+      self._numbered.append(_Numbered(window.key, inline, window.last + 1 - window.first))
     return number
 
   def _inlined(self, num_batches):
@@ -320,7 +320,7 @@ class CompiledRuntime(Executor):
     the lighter Grappler of `compat.light_calls`);
     a window of task calls without optimising its own graph (its trace makes the task calls
     with the stages' options: `_trace_tasks`)."""
-    if self._inlines[number]:
+    if self._numbered[number].inline:
       with compat.light_calls(layout=self._gpu):
         return function(number, *args)
     with compat.unoptimised_calls():
@@ -333,7 +333,9 @@ class CompiledRuntime(Executor):
     context = contextlib.nullcontext()
     if self._session is not None:
       n = len(self._calls)
-      self._calls[n] = self._describe(window)
+      self._calls[n] = timeline.describe(
+          window, self.updates, [p.ops["B"].reads == "kept" for p in self.programs],
+          self._profiled, self._forwards)
       context = self._session.window(n)
     traced = self._train.experimental_get_tracing_count()
     with context:
@@ -372,7 +374,7 @@ class CompiledRuntime(Executor):
 
   def _group_of(self, plan, numbers):
     """The `_Group` that runs `plan` (windows of stage calls, not profiled), else None."""
-    if self.record or any(self._inlines[n] for n in numbers):
+    if self.record or any(self._numbered[n].inline for n in numbers):
       return None
     distinct = tuple(dict.fromkeys(numbers))
     if distinct not in self._groups:
@@ -428,9 +430,9 @@ class CompiledRuntime(Executor):
         else:
           carry = groups.pack(group.template, compat.call_time_value(
               graph, group.carry_values, group.specs, key="tfpipe_carry"))
-        key, inline = next(key for key, n in self._keys.items() if n == number)
+        key, inline, shift = self._numbered[number]
         out, results = self._trace_tasks(key, inline, carry, inputs, labels, M)
-        rebased = groups.rebase(out, self._shifts[number])
+        rebased = groups.rebase(out, shift)
         if i == 0:
           group.set_template(rebased)
         else:
@@ -443,41 +445,10 @@ class CompiledRuntime(Executor):
     return groups.pack(like[0], tensors)
 
 
-  def _describe(self, window):
-    """(entries, backward_of) of `window` for `timeline.task_records`: per task in trace order
-    (k, kind, batch, micro, version, s) as the threaded executor records it (version: updates
-    of stage k whose weights the task read), None for the last stage's forwards (kept for its
-    step) and for stages on other processes; backward_of: {i: j} where backward j takes its
-    gradient through forward i's tape."""
-    counts, entries, backward_of = list(self.updates), [], {}
-    for j, (k, task, s, units) in enumerate(window.tasks):
-      last, unit = k == self.K - 1, (k, task.batch, task.micro)
-      entry = None
-      if task.kind == "F":
-        self._forwards[unit] = (counts[k], s, j)
-        if not last:
-          entry = (k, "F", task.batch, task.micro, counts[k], s)
-      elif task.kind in ("U", "W"):
-        entry = (k, task.kind, task.batch, task.micro, counts[k], s)
-      elif task.kind == "B":
-        forwards = [self._forwards.pop((k,) + u) for u in units]
-        if last:
-          entry = (k, records.STEP, task.batch, task.micro, counts[k], forwards[0][1])
-        else:
-          kept = len(units) == 1 and self.programs[k].ops["B"].reads == "kept"
-          entry = (k, "B", task.batch, task.micro, forwards[0][0] if kept else counts[k], s)
-          if kept and forwards[0][2] is not None:
-            backward_of[forwards[0][2]] = j
-      counts[k] += schedules.is_update(task)
-      entries.append(entry if self._profiled[k] else None)
-    for unit, (version, s, _) in self._forwards.items():   # kept past this window: recomputed
-      self._forwards[unit] = (version, s, None)
-    return entries, backward_of
-
   def _train_window(self, number, carry, inputs, labels, M):
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
     (carry, per-batch results)."""
-    key, inline = next(key for key, n in self._keys.items() if n == number)
+    key, inline, _ = self._numbered[number]
     return self._trace_tasks(key, inline, carry, inputs, labels, M)
 
   def _trace_tasks(self, key, inline, carry, inputs, labels, M):
@@ -600,6 +571,11 @@ class _WindowMoves(interpreter.Moves):
 
   def finished(self, b, loss, logs):
     self.results[b] = (loss, logs)
+
+
+class _Numbered(collections.namedtuple("_Numbered", ["key", "inline", "shift"])):
+  """A numbered window: its key, whether its tasks are inlined, and its mini-batches (what
+  its carry is rebased by for the next window)."""
 
 
 class _Group:

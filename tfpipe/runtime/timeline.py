@@ -35,9 +35,10 @@ import warnings
 import tensorflow as tf
 
 from tfpipe import compat
+from tfpipe.plan import records, schedules
 from tfpipe.plan.records import TaskRecord
 
-__all__ = ["scope", "Session", "Event", "task_records"]
+__all__ = ["scope", "Session", "Event", "describe", "task_records"]
 
 _SCOPE = "tfpipe_task"
 _WINDOW = "tfpipe_window"
@@ -192,3 +193,39 @@ def _runs(spans):
     else:
       runs.append([start, end])
   return [tuple(r) for r in runs]
+
+
+def describe(window, updates, kept, profiled, forwards):
+  """(entries, backward_of) of a compiled `window` for `task_records`: per task in trace order
+  (k, kind, batch, micro, version, s) as the threaded executor records it (version: updates of
+  stage k whose weights the task read; `updates`: each stage's count before the window), None
+  for the last stage's forwards (kept for its step) and for stages not `profiled` (on other
+  processes); backward_of: {i: j} where backward j takes its gradient through forward i's tape
+  (`kept[k]`: stage k's backward reads its forward's kept tape). `forwards` ((k, b, micro) ->
+  (version, s, index in its window or None)) carries the forwards waiting for a backward from
+  one window to the next."""
+  K = len(updates)
+  counts, entries, backward_of = list(updates), [], {}
+  for j, (k, task, s, units) in enumerate(window.tasks):
+    last, unit = k == K - 1, (k, task.batch, task.micro)
+    entry = None
+    if task.kind == "F":
+      forwards[unit] = (counts[k], s, j)
+      if not last:
+        entry = (k, "F", task.batch, task.micro, counts[k], s)
+    elif task.kind in ("U", "W"):
+      entry = (k, task.kind, task.batch, task.micro, counts[k], s)
+    elif task.kind == "B":
+      read = [forwards.pop((k,) + u) for u in units]
+      if last:
+        entry = (k, records.STEP, task.batch, task.micro, counts[k], read[0][1])
+      else:
+        through = len(units) == 1 and kept[k]
+        entry = (k, "B", task.batch, task.micro, read[0][0] if through else counts[k], s)
+        if through and read[0][2] is not None:
+          backward_of[read[0][2]] = j
+    counts[k] += schedules.is_update(task)
+    entries.append(entry if profiled[k] else None)
+  for unit, (version, s, _) in forwards.items():   # kept past this window: recomputed
+    forwards[unit] = (version, s, None)
+  return entries, backward_of
