@@ -1,6 +1,7 @@
 """The tree shows the architecture: planning code is pure Python."""
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -126,3 +127,15 @@ def test_the_private_attribute_check_sees_reads_writes_and_names_built_at_run_ti
                    "getattr(it, '__next__')\n")
   assert sorted(name for _, name in _private_uses(tree)) == [
       "'_' + name", "'_workers'", "_fit", "_functional"]
+
+
+def test_the_public_modules_keep_their_import_paths():
+  code = ("from tfpipe.optimizers import SpecTrain\nfrom tfpipe.checkpoint import BackupAndRestore\n"
+          "import tfpipe.asgd, tfpipe.multi_worker, tfpipe.tensor_parallel, tfpipe.cluster\n"
+          "import tfpipe\n"
+          "assert SpecTrain is tfpipe.rules.optimizers.SpecTrain\n"
+          "assert tfpipe.asgd is tfpipe.baselines.asgd and tfpipe.cluster.connect\n"
+          "print('ok')")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  assert done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -9,6 +9,8 @@ is measured against) and `models` (the benchmarks' models). `compat` is the one 
 touches TensorFlow's and Keras's internals.
 """
 
+import sys
+
 from tfpipe import cluster, devices, runtime
 from tfpipe.baselines import asgd, multi_worker, tensor_parallel
 from tfpipe.baselines.keras import DataParallel, Single
@@ -18,6 +20,13 @@ from tfpipe.plan.policies import PIPELINE_METHODS, SYNCHRONOUS_METHODS
 from tfpipe.rules import optimizers
 from tfpipe.training import checkpoint
 from tfpipe.training.pipeline import Pipeline
+
+# The public modules keep their import paths from before the layers had folders:
+# `from tfpipe.optimizers import SpecTrain` goes on working.
+for _name, _module in (("optimizers", optimizers), ("checkpoint", checkpoint), ("asgd", asgd),
+                       ("multi_worker", multi_worker), ("tensor_parallel", tensor_parallel)):
+  sys.modules.setdefault(f"{__name__}.{_name}", _module)
+del _name, _module
 
 __all__ = ["Pipeline", "Single", "DataParallel", "create", "create_logical_cpus",
            "default_devices", "devices", "optimizers", "asgd", "checkpoint", "cluster",
