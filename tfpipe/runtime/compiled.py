@@ -543,12 +543,12 @@ class _WindowMoves(interpreter.Moves):
 
   def take_input(self, k, b, micro):
     if k > 0:
-      return self.outputs.pop((k, b, micro))
-    xs, share = self._piece(self.inputs, "inputs", b, micro)
-    return xs, self.runtime.share(0, share)
-
-  def take_labels(self, b, micro):
-    return self._piece(self.labels, "labels", b, micro)[0]
+      xs, share = self.outputs.pop((k, b, micro))
+    else:
+      xs, share = self._piece(self.inputs, "inputs", b, micro)
+      share = self.runtime.share(0, share)
+    last = k == self.runtime.K - 1
+    return xs, share, self._piece(self.labels, "labels", b, micro)[0] if last else None
 
   def take_gradient(self, k, b, micro):
     return self.gradients.pop((k, b, micro))

@@ -46,11 +46,8 @@ class Moves:
   inline = False
 
   def take_input(self, k, b, micro):
-    """(inputs, share) of stage k's forward of unit (b, micro)."""
-    raise NotImplementedError
-
-  def take_labels(self, b, micro):
-    """(labels, sample weights) of the last stage's unit (b, micro)."""
+    """(inputs, share, labels) of stage k's forward of unit (b, micro); labels: (labels,
+    sample weights) at the last stage, else None."""
     raise NotImplementedError
 
   def take_gradient(self, k, b, micro):
@@ -122,10 +119,10 @@ def run(action, stage, moves):
   op = program.ops[kind].op   # tfpipe.plan.tasks
   start = time.perf_counter()
   if op in ("hold", "forward"):
-    xs, share = moves.take_input(k, b, micro)
+    xs, share, labels = moves.take_input(k, b, micro)
     start = time.perf_counter()
     if op == "hold":   # the last stage runs its forward with the backward (its step)
-      stage.held[unit] = Held(xs, moves.take_labels(b, micro), share, s)
+      stage.held[unit] = Held(xs, labels, share, s)
       return
     ys, kept = program.forward(xs, s, moves.inline)
     version = moves.version(k, s)

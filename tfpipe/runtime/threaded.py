@@ -164,14 +164,11 @@ class _LinkMoves(interpreter.Moves):
 
   def __init__(self, runtime, links, batches, diffs, countdown):
     self.runtime, self.links, self.batches, self.diffs = runtime, links, batches, diffs
-    self.countdown, self.gradients, self.labels = countdown, {}, None
+    self.countdown, self.gradients = countdown, {}
 
   def take_input(self, k, b, micro):
-    xs, self.labels, share = self.links.inputs(k, self.batches, labelled=True, b=b, micro=micro)
-    return xs, share
-
-  def take_labels(self, b, micro):
-    return self.labels
+    xs, labels, share = self.links.inputs(k, self.batches, labelled=True, b=b, micro=micro)
+    return xs, share, labels
 
   def take_gradient(self, k, b, micro):
     if (k, b, micro) in self.gradients:   # received early (an R task)

@@ -71,7 +71,7 @@ class Options:
   unset: Tuple[str, ...] = ()   # the advisable options the user left None
   advised: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   family: Optional[str] = None   # the optimizer's family, once resolved at compile
-  resolved: bool = False   # whether advice was looked up (at compile, with options unset)
+  looked_up: bool = False   # whether advice was looked up (at compile, with options unset)
 
   @property
   def method(self) -> str:
@@ -102,9 +102,9 @@ class Options:
     if self.advised:
       micro += (f" ({', '.join(sorted(self.advised))} advised for {self.family}: "
                 "tfpipe.rules.advice)")
-    elif self.resolved and self.family and self.policy.predicts:
+    elif self.looked_up and self.family and self.policy.predicts:
       micro += f" (no option advised for {self.family}: tfpipe.rules.advice)"
-    elif self.unset and self.policy.predicts and not self.resolved:
+    elif self.unset and self.policy.predicts and not self.looked_up:
       micro += " (options left unset: advised for the optimizer at compile)"
     devices = f" on {num_devices} devices" if num_devices not in (None, num_stages) else ""
     return f"method={self.method}, {num_stages} stages{devices}{micro}"
@@ -122,10 +122,7 @@ def checked(asked: Asked, model: keras.Model, num_stages: int) -> Options:
   policy = policy_of(asked)
   M = policies.micro_batches_for(policy, asked.micro_batches, num_stages)
   unset = tuple(n for n in _ADVISABLE if getattr(asked, n) is None)
-  values = {n: getattr(asked, n) for n in _ADVISABLE}
-  values.update({n: advice.ADVISABLE[n] for n in unset})
-  if "version_difference" in unset and policy.predicts and M > 1:
-    values["version_difference"] = "exact"   # the one that counts micro-batch updates
+  values = _plain(asked, unset, policy, M)
   _check_batch_statistics(model, asked.batch_statistics, M)
   trace_steps = trace.parse_steps(asked.trace_steps)
   if trace_steps is not None and not asked.trace_dir:
@@ -159,15 +156,10 @@ def resolved(options: Options, asked: Asked, model: keras.Model, optimizer: Any,
   delays = mitigations.delays_for(policy.schedule, num_stages, M, policy.virtual_stages)
   family = advice.family(optimizer)
   advised: Dict[str, Any] = {"micro_batches": M} if M != plain else {}
-  values = {n: getattr(asked, n) for n in _ADVISABLE}
-  values.update({n: advice.ADVISABLE[n] for n in options.unset})
-  if "version_difference" in options.unset and policy.predicts and M > 1:
-    values["version_difference"] = "exact"
+  values = _plain(asked, options.unset, policy, M)
   if options.unset:
     given = {"spike_compensation": values["spike_compensation"],
-             "nesterov": values["nesterov"],
-             "version_difference": (None if "version_difference" in options.unset
-                                    else values["version_difference"])}
+             "nesterov": values["nesterov"], "version_difference": asked.version_difference}
     chosen = advice.resolve(policy, M, num_stages, optimizer, list(options.unset),
                             any(delays), given)
     values.update(chosen)
@@ -180,7 +172,7 @@ def resolved(options: Options, asked: Asked, model: keras.Model, optimizer: Any,
     except ValueError:
       rules["lr_rescheduling"] = 0
   options = dataclasses.replace(options, micro_batches=M, advised=advised, family=family,
-                                resolved=options.resolved or bool(options.unset), **rules)
+                                looked_up=options.looked_up or bool(options.unset), **rules)
   on = [n for n, _ in options.update_options()]
   for name in on:
     if name != "delay_compensation":   # a gradient's correction: any optimizer
@@ -192,6 +184,16 @@ def resolved(options: Options, asked: Asked, model: keras.Model, optimizer: Any,
   return options, delays, [
       mitigations.StageRule(d, options.spike_compensation, options.lr_rescheduling, decay,
                             options.nesterov, options.delay_compensation) for d in delays]
+
+
+def _plain(asked, unset, policy, M):
+  """The advisable options as asked, the plain method's values where `unset`: "exact"
+  version differences with micro-batches (the ones that count their updates)."""
+  values = {n: getattr(asked, n) for n in _ADVISABLE}
+  values.update({n: advice.ADVISABLE[n] for n in unset})
+  if "version_difference" in unset and policy.predicts and M > 1:
+    values["version_difference"] = "exact"
+  return values
 
 
 def _rules(policy, M, asked, values):

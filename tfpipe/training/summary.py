@@ -1,5 +1,6 @@
 """`Pipeline.summary()`: a table as `keras.Model.summary()` prints one, a row per stage."""
 
+import math
 import textwrap
 
 __all__ = ["lines"]
@@ -21,8 +22,8 @@ def lines(pipe):
     params = pipe.partition.stages[k].count_params()
     out += _rows((str(k), where, ", ".join(layers), f"{params:,}"))
     out.append(("_" if k < pipe.num_stages - 1 else "=") * width)
-  trainable = sum(int(w.numpy().size) for w in pipe.model.trainable_weights)
-  total = sum(int(w.numpy().size) for w in pipe.model.weights)
+  trainable = sum(math.prod(w.shape) for w in pipe.model.trainable_weights)
+  total = sum(math.prod(w.shape) for w in pipe.model.weights)
   out += [f" Total params: {total:,}", f" Trainable params: {trainable:,}",
           f" Non-trainable params: {total - trainable:,}"]
   return out
