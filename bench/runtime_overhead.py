@@ -167,7 +167,7 @@ def _graph_ops_per_batch(runner):
     # pylint: disable=protected-access
     concretes = [(c, runner.runtime.window)
                  for c in runner.runtime._train._list_all_concrete_functions()]
-    concretes += [(c, 1) for c in runner.runtime._loop._list_all_concrete_functions()]
+    concretes += [(c, 1) for c in runner.runtime.loops.function._list_all_concrete_functions()]
   else:   # Keras's train step, traced on its own
     specs = (tf.TensorSpec([FLAGS.batch_size, FLAGS.input_dim], tf.float32),
              tf.TensorSpec([FLAGS.batch_size], tf.int64))

@@ -36,6 +36,16 @@ def test_create_names_methods():
     tfpipe.create(helpers.mlp(), "dataparalel")
 
 
+def test_every_method_has_one_kind_that_callers_dispatch_on():
+  kinds = {m: tfpipe.methods.kind(m) for m in tfpipe.METHODS}
+  assert {m for m, k in kinds.items() if k.pipeline} == set(tfpipe.PIPELINE_METHODS)
+  assert {m for m, k in kinds.items() if k.parameter_servers} == set(tfpipe.CLUSTER_METHODS)
+  assert kinds["single"].devices == "one" and kinds["grid"].devices == "grid"
+  assert [m for m, k in kinds.items() if k.across_processes] == ["dataparallel"]
+  with pytest.raises(ValueError, match="method"):
+    tfpipe.methods.kind("gpipe2")
+
+
 def test_baselines_take_keras_fit_arguments_like_the_pipeline():
   x, y = helpers.as_arrays(helpers.batches(6))
   weights = np.linspace(0.5, 1.5, len(x)).astype("float32")

@@ -14,6 +14,7 @@ from tests import helpers
 from tfpipe.plan import policies, schedules, windows
 from tfpipe.rules import optimizers
 import tfpipe
+from tfpipe.runtime import grouped as grouped_lib
 
 SCHEDULES = [("sequential", 3, 1), ("1f1b", 3, 1), ("1f1b", 4, 2), ("gpipe", 3, 3),
              ("ddg", 3, 1), ("ddg_lockstep", 3, 1), ("timeprest", 3, 2), ("timeprest", 2, 4),
@@ -323,7 +324,7 @@ def test_the_task_calls_of_a_window_traced_on_its_unoptimised_call_optimise_thei
   # The windows are the branches of one group function (`tfpipe.runtime.groups`): their
   # task calls sit in its branch functions.
   graphs = [concrete.graph.as_graph_def()
-            for concrete in pipe.runtime._group._list_all_concrete_functions()]
+            for concrete in pipe.runtime.grouped.function._list_all_concrete_functions()]
   assert graphs
   calls = [node for graph in graphs
            for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]
@@ -343,7 +344,7 @@ def _grouped_and_not(method, samples, monkeypatch, K=3):
   runs = []
   for grouped in (True, False):
     if not grouped:
-      monkeypatch.setattr(tfpipe.runtime.CompiledRuntime, "_group_of", lambda *_: None)
+      monkeypatch.setattr(grouped_lib.GroupedWindows, "group_of", lambda *_: None)
     model = helpers.mlp()
     pipe, compile_ = helpers.pipeline(model, helpers.RUNTIMES[1], num_stages=K, method=method)
     compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
@@ -356,7 +357,7 @@ def _grouped_and_not(method, samples, monkeypatch, K=3):
 def test_a_plans_windows_run_as_branches_of_one_function_as_they_run_apart(method, monkeypatch):
   (grouped, ours), (_, apart) = _grouped_and_not(method, 16 * 14, monkeypatch)
   # One group: its function traces once for every window of both epochs.
-  assert list(grouped._groups.values()) != [] and None not in grouped._groups.values()
+  assert list(grouped.grouped.groups.values()) != [] and None not in grouped.grouped.groups.values()
   assert grouped.traces == 1
   helpers.assert_weights_close(ours, apart)
 
@@ -365,5 +366,5 @@ def test_a_smaller_last_batch_leaves_the_group_for_the_rest_of_its_epoch(monkeyp
   (grouped, ours), (_, apart) = _grouped_and_not("spectrain", 16 * 13 + 5, monkeypatch)
   # The group's function; then the window whose stage 0 forwards the batch of 5 (batch 13,
   # in the window finishing 9..11) and the last one, each traced on its own.
-  assert None not in grouped._groups.values() and grouped.traces == 3
+  assert None not in grouped.grouped.groups.values() and grouped.traces == 3
   helpers.assert_weights_close(ours, apart)

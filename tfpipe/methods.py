@@ -1,6 +1,6 @@
 """Every method by name: `METHODS`, and `create`, the trainer of any of them."""
 
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import keras
 
@@ -9,11 +9,40 @@ from tfpipe.plan import names
 from tfpipe.plan.policies import PIPELINE_METHODS
 from tfpipe.training.pipeline import Pipeline
 
-__all__ = ["METHODS", "BASELINE_METHODS", "CLUSTER_METHODS", "create"]
+__all__ = ["METHODS", "BASELINE_METHODS", "CLUSTER_METHODS", "MethodKind", "kind", "create"]
 
 BASELINE_METHODS = ("single", "dataparallel", "grid")   # not pipelines
 CLUSTER_METHODS = ("asgd",)   # on TF servers of a cluster (tfpipe.cluster); not a pipeline
 METHODS = BASELINE_METHODS + PIPELINE_METHODS + CLUSTER_METHODS
+
+
+class MethodKind(NamedTuple):
+  """What kind of trainer a method makes: what a caller (the trainer) dispatches on, so no
+  caller compares method names. `devices`: "stages" (a pipeline's), "one", "replicas" (data
+  parallel), "grid" (tensor parallel, n_b x n_m) or "cluster" (workers and parameter servers
+  of TF servers); `across_processes`: it may run as workers of TF_CONFIG
+  (MultiWorkerMirroredStrategy)."""
+  name: str
+  pipeline: bool
+  devices: str
+  across_processes: bool = False
+
+  @property
+  def parameter_servers(self) -> bool:
+    return self.devices == "cluster"
+
+
+_KINDS = {"single": MethodKind("single", False, "one"),
+          "dataparallel": MethodKind("dataparallel", False, "replicas", across_processes=True),
+          "grid": MethodKind("grid", False, "grid"),
+          "asgd": MethodKind("asgd", False, "cluster")}
+
+
+def kind(method: str) -> MethodKind:
+  """The `MethodKind` of `method` (any name of `METHODS`; a wrong one is a ValueError naming
+  the choices)."""
+  method = names.lookup("method", method, METHODS)
+  return _KINDS.get(method, MethodKind(method, True, "stages"))
 
 
 def create(model: keras.Model, method: str, devices: Optional[Sequence[str]] = None,

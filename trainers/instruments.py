@@ -9,12 +9,10 @@ import os
 
 __all__ = ["Instruments"]
 
-BASELINES = ("single", "dataparallel", "grid", "asgd")   # not pipelines
-
-
 class Instruments:
 
   def __init__(self, config):
+    from tfpipe import methods
     from tfpipe.instruments import trace
     self.config = config
     self.trace_steps = trace.parse_steps(config.trace_steps or None)
@@ -26,7 +24,7 @@ class Instruments:
                        f"--method=spectrain. Received: --method={config.method}")
     if self.trace_steps is not None and not (config.trace_dir or config.logdir):
       raise ValueError("--trace_steps needs --trace_dir or --logdir to write the trace to")
-    self.pipeline = config.method not in BASELINES
+    self.pipeline = methods.kind(config.method).pipeline
     self.meter = None
 
   @property
@@ -57,9 +55,10 @@ class Instruments:
   def finish(self, trainer):
     """Writes scalars and plots; returns the lines to print at the end of training."""
     import tensorflow as tf
+    from tfpipe import methods
     from tfpipe.instruments import breakdown
     lines, scalars = [], {}
-    if self.meter is not None and self.config.method == "asgd":
+    if self.meter is not None and methods.kind(self.config.method).parameter_servers:
       lines.append("throughput over a window of steps: not measured (asgd runs its steps "
                    "asynchronously on the workers; samples/s per epoch is in the logs)")
     elif self.meter is not None and len(self.meter.ends) > self.window[0]:

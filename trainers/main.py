@@ -33,7 +33,7 @@ def setup_devices(config):
     return
   replicas = tfpipe.devices.parse_stage_replicas(config.stage_replicas)
   wanted = config.num_stages * config.data_parallel + sum(r - 1 for r in replicas.values())
-  if config.method == "grid":
+  if tfpipe.methods.kind(config.method).devices == "grid":
     n_b, n_m = tfpipe.tensor_parallel.parse_grid(config.grid)
     wanted = n_b * n_m
   if config.devices:
@@ -44,9 +44,11 @@ def setup_devices(config):
 
 
 def _num_stages(config):
-  if config.method == "single":
+  import tfpipe
+  devices = tfpipe.methods.kind(config.method).devices
+  if devices == "one":
     return 1
-  if config.method == "grid":
+  if devices == "grid":
     return None   # the grid's devices: n_b x n_m
   return config.num_stages
 
@@ -54,17 +56,18 @@ def _num_stages(config):
 def _method_options(config, tools):
   """The keyword arguments `tfpipe.create` takes for `config.method`."""
   import tfpipe
-  if config.method == "grid":
+  kind = tfpipe.methods.kind(config.method)
+  if kind.devices == "grid":
     return {"grid": config.grid}
   mitigation = dict(spike_compensation=config.spike_compensation,
                     delay_momentum=config.delay_momentum, lr_rescheduling=config.lr_rescheduling,
                     discrepancy_decay=config.discrepancy_decay, nesterov=config.nesterov,
                     delay_compensation=config.delay_compensation)
   chosen = [f"--{k}" for k, v in mitigation.items() if v not in (None, False, 0.0)]
-  if config.method not in tfpipe.PIPELINE_METHODS and chosen:
+  if not kind.pipeline and chosen:
     raise ValueError(f"{chosen[0]} mitigates pipeline staleness; --method={config.method} is not "
                      "a pipeline")
-  if config.method in tfpipe.BASELINE_METHODS:
+  if not kind.pipeline:
     return {}
   return dict(partition=config.partition, **mitigation, spectrain_backward=config.spectrain_backward,
               version_difference=config.version_difference, micro_batches=config.micro_batches,
@@ -85,10 +88,11 @@ def run(config):
 
   tools = instruments.Instruments(config)
   tfpipe.cluster.set_liveness(misses=config.liveness_misses)
-  if config.stage_replicas and config.method in tfpipe.BASELINE_METHODS:
+  kind = tfpipe.methods.kind(config.method)
+  if config.stage_replicas and not kind.pipeline:
     raise ValueError(f"--stage_replicas replicates pipeline stages; --method={config.method} "
                      "has none")
-  if config.data_parallel > 1 and config.method not in tfpipe.PIPELINE_METHODS:
+  if config.data_parallel > 1 and not kind.pipeline:
     raise ValueError(f"--data_parallel replicates a pipeline; --method={config.method} is not "
                      "one (for plain data parallelism use --method=dataparallel)")
   if _multi_worker(config):
@@ -97,7 +101,7 @@ def run(config):
   else:
     setup_devices(config)
   with _cluster(config) as placed:
-    if config.method == "asgd":
+    if kind.parameter_servers:
       return _train(config, tools, spec=placed)
     if placed:
       config = dataclasses.replace(config, devices=placed)
@@ -107,25 +111,27 @@ def run(config):
 def _multi_worker(config):
   """--method=dataparallel --cluster=tf_config: this process is a MultiWorkerMirroredStrategy
   worker (every worker runs the same command with its own TF_CONFIG task)."""
-  return config.method == "dataparallel" and config.cluster == "tf_config"
+  import tfpipe
+  return tfpipe.methods.kind(config.method).across_processes and config.cluster == "tf_config"
 
 
 @contextlib.contextmanager
 def _cluster(config):
   """--cluster: starts or joins the TF servers; yields the stages' devices (None: local), or
   for asgd the cluster spec (its default cluster is local:2,1)."""
-  if config.method == "asgd":
+  import tfpipe
+  kind = tfpipe.methods.kind(config.method)
+  if kind.parameter_servers:
     with _asgd_cluster(config) as spec:
       yield spec
     return
   if not config.cluster:
     yield None
     return
-  import tfpipe
   if _multi_worker(config):
     yield None   # MultiWorkerMirroredStrategy: this process is one of TF_CONFIG's workers
     return
-  if config.method in tfpipe.BASELINE_METHODS:
+  if not kind.pipeline:
     raise ValueError(f"--cluster places pipeline stages; --method={config.method} has none "
                      "(dataparallel runs across processes with --cluster=tf_config)")
   if config.cluster == "tf_config":
@@ -184,7 +190,8 @@ def _train(config, tools, spec=None):
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
-  if config.method == "asgd":
+  kind = tfpipe.methods.kind(config.method)
+  if kind.parameter_servers:
     if config.checkpoint_dir:
       raise ValueError("--checkpoint_dir is not supported with --method=asgd yet")
     # The data as arrays, read before joining the cluster (which strands local tensors).
@@ -210,7 +217,7 @@ def _train(config, tools, spec=None):
   if config.verbose:
     # After compile: the options advised for the optimizer (tfpipe.rules.advice) are then known.
     trainer.summary(print_fn=lambda line: print(line, flush=True))
-  if config.method == "asgd":
+  if kind.parameter_servers:
     train, fit_options = data.train, dict(batch_size=config.batch_size, seed=config.seed)
   else:
     train, fit_options = (data.train.repeat() if config.steps else data.train), {}
@@ -262,7 +269,7 @@ def checkpoint_callback(config):
     return None
   import keras
   import tfpipe
-  if config.method in tfpipe.PIPELINE_METHODS:
+  if tfpipe.methods.kind(config.method).pipeline:
     return tfpipe.checkpoint.BackupAndRestore(config.checkpoint_dir, config.checkpoint_every)
   if config.checkpoint_every != 1:
     raise ValueError(f"--method={config.method} checkpoints every epoch (Keras's "
@@ -307,12 +314,19 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
   code = command(argv)
   values = trainer_flags.FLAGS
-  if code == 0 and (values.method == "asgd" or (values.cluster or "").startswith("local:")):
+  if code == 0 and (_parameter_servers(values.method)
+                    or (values.cluster or "").startswith("local:")):
     # The servers this run started are gone; TensorFlow's teardown would try to reach them.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
   return code
+
+
+def _parameter_servers(method):
+  """Whether `method` ran on a cluster of parameter servers (False for a name that is none)."""
+  import tfpipe
+  return method in tfpipe.METHODS and tfpipe.methods.kind(method).parameter_servers
 
 
 def command(argv):

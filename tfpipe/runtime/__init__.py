@@ -3,7 +3,17 @@
 `compiled` (the default): one `tf.function` per window of W mini-batches runs
 every stage's tasks, so TensorFlow's executor overlaps the stages on their
 devices. `threaded`: a worker thread per stage interprets the schedule task
-by task (the reference, for debugging). Both run the same stage programs.
+by task (the reference, for debugging). Both run every action through one
+interpreter and the same stage programs.
+
+  interpreter:  what each action of a stage does (`run`), and how values move (`Moves`);
+  threaded:     a thread per stage, values on bounded links (`links`);
+  compiled:     a window of the schedule per traced call; its carry across calls;
+  grouped:      an epoch's windows as the branches of one traced function (`groups`: how a
+                carry fits every branch);
+  loops:        windows that loop over mini-batches finished one by one;
+  calls:        the feed of mini-batches and the clearer error of a compiled call;
+  timeline:     task records from the TensorFlow profiler; iterators: the input's prefetch.
 """
 
 from tfpipe.plan.records import TaskRecord

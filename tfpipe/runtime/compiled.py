@@ -30,43 +30,16 @@ tasks' records come from its timeline (`tfpipe.runtime.timeline`).
 import collections
 import contextlib
 
-import keras
 import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import pieces, records, schedules, tasks as plan_tasks, windows as windows_lib
-from tfpipe.runtime import groups, interpreter, timeline
+from tfpipe.runtime import calls, grouped, groups, interpreter, loops, timeline
 from tfpipe.runtime.base import Executor
-from tfpipe.runtime.links import OutOfData, concat
+from tfpipe.runtime.calls import StageFailed
+from tfpipe.runtime.links import concat
 
 __all__ = ["CompiledRuntime", "StageFailed"]
-
-
-class StageFailed(RuntimeError):
-  """A stage's task failed in a compiled window; TensorFlow reported only what followed."""
-
-
-class _Feed:
-  """Mini-batches read in order from `batches`, kept until their window has taken them."""
-
-  def __init__(self, batches, labelled):
-    self.batches, self.labelled, self.items, self.read = batches, labelled, {}, 0
-
-  def get(self, b):
-    while self.read <= b:
-      try:
-        item = next(self.batches)
-      except StopIteration:
-        raise OutOfData() from None
-      x, y, sample_weight = (keras.utils.unpack_x_y_sample_weight(item) if self.labelled
-                             else (item, None, None))
-      self.items[self.read] = (list(x) if isinstance(x, (tuple, list)) else [x], y, sample_weight)
-      self.read += 1
-    return self.items[b]
-
-  def drop_before(self, b):
-    for old in [i for i in self.items if i < b]:
-      del self.items[old]
 
 
 class CompiledRuntime(Executor):
@@ -109,16 +82,15 @@ class CompiledRuntime(Executor):
     self.profile_dir = None
     self._session, self._calls, self._forwards = None, {}, {}
     self._keys = {}   # (window key, inlined) -> its number (the traced function's argument)
-    self._numbered = []   # number -> its `_Numbered` window
+    self.numbered = []   # number -> its `_Numbered` window
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
     # (what it was made for, the windows, their numbers, the flush window or None)
     self._plan = (None, None, None, None)
     self._train = tf.function(self._train_window, autograph=False)
-    self._group = tf.function(self._train_group, autograph=False)
-    self._groups = {}   # the plan's numbers -> its `_Group`, or None: ungroupable
-    self._loop = tf.function(self._train_loop, autograph=False)
+    self.grouped = grouped.GroupedWindows(self)   # a plan's windows as one function's branches
+    self.loops = loops.LoopWindows(self)   # windows that loop over their mini-batches
     self._infer = tf.function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
     # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
@@ -165,8 +137,8 @@ class CompiledRuntime(Executor):
         self._session = None
     try:
       if flush is not None and self._session is None:
-        return self._train_loops(flush, self._number(flush, inlined), batches, num_batches, M,
-                                 on_result, before)
+        return self.loops.train(flush, self._number(flush, inlined), batches, num_batches, M,
+                                on_result, before)
       return self._train_windows(plan, numbers, batches, M, on_result, before)
     finally:
       if self._session is not None:
@@ -177,15 +149,12 @@ class CompiledRuntime(Executor):
   def _train_windows(self, plan, numbers, batches, M, on_result, before):
     """Runs the windows of `plan`; hands on their results once per `self.window` mini-batches
     (`CALL_WINDOW`: a window may run as several calls), or when not `aligned` as each ends."""
-    feed, carry, done = _Feed(batches, labelled=True), {"x": {}, "saved": {}, "g": {}}, 0
+    feed, carry, done = calls.Feed(batches, labelled=True), {"x": {}, "saved": {}, "g": {}}, 0
     pending, boundary = [], self.window
-    group = self._group_of(plan, numbers)
+    group = self.grouped.group_of(plan, numbers)
     for w, window in enumerate(plan):
       if group is not None:
-        try:
-          ran = self._run_grouped(group, window, numbers[w], carry, feed, M)
-        except groups.Ungroupable:   # found while tracing, before any window ran
-          self._groups[group.numbers], ran = None, None
+        ran = self.grouped.run(group, window, numbers[w], carry, feed, M)
         if ran is None:   # ungroupable, or batches of other shapes: each its own function
           group = None
         else:
@@ -207,7 +176,7 @@ class CompiledRuntime(Executor):
       if stop and w + 1 < len(plan):
         last = windows_lib.drain(plan, w)
         if last is not None:
-          inline = self._numbered[numbers[w]].inline
+          inline = self.numbered[numbers[w]].inline
           _, results = self._run(last, self._number(last, inline), carry, feed, M)
           for b in range(last.first, last.last + 1):
             on_result(b, *results[b - last.first])
@@ -215,89 +184,14 @@ class CompiledRuntime(Executor):
         break
     return done
 
-  def _train_loops(self, flush, number, batches, num_batches, M, on_result, before):
-    """Runs a schedule whose mini-batches finish one by one (`windows.flush_window`): each
-    window of W mini-batches is one call that loops over them (`tf.while_loop`, one
-    iteration at a time), so its graph holds one mini-batch's tasks whatever W is."""
-    updates = [0] * self.K
-    for k, task, _, _ in flush.tasks:
-      updates[k] += schedules.is_update(task)
-    feed, done = _Feed(batches, labelled=True), 0
-    for first in range(0, num_batches, self.window):
-      last = min(first + self.window, num_batches) - 1
-      items = [feed.get(b) for b in range(first, last + 1)]
-      feed.drop_before(last + 1)
-      results = []
-      for group in _same_shapes(items):   # a smaller last batch: a loop of its own
-        results += self._run_loop(number, group, M)
-      for k, count in enumerate(updates):
-        if count:
-          self.count_updates(k, count * len(items))
-      stop = False
-      for b, (loss, logs) in zip(range(first, last + 1), results):
-        if before is not None:
-          before(b)
-        stop = bool(on_result(b, loss, logs)) or stop
-        done += 1
-      if stop:
-        break
-    return done
-
-  def _run_loop(self, number, items, M):
-    """One loop call over `items` (mini-batches of one shape): [(loss, logs)] per batch.
-    They are stacked into W slots (the last repeated), so every call of one batch shape
-    has one signature and traces once; the loop runs len(items) iterations."""
-    count = len(items)
-    items = items + [items[-1]] * (self.window - count)
-    stack = lambda *values: tf.stack(values)
-    xs = tf.nest.map_structure(stack, *[x for x, _, _ in items])
-    y = tf.nest.map_structure(stack, *[y for _, y, _ in items])
-    weights = (None if items[0][2] is None else
-               tf.nest.map_structure(stack, *[w for _, _, w in items]))
-    n = tf.constant(count, tf.int32)
-    traced = self._loop.experimental_get_tracing_count()
-    try:
-      losses, logs = self._call(self._loop, number, n, xs, y, weights, M)
-    except tf.errors.OpError as error:
-      _raise_clearer(error)
-    self.traces += self._loop.experimental_get_tracing_count() - traced
-    losses = losses.numpy()
-    logs = {name: values.numpy() for name, values in logs.items()}
-    return [(losses[i], {name: values[i] for name, values in logs.items()})
-            for i in range(count)]
-
-  def _train_loop(self, number, n, xs, y, weights, M):
-    """The loop of `_train_loops`: one iteration for each of the first `n` mini-batches, each
-    the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
-    key, inline, _ = self._numbered[number]
-    names = list(self.programs[-1].reports.results())
-    empty = {"x": {}, "saved": {}, "g": {}}
-
-    def body(i, losses, logs):
-      at = lambda t: tf.gather(t, i)
-      inputs = {0: tf.nest.map_structure(at, xs)}
-      labels = {0: (tf.nest.map_structure(at, y),
-                    None if weights is None else tf.nest.map_structure(at, weights))}
-      _, results = self._trace_tasks(key, inline, empty, inputs, labels, M)
-      loss, batch_logs = results[0]
-      return (i + 1, losses.write(i, tf.cast(loss, tf.float64)),
-              [ta.write(i, tf.cast(batch_logs[name], tf.float64))
-               for ta, name in zip(logs, names)])
-
-    arrays = lambda: tf.TensorArray(tf.float64, size=n)   # n <= W: what is stacked
-    _, losses, logs = tf.while_loop(
-        lambda i, *_: i < n, body, (tf.constant(0), arrays(), [arrays() for _ in names]),
-        parallel_iterations=1)
-    return losses.stack(), {name: ta.stack() for name, ta in zip(names, logs)}
-
   def _number(self, window, inline):
     """The number of `window`'s key and `inline` (whether its tasks' bodies are traced into it,
     `_inlined`): what the traced function takes
     instead of the key (a large Python argument is hashed by tf.function on every call;
     measured: most of a call's cost at K=8). Numbered once per plan."""
     number = self._keys.setdefault((window.key, inline), len(self._keys))
-    if number == len(self._numbered):
-      self._numbered.append(_Numbered(window.key, inline, window.last + 1 - window.first))
+    if number == len(self.numbered):
+      self.numbered.append(_Numbered(window.key, inline, window.last + 1 - window.first))
     return number
 
   def _inlined(self, num_batches):
@@ -315,12 +209,12 @@ class CompiledRuntime(Executor):
       self._forward_ops = sum(p.forward_ops() for p in self.programs)
     return 3 * self._forward_ops * min(self.window, num_batches) <= self.INLINE_OPS
 
-  def _call(self, function, number, *args):
+  def call(self, function, number, *args):
     """Calls a window function: an inlined window as it is (its graph optimised as a whole, by
     the lighter Grappler of `compat.light_calls`);
     a window of task calls without optimising its own graph (its trace makes the task calls
     with the stages' options: `_trace_tasks`)."""
-    if self._numbered[number].inline:
+    if self.numbered[number].inline:
       with compat.light_calls(layout=self._gpu):
         return function(number, *args)
     with compat.unoptimised_calls():
@@ -329,7 +223,7 @@ class CompiledRuntime(Executor):
   def _run(self, window, number, carry, feed, M):
     """Calls the window's function (`number`: `_number(window, inline)`); returns (carry
     rebased to the next window, results)."""
-    inputs, labels = self._data(window, feed)
+    inputs, labels = self.data(window, feed)
     context = contextlib.nullcontext()
     if self._session is not None:
       n = len(self._calls)
@@ -340,14 +234,14 @@ class CompiledRuntime(Executor):
     traced = self._train.experimental_get_tracing_count()
     with context:
       try:
-        out, results = self._call(self._train, number, carry, inputs, labels, M)
+        out, results = self.call(self._train, number, carry, inputs, labels, M)
       except tf.errors.OpError as error:
-        _raise_clearer(error)
+        calls.raise_clearer(error)
     self.traces += self._train.experimental_get_tracing_count() - traced
-    self._finished(window, feed)
+    self.finished(window, feed)
     return groups.rebase(out, window.last + 1 - window.first), results
 
-  def _data(self, window, feed):
+  def data(self, window, feed):
     """(inputs, labels) of `window`: {batch counted from its first: stage 0's inputs} and
     {batch: (labels, sample weights)} of the last stage's forwards."""
     inputs, labels = {}, {}
@@ -360,7 +254,7 @@ class CompiledRuntime(Executor):
           labels[task.batch - window.first] = (y, sample_weight)
     return inputs, labels
 
-  def _finished(self, window, feed):
+  def finished(self, window, feed):
     """After `window` ran: its mini-batches' data is dropped, its updates counted."""
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
@@ -370,88 +264,13 @@ class CompiledRuntime(Executor):
       if count:
         self.count_updates(k, count)
 
-  # Window groups (`tfpipe.runtime.groups`): a plan's windows as branches of one function.
-
-  def _group_of(self, plan, numbers):
-    """The `_Group` that runs `plan` (windows of stage calls, not profiled), else None."""
-    if self.record or any(self._numbered[n].inline for n in numbers):
-      return None
-    distinct = tuple(dict.fromkeys(numbers))
-    if distinct not in self._groups:
-      keys = lambda k: sorted({t.batch - w.first for w in plan for j, t, _, _ in w.tasks
-                               if j == k and t.kind == "F"})
-      size = max(w.last + 1 - w.first for w in plan)
-      # The first window's branch takes no carry, so a plan that runs it again later cannot
-      # group; its inputs and labels give every call's shapes, so it must read both.
-      group = _Group(distinct, keys(0), keys(self.K - 1), size)
-      first = {(k, t.kind) for k, t, _, _ in plan[0].tasks}
-      self._groups[distinct] = (group if numbers[0] not in numbers[1:] and (0, "F") in first
-                                and (self.K - 1, "F") in first else None)
-    return self._groups[distinct]
-
-  def _run_grouped(self, group, window, number, carry, feed, M):
-    """`_run` through the group's function: the window's branch, or None when the window's
-    batches are shaped unlike the group's (a smaller batch: the function would trace again).
-    The carry a branch takes is read when the function is called (`compat.call_time_value`):
-    the carry handed on, or for the plan's first window the template's zeros."""
-    inputs, labels = self._data(window, feed)
-    if group.fillers is None:   # the first call: its batches' shapes are the group's
-      group.fillers = [next(iter(data.values())) for data in (inputs, labels)]
-    for data, keys, filler in zip((inputs, labels), (group.inputs, group.labels), group.fillers):
-      if any(_shapes(item) != _shapes(filler) for item in data.values()):
-        return None
-      for key in keys:   # keys of the other windows: a batch of the same shapes, unused
-        data.setdefault(key, filler)
-    group.carry = carry if any(carry[part] for part in groups.PARTS) else None
-    branch = tf.constant(group.numbers.index(number), tf.int32)
-    traced = self._group.experimental_get_tracing_count()
-    with compat.unoptimised_calls():
-      try:
-        out, results = self._group(branch, group.numbers, inputs, labels, M, group.size)
-      except tf.errors.OpError as error:
-        _raise_clearer(error)
-    self.traces += self._group.experimental_get_tracing_count() - traced
-    self._finished(window, feed)
-    return out, results[:window.last + 1 - window.first]
-
-  def _train_group(self, branch, numbers, inputs, labels, M, size):
-    """The group's function: the windows of `numbers` as branches (`branch` chooses), in plan
-    order. The first traces on no carry, and what it hands on is the template; the others
-    take the carry as placeholders of the template's shapes, fed at each call with the
-    group's carry; returns (the carry rebased and fitted to the template, `size` results)."""
-    graph = tf.compat.v1.get_default_graph()
-    group = self._groups[numbers]
-    like = [None]
-
-    def branch_of(i, number):
-      def run():
-        if i == 0:
-          carry = {part: {} for part in groups.PARTS}
-        else:
-          carry = groups.pack(group.template, compat.call_time_value(
-              graph, group.carry_values, group.specs, key="tfpipe_carry"))
-        key, inline, shift = self._numbered[number]
-        out, results = self._trace_tasks(key, inline, carry, inputs, labels, M)
-        rebased = groups.rebase(out, shift)
-        if i == 0:
-          group.set_template(rebased)
-        else:
-          rebased = groups.fit(group.template, carry, rebased)
-        like[0] = (rebased, groups.pad_results(results, size))
-        return groups.flat(like[0])
-      return run
-
-    tensors = tf.switch_case(branch, [branch_of(i, n) for i, n in enumerate(numbers)])
-    return groups.pack(like[0], tensors)
-
-
   def _train_window(self, number, carry, inputs, labels, M):
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
     (carry, per-batch results)."""
-    key, inline, _ = self._numbered[number]
-    return self._trace_tasks(key, inline, carry, inputs, labels, M)
+    key, inline, _ = self.numbered[number]
+    return self.trace_tasks(key, inline, carry, inputs, labels, M)
 
-  def _trace_tasks(self, key, inline, carry, inputs, labels, M):
+  def trace_tasks(self, key, inline, carry, inputs, labels, M):
     """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as
     calls of the stages' traced functions."""
     # The task calls' options: their functions are optimised. Their outputs' shapes are
@@ -494,7 +313,7 @@ class CompiledRuntime(Executor):
     gets (b, running logs); without, it gets (b, outputs). `before(b)` runs
     for each batch of a window before its results are handed on.
     """
-    feed = _Feed(batches, labelled=with_labels)
+    feed = calls.Feed(batches, labelled=with_labels)
     for first in range(0, num_batches, self.window):
       count = min(self.window, num_batches - first)
       items = [feed.get(b) for b in range(first, first + count)]
@@ -513,9 +332,9 @@ class CompiledRuntime(Executor):
       for i, xs in enumerate(inputs):
         for k, program in enumerate(self.programs):
           if k == self.K - 1 and labels is not None:
-            results.append(program.task("evaluate_last")(xs, *labels[i]))
+            results.append(program.forward(xs, labels=labels[i], training=False))
           else:
-            xs = program.task("infer")(xs)
+            xs = program.forward(xs, training=False)
         if labels is None:
           results.append(xs)
     return results
@@ -576,60 +395,6 @@ class _WindowMoves(interpreter.Moves):
 class _Numbered(collections.namedtuple("_Numbered", ["key", "inline", "shift"])):
   """A numbered window: its key, whether its tasks are inlined, and its mini-batches (what
   its carry is rebased by for the next window)."""
-
-
-class _Group:
-  """A plan's distinct window numbers (the first window's first), the union of their windows'
-  input and label keys, and the most mini-batches a window finishes; once traced, the carry's
-  `template` (what the first window hands on) and `specs`, and `fillers`: the first window's
-  first inputs and labels, which every call passes for the keys its window lacks; `carry`:
-  the carry the next call's branch takes (None: the template's zeros)."""
-
-  def __init__(self, numbers, inputs, labels, size):
-    self.numbers, self.inputs, self.labels, self.size = numbers, inputs, labels, size
-    self.template = self.specs = self.fillers = self.carry = self._zeros = None
-
-  def set_template(self, carry):
-    self.template = carry
-    self.specs = groups.specs(carry)
-    self._zeros = None
-
-  def carry_values(self):
-    """The carry's tensors for the call now being made (the template's order)."""
-    if self.carry is not None:
-      return groups.flat(self.carry)
-    if self._zeros is None:
-      self._zeros = [tf.zeros(s.shape, s.dtype) for s in self.specs]
-    return self._zeros
-
-
-def _shapes(item):
-  return tuple(tuple(t.shape) for t in tf.nest.flatten(item) if t is not None)
-
-
-def _raise_clearer(error):
-  """Re-raises `error` from a window call; a derived one (a cancellation that followed a
-  stage's error, which TensorFlow may report instead of it) as `StageFailed`, saying so."""
-  if not compat.is_derived(error):
-    raise error
-  lines = [l.strip() for l in error.message.splitlines()]
-  line = next((l for l in lines if "ancel" in l), lines[-1])
-  raise StageFailed(
-      "a stage's computation failed inside a compiled window, and TensorFlow reported only "
-      f"the cancellation that followed it ({line}). TensorFlow logs the first error as a "
-      "warning: run with TF_CPP_MIN_LOG_LEVEL=0 to see it, or with executor='threaded', "
-      "which runs task by task and raises it") from error
-
-
-def _same_shapes(items):
-  """`items` (mini-batches) in runs of equal shapes, in order."""
-  runs = []
-  for item in items:
-    if runs and _shapes(runs[-1][0]) == _shapes(item):
-      runs[-1].append(item)
-    else:
-      runs.append([item])
-  return runs
 
 
 def _join(values):

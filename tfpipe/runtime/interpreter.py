@@ -19,9 +19,9 @@ Saved.__doc__ = """A forward waiting for its backward: what the stage kept
 (`tfpipe.stage.program.Kept`), the weight version it read (None where the executor does not
 count versions) and the micro-batch's share of its mini-batch."""
 
-Held = collections.namedtuple("Held", ["xs", "labels", "share", "s"])
-Held.__doc__ = """A last-stage forward held for its step: inputs, (labels, sample weights),
-share of the mini-batch and version difference."""
+Held = collections.namedtuple("Held", ["kept", "share", "s"])
+Held.__doc__ = """A last-stage forward held for its step: what it kept (inputs and (labels,
+sample weights)), share of the mini-batch and version difference."""
 
 
 class Stage:
@@ -70,7 +70,7 @@ class Moves:
 
   def update(self, program, b):
     """Applies stage `program`'s accumulated gradients of mini-batch b."""
-    program.apply_accumulated(self.inline)
+    program.update(self.inline)
 
   def weight(self, k, share):
     return share
@@ -121,10 +121,10 @@ def run(action, stage, moves):
   if op in ("hold", "forward"):
     xs, share, labels = moves.take_input(k, b, micro)
     start = time.perf_counter()
-    if op == "hold":   # the last stage runs its forward with the backward (its step)
-      stage.held[unit] = Held(xs, labels, share, s)
+    ys, kept = program.forward(xs, s, labels, inline=moves.inline)
+    if op == "hold":   # the last stage runs its forward and loss with the backward (its step)
+      stage.held[unit] = Held(kept, share, s)
       return
-    ys, kept = program.forward(xs, s, moves.inline)
     version = moves.version(k, s)
     stage.saved[unit] = Saved(kept, version, share)
     moves.saved(stage)
@@ -146,7 +146,8 @@ def run(action, stage, moves):
     _step(op, k, task, units, stage, moves, start)
   elif op == "step_weights":   # a split step's weight half
     part = stage.saved.pop(unit)
-    program.last_step_weights(part.kept, moves.weight(k, part.share), True, moves.inline)
+    program.backward_weights([part.kept], None, s, moves.weight(k, part.share), True,
+                             moves.inline)
     moves.record(k, "W", task, part.version, s, start)
   elif op == "backward_weights":   # a split backward's weight half: its B kept state and dys
     part = stage.saved.pop(unit)
@@ -161,10 +162,10 @@ def run(action, stage, moves):
     kept, share = [p.kept for p in parts], moves.total([p.share for p in parts])
     if split:
       stage.halves[unit] = dys
-      dxs = program.backward_input(kept, dys, s, moves.weight(k, share), moves.inline)
+      dxs = program.backward_input(kept, dys, s, moves.weight(k, share), moves.inline).dxs
     else:
       dxs = program.backward(kept, dys, s, moves.weight(k, share), micro is not None,
-                             moves.inline)
+                             moves.inline).dxs
     moves.record(k, "B", task, _version(program, parts, k, moves), s, start)
     if micro is None:
       moves.updated(k)
@@ -177,18 +178,18 @@ def _step(op, k, task, units, stage, moves, start):
   kind, b, micro = task
   program = stage.program
   parts = [stage.held.pop(u) for u in units]
-  xs = moves.join([p.xs for p in parts])
-  y = moves.join([p.labels[0] for p in parts])
-  sample_weight = moves.join([p.labels[1] for p in parts])
+  xs = moves.join([p.kept.xs for p in parts])
+  labels = tuple(moves.join([p.kept.labels[i] for p in parts]) for i in (0, 1))
   share, s = moves.total([p.share for p in parts]), parts[0].s
   version = moves.version(k, s)
+  step = [parts[0].kept._replace(xs=xs, labels=labels)]
   if op == "step_input":   # a split step: its W takes the weight gradients
-    loss, dxs, logs, kept = program.last_step_input(xs, y, sample_weight, s,
-                                                    moves.weight(k, share), moves.inline)
-    stage.saved[(b, micro)] = Saved(kept, version, share)
+    done = program.backward_input(step, None, s, moves.weight(k, share), moves.inline)
+    stage.saved[(b, micro)] = Saved(done.kept, version, share)
   else:
-    loss, dxs, logs = program.last_step(xs, y, sample_weight, s, moves.weight(k, share),
-                                        micro is not None, moves.inline)
+    done = program.backward(step, None, s, moves.weight(k, share), micro is not None,
+                            moves.inline)
+  loss, dxs, logs = done.loss, done.dxs, done.logs
   stage.logs = logs
   moves.record(k, records.STEP, task, version, s, start)
   if micro is None:

@@ -102,11 +102,11 @@ class Runtime(Executor):
       for b in range(num_batches):
         xs, y, _ = links.inputs(k, batches, labelled=with_labels, b=b)
         if k < K - 1:
-          fwd[k][0].put(((b, None), (program.infer(xs), 1.0)))
+          fwd[k][0].put(((b, None), (program.forward(xs, training=False), 1.0)))
         elif with_labels:
-          results.put((b, program.evaluate_last(xs, *y)))
+          results.put((b, program.forward(xs, labels=y, training=False)))
         else:
-          results.put((b, program.infer(xs)))
+          results.put((b, program.forward(xs, training=False)))
 
     sent = [(list(range(num_batches)), []) for _ in range(K - 1)]
     self._execute(links, worker, num_batches, on_result, sent, before)
@@ -183,11 +183,11 @@ class _LinkMoves(interpreter.Moves):
 
   def update(self, program, b):
     if self.countdown is None:
-      program.apply_accumulated()
+      program.update()
       return
     self.countdown.wait(b, self.links.cancel(b))
     with program.updates.joint.lock:   # the first update of b decides for every stage
-      program.apply_accumulated()
+      program.update()
 
   def send_output(self, k, b, micro, ys, share):
     self.links.forward[k][0].put(((b, micro), (ys, share)))

@@ -1,8 +1,8 @@
 """One stage: a cut of the model, its program and where it runs.
 
   partition:     the model cut into K stages (layers, names or a balanced profile);
-  program:       a stage's operations (`StageProgram`: forward, backward and its input and
-                 weight halves, update, the last stage's step, inference);
+  program:       a stage's operations (`StageProgram`: forward (the last stage's with its
+                 loss; inference), backward and its input and weight halves, update);
   weights:       where a task reads its weights (current, predicted, corrected, delayed,
                  kept, blended);
   updates:       the optimizer step with the stage's rule, gradient accumulation, whole-model

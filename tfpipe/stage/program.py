@@ -17,20 +17,28 @@ from tfpipe.rules import mitigations, prediction
 from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reduction, tracing
 from tfpipe.stage import updates as updates_lib, weights as weights_lib
 
-__all__ = ["StageProgram", "Kept"]
+__all__ = ["StageProgram", "Kept", "Backward"]
 
 _ZERO = tf.UnconnectedGradients.ZERO
 # The traced task functions (`StageProgram.task`).
-Kept = collections.namedtuple("Kept", ["xs", "state", "weights", "tape", "ys", "reg"],
-                              defaults=(None, None, None, None))
+Kept = collections.namedtuple(
+    "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels"],
+    defaults=(None, None, None, None, None, None))
 Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
 inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
 replays); the `weights` it read (for "tape" and "weights"); for "tape" also the gradient
 `tape` (persistent when the backward runs as two halves) with its outputs `ys` and
 regularisation `reg`. `Kept.recomputable()` drops the tape (what a compiled window carries
 across its boundary): the backward then recomputes the forward on its kept weights, which
-gives the same values."""
-Kept.recomputable = lambda self: Kept(self.xs, self.state, self.weights)
+gives the same values. The last stage's forward keeps its inputs and `labels`
+((labels, sample weights)) for its step."""
+Kept.recomputable = lambda self: Kept(self.xs, self.state, self.weights, labels=self.labels)
+
+Backward = collections.namedtuple("Backward", ["dxs", "loss", "logs", "kept"],
+                                  defaults=(None, None, None))
+Backward.__doc__ = """What a backward returns: the input gradients `dxs`; at the last stage
+also the step's `loss` and the running `logs`, and after a split step's input half the
+`kept` tape its weight half reads."""
 
 
 def _scaled(grad, scale):
@@ -60,7 +68,7 @@ class StageProgram:
   """Stage k of a pipeline: its variables on `device` and its task functions.
 
   Its operations (`forward`, `backward` or its halves `backward_input` and
-  `backward_weights`, `apply_accumulated`, `last_step`) run what
+  `backward_weights`, and `update`) run what
   `tfpipe.plan.tasks` says for its policy (`self.ops`): a forward whose
   backward reads its weights keeps its tape (`Kept`), so the backward
   recomputes nothing and reads the forward's weights exactly (the stash);
@@ -72,7 +80,7 @@ class StageProgram:
   last stage's loss and metrics) and `functions` (`tfpipe.stage.tracing`).
 
   Backwards of micro-batches add their weight gradients into accumulators
-  (`accumulate=True`); `apply_accumulated` then updates once. `scale` (a
+  (`accumulate=True`); `update` then updates once. `scale` (a
   scalar tensor) weights a micro-batch's loss and regularisation by its share
   of the mini-batch, so the accumulated gradient is the mini-batch's.
 
@@ -405,18 +413,32 @@ class StageProgram:
   # The stage's operations (`tfpipe.plan.tasks`): what every executor calls, eagerly (the
   # threaded executor) or while tracing a window (the compiled one; `inline`: see `task`).
 
-  def forward(self, xs, s, inline=False, split=False):
-    """Task F: the forward on the weights it reads (s: its version difference); returns
-    (outputs, `Kept`: what its backward needs, as the table's `keeps` says).
+  def forward(self, xs, s=0, labels=None, training=True, inline=False, split=False):
+    """Task F: the forward on the weights it reads (s: its version difference).
+
+    Training: returns (outputs, `Kept`: what its backward needs, as the table's `keeps`
+    says). The last stage's forward includes its loss: it keeps its inputs with `labels`
+    ((labels, sample weights)), and its backward runs forward, loss and backward as one
+    step on the weights the table says (so a stash or a prediction is read once, and the
+    units of a joined step are one batch); its outputs are None.
 
     `split`: its backward will run as two halves (`backward_input`, then
     `backward_weights`: a zero-bubble schedule, where the table says so), so a
     kept tape is persistent. Only then: under a persistent tape TensorFlow
     builds higher-order gradient functions for every stage call (measured: 4x
     the ops, twice the start-up).
+
+    `training=False` (inference, current weights): the outputs; at the last stage with
+    `labels`, the loss and metrics of the batch added to the running logs, which it returns.
     """
+    if not training:
+      if labels is None:
+        return self.task("infer", inline)(xs)
+      return self.reports.completed(self.task("evaluate_last", inline)(xs, *labels))
     split = split or self.ops["B"].op == "backward_input"
     keeps = self.ops["F"].keeps
+    if self.ops["F"].op == "hold":
+      return None, Kept(xs, labels=labels)
     if keeps == "inputs":
       ys, _, state = self.task("forward", inline)(xs, s)
       return ys, Kept(xs, state)
@@ -433,17 +455,64 @@ class StageProgram:
     """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
     mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
     says (`s`: the task's version difference); updates with the weight gradients (adds
-    them to the accumulators with `accumulate`); returns the input gradients."""
-    return self._backward(parts, dys, s, scale, accumulate, "both", inline)
+    them to the accumulators with `accumulate`). Returns `Backward`: the input gradients,
+    and at the last stage (one part: its inputs and labels; `dys` None) the loss and the
+    running logs."""
+    if self._steps:
+      (part,) = parts
+      y, sample_weight = part.labels
+      loss, dxs, logs = self.task("last_step", inline)(part.xs, y, sample_weight, s, scale,
+                                                       accumulate)
+      return Backward(dxs, loss, self.reports.completed(logs))
+    return Backward(self._backward(parts, dys, s, scale, accumulate, "both", inline))
 
   def backward_input(self, parts, dys, s, scale, inline=False):
     """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
-    tape must be persistent (`forward(..., split=True)`)."""
-    return self._backward(parts, dys, s, scale, False, "inputs", inline)
+    tape must be persistent (`forward(..., split=True)`). At the last stage, `Backward.kept`
+    holds the persistent tape its weight half takes the weight gradients from."""
+    if self._steps:
+      return self._step_input(parts, s, scale, inline)
+    return Backward(self._backward(parts, dys, s, scale, False, "inputs", inline))
 
   def backward_weights(self, parts, dys, s, scale, accumulate, inline=False):
-    """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update."""
+    """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update (at
+    the last stage, `parts` is its input half's `Backward.kept` and `dys` None)."""
+    if self._steps:
+      (kept,) = parts
+      with tf.device(self.device):
+        grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
+        if not self._step_scales_loss:
+          grads = [_scaled(g, scale) for g in grads]
+        self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
+      return
     self._backward(parts, dys, s, scale, accumulate, "weights", inline)
+
+  def update(self, inline=False):
+    """Task U: one update with the accumulated gradients, which it clears."""
+    return self.task("apply_accumulated", inline)()
+
+  @property
+  def _steps(self):
+    """Whether this stage's backward is the last stage's step (forward, loss, backward)."""
+    return self.ops["B"].op in ("step", "step_input")
+
+  def _step_input(self, parts, s, scale, inline):
+    """A split step's input half: the last stage's forward, loss, metrics and input
+    gradients, no update, under a persistent tape its weight half reads."""
+    (part,) = parts
+    y, sample_weight = part.labels
+    weights = list(self.task("read_weights", inline)(s))
+    float_xs = self._float_inputs(part.xs)
+    with tf.device(self.device), tf.GradientTape(persistent=True) as tape:
+      tape.watch(weights + float_xs)
+      target, loss, logs = self.task("step_on", inline)(weights, part.xs, y, sample_weight,
+                                                        scale)
+    with tf.device(self.device):
+      grads = tape.gradient(target, float_xs, unconnected_gradients=_ZERO)
+      if not self._step_scales_loss:
+        grads = [_scaled(g, scale) for g in grads]
+    kept = Kept(part.xs, None, weights, tape, [target], None)
+    return Backward(self._input_grads(grads), loss, self.reports.completed(logs), kept)
 
   def _backward(self, parts, dys, s, scale, accumulate, wrt, inline):
     if len(parts) == 1 and parts[0].tape is not None:
@@ -478,49 +547,6 @@ class StageProgram:
         if isinstance(g, tf.Tensor) and not tf.executing_eagerly():
           g.set_shape(x.shape)
       return self._input_grads(grads[len(weights):])
-
-  def apply_accumulated(self, inline=False):
-    """Task U: one update with the accumulated gradients, which it clears."""
-    return self.task("apply_accumulated", inline)()
-
-  def last_step(self, xs, y, sample_weight, s, scale, accumulate, inline=False):
-    """The last stage's task B (its F only holds the input): forward, loss, backward and
-    update on the forward's weights; returns (loss, input gradients, running logs)."""
-    return self.reports.completed(self.task("last_step", inline)(xs, y, sample_weight, s, scale,
-                                                              accumulate))
-
-  def last_step_input(self, xs, y, sample_weight, s, scale, inline=False):
-    """A split step's B (zero-bubble schedules): the last stage's forward, loss, metrics and
-    input gradients, no update; returns (loss, input gradients, running logs, `Kept` with
-    the persistent tape `last_step_weights` takes the weight gradients from)."""
-    weights = list(self.task("read_weights", inline)(s))
-    float_xs = self._float_inputs(xs)
-    with tf.device(self.device), tf.GradientTape(persistent=True) as tape:
-      tape.watch(weights + float_xs)
-      target, loss, logs = self.task("step_on", inline)(weights, xs, y, sample_weight, scale)
-    with tf.device(self.device):
-      grads = tape.gradient(target, float_xs, unconnected_gradients=_ZERO)
-      if not self._step_scales_loss:
-        grads = [_scaled(g, scale) for g in grads]
-    kept = Kept(xs, None, weights, tape, [target], None)
-    return loss, self._input_grads(grads), self.reports.completed(logs), kept
-
-  def last_step_weights(self, kept, scale, accumulate, inline=False):
-    """A split step's W: the weight gradients from `last_step_input`'s tape, then the update
-    (or the accumulators)."""
-    with tf.device(self.device):
-      grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
-      if not self._step_scales_loss:
-        grads = [_scaled(g, scale) for g in grads]
-      self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
-
-  def infer(self, xs, inline=False):
-    """The inference forward (current weights, training=False): the outputs."""
-    return self.task("infer", inline)(xs)
-
-  def evaluate_last(self, xs, y, sample_weight, inline=False):
-    """The last stage's evaluation of a batch: the running logs."""
-    return self.reports.completed(self.task("evaluate_last", inline)(xs, y, sample_weight))
 
   # Moving weights between the stage and the user's model.
 

@@ -1,0 +1,121 @@
+"""Window groups run: every window of an epoch's plan as a branch of one traced function
+(`tfpipe.runtime.groups` says how a carry fits every branch)."""
+
+import tensorflow as tf
+
+from tfpipe import compat
+from tfpipe.runtime import calls, groups
+
+__all__ = ["GroupedWindows", "Group"]
+
+
+class GroupedWindows:
+  """The compiled executor's (`runtime`) window groups: `groups` (a plan's distinct window
+  numbers -> its `Group`, or None: ungroupable) and `function` (the traced group)."""
+
+  def __init__(self, runtime):
+    self.runtime, self.groups = runtime, {}
+    self.function = tf.function(self._traced, autograph=False)
+
+  def group_of(self, plan, numbers):
+    """The `Group` that runs `plan` (windows of stage calls, not profiled), else None."""
+    if self.runtime.record or any(self.runtime.numbered[n].inline for n in numbers):
+      return None
+    distinct = tuple(dict.fromkeys(numbers))
+    if distinct not in self.groups:
+      keys = lambda k: sorted({t.batch - w.first for w in plan for j, t, _, _ in w.tasks
+                               if j == k and t.kind == "F"})
+      size = max(w.last + 1 - w.first for w in plan)
+      # The first window's branch takes no carry, so a plan that runs it again later cannot
+      # group; its inputs and labels give every call's shapes, so it must read both.
+      group = Group(distinct, keys(0), keys(self.runtime.K - 1), size)
+      first = {(k, t.kind) for k, t, _, _ in plan[0].tasks}
+      self.groups[distinct] = (group if numbers[0] not in numbers[1:] and (0, "F") in first
+                               and (self.runtime.K - 1, "F") in first else None)
+    return self.groups[distinct]
+
+  def run(self, group, window, number, carry, feed, M):
+    """The window through the group's function: (carry, results) as the executor's own call
+    gives them; None when the window's batches are shaped unlike the group's (a smaller
+    batch: the function would trace again), or when tracing found the plan ungroupable
+    (`groups.Ungroupable`, raised inside the trace, before any window ran: the group is
+    then forgotten and the plan runs a window per function). The carry a branch takes is
+    read when the function is called (`compat.call_time_value`): the carry handed on, or
+    for the plan's first window the template's zeros."""
+    inputs, labels = self.runtime.data(window, feed)
+    if group.fillers is None:   # the first call: its batches' shapes are the group's
+      group.fillers = [next(iter(data.values())) for data in (inputs, labels)]
+    for data, keys, filler in zip((inputs, labels), (group.inputs, group.labels), group.fillers):
+      if any(calls.shapes(item) != calls.shapes(filler) for item in data.values()):
+        return None
+      for key in keys:   # keys of the other windows: a batch of the same shapes, unused
+        data.setdefault(key, filler)
+    group.carry = carry if any(carry[part] for part in groups.PARTS) else None
+    branch = tf.constant(group.numbers.index(number), tf.int32)
+    traced = self.function.experimental_get_tracing_count()
+    with compat.unoptimised_calls():
+      try:
+        out, results = self.function(branch, group.numbers, inputs, labels, M, group.size)
+      except groups.Ungroupable:
+        self.groups[group.numbers] = None
+        return None
+      except tf.errors.OpError as error:
+        calls.raise_clearer(error)
+    self.runtime.traces += self.function.experimental_get_tracing_count() - traced
+    self.runtime.finished(window, feed)
+    return out, results[:window.last + 1 - window.first]
+
+  def _traced(self, branch, numbers, inputs, labels, M, size):
+    """The group's function: the windows of `numbers` as branches (`branch` chooses), in plan
+    order. The first traces on no carry, and what it hands on is the template; the others
+    take the carry as placeholders of the template's shapes, fed at each call with the
+    group's carry; returns (the carry rebased and fitted to the template, `size` results)."""
+    graph = tf.compat.v1.get_default_graph()
+    group = self.groups[numbers]
+    like = [None]
+
+    def branch_of(i, number):
+      def run():
+        if i == 0:
+          carry = {part: {} for part in groups.PARTS}
+        else:
+          carry = groups.pack(group.template, compat.call_time_value(
+              graph, group.carry_values, group.specs, key="tfpipe_carry"))
+        key, inline, shift = self.runtime.numbered[number]
+        out, results = self.runtime.trace_tasks(key, inline, carry, inputs, labels, M)
+        rebased = groups.rebase(out, shift)
+        if i == 0:
+          group.set_template(rebased)
+        else:
+          rebased = groups.fit(group.template, carry, rebased)
+        like[0] = (rebased, groups.pad_results(results, size))
+        return groups.flat(like[0])
+      return run
+
+    tensors = tf.switch_case(branch, [branch_of(i, n) for i, n in enumerate(numbers)])
+    return groups.pack(like[0], tensors)
+
+
+class Group:
+  """A plan's distinct window numbers (the first window's first), the union of their windows'
+  input and label keys, and the most mini-batches a window finishes; once traced, the carry's
+  `template` (what the first window hands on) and `specs`, and `fillers`: the first window's
+  first inputs and labels, which every call passes for the keys its window lacks; `carry`:
+  the carry the next call's branch takes (None: the template's zeros)."""
+
+  def __init__(self, numbers, inputs, labels, size):
+    self.numbers, self.inputs, self.labels, self.size = numbers, inputs, labels, size
+    self.template = self.specs = self.fillers = self.carry = self._zeros = None
+
+  def set_template(self, carry):
+    self.template = carry
+    self.specs = groups.specs(carry)
+    self._zeros = None
+
+  def carry_values(self):
+    """The carry's tensors for the call now being made (the template's order)."""
+    if self.carry is not None:
+      return groups.flat(self.carry)
+    if self._zeros is None:
+      self._zeros = [tf.zeros(s.shape, s.dtype) for s in self.specs]
+    return self._zeros
