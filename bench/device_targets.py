@@ -103,10 +103,8 @@ def _one(config):
       model.compile(optimizer, loss, jit_compile=True if where == "gpu" else "auto")
     runner = model
   else:
-    from tfpipe.rules import advice
-    plain = advice.ADVISABLE if config["runner"] == "spectrain" and not config["advised"] else {}
     runner = tfpipe.Pipeline(model, devices=devices[:K], method=config["runner"],
-                             profile_batch_size=size["batch_size"], **plain)
+                             profile_batch_size=size["batch_size"], advice=config["advised"])
     runner.compile(optimizer, loss)
   span = results_io.fit_span()
 

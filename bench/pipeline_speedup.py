@@ -50,7 +50,7 @@ flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to 
 flags.DEFINE_list("more_stages", ["4"], "more K measured in processes of their own (compiled)")
 flags.DEFINE_bool("processes", True, "also measure Keras with all cores and TF servers")
 flags.DEFINE_integer("micro_batches", None, "micro_batches of the pipelines (default: each "
-                     "method's own, tfpipe.rules.advice's for spectrain)")
+                     "method's own)")
 FLAGS = flags.FLAGS
 
 

@@ -43,9 +43,8 @@ flags.DEFINE_list("server_stages", ["2", "4"], "K on TF server processes (empty:
 flags.DEFINE_list("executors", ["compiled", "threaded"], "pipeline executors to measure")
 flags.DEFINE_string("method", "spectrain", "pipelined method")
 flags.DEFINE_bool("advised", False,
-                  "spectrain with the options tfpipe.rules.advice sets by default (for the SpecTrain "
-                  "optimizer: exact version differences and spike compensation); off: the plain "
-                  "rule, as the earlier figures measured")
+                  "pipelines with advice=True (the options tfpipe.rules.advice measured for the "
+                  "optimizer); off: each method's own rule")
 flags.DEFINE_enum("model", "mlp", ["mlp", "snn"], "mlp: Dense + ReLU; snn: the SpecTrain paper's SELU SNN")
 flags.DEFINE_integer("input_dim", 32, "input features")
 flags.DEFINE_integer("width", 32, "units per layer")
@@ -129,11 +128,9 @@ def _measure(config):
     runner = model
     runner.compile(optimizer, loss)
   else:
-    from tfpipe.rules import advice
-    plain = advice.ADVISABLE if FLAGS.method == "spectrain" and not FLAGS.advised else {}
     runner = tfpipe.Pipeline(model, devices=devices[:K], method=FLAGS.method,
                              executor=config["runner"], partition=config.get("partition", "uniform"),
-                             profile_batch_size=FLAGS.batch_size, **plain)
+                             profile_batch_size=FLAGS.batch_size, advice=FLAGS.advised)
     window = FLAGS.steps_per_execution
     runner.compile(optimizer, loss, steps_per_execution=window if window == "auto" else int(window))
 

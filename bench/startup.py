@@ -48,7 +48,7 @@ flags.DEFINE_list("methods", ["sequential", "gpipe", "vanilla", "pipedream", "sp
                   "pipelined methods")
 flags.DEFINE_integer("layers", 12, "decoder layers of the Llama model")
 flags.DEFINE_integer("micro_batches", None, "micro_batches for every pipeline (default: each "
-                     "method's own, tfpipe.rules.advice's for spectrain)")
+                     "method's own)")
 flags.DEFINE_integer("timeout", 900, "seconds one configuration may take")
 flags.DEFINE_string("one", None, "run one configuration (JSON: model, method, K, window) in "
                     "this process and print its result")

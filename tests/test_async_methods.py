@@ -232,7 +232,7 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
   monkeypatch.delitem(advice.MICRO_BATCHES, "sgd")   # SPECTRAIN's table alone: M = 1
   monkeypatch.delitem(advice.ONE_UPDATE, "sgd")
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
-                                    method="spectrain", **asked)
+                                    method="spectrain", advice=True, **asked)
   assert "advised for the optimizer at compile" in pipe.describe() or asked
   compile_(SGD(), _loss())
   for name, value in expected.items():
@@ -246,7 +246,7 @@ def test_spectrain_takes_the_advised_options_it_was_left(monkeypatch, asked, adv
   bs = _batches(6)
   x, y = helpers.as_arrays(bs)
   ref = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
-                                optimizer=SGD(), **asked)[0]
+                                optimizer=SGD(), advice=True, **asked)[0]
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
   for actual, r in zip(_stage_weights(pipe), ref):
     helpers.assert_weights_close(actual, r, rtol=1e-7, atol=1e-9)
@@ -257,14 +257,56 @@ def test_other_methods_and_optimizers_take_no_advice(monkeypatch):
   monkeypatch.setitem(advice.SPECTRAIN, "sgd", {"spike_compensation": True})
   monkeypatch.delitem(advice.MICRO_BATCHES, "sgd")
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
-                                    method="pipedream")
+                                    method="pipedream", advice=True)
   compile_(SGD(), _loss())
   assert pipe.options.spike_compensation is False and "advised" not in pipe.describe()
   pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2,
-                                    method="spectrain")
+                                    method="spectrain", advice=True)
   compile_(keras.optimizers.Adam(), _loss())   # the Adam family's advice at K=2: Nesterov's
   assert pipe.options.spike_compensation is False
   assert "(nesterov advised for adam: tfpipe.rules.advice)" in pipe.describe()
+
+
+@pytest.mark.parametrize("K,optimizer", [(2, lambda: keras.optimizers.Adam()),
+                                         (4, lambda: optimizers.SpecTrain(LR, MOMENTUM)),
+                                         (8, lambda: keras.optimizers.SGD(0.1, momentum=0.9))])
+def test_a_method_name_means_its_papers_rule_unless_advice_is_asked_for(K, optimizer):
+  # Nothing asked: the paper's SpecTrain (one batch per update, its version differences, no
+  # update option), whatever the optimizer and depth; the summary says so in plain words.
+  from tfpipe.training import options as options_lib
+  model = helpers.sequential_mlp(dtype="float64")
+  given = options_lib.Asked(method="spectrain")
+  options, _, _ = options_lib.resolved(options_lib.checked(given, model, K), given, model,
+                                       optimizer(), K)
+  assert options.micro_batches == 1 and options.version_difference == "paper"
+  assert options.update_options() == [] and not options.advised
+  line = options.describe(K, batch_size=32)
+  assert line.startswith("method=spectrain (asynchronous: stale updates, its weights will not "
+                         "equal Keras fit's), ") and "one update per mini-batch taken whole" in line
+  assert "advised" not in line
+  # Asked for, the advice applies, and the line names the micro-batches' size.
+  given = options_lib.Asked(method="spectrain", advice=True)
+  options, _, _ = options_lib.resolved(options_lib.checked(given, model, K), given, model,
+                                       optimizer(), K)
+  assert options.advised
+  if options.micro_batches > 1:
+    assert (f"{options.micro_batches} micro-batches of {32 // options.micro_batches} samples "
+            "per update") in options.describe(K, batch_size=32)
+  with pytest.raises(ValueError, match="`advice` must be True or False. Received: advice='yes'"):
+    options_lib.checked(options_lib.Asked(method="spectrain", advice="yes"), model, K)
+
+
+@pytest.mark.parametrize("optimizer,words", [
+    (lambda: optimizers.SpecTrain(0.1, 0.9),
+     "momentum SGD (SpecTrain's optimizer, momentum 0.9)"),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.5), "momentum SGD (momentum 0.5)"),
+    (lambda: keras.optimizers.SGD(0.1), "SGD"), (lambda: keras.optimizers.Adam(), "Adam")])
+def test_the_summary_line_names_the_optimizer_in_plain_words(optimizer, words):
+  pipe, compile_ = helpers.pipeline(_model(), helpers.RUNTIMES[1], num_stages=2, method="1f1b")
+  compile_(optimizer(), _loss())
+  line = pipe.describe()
+  assert line.startswith("method=1f1b (synchronous: the updates of Keras fit), 2 stages, 4 "
+                         "micro-batches (1/4 of a mini-batch each) per update, " + words), line
 
 
 def _adam():
@@ -302,7 +344,7 @@ def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
   if batch_norm:
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8),
                               keras.layers.BatchNormalization(), keras.layers.Dense(3)])
-  given = options_lib.Asked(method="spectrain", **asked)
+  given = options_lib.Asked(method="spectrain", advice=True, **asked)
   checked = options_lib.checked(given, model, K)
   options, _, _ = options_lib.resolved(checked, given, model, optimizer(), K)
   assert options.micro_batches == expected
@@ -316,14 +358,18 @@ def test_spectrain_splits_batches_into_one_micro_batch_per_stage_where_advised(
   nesterov = ((family == "sgd" or K <= 8) and expected >= K - 1
               and asked.get("version_difference") != "paper")
   assert options.nesterov is nesterov
+  words = "Adam" if family == "adam" else "momentum SGD ("
   if nesterov and not advised and expected == 1:
-    assert f"{K} stages, nesterov (nesterov advised for {family}: tfpipe.rules.advice)" in line, line
+    assert f"{K} stages, one update per mini-batch taken whole, {words}" in line, line
+    assert f", nesterov (nesterov advised for {family}: tfpipe.rules.advice)" in line, line
   if nesterov and not advised and expected > 1:
-    assert f"{expected} micro-batches, nesterov (nesterov advised for {family}" in line, line
+    assert f"{expected} micro-batches (1/{expected} of a mini-batch each) per update" in line
+    assert f", nesterov (nesterov advised for {family}" in line, line
   if advised:
     names = ["micro_batches"] + ([] if "version_difference" in asked else ["version_difference"])
     names = ", ".join(sorted(names + (["nesterov"] if nesterov else [])))
-    assert f"{expected} micro-batches{', nesterov' if nesterov else ''} ({names} advised for " \
+    assert f"{expected} micro-batches (1/{expected} of a mini-batch each) per update" in line
+    assert f"{', nesterov' if nesterov else ''} ({names} advised for " \
            f"{family}: tfpipe.rules.advice)" in line, line
     assert options.version_difference == "exact"
   # Compiled again with an optimizer of no family, the advice follows it: none.
@@ -341,13 +387,14 @@ def test_advised_micro_batches_train_by_the_rule_they_name(runtime, family, opti
   # not another.
   bs = _batches(8)
   x, y = helpers.as_arrays(bs)
-  pipe, compile_ = helpers.pipeline(_model(), runtime, num_stages=4, method="spectrain")
+  pipe, compile_ = helpers.pipeline(_model(), runtime, num_stages=4, method="spectrain",
+                                    advice=True)
   expected = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
                                      optimizer=optimizer(), micro_batches=M,
                                      version_difference="exact", **rule)[0]
   # The reference left unset resolves the same advice; without Nesterov's step it differs.
   unset = helpers.reference_train(pipe.stage_models, _loss(), bs, "spectrain", LR, MOMENTUM,
-                                  optimizer=optimizer())[0]
+                                  optimizer=optimizer(), advice=True)[0]
   for a, b in zip(expected, unset):
     helpers.assert_weights_close(a, b, rtol=0, atol=0)
   if rule:

@@ -62,9 +62,12 @@ def test_quickstart_config_runs_end_to_end(tmp_path):
   assert "epoch 1/1:" in result.stdout and "val_accuracy" in result.stdout
   assert "samples/s=" in result.stdout
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "spectrain"))
-  # The summary is printed after compile: it names what was advised for the optimizer.
-  assert ("method=spectrain, 2 stages, nesterov (nesterov advised for sgd: tfpipe.rules.advice)"
-          in result.stdout)
+  # The summary is printed after compile: what runs, in plain words (the paper's SpecTrain:
+  # nothing advised unless --advice is passed).
+  assert ("method=spectrain (asynchronous: stale updates, its weights will not equal Keras "
+          "fit's), 2 stages, one update per mini-batch taken whole, momentum SGD (SpecTrain's "
+          "optimizer, momentum 0.9)" in result.stdout)
+  assert "advised" not in result.stdout
 
 
 def test_missing_dataset_offline_is_a_clear_message():
@@ -542,11 +545,15 @@ def test_mitigation_and_optimizer_flags_reach_the_pipeline():
 def test_spectrain_with_adam_takes_the_advised_micro_batches_from_the_trainer():
   config = config_lib.TrainConfig(method="spectrain", model="mlp", dataset="teacher", mlp_width=16,
                                   mlp_depth=3, batch_size=32, steps=3, epochs=1, verbose=0,
-                                  throughput_window=None, optimizer="adam", num_stages=4)
+                                  throughput_window=None, optimizer="adam", num_stages=4,
+                                  advice=True)
   history, trainer, _ = main.run(config)
   assert np.isfinite(history["loss"][0]) and trainer.micro_batches == 4
-  assert ("4 micro-batches, nesterov (micro_batches, nesterov, version_difference advised for "
-          "adam" in trainer.describe())
+  assert ("4 micro-batches of 8 samples per update, Adam, nesterov (micro_batches, nesterov, "
+          "version_difference advised for adam" in trainer.describe())
+  # Without --advice: the paper's rule, whole mini-batches.
+  history, trainer, _ = main.run(dataclasses.replace(config, advice=False))
+  assert trainer.micro_batches == 1 and "advised" not in trainer.describe()
 
 
 @pytest.mark.parametrize("name", ["classes", "teacher"])
@@ -567,6 +574,7 @@ def test_a_run_is_quiet_by_default_and_counts_stages_as_its_summary_does(tmp_pat
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout + result.stderr
   assert "Reduce to" not in out and "Sharding callback" not in out and "INFO" not in out
-  assert "method=interleaved, 4 stages on 2 devices" in result.stdout
+  assert ("method=interleaved (synchronous: the updates of Keras fit), 4 stages on 2 devices"
+          in result.stdout)
   assert re.search(r"^stages\s+4 on 2 devices$", result.stdout, re.M)
   assert "throughput" not in result.stdout   # 6 steps never reach the default window

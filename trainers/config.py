@@ -30,6 +30,7 @@ class TrainConfig:
   spike_compensation: Optional[bool] = None
   delay_momentum: bool = False
   nesterov: Optional[bool] = None
+  advice: bool = False
   delay_compensation: Optional[float] = None
   lr_rescheduling: Optional[int] = None
   discrepancy_decay: Optional[float] = None

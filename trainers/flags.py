@@ -39,13 +39,18 @@ def define_flags():
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", None,
-                      "spectrain version difference: paper, exact (default: tfpipe.rules.advice's "
-                      "for the optimizer, else paper)")
+                      "spectrain version difference: paper, exact (default: paper; exact with "
+                      "micro-batches; with --advice, tfpipe.rules.advice's for the optimizer)")
   flags.DEFINE_integer("micro_batches", None,
                        "micro-batches per mini-batch (gpipe, 1f1b, interleaved, zb, timeprest: default 4; "
                        "vanilla, "
-                       "pipedream: default 1; spectrain: from tfpipe.rules.advice.MICRO_BATCHES's "
-                       "depth on (4), K with adam and 2K with momentum SGD, else 1)")
+                       "pipedream, spectrain: default 1; with --advice, spectrain from 4 stages "
+                       "on: K with adam, 2K with momentum SGD)")
+  flags.DEFINE_bool("advice", False,
+                    "pipelines: options left unset (micro_batches, version_difference, "
+                    "spike_compensation, nesterov, delay_compensation) take what "
+                    "tfpipe.rules.advice measured best for the optimizer (more accurate, "
+                    "slower); default: the method's paper, with the options passed")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")
   flags.DEFINE_enum("executor", "auto", ["auto", "compiled", "threaded"],
@@ -58,18 +63,17 @@ def define_flags():
                     "ddg, feature_replay: end every step with a barrier on all stages")
   flags.DEFINE_bool("spike_compensation", None,
                     "asynchronous pipelines: give each delayed gradient the momentum it missed "
-                    "at once (Kosson et al. 2021); default: --method=spectrain takes "
-                    "tfpipe.rules.advice's for the optimizer, others off")
+                    "at once (Kosson et al. 2021); default off (--advice: "
+                    "tfpipe.rules.advice's for the optimizer)")
   flags.DEFINE_bool("delay_momentum", False,
                     "asynchronous pipelines: lower each stage's momentum by its delay D to "
                     "max(0, momentum - D/(D+1)) (Mitliagkas et al. 2016)")
   flags.DEFINE_bool("nesterov", None,
                     "asynchronous pipelines: every stage's update looks ahead along its momentum "
                     "(Nesterov; with --method=pipedream, Ajanthan et al. 2025; momentum SGD or "
-                    "Adam, whose look-ahead is NAdam's step); default: "
-                    "--method=spectrain with momentum SGD takes it where a prediction spans "
-                    "one update (K=2, or micro-batches M >= K-1: tfpipe.rules.advice), with Adam up "
-                    "to K=8, others off")
+                    "Adam, whose look-ahead is NAdam's step); default off (--advice: "
+                    "--method=spectrain takes it where a prediction spans one update: "
+                    "tfpipe.rules.advice)")
   flags.DEFINE_float("delay_compensation", None,
                      "DC-ASGD's lambda (0: off): move each gradient from the weights its "
                      "forward read to the current ones, g + lambda*g*g*(W - W_read)")

@@ -63,7 +63,8 @@ def _method_options(config, tools):
                     delay_momentum=config.delay_momentum, lr_rescheduling=config.lr_rescheduling,
                     discrepancy_decay=config.discrepancy_decay, nesterov=config.nesterov,
                     delay_compensation=config.delay_compensation)
-  chosen = [f"--{k}" for k, v in mitigation.items() if v not in (None, False, 0.0)]
+  chosen = [f"--{k}" for k, v in dict(mitigation, advice=config.advice).items()
+            if v not in (None, False, 0.0)]
   if not kind.pipeline and chosen:
     raise ValueError(f"{chosen[0]} mitigates pipeline staleness; --method={config.method} is not "
                      "a pipeline")
@@ -74,7 +75,7 @@ def _method_options(config, tools):
               recompute={"auto": None, "true": True, "false": False}[config.recompute],
               lockstep=config.lockstep, stage_replicas=config.stage_replicas,
               data_parallel=config.data_parallel, virtual_stages=config.virtual_stages,
-              cross_device_ops=config.cross_device_ops,
+              cross_device_ops=config.cross_device_ops, advice=config.advice,
               profile_batch_size=config.batch_size,
               executor=None if config.executor == "auto" else config.executor,
               **tools.pipeline_options())

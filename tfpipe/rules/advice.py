@@ -17,7 +17,8 @@ from tfpipe.plan import tasks
 from tfpipe.rules import mitigations
 
 __all__ = ["ADVISABLE", "SPECTRAIN", "ONE_UPDATE", "ONE_UPDATE_STAGES", "MICRO_BATCHES",
-           "family", "advised", "resolve", "micro_batches", "one_update", "batch_norm_layers"]
+           "family", "in_words", "advised", "resolve", "micro_batches", "one_update",
+           "batch_norm_layers"]
 
 ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nesterov": False,
              "delay_compensation": 0.0}
@@ -110,6 +111,19 @@ def family(optimizer):
   if mitigations.momentum_of(optimizer) is not None:
     return "sgd"
   return None
+
+
+def in_words(optimizer):
+  """`optimizer` as a person names it: "momentum SGD (SpecTrain's optimizer, momentum 0.9)",
+  "SGD", "Adam", "AdamW", else its class's name."""
+  name = type(optimizer).__name__
+  momentum = mitigations.momentum_of(optimizer)
+  if momentum is None:
+    return name
+  momentum = float(momentum)
+  if name == "SGD":
+    return f"momentum SGD (momentum {momentum:g})" if momentum else "SGD"
+  return f"momentum SGD ({name}'s optimizer, momentum {momentum:g})"
 
 
 def one_update(micro_batches, num_stages):

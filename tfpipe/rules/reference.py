@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe.plan import pieces, policies, schedules, tasks, verify
-from tfpipe.rules import advice, mitigations, optimizers
+from tfpipe.rules import advice as advice_lib, mitigations, optimizers
 
 __all__ = ["reference_train"]
 
@@ -139,7 +139,8 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
                     spectrain_backward="reuse", version_difference=None, epochs=1,
                     micro_batches=None, recompute=None, lockstep=False, optimizer=None,
                     spike_compensation=None, delay_momentum=False, lr_rescheduling=None,
-                    discrepancy_decay=None, nesterov=None, delay_compensation=None):
+                    discrepancy_decay=None, nesterov=None, delay_compensation=None,
+                    advice=False):
   """Trains the stages by the rule of `method`; returns the final weights of every stage.
 
   Args:
@@ -153,8 +154,9 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     optimizer: None (the SpecTrain rule with learning_rate and momentum), or a
       SpecTrain, SGD, Adam or AdamW object whose hyperparameters the rules read.
     spike_compensation, delay_momentum, lr_rescheduling, discrepancy_decay,
-      nesterov, delay_compensation: as in `tfpipe.Pipeline` (`tfpipe.rules.mitigations`; left
-      None, what `tfpipe.rules.advice` resolves for the method and optimizer),
+      nesterov, delay_compensation, advice: as in `tfpipe.Pipeline` (`tfpipe.rules.mitigations`;
+      left None, the method's plain values, or with `advice` what `tfpipe.rules.advice`
+      resolves for the method and optimizer),
       the delay D_k of stage k being the largest exact version difference of its
       forwards.
 
@@ -167,9 +169,9 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   K, N = len(stage_models), len(batches)
   rule_optimizer = optimizer if optimizer is not None else optimizers.SpecTrain(learning_rate,
                                                                                 momentum)
-  batch_norm = any(advice.batch_norm_layers(m) for m in stage_models)
-  M = (advice.micro_batches(policy, rule_optimizer, K, micro_batches, version_difference,
-                            batch_norm)
+  batch_norm = any(advice_lib.batch_norm_layers(m) for m in stage_models)
+  M = ((advice and advice_lib.micro_batches(policy, rule_optimizer, K, micro_batches,
+                                          version_difference, batch_norm))
        or policies.micro_batches_for(policy, micro_batches, K))
   W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   A = [[np.zeros_like(w) for w in ws] for ws in W]
@@ -177,7 +179,12 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   asked = {"version_difference": version_difference, "spike_compensation": spike_compensation,
            "nesterov": nesterov, "delay_compensation": delay_compensation}
   unset = [n for n, v in asked.items() if v is None]
-  asked.update(advice.resolve(policy, M, K, rule_optimizer, unset, any(delays), asked))
+  if advice:
+    asked.update(advice_lib.resolve(policy, M, K, rule_optimizer, unset, any(delays), asked))
+  else:   # the method's own rule: the plain values ("exact" version differences with M > 1)
+    asked.update({n: advice_lib.ADVISABLE[n] for n in unset})
+    if "version_difference" in unset and policy.predicts and M > 1:
+      asked["version_difference"] = "exact"
   version_difference, spike_compensation = asked["version_difference"], asked["spike_compensation"]
   nesterov, delay_compensation = asked["nesterov"], asked["delay_compensation"]
   if lr_rescheduling is None:

@@ -11,9 +11,10 @@ each window inside a profiler trace named `tfpipe_window`, so:
       the same task, so records cover the time its ops ran, and the
       breakdown sees the pause as a wait;
   a transfer's record (XF: stage k to k+1, XB: k to k-1) spans the `_Send`
-      ops from one stage's task to a task of its neighbour in the same call
-      (a tensor carried to the next window moves as that call's input,
-      unrecorded).
+      ops from one stage's task to a task of its neighbour in the same call;
+      a tensor carried to the next window moves as that call's input (a
+      `_Send` from the carry argument to the task that takes it), recorded as
+      its sender's transfer too.
 Tasks of one stage may overlap in time in a graph (a forward may start while
 the previous backward still runs, where their data allow). Times are moved
 onto `time.perf_counter`'s clock, like the threaded executor's records.
@@ -44,6 +45,7 @@ _SCOPE = "tfpipe_task"
 _WINDOW = "tfpipe_window"
 MERGE_GAP = 20e-6   # seconds: the executor's pauses between one task's ops are a few µs
 _GRADIENT = "gradient_tape/"   # how a tape names the gradient ops of a forward's ops
+_CARRY = "carry"   # the window function's argument of values carried in from the window before
 
 Event = collections.namedtuple("Event", ["name", "start", "end", "args"])
 Event.__doc__ = "One profiled event: `start` and `end` in seconds on the profile's clock."
@@ -159,13 +161,21 @@ def task_records(events, calls, tasks, epoch):
     i = _task_index(name, backward_of)
     return (i, entries[i]) if i is not None and i < len(entries) and entries[i] else (None, None)
 
-  ops, moves = collections.defaultdict(list), {}
+  ops, moves, carried = collections.defaultdict(list), {}, {}
   for e in events:
     n = call_of(e.start)
     if n is None or n not in tasks:
       continue
     i, task = entry(n, e.args.get("long_name") or e.args.get("tf_op") or "")
     if task is None:
+      if e.name == "_Send" and e.args.get("from", "").startswith(_CARRY):
+        # A value carried in from the window before (outputs, gradients) moves to the device
+        # of the task that takes it when this call starts: the transfer of the stage before
+        # (a forward's or step's input) or after (a backward's output gradients).
+        j, to = entry(n, e.args.get("to", ""))
+        if to is not None:
+          lo, hi = carried.get((n, j), (e.start, e.end))
+          carried[(n, j)] = (min(lo, e.start), max(hi, e.end))
       continue
     ops[(n, i)].append((e.start, e.end))
     _, to = entry(n, e.args.get("to", "")) if e.name == "_Send" else (None, None)
@@ -181,6 +191,12 @@ def task_records(events, calls, tasks, epoch):
     k, _, batch, micro, _, _ = tasks[n][0][i]
     out.append(TaskRecord(k, "XF" if to == k + 1 else "XB", batch, None, None, start, end,
                           micro, epoch))
+  K = 1 + max((t[0] for entries, _ in tasks.values() for t in entries if t), default=0)
+  for (n, j), (start, end) in carried.items():
+    k, kind, batch, micro, _, _ = tasks[n][0][j]
+    sender, direction = (k + 1, "XB") if kind == "B" else (k - 1, "XF")
+    if 0 <= sender < K:
+      out.append(TaskRecord(sender, direction, batch, None, None, start, end, micro, epoch))
   return sorted(out, key=lambda r: r.start)
 
 

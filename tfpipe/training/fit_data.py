@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfpipe.training import data, input_checks
 
-__all__ = ["dataset", "validation", "check_fit_arguments"]
+__all__ = ["dataset", "validation", "check_fit_arguments", "batch_size_of"]
 
 
 def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
@@ -88,3 +88,12 @@ def check_fit_arguments(pipe, epochs, initial_epoch, validation_freq, batch_size
         f"a replicated stage splits each (micro-)batch over {most} devices: `batch_size` must "
         f"be at least {most * micro_batches}. Received: batch_size={batch_size}"
         f"{pipe.options.micro_batch_hint()}")
+
+
+def batch_size_of(dataset):
+  """The static batch size of `dataset`'s first input, or None where it is not known."""
+  first = tf.nest.flatten(dataset.element_spec)[0]
+  shape = getattr(first, "shape", None)
+  if shape is None or shape.rank in (None, 0):
+    return None
+  return shape[0]

@@ -3,8 +3,9 @@
 `Asked` holds `tfpipe.Pipeline`'s option arguments as given, None where left unset.
 `checked` turns them into `Options` once the number of stages is known, refusing a bad value
 with the option's name before any TensorFlow work; `resolved` gives the options in force
-for the optimizer `compile` receives (`tfpipe.rules.advice` fills what was left unset) and
-each stage's update rule. Both are frozen: a pipeline's options change only by being
+for the optimizer `compile` receives (with `advice=True`, `tfpipe.rules.advice` fills what
+was left unset; otherwise the method's own rule, as its paper gives it) and each stage's
+update rule. Both are frozen: a pipeline's options change only by being
 resolved again, at its next `compile`. What the options mean is documented on
 `tfpipe.Pipeline`; the method itself is only ever asked about through its weight policy.
 """
@@ -48,6 +49,7 @@ class Asked:
   virtual_stages: Optional[int] = None
   nesterov: Optional[bool] = None
   delay_compensation: Optional[float] = None
+  advice: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,8 @@ class Options:
   advised: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   family: Optional[str] = None   # the optimizer's family, once resolved at compile
   looked_up: bool = False   # whether advice was looked up (at compile, with options unset)
+  advice: bool = False   # whether `tfpipe.rules.advice` may fill the options left unset
+  optimizer: Optional[str] = None   # the optimizer in plain words, once resolved at compile
 
   @property
   def method(self) -> str:
@@ -92,9 +96,20 @@ class Options:
     return (f" (micro_batches={self.micro_batches} was advised for {self.family} by "
             "tfpipe.rules.advice: pass micro_batches=1 to the Pipeline to train on whole batches)")
 
-  def describe(self, num_stages: int, num_devices: Optional[int] = None) -> str:
-    """The summary's first line: method, stages, micro-batches and update options in force."""
-    micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+  def describe(self, num_stages: int, num_devices: Optional[int] = None,
+               batch_size: Optional[int] = None) -> str:
+    """The summary's first line, in plain words: the method and whether it updates as Keras
+    does, stages, what one update takes (a mini-batch whole, or M micro-batches of
+    `batch_size` / M samples), the optimizer (once compiled) and update options in force."""
+    M = self.micro_batches
+    if M == 1:
+      micro = ", one update per mini-batch taken whole"
+    else:
+      size = (f" of {batch_size // M} samples" if batch_size and batch_size % M == 0 else
+              f" (1/{M} of a mini-batch each)")
+      micro = f", {M} micro-batches{size} per update"
+    if self.optimizer:
+      micro += f", {self.optimizer}"
     on = [n if v is True else f"{n}={v}" for n, v in self.update_options()]
     if self.policy.corrects:
       on.append(f"discrepancy_decay={self.discrepancy_decay}")
@@ -104,10 +119,13 @@ class Options:
                 "tfpipe.rules.advice)")
     elif self.looked_up and self.family and self.policy.predicts:
       micro += f" (no option advised for {self.family}: tfpipe.rules.advice)"
-    elif self.unset and self.policy.predicts and not self.looked_up:
+    elif self.unset and self.policy.predicts and not self.looked_up and self.advice:
       micro += " (options left unset: advised for the optimizer at compile)"
     devices = f" on {num_devices} devices" if num_devices not in (None, num_stages) else ""
-    return f"method={self.method}, {num_stages} stages{devices}{micro}"
+    kind = ("synchronous: the updates of Keras fit" if self.policy.method in
+            policies.SYNCHRONOUS_METHODS else
+            "asynchronous: stale updates, its weights will not equal Keras fit's")
+    return f"method={self.method} ({kind}), {num_stages} stages{devices}{micro}"
 
 
 def policy_of(asked: Asked) -> policies.WeightPolicy:
@@ -120,6 +138,8 @@ def checked(asked: Asked, model: keras.Model, num_stages: int) -> Options:
   """`asked` checked for `model` at `num_stages` stages, with the plain method's values where
   options were left unset (until `resolved` at compile)."""
   policy = policy_of(asked)
+  if asked.advice not in (True, False):
+    raise ValueError(f"`advice` must be True or False. Received: advice={asked.advice!r}")
   M = policies.micro_batches_for(policy, asked.micro_batches, num_stages)
   unset = tuple(n for n in _ADVISABLE if getattr(asked, n) is None)
   values = _plain(asked, unset, policy, M)
@@ -139,6 +159,7 @@ def checked(asked: Asked, model: keras.Model, num_stages: int) -> Options:
       "executor", asked.executor or "compiled", runtime.EXECUTORS),
                  record=bool(asked.record) or trace_steps is not None, trace_steps=trace_steps,
                  trace_dir=asked.trace_dir, prediction_error=recorder or None, unset=unset,
+                 advice=asked.advice,
                  **_rules(policy, M, asked, values))
 
 
@@ -149,7 +170,7 @@ def resolved(options: Options, asked: Asked, model: keras.Model, optimizer: Any,
   refuses options that cannot act (no delay, an optimizer their rule is not written for)."""
   policy = options.policy
   plain = policies.micro_batches_for(policy, asked.micro_batches, num_stages)
-  M = advice.micro_batches(
+  M = plain if not asked.advice else advice.micro_batches(
       policy, optimizer, num_stages, asked.micro_batches,
       None if "version_difference" in options.unset else options.version_difference,
       bool(advice.batch_norm_layers(model)) and asked.batch_statistics != "micro_batch") or plain
@@ -157,7 +178,7 @@ def resolved(options: Options, asked: Asked, model: keras.Model, optimizer: Any,
   family = advice.family(optimizer)
   advised: Dict[str, Any] = {"micro_batches": M} if M != plain else {}
   values = _plain(asked, options.unset, policy, M)
-  if options.unset:
+  if options.unset and asked.advice:
     given = {"spike_compensation": values["spike_compensation"],
              "nesterov": values["nesterov"], "version_difference": asked.version_difference}
     chosen = advice.resolve(policy, M, num_stages, optimizer, list(options.unset),
@@ -171,8 +192,10 @@ def resolved(options: Options, asked: Asked, model: keras.Model, optimizer: Any,
       rules["lr_rescheduling"] = mitigations.DEFAULT_LR_RESCHEDULING
     except ValueError:
       rules["lr_rescheduling"] = 0
+  looked_up = options.looked_up or (bool(options.unset) and asked.advice)
   options = dataclasses.replace(options, micro_batches=M, advised=advised, family=family,
-                                looked_up=options.looked_up or bool(options.unset), **rules)
+                                looked_up=looked_up, optimizer=advice.in_words(optimizer),
+                                **rules)
   on = [n for n, _ in options.update_options()]
   for name in on:
     if name != "delay_compensation":   # a gradient's correction: any optimizer

@@ -91,26 +91,20 @@ class Pipeline:
       backward's version difference; in TensorFlow this recomputes the
       stage from its saved input: one extra forward per backward).
     version_difference: "paper" (the SpecTrain paper's eq. 5-6) or "exact" (counted
-      from the schedule). None: "paper" ("exact" with micro-batches), except where
-      `tfpipe.rules.advice` advises otherwise. `spike_compensation`, `nesterov`,
-      `delay_compensation` and `version_difference` left None are set at `compile`,
-      with method "spectrain", to what `tfpipe.rules.advice` advises for the optimizer
-      (the SpecTrain variant that held best over `bench/staleness.py`'s tasks;
-      `summary()` names it); otherwise off ("paper"). A value passed is kept.
+      from the schedule). None: "paper" ("exact" with micro-batches).
     micro_batches: M, micro-batches per mini-batch: for "gpipe", "1f1b",
       "zb" and "timeprest" (default 4), and for "vanilla", "pipedream" and
       "spectrain" (default 1), whose stages then accumulate the M gradients
       and update once per mini-batch (SpecTrain needs version_difference="exact").
-      "spectrain" left None with momentum SGD or Adam from
-      `tfpipe.rules.advice.MICRO_BATCHES`'s depth on (4 stages): M = K with Adam, 2K
-      with momentum SGD, at `compile` (a prediction then spans at most one
-      update, on fewer micro-batches the larger M is, and momentum SGD also takes
-      nesterov, as Adam does up to K=8, `advice.ONE_UPDATE`; not with
-      version_difference="paper", nor with BatchNormalization unless
-      batch_statistics="micro_batch");
-      `summary()` says so. At K=2 M=1 bounds a prediction to one update too,
-      and momentum SGD and Adam take nesterov there. version_difference="paper" keeps
-      the paper's rule.
+    advice: False (default): the method runs its paper's rule with the options
+      passed and nothing else. True: the options left None (`micro_batches`,
+      `version_difference`, `spike_compensation`, `nesterov`,
+      `delay_compensation`) take, at `compile`, what `tfpipe.rules.advice`
+      measured best for the optimizer (for "spectrain": from 4 stages M = K
+      micro-batches with Adam, 2K with momentum SGD, so a prediction spans at
+      most one update, plus Nesterov's step; at K=2 Nesterov's step). It trades
+      speed for accuracy (more, smaller micro-batches); `summary()` names what
+      was advised. A value passed is always kept.
     recompute: keep only stage inputs and recompute the forward before the
       backward (the synchronous methods); None takes the method's rule.
     lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
@@ -186,7 +180,8 @@ class Pipeline:
       batch_statistics: str = "warn", data_parallel: int = 1,
       virtual_stages: Optional[int] = None, nesterov: Optional[bool] = None,
       delay_compensation: Optional[float] = None,
-      cross_device_ops: Union[tf.distribute.CrossDeviceOps, str, None] = None):
+      cross_device_ops: Union[tf.distribute.CrossDeviceOps, str, None] = None,
+      advice: bool = False):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     overrides = compat.trainer_overrides(model)
@@ -204,7 +199,7 @@ class Pipeline:
         spike_compensation=spike_compensation, delay_momentum=delay_momentum,
         lr_rescheduling=lr_rescheduling, discrepancy_decay=discrepancy_decay,
         batch_statistics=batch_statistics, virtual_stages=virtual_stages, nesterov=nesterov,
-        delay_compensation=delay_compensation)
+        delay_compensation=delay_compensation, advice=advice)
     policy = options_lib.policy_of(self.asked)
     reduction.check(cross_device_ops)
     self.cross_device_ops = cross_device_ops
@@ -221,6 +216,7 @@ class Pipeline:
     partition_lib.check_shared(model, self.partition, self.method, policies.SYNCHRONOUS_METHODS)
     self.jit_compile = placement.default_jit_compile(where) if jit_compile is None else jit_compile
     self.fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
+    self.batch_size = None   # the last fit's mini-batch size, where known (`describe`)
     self.runtime = None
 
   policy = property(lambda self: self.options.policy, doc="The method's weight policy.")
@@ -271,12 +267,13 @@ class Pipeline:
 
   def describe(self) -> str:
     """The summary's first line: the method, stages, devices and options in force."""
-    return self.options.describe(self.num_stages, self.num_devices)
+    return self.options.describe(self.num_stages, self.num_devices, self.batch_size)
 
   def summary(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
     """Prints a table of the stages as `keras.Model.summary()` prints the layers: each
     stage's devices, layers and parameters, then the model's totals. `print_fn`: called with
-    each line (default `print`)."""
+    each line (default `print`). Its first line says what runs in plain words; the size of
+    a micro-batch once the batch size is known (`batch_size`: the last `fit`'s, or set)."""
     for line in summary_lib.lines(self):
       (print_fn or print)(line)
 
@@ -391,6 +388,7 @@ class Pipeline:
                                             seed, sample_weight=sample_weight,
                                             class_weight=class_weight,
                                             micro_batches=self.micro_batches)
+    self.batch_size = batch_size or fit_data.batch_size_of(dataset) or self.batch_size
     validation = None
     if validation_data is not None:
       validation, validation_hooks = fit_data.validation(
