@@ -40,6 +40,8 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
+from bench import workloads  # noqa: E402
+
 flags.DEFINE_list("models", ["llama", "resnet"], "models to measure (llama, resnet, mlp)")
 flags.DEFINE_list("stages", ["2", "4"], "numbers of stages K")
 flags.DEFINE_list("windows", ["auto", "64"], "steps_per_execution values")
@@ -54,49 +56,14 @@ flags.DEFINE_string("one", None, "run one configuration (JSON: model, method, K,
                     "this process and print its result")
 FLAGS = flags.FLAGS
 
-_SIZES = {"llama": (16, 64), "resnet": (32, 32), "mlp": (512, 8)}   # batch, batches per epoch
-
-
-def _model(name, layers):
-  import keras
-  keras.utils.set_random_seed(0)
-  if name == "llama":
-    import keras_hub
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=1024, num_layers=layers, num_query_heads=2, num_key_value_heads=2,
-        hidden_dim=64, intermediate_dim=128, max_sequence_length=32)
-    pooled = keras.layers.GlobalAveragePooling1D()(backbone.output)
-    return keras.Model(backbone.inputs, keras.layers.Dense(10, name="head")(pooled))
-  if name == "mlp":
-    return keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(256, activation="relu")
-                                                    for _ in range(8)] + [keras.layers.Dense(10)])
-  from tfpipe.models import cnn
-  return cnn.resnet20((32, 32, 3), 10, scale=0.5)
-
-
-def _data(name):
-  import numpy as np
-  rng = np.random.default_rng(0)
-  batch, batches = _SIZES[name]
-  n = batch * batches
-  if name == "mlp":
-    x = rng.standard_normal((n, 64)).astype("float32")
-  elif name == "llama":
-    x = {"token_ids": rng.integers(1, 1024, (n, 32)).astype("int32"),
-         "padding_mask": np.ones((n, 32), "int32")}
-  else:
-    x = rng.standard_normal((n, 32, 32, 3)).astype("float32")
-  return x, rng.integers(0, 10, n), batch
-
-
 def _one(config):
   """Trains two epochs of one configuration; returns its timings."""
   import tfpipe
   K = config["K"]
   devices = tfpipe.create_logical_cpus(max(K, 1), intra_op_threads=1)
   import keras
-  x, y, batch = _data(config["model"])
-  model = _model(config["model"], FLAGS.layers)
+  x, y, batch = workloads.data(config["model"])
+  model = workloads.model(config["model"], FLAGS.layers)
   window = config["window"]
   compile_args = dict(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -139,7 +106,7 @@ def main(argv):
     return
   from bench import results_io
   for name in FLAGS.models:
-    if name not in _SIZES:
+    if name not in workloads.SIZES:
       raise app.UsageError(f"--models: unknown model {name!r} (llama, resnet, mlp)")
     keras_result = _run({"model": name, "method": "keras", "K": 1, "window": "auto"})
     if "error" in keras_result:

@@ -46,10 +46,18 @@ def test_grid_parallel(tmp_path):
   assert "dnn" not in table
 
 
-def test_seed001_speedup(tmp_path):
-  _bench("seed001_speedup.py", "--width=16", "--steps=8", "--batch_size=16",
+def test_steady_state(tmp_path):
+  out = _bench("steady_state.py", "--layers=1", "--stages=2", "--epochs=2",
+               "--methods=spectrain", "--variants=calls", f"--results_dir={tmp_path}")
+  table = (tmp_path / "steady_state.md").read_text()
+  assert "| keras fit | calls | 1 |" in table and "| spectrain | calls | 1 |" in table
+  assert "over" not in table and "spectrain | calls" in out
+
+
+def test_speedup_model(tmp_path):
+  _bench("speedup_model.py", "--width=16", "--steps=8", "--batch_size=16",
          f"--results_dir={tmp_path}")
-  table = (tmp_path / "seed001.md").read_text()
+  table = (tmp_path / "speedup_model.md").read_text()
   for row in ("| data parallel (MirroredStrategy), P=2 |", "| layer-wise pipeline (pipedream), K=2 |",
               "| ASGD, 2 workers + 1 parameter server |"):
     assert row in table

@@ -308,6 +308,28 @@ def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_al
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["gpipe", "1f1b"])
+def test_a_loop_window_inlines_its_one_mini_batch_by_its_own_size(method, monkeypatch):
+  # A schedule that finishes each mini-batch first runs as a loop over one mini-batch's tasks:
+  # its graph holds M micro-batches on every stage whatever the window, so it inlines by
+  # INLINE_LOOP_OPS even where a window of W mini-batches would be too large (INLINE_OPS).
+  monkeypatch.setattr(tfpipe.runtime.CompiledRuntime, "INLINE_OPS", 1)
+  looped, model_a, _ = _train("compiled", 4, method, n=12, micro_batches=2)
+  runtime = looped.runtime
+  assert not runtime._inlined(12)
+  # The loop's window is the last numbered (after the plan's windows, numbered as calls).
+  assert runtime._inlined_loop(2) and runtime.numbered[-1].inline
+  assert not any(n.inline for n in runtime.numbered[:-1])
+  runtime.INLINE_LOOP_OPS = 3 * runtime._forward_ops * 2 - 1
+  assert not runtime._inlined_loop(2) and runtime._inlined_loop(1)
+  # As calls, the same weights.
+  monkeypatch.setattr(tfpipe.runtime.CompiledRuntime, "INLINE_LOOP_OPS", 1)
+  called, model_b, _ = _train("compiled", 4, method, n=12, micro_batches=2)
+  assert not any(n.inline for n in called.runtime.numbered)
+  for a, b in zip(model_a.get_weights(), model_b.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_inlined_windows_run_under_the_lighter_grappler_without_layout_on_cpus(monkeypatch):
   from tfpipe import compat
   seen, light = [], compat.light_calls

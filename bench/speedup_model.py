@@ -7,9 +7,9 @@ of activations, predicts each method's speedup with `tfpipe.plan.analytic`
 (eq. 8 for data parallel and ASGD, the layer-wise model for the pipeline),
 then trains each and prints predicted beside measured. ASGD runs last: it
 joins a cluster of local TF servers (2 workers, 1 parameter server). Writes
-bench/results/seed001.md.
+bench/results/speedup_model.md.
 
-  python bench/seed001_speedup.py [--width=1024 --batch_size=256 --steps=40]
+  python bench/speedup_model.py [--width=1024 --batch_size=256 --steps=40]
 """
 
 import os
@@ -99,7 +99,7 @@ def main(argv):
            "of activations; speedup over one device")
   table = results_io.markdown_table(
       ["method", "predicted speedup", "measured speedup", "samples/s"], rows)
-  results_io.report(FLAGS.results_dir, "seed001.md", title, table)
+  results_io.report(FLAGS.results_dir, "speedup_model.md", title, table)
   os._exit(0)  # the cluster this process joined is gone; skip TensorFlow's teardown
 
 
