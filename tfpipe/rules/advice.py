@@ -17,7 +17,7 @@ from tfpipe.plan import tasks
 from tfpipe.rules import mitigations
 
 __all__ = ["ADVISABLE", "SPECTRAIN", "ONE_UPDATE", "ONE_UPDATE_STAGES", "MICRO_BATCHES",
-           "family", "in_words", "advised", "resolve", "micro_batches", "one_update",
+           "family", "in_words", "plain", "advised", "resolve", "micro_batches", "one_update",
            "batch_norm_layers"]
 
 ADVISABLE = {"version_difference": "paper", "spike_compensation": False, "nesterov": False,
@@ -111,6 +111,16 @@ def family(optimizer):
   if mitigations.momentum_of(optimizer) is not None:
     return "sgd"
   return None
+
+
+def plain(policy, unset, micro_batches):
+  """{option: value} for the options in `unset` without advice: the method's own rule
+  (`ADVISABLE`'s values; "exact" version differences for a prediction over micro-batches,
+  the ones that count their updates)."""
+  values = {n: ADVISABLE[n] for n in unset}
+  if "version_difference" in values and policy.predicts and micro_batches > 1:
+    values["version_difference"] = "exact"
+  return values
 
 
 def in_words(optimizer):

@@ -181,10 +181,8 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
   unset = [n for n, v in asked.items() if v is None]
   if advice:
     asked.update(advice_lib.resolve(policy, M, K, rule_optimizer, unset, any(delays), asked))
-  else:   # the method's own rule: the plain values ("exact" version differences with M > 1)
-    asked.update({n: advice_lib.ADVISABLE[n] for n in unset})
-    if "version_difference" in unset and policy.predicts and M > 1:
-      asked["version_difference"] = "exact"
+  else:   # the method's own rule
+    asked.update(advice_lib.plain(policy, unset, M))
   version_difference, spike_compensation = asked["version_difference"], asked["spike_compensation"]
   nesterov, delay_compensation = asked["nesterov"], asked["delay_compensation"]
   if lr_rescheduling is None:

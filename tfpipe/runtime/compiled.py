@@ -213,18 +213,21 @@ class CompiledRuntime(Executor):
       return True
     if self.inline != "auto":
       return self.inline
-    if self._forward_ops is None:
-      self._forward_ops = sum(p.forward_ops() for p in self.programs)
-    return 3 * self._forward_ops * min(self.window, num_batches) <= self.INLINE_OPS
+    return self._inlined_ops(min(self.window, num_batches)) <= self.INLINE_OPS
 
   def _inlined_loop(self, M):
     """Whether a loop window (one mini-batch of M micro-batches, `loops`) traces its tasks'
     bodies inline: as `inline` says; "auto": when that graph is small (`INLINE_LOOP_OPS`)."""
     if self.inline != "auto":
       return self.inline
+    return self._inlined_ops(M) <= self.INLINE_LOOP_OPS
+
+  def _inlined_ops(self, forwards):
+    """About the ops an inlined graph of `forwards` forwards on every stage holds: 3 x each
+    forward's (its backward and update), the stages' forward ops counted once per runtime."""
     if self._forward_ops is None:
       self._forward_ops = sum(p.forward_ops() for p in self.programs)
-    return 3 * self._forward_ops * M <= self.INLINE_LOOP_OPS
+    return 3 * self._forward_ops * forwards
 
   def call(self, function, number, *args):
     """Calls a window function: an inlined window as it is (its graph optimised as a whole, by

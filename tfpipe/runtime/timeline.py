@@ -191,11 +191,12 @@ def task_records(events, calls, tasks, epoch):
     k, _, batch, micro, _, _ = tasks[n][0][i]
     out.append(TaskRecord(k, "XF" if to == k + 1 else "XB", batch, None, None, start, end,
                           micro, epoch))
-  K = 1 + max((t[0] for entries, _ in tasks.values() for t in entries if t), default=0)
   for (n, j), (start, end) in carried.items():
     k, kind, batch, micro, _, _ = tasks[n][0][j]
+    # A backward's gradients come from the stage after (the last stage has none: its step
+    # is "FB"); any other task's input from the stage before (stage 0's are no stage's).
     sender, direction = (k + 1, "XB") if kind == "B" else (k - 1, "XF")
-    if 0 <= sender < K:
+    if sender >= 0:
       out.append(TaskRecord(sender, direction, batch, None, None, start, end, micro, epoch))
   return sorted(out, key=lambda r: r.start)
 

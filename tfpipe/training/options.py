@@ -213,9 +213,7 @@ def _plain(asked, unset, policy, M):
   """The advisable options as asked, the plain method's values where `unset`: "exact"
   version differences with micro-batches (the ones that count their updates)."""
   values = {n: getattr(asked, n) for n in _ADVISABLE}
-  values.update({n: advice.ADVISABLE[n] for n in unset})
-  if "version_difference" in unset and policy.predicts and M > 1:
-    values["version_difference"] = "exact"
+  values.update(advice.plain(policy, unset, M))
   return values
 
 
