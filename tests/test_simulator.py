@@ -97,6 +97,61 @@ def test_costs_measured_from_a_timeline_give_back_the_costs(method, micro):
   assert again.makespan == pytest.approx(timeline.makespan)
 
 
+@pytest.mark.parametrize("method,micro", [("gpipe", 4), ("1f1b", 4), ("zb", 4), ("pipedream", None),
+                                          ("spectrain", None), ("vanilla", None)])
+def test_stages_sharing_one_core_take_the_sum_of_their_work(method, micro):
+  costs = Costs([1.0, 2.0, 1.5], [2.0, 3.0, 2.5], update=0.0, cores=1)
+  timeline = simulator.simulate_method(method, costs, 6, micro_batches=micro)
+  # One core: some task is always ready, so the makespan is all the work, one task at a time.
+  assert timeline.makespan == pytest.approx(sum(timeline.busy))
+  starts = sorted((start, end) for _, _, start, end in timeline.tasks if end > start)
+  assert all(b[0] >= a[1] - 1e-9 for a, b in zip(starts, starts[1:]))
+
+
+@pytest.mark.parametrize("method,micro", [("gpipe", 4), ("zb", 4), ("spectrain", None)])
+def test_as_many_cores_as_devices_changes_nothing(method, micro):
+  free = Costs([1.0, 2.0, 1.5], [2.0, 3.0, 2.5], [0.1, 0.2])
+  enough = Costs([1.0, 2.0, 1.5], [2.0, 3.0, 2.5], [0.1, 0.2], cores=3)
+  assert (simulator.simulate_method(method, enough, 5, micro_batches=micro).makespan
+          == simulator.simulate_method(method, free, 5, micro_batches=micro).makespan)
+
+
+def test_two_cores_for_four_stages_bound_the_speed_by_the_work():
+  costs = Costs([1.0] * 4, [2.0] * 4, cores=2)
+  timeline = simulator.simulate_method("pipedream", costs, 40)
+  # 12 s of work per mini-batch on 2 cores: at best 6 s a mini-batch, and list scheduling
+  # fills the gaps, so close to it once the pipeline is full.
+  assert 6.0 <= timeline.step_time <= 6.0 * 1.1
+  unshared = simulator.simulate_method("pipedream", Costs([1.0] * 4, [2.0] * 4), 40)
+  assert unshared.step_time == pytest.approx(3.0, rel=0.1)
+
+
+def test_a_task_pays_its_call_whatever_its_size():
+  base = Costs([1.0, 1.0], [2.0, 2.0])
+  called = Costs([1.0, 1.0], [2.0, 2.0], per_task=0.25)
+  one = simulator.simulate_method("sequential", base, 3)
+  more = simulator.simulate_method("sequential", called, 3)
+  computing = [t.kind for _, t, start, end in more.tasks if end > start]
+  # Per mini-batch stage 0's F and B (its update inside) and stage 1's step (its F only
+  # receives), one after another: every call adds to the makespan.
+  assert sorted(computing) == sorted(["F", "B", "B"] * 3)
+  assert more.makespan == pytest.approx(one.makespan + len(computing) * 0.25)
+
+
+def test_a_task_takes_the_earliest_gap_a_core_has():
+  cores = [[(0.0, 1.0), (3.0, 4.0)], [(0.0, 5.0)]]
+  assert simulator._take_core(cores, 0.5, 2.0) == 1.0   # between 1 and 3 on the first core
+  assert simulator._take_core(cores, 0.0, 2.0) == 4.0   # the gap is taken now
+  assert cores[0] == [(0.0, 1.0), (1.0, 3.0), (3.0, 4.0), (4.0, 6.0)]
+
+
+def test_bad_sharing_is_refused():
+  with pytest.raises(ValueError, match="cores must be a number >= 1 or None. Received: 0"):
+    Costs([1.0], [1.0], cores=0)
+  with pytest.raises(ValueError, match="per_task must be >= 0"):
+    Costs([1.0], [1.0], per_task=-1.0)
+
+
 def test_breakdown_of_a_simulated_timeline():
   from tfpipe.instruments import breakdown
   costs = Costs([1.0, 3.0], [2.0, 6.0], [0.5])

@@ -6,14 +6,15 @@ import keras
 
 from tfpipe.baselines import asgd, keras as keras_baselines, tensor_parallel
 from tfpipe.plan import names
+from tfpipe.plan.auto import AUTO   # a pipeline whose method is chosen at its first fit
 from tfpipe.plan.policies import PIPELINE_METHODS
 from tfpipe.training.pipeline import Pipeline
 
-__all__ = ["METHODS", "BASELINE_METHODS", "CLUSTER_METHODS", "MethodKind", "kind", "create"]
+__all__ = ["AUTO", "METHODS", "BASELINE_METHODS", "CLUSTER_METHODS", "MethodKind", "kind", "create"]
 
 BASELINE_METHODS = ("single", "dataparallel", "grid")   # not pipelines
 CLUSTER_METHODS = ("asgd",)   # on TF servers of a cluster (tfpipe.cluster); not a pipeline
-METHODS = BASELINE_METHODS + PIPELINE_METHODS + CLUSTER_METHODS
+METHODS = BASELINE_METHODS + PIPELINE_METHODS + (AUTO,) + CLUSTER_METHODS
 
 
 class MethodKind(NamedTuple):

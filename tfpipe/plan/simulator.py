@@ -17,7 +17,9 @@ through a parameter host (P workers, gradients out and weights back over one
 link, overlapped with the next iteration's computation).
 """
 
+import bisect
 import dataclasses
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 import statistics
 
@@ -33,12 +35,26 @@ class Costs:
   """Seconds per mini-batch: forward[k], backward[k] (without recomputation), transfer[k] across
   cut k -> k+1 (the gradient back takes the same), update: one optimizer update; input_share:
   the part of a backward that a split backward's B takes (the stage input's gradient), the
-  rest being its W (the weight gradient); about half for matrix products."""
+  rest being its W (the weight gradient); about half for matrix products.
+
+  What the executor pays besides (`tfpipe.instruments.costs` measures both): per_task,
+  seconds every compute task costs whatever its size (a call's dispatch); cores, how many
+  devices' worth of compute run at once when the devices share the machine's cores
+  (logical CPU devices; measured, so it may be fractional: a task then takes the earliest
+  gap on one of ceil(cores) cores, and the run takes at least its work / cores; None:
+  every device computes on its own); ordered: each device runs its tasks one at a time in
+  the schedule's order (tasks as calls, a thread per stage). With shared cores and not
+  ordered (tasks traced into one graph, which runs every op whose inputs are ready), a
+  device's tasks wait only for their inputs, a forward for the last weight update before it
+  on its device, an update for the gradients before it."""
   forward: List[float]
   backward: List[float]
   transfer: Optional[List[float]] = None
   update: float = 0.0
   input_share: float = 0.5
+  per_task: float = 0.0
+  cores: Optional[float] = None
+  ordered: bool = True
 
   def __post_init__(self) -> None:
     K = len(self.forward)
@@ -52,6 +68,11 @@ class Costs:
       raise ValueError("times must be >= 0")
     if not 0.0 <= self.input_share <= 1.0:
       raise ValueError(f"input_share must be in [0, 1]. Received: {self.input_share}")
+    if self.per_task < 0:
+      raise ValueError(f"per_task must be >= 0. Received: {self.per_task}")
+    if self.cores is not None and not (isinstance(self.cores, (int, float))
+                                       and self.cores >= 1):
+      raise ValueError(f"cores must be a number >= 1 or None. Received: {self.cores!r}")
 
 
 @dataclasses.dataclass
@@ -102,6 +123,30 @@ def _share(units: Sequence[schedules.Unit], M: int) -> float:
   return sum(1.0 / M if i is not None else 1.0 for _, i in units)
 
 
+def _take_core(cores: List[List[Tuple[float, float]]], ready: float, seconds: float) -> float:
+  """The earliest start at or after `ready` at which some core is free for `seconds`; books
+  that core's interval and returns the start."""
+  best: Optional[Tuple[float, int, int]] = None
+  for c, busy in enumerate(cores):
+    start = ready
+    i = max(0, bisect.bisect_right(busy, (ready, float("inf"))) - 1)
+    while i < len(busy):
+      begin, end = busy[i]
+      if end <= start:
+        i += 1
+        continue
+      if begin >= start + seconds:
+        break
+      start = end
+      i += 1
+    if best is None or start < best[0]:
+      best = (start, c, i)
+  assert best is not None
+  start, c, _ = best
+  bisect.insort(cores[c], (start, start + seconds))
+  return start
+
+
 def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -> Timeline:
   """Plays `schedule` out with `costs` (a `Costs`); returns its `Timeline`."""
   K = len(schedule)
@@ -114,6 +159,15 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
   lanes = schedules.lanes(schedule)   # stages sharing a device run one task at a time
   device = {k: d for d, lane in enumerate(lanes) for k, _ in lane}
   free, busy = [0.0] * len(lanes), [0.0] * K
+  shared = costs.cores is not None and costs.cores < len(lanes)
+  # Each shared core's busy intervals, sorted: a task takes the earliest gap that fits it.
+  cores: List[List[Tuple[float, float]]] = [
+      [] for _ in range(math.ceil(costs.cores or 0) if shared else 0)]
+  dataflow = shared and not costs.ordered
+  updating = [any(t.kind == "U" for t in tasks) for tasks in schedule]   # else B / W update
+  written = [0.0] * len(lanes)   # per device: when its last weight update ended
+  gradients = [0.0] * len(lanes)   # per device: when its last B or W ended
+  done: Dict[Tuple[int, str, schedules.Unit], float] = {}   # (k, kind, unit) -> end
   fwd_link, bwd_link = [0.0] * (K - 1), [0.0] * (K - 1)
   arrived_fwd: Dict[Tuple[int, schedules.Unit], float] = {}
   arrived_bwd: Dict[Tuple[int, schedules.Unit], float] = {}
@@ -133,6 +187,11 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
   for k, task in order:
     unit = (task.batch, task.micro)
     start, seconds = free[device[k]], 0.0
+    if dataflow:   # what the task reads: its weights' last update, its own earlier halves
+      start = {"F": written[device[k]], "U": gradients[device[k]],
+               "W": done.get((k, "B", unit), 0.0)}.get(task.kind, 0.0)
+      if task.kind == "B" and k == K - 1:
+        start = max(done.get((k, "F", u), 0.0) for u in covers[k][task])
     if task.kind == "F":
       if k > 0:
         start = max(start, arrived_fwd.pop((k - 1, unit)))
@@ -156,9 +215,19 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
       seconds = costs.update
     elif task.kind == "S":  # every stage has run its tasks before S(t) when the first one passes
       start = barrier.setdefault(task, max(free))
+    if seconds or task.kind == "U":
+      seconds += costs.per_task
+      if shared:   # the task computes once a core is free for as long as it takes
+        start = _take_core(cores, start, seconds)
     end = start + seconds
-    free[device[k]], busy[k] = end, busy[k] + seconds
+    free[device[k]], busy[k] = max(free[device[k]], end), busy[k] + seconds
     ended[(k, task)] = end
+    done[(k, task.kind, unit)] = end
+    if task.kind in ("B", "W"):
+      gradients[device[k]] = max(gradients[device[k]], end)
+    if task.kind == "U" or (task.kind in ("B", "W") and not updating[k]
+                            and not (split[k] and task.kind == "B")):
+      written[device[k]] = max(written[device[k]], end)
     tasks.append((k, task, start, end))
     if task.kind == "F" and k < K - 1:
       arrived_fwd[(k, unit)] = send(fwd_link, k, end, transfer[k] * _share([unit], M),
@@ -168,7 +237,10 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
                                         transfer[k - 1] * _share(covers[k][task], M),
                                         k, "XB", unit)
   N = len({t.batch for t in schedule[0]})
-  return Timeline(tasks, max(free), busy, N, transfers, len(lanes))
+  makespan = max(free)
+  if shared and costs.cores:   # the cores give `cores` devices' worth of compute at most
+    makespan = max(makespan, sum(busy) / costs.cores)
+  return Timeline(tasks, makespan, busy, N, transfers, len(lanes))
 
 
 def simulate_method(method: str, costs: Costs, num_batches: int,

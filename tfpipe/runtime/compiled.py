@@ -202,6 +202,14 @@ class CompiledRuntime(Executor):
       self.numbered.append(_Numbered(window.key, inline, window.last + 1 - window.first))
     return number
 
+  def inlines(self, schedule, diffs, num_batches):
+    """Whether an epoch of `schedule` (version differences `diffs`) over `num_batches`
+    mini-batches traces its tasks' bodies into its graphs (else each task calls its stage's
+    traced function): what a task costs besides its ops (`tfpipe.instruments.costs`)."""
+    if windows_lib.flush_window(schedule, diffs) is not None and not self.record:
+      return self._inlined_loop(schedules.micro_batches(schedule))
+    return self._inlined(num_batches)
+
   def _inlined(self, num_batches):
     """Whether an epoch of `num_batches` traces each task's body into its windows' graphs
     rather than a call of the stage's traced function: when profiled (the timeline reads each

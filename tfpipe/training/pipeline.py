@@ -9,6 +9,7 @@ the data in `tfpipe.training.fit_data`, the epoch loop in `tfpipe.training.fit_l
 """
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import keras
@@ -18,11 +19,12 @@ from tfpipe import compat
 from tfpipe.cluster import servers as cluster
 from tfpipe.instruments import prediction_error as prediction_error_lib
 from tfpipe.plan import policies
+from tfpipe.plan.auto import AUTO
 from tfpipe.rules import joint
 from tfpipe.stage import assemble, keras_step as compile_utils, layer_profile
 from tfpipe.stage import partition as partition_lib, placement, reduction
 from tfpipe.training import checkpoint as checkpoint_lib, data, fit_data, fit_loop, learning_rate
-from tfpipe.training import options as options_lib, summary as summary_lib
+from tfpipe.training import auto as auto_lib, options as options_lib, summary as summary_lib
 
 __all__ = ["Pipeline"]
 
@@ -78,6 +80,14 @@ class Pipeline:
       backward on weights corrected back to the forward's, PipeMare) or
       "i_timeprest" (TiMePReSt's schedule, the backward on a blend of the
       forward's and the current weights); see `tfpipe.rules.mitigations`.
+      "auto": chosen at the first `fit` for this model, these devices, the batch
+      size and the optimizer, by the least predicted time to accuracy
+      (`tfpipe.plan.auto`): a profile of the first batch gives each candidate's
+      speed (the simulator), `tfpipe.rules.epochs` the extra epochs an
+      asynchronous method was measured to need; `fit` prints the choice in a
+      line, `plan_report()` lists the candidates. It chooses `micro_batches`,
+      `virtual_stages`, `nesterov`, `version_difference` and `advice`, so those
+      must be left unset.
       "spectrain" predicts with the step of the optimizer it is compiled
       with (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW).
     partition: "uniform", "params", "profile", explicit cut positions
@@ -191,7 +201,7 @@ class Pipeline:
           "own train step split over its stages, so it cannot run yours. Put the custom "
           "computation in a loss, a metric or a layer, or train with model.fit")
     self.model = model
-    self.asked = options_lib.Asked(
+    asked = options_lib.Asked(
         method=method, spectrain_backward=spectrain_backward,
         version_difference=version_difference, micro_batches=micro_batches, recompute=recompute,
         lockstep=lockstep, record=record, trace_steps=trace_steps, trace_dir=trace_dir,
@@ -200,6 +210,15 @@ class Pipeline:
         lr_rescheduling=lr_rescheduling, discrepancy_decay=discrepancy_decay,
         batch_statistics=batch_statistics, virtual_stages=virtual_stages, nesterov=nesterov,
         delay_compensation=delay_compensation, advice=advice)
+    self.chosen, self._auto = None, None   # method="auto": the `auto.Choice`; the user's options
+    if method == AUTO:
+      chosen_here = auto_lib.refuse_chosen_options(asked)
+      if chosen_here:
+        raise ValueError(f"method='auto' chooses {', '.join(chosen_here)}: leave "
+                         f"{'it' if len(chosen_here) == 1 else 'them'} unset, or name a method")
+      self._auto = asked
+      asked = dataclasses.replace(asked, **auto_lib.PROBE)
+    self.asked = asked
     policy = options_lib.policy_of(self.asked)
     reduction.check(cross_device_ops)
     self.cross_device_ops = cross_device_ops
@@ -267,7 +286,23 @@ class Pipeline:
 
   def describe(self) -> str:
     """The summary's first line: the method, stages, devices and options in force."""
-    return self.options.describe(self.num_stages, self.num_devices, self.batch_size)
+    if self._auto is not None and self.chosen is None:
+      return (f"method=auto (chosen at the first fit, from a profile of its first batch: the "
+              f"least predicted time to accuracy), {self.num_stages} stages")
+    line = self.options.describe(self.num_stages, self.num_devices, self.batch_size)
+    return line + (f"; chosen by method='auto'" if self.chosen is not None else "")
+
+  def plan_report(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
+    """Prints what `method="auto"` weighed at the first fit: each candidate's predicted
+    samples/s, its epochs to accuracy relative to synchronous training, its predicted time
+    to accuracy against the chosen one's, and why a candidate is out."""
+    if self._auto is None:
+      raise ValueError(f"plan_report() describes method='auto's choice; this pipeline runs "
+                       f"method={self.method!r}, which was not chosen")
+    if self.chosen is None:
+      raise RuntimeError("method='auto' chooses at the first fit: call fit first")
+    for line in [self.chosen.summary()] + self.chosen.lines:
+      (print_fn or print)(line)
 
   def summary(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
     """Prints a table of the stages as `keras.Model.summary()` prints the layers: each
@@ -332,6 +367,11 @@ class Pipeline:
     if scaling and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
       optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
     self.optimizer = optimizer   # `model.optimizer` during fit, as Keras's compile leaves it
+    self.inner_optimizer = inner   # the optimizer without loss scaling
+    self._compile_arguments = dict(given, run_eagerly=run_eagerly,
+                                   steps_per_execution=steps_per_execution,
+                                   jit_compile=jit_compile, auto_scale_loss=auto_scale_loss,
+                                   **model_arguments)
     self.step = compile_utils.KerasStep(self.model, loss, metrics, weighted_metrics, loss_weights,
                                         self.devices[-1])
     self.metrics = [self.step.metrics] if self.step.metrics is not None else []
@@ -384,6 +424,8 @@ class Pipeline:
     if validation_split and validation_data is None:
       (x, y, sample_weight), validation_data = data.validation_split(
           x, y, sample_weight, validation_split)
+    if self._auto is not None and self.chosen is None:
+      self._choose(x, y, batch_size, steps_per_epoch, sample_weight, class_weight, verbose)
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps_per_epoch, shuffle,
                                             seed, sample_weight=sample_weight,
                                             class_weight=class_weight,
@@ -414,6 +456,22 @@ class Pipeline:
       with link, self._watched():
         return fit_loop.train(self, dataset, num_batches, schedule, diffs, cbs, link, epochs,
                               initial_epoch, steps_per_epoch, validation, validation_freq)
+
+  def _choose(self, x, y, batch_size, steps, sample_weight, class_weight, verbose):
+    """method="auto": profiles the first batch, chooses (`tfpipe.training.auto`), and builds
+    the stages' programs again for the choice, compiled as the user compiled."""
+    probe, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
+                                          sample_weight=sample_weight,
+                                          class_weight=class_weight)
+    first = next(iter(probe))
+    features, labels = first[0], first[1]
+    size = int(tf.nest.flatten(features)[0].shape[0])
+    self.chosen = auto_lib.choose(self, features, labels, size, num_batches or 16)
+    self.asked = auto_lib.asked_for(self._auto, self.chosen.candidate)
+    self.options = options_lib.checked(self.asked, self.model, self.num_stages)
+    self.compile(**self._compile_arguments)
+    if verbose != 0:
+      print(self.chosen.summary())
 
   @contextlib.contextmanager
   def _watched(self):

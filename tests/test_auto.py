@@ -1,0 +1,124 @@
+"""method="auto": the candidates, their ranking by time to accuracy, the measured epochs table,
+the profile the simulator predicts from, and a Pipeline that chooses at its first fit."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tfpipe.instruments import costs as costs_lib
+from tfpipe.plan import auto, simulator
+from tfpipe.rules import epochs
+from tests import helpers
+
+
+def test_candidates_are_the_schedules_at_m_dividing_the_batch_and_the_asynchronous_methods():
+  found = auto.candidates(4, 96, 8, {"advice": True})
+  names = [c.name for c in found]
+  # M = 4 and 8 divide 96; the advised spectrain takes its 8 micro-batches and the advice.
+  assert names == ["1f1b M=4", "zb M=4", "gpipe M=4", "1f1b M=8", "zb M=8", "gpipe M=8",
+                   "spectrain M=1", "spectrain M=8, advice=True", "2bw M=1"]
+  assert [c.name for c in auto.candidates(4, 36, 8, {})] == [
+      "1f1b M=4", "zb M=4", "gpipe M=4", "spectrain M=1", "2bw M=1"]
+
+
+def _rank(speeds, epochs_by_kind, compute=None):
+  found = [auto.Candidate("1f1b", 4, "synchronous"), auto.Candidate("spectrain", 1, "spectrain"),
+           auto.Candidate("spectrain", 8, "spectrain advised")]
+  return auto.rank(found, dict(zip(found, speeds)), compute or {1: 1.0, 4: 1.2, 8: 1.5},
+                   epochs_by_kind)
+
+
+def test_time_to_accuracy_counts_a_stale_methods_extra_epochs_against_its_speed():
+  # spectrain is twice as fast but needs 2.5 times the epochs: the schedule wins.
+  rows = _rank([1000.0, 2000.0, 900.0], {"spectrain": 2.5, "spectrain advised": 1.2})
+  assert rows[0].candidate.method == "1f1b"
+  assert rows[0].seconds == pytest.approx(1 / 1000) and rows[1].seconds == pytest.approx(1.25 / 1000)
+  # With fewer epochs than synchronous training the advised spectrain wins though slower.
+  rows = _rank([1000.0, 2000.0, 900.0], {"spectrain": None, "spectrain advised": 0.8})
+  assert rows[0].candidate.kind == "spectrain advised"
+  assert rows[0].seconds == pytest.approx(0.8 / 900)
+
+
+def test_candidates_that_cannot_win_say_why():
+  rows = _rank([1000.0, 3000.0, 900.0], {"spectrain": None}, compute={1: 1.0, 4: 1.2, 8: 2.5})
+  why = {r.candidate.kind: r.why for r in rows}
+  assert "did not reach the synchronous accuracy" in why["spectrain"]
+  assert "too small to keep a device busy (compute 2.5x" in why["spectrain advised"]
+  assert rows[0].candidate.kind == "synchronous" and not rows[0].why
+  rows = _rank([1000.0, 3000.0, 900.0], {})   # an optimizer no run measured
+  assert "not measured for this optimizer" in {r.candidate.kind: r.why for r in rows}["spectrain"]
+  lines = auto.report_lines(rows, 32, 10)
+  assert "chosen" in lines[1] and lines[1].startswith("1f1b M=4")
+
+
+def test_the_epochs_table_counts_a_method_only_where_every_run_reached_the_accuracy():
+  assert epochs.factor("adam", 4)["spectrain advised"] == pytest.approx(0.81)
+  assert epochs.factor("sgd", 4)["spectrain advised"] is None   # 8 of 9 runs
+  assert epochs.factor("sgd", 3) == epochs.factor("sgd", 4)     # the next depth measured
+  assert epochs.factor("sgd", 16) == {} and epochs.factor(None, 4) == {}
+
+
+@pytest.fixture(scope="module")
+def compiled_pipe():
+  tfpipe.devices.ensure_logical_cpus(2)
+  pipe = tfpipe.Pipeline(helpers.mlp(width=256), num_stages=2, method="1f1b", micro_batches=2)
+  pipe.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return pipe
+
+
+def test_the_profile_times_every_stage_and_leaves_the_weights_as_they_were(compiled_pipe):
+  pipe = compiled_pipe
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  before = [w.numpy() for w in pipe.model.weights]
+  called = costs_lib.measure(pipe, x, y, inline=False, repeats=2, runs_per_call=2)
+  traced = costs_lib.measure(pipe, x, y, inline=True, repeats=2, runs_per_call=2, quick=True,
+                             update=0.5, cores=1.5)
+  pipe._load_weights()
+  helpers.assert_weights_close([w.numpy() for w in pipe.model.weights], before, 0, 0)
+  assert len(called.forward) == len(called.backward) == 2 and len(called.transfer) == 1
+  assert min(called.forward + called.backward) > 0 and called.update > 0
+  assert called.per_task > 0 and called.ordered            # each task a call
+  assert traced.per_task == 0 and not traced.ordered       # traced into one graph
+  assert traced.update == 0.5 and traced.cores == 1.5      # given, not measured
+  assert traced.forward[0] == pytest.approx(traced.backward[0] / 2)   # quick: F = (F+B) / 3
+  assert 1.0 <= called.cores <= 2.0
+  rate = costs_lib.predict(called, "1f1b", 32, 2)
+  assert np.isfinite(rate) and rate > 0
+
+
+def test_auto_refuses_the_options_it_chooses():
+  with pytest.raises(ValueError, match="method='auto' chooses micro_batches, nesterov"):
+    tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="auto", micro_batches=4, nesterov=True)
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="gpipe")
+  with pytest.raises(ValueError, match="runs method='gpipe', which was not chosen"):
+    pipe.plan_report()
+
+
+def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys):
+  tfpipe.devices.ensure_logical_cpus(2)
+  pipe = tfpipe.Pipeline(helpers.mlp(width=32), num_stages=2, method="auto")
+  assert pipe.describe().startswith("method=auto (chosen at the first fit")
+  pipe.compile(keras.optimizers.Adam(1e-3),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  with pytest.raises(RuntimeError, match="chooses at the first fit"):
+    pipe.plan_report()
+  x, y = helpers.as_arrays(helpers.batches(n=8, batch_size=32))
+  before = [w.numpy() for w in pipe.model.weights]
+  history = pipe.fit(x, y, batch_size=32, epochs=2, verbose=2)
+  printed = capsys.readouterr().out
+  chosen = pipe.chosen.candidate
+  assert f"method='auto' chose {chosen.name}" in printed
+  assert pipe.method == chosen.method and len(history.history["loss"]) == 2
+  if chosen.kind == "synchronous":
+    assert pipe.micro_batches == chosen.micro_batches
+  assert pipe.describe().endswith("chosen by method='auto'")
+  assert any(not np.allclose(a, b.numpy()) for a, b in zip(before, pipe.model.weights))
+  lines = []
+  pipe.plan_report(lines.append)
+  assert lines[0].startswith("method='auto' chose") and "chosen" in lines[2]
+  assert len(lines) == 2 + len(pipe.chosen.rows)
+  # A second fit keeps the choice.
+  pipe.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  assert pipe.chosen.candidate == chosen

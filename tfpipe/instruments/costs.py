@@ -1,0 +1,183 @@
+"""Costs: a short profile of a compiled pipeline's stages, for the simulator to predict from.
+
+`measure(pipe, x, y)` times each stage's tasks alone on its device at the method's
+micro-batch size (its forward, its backward, the last stage's step, an update, a transfer
+to the next device), the dispatch every task call pays whatever its size, and how many
+cores the stages' devices share, and returns them as `tfpipe.plan.simulator.Costs`
+(seconds per mini-batch). `tfpipe.plan.simulator.simulate_method` then plays any schedule
+out on them: `predict(costs, method, ...)` is the samples/s it predicts for a method on the
+same stages without running it. The profile takes a few seconds (a trace per task); the
+weights it changes are put back from the model.
+"""
+
+import os
+import time
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.plan import policies, simulator
+
+__all__ = ["measure", "predict", "shared_cores", "dispatch_seconds"]
+
+
+def _median_seconds(fn, repeats):
+  fn()   # trace
+  fn()   # warm
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _in_graph(works, repeats, runs_per_call=4):
+  """Seconds `runs_per_call` runs of each `(body, inputs, device)` of `works` take traced into
+  one graph (the way a window traces a stage's tasks inline), per run: what the tasks
+  compute, without a call; the works run at once, each on its device. Each run takes its
+  inputs scaled by its own factor, so no two runs are the same computation for the graph
+  optimiser to merge, and reads the run before it (a vanishing multiple of its outputs'
+  mean), so no two runs of a work overlap."""
+
+  @tf.function
+  def runs(*flat):
+    outs, at = [], 0
+    for body, inputs, device in works:
+      xs, at, out = flat[at:at + len(inputs)], at + len(inputs), []
+      with tf.device(device):
+        for i in range(runs_per_call):
+          last = [tf.reduce_mean(tf.cast(t, tf.float32)) for t in tf.nest.flatten(out)
+                  if t is not None and t.dtype.is_floating]
+          factor = 1.0 + 1e-3 * i + (1e-30 * tf.add_n(last) if last else 0.0)
+          out = body([x * tf.cast(factor, x.dtype) if x.dtype.is_floating else x for x in xs])
+      outs.append(out)
+    return outs
+  flat = [x for _, inputs, _ in works for x in inputs]
+  return _median_seconds(lambda: runs(*flat), repeats) / runs_per_call
+
+
+def shared_cores(devices) -> Optional[int]:
+  """How many of `devices` can compute at once when every one is a logical CPU of this
+  process: the cores this process may use over the intra-op threads an op takes, at most
+  one per device; None for other devices (each computes on its own)."""
+  specs = [tf.DeviceSpec.from_string(d) for d in devices]
+  if any(s.device_type != "CPU" or s.job not in (None, "localhost") for s in specs):
+    return None
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  threads = tf.config.threading.get_intra_op_parallelism_threads() or cores
+  return max(1, min((cores or 1) // threads, len(set(devices))))
+
+
+def dispatch_seconds(device, repeats=50) -> float:
+  """Seconds a call of a traced function costs on `device` when it computes nothing."""
+  with tf.device(device):
+    value = tf.zeros([1])
+  call = tf.function(lambda t: t + 1.0)
+  with tf.device(device):
+    return _median_seconds(lambda: call(value), repeats)
+
+
+def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bool] = None,
+            repeats: int = 5, num_batches: int = 16, runs_per_call: int = 4,
+            quick: bool = False, update: Optional[float] = None,
+            cores: Optional[float] = None) -> simulator.Costs:
+  """Each stage's costs per mini-batch on `pipe` (compiled) with the mini-batch `x`, `y`
+  (arrays, tensors or a dict of them; a mini-batch of the size `fit` will take), measured
+  at the micro-batch size of `micro_batches` (default: the method's M). `inline`: whether
+  the executor traces the tasks into its graphs (None: as `pipe`'s executor would for its
+  method over `num_batches` mini-batches); else each task pays a call (`dispatch_seconds`).
+  A stage's backward is its forward and backward less its forward; the last stage's step
+  is split as 1/3 forward, 2/3 backward (the simulator runs the two as one step there).
+  Where the devices share the cores (`shared_cores`), the stages' work is also run all at
+  once: `Costs.cores` is the work alone over the time together (at most the cores).
+  `repeats` timed calls of `runs_per_call` runs each, per task. `quick` (a trace per stage
+  rather than three): a forward is taken as a third of forward and backward, and moving
+  a tensor between two logical CPUs as free; `update`: an update's seconds, known (else
+  timed, with micro-batches); `cores`: `Costs.cores`, known (else measured)."""
+  if getattr(pipe, "programs", None) is None:
+    raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
+  M = micro_batches or pipe.micro_batches
+  if isinstance(x, dict):   # the model's inputs in its order, as `fit` feeds them
+    x = [x[name] for name in (t.name for t in pipe.model.inputs)]
+  flat = tf.nest.flatten(x)
+  n = int(np.shape(flat[0])[0]) // M
+  if n < 1:
+    raise ValueError(f"a mini-batch of {int(np.shape(flat[0])[0])} samples cannot be cut "
+                     f"into {M} micro-batches")
+  xs = [tf.convert_to_tensor(t[:n]) for t in flat]
+  labels = (tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:n], y), None)
+  scale = tf.constant(1.0 / M, tf.float64)
+  if inline is None:
+    schedule = policies.build_schedule(pipe.policy, pipe.num_stages, num_batches, M)
+    diffs = policies.version_differences(pipe.policy, schedule,
+                                         pipe.options.version_difference)
+    inline = hasattr(pipe.runtime, "inlines") and pipe.runtime.inlines(schedule, diffs,
+                                                                        num_batches)
+  per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
+  forward, backward, transfer, updates, works = [], [], [], [], []
+  for program in pipe.programs:
+    # With accumulators (M > 1) a backward adds its gradients and an update applies them;
+    # without, the backward updates (and the update costs nothing apart). A prediction
+    # reads its stage's version difference under 1F1B (K-1-k).
+    if M > 1:   # built at the first fit otherwise
+      program.updates.build_accumulators()
+    accumulate = program.updates.accumulators is not None
+    s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
+    device = program.device
+    if program.is_last:
+      def step(inputs, program=program):
+        kept = program.forward(inputs, labels=labels, inline=True)[1]
+        return program.backward([kept], None, 0, scale, accumulate, inline=True).dxs
+      seconds = _in_graph([(step, xs, device)], repeats, runs_per_call)
+      works.append((step, xs, device, seconds))
+      forward.append(seconds * M / 3)
+      backward.append(2 * seconds * M / 3)
+    else:
+      ys = program.forward(xs, s)[0]
+
+      def forward_backward(inputs, program=program, s=s):
+        outputs, kept = program.forward(inputs, s, inline=True)
+        return program.backward([kept], [tf.ones_like(t) for t in outputs], s, scale,
+                                accumulate, inline=True).dxs
+      fb = _in_graph([(forward_backward, xs, device)], repeats, runs_per_call)
+      works.append((forward_backward, xs, device, fb))
+      f = fb / 3 if quick else _in_graph([(lambda inputs, program=program, s=s: program.forward(
+          inputs, s, inline=True)[0], xs, device)], repeats, runs_per_call)
+      forward.append(f * M)
+      backward.append(max(fb - f, 0.0) * M)
+      following = pipe.programs[program.index + 1].device
+
+      def move(inputs, following=following):
+        with tf.device(following):
+          return [tf.identity(t) for t in inputs]
+      local = quick and shared_cores([device, following]) is not None
+      transfer.append(0.0 if local else
+                      _in_graph([(move, ys, device)], repeats, runs_per_call) * M)
+      xs = ys
+    if accumulate and update is None:
+      updates.append(_in_graph([(lambda inputs, program=program: program.update(inline=True),
+                                 [], device)], repeats, runs_per_call))
+  most = shared_cores(pipe.devices)
+  if cores is None and most is not None:   # how much of the stages' work the cores do at once
+    together = _in_graph([w[:3] for w in works], repeats, runs_per_call)
+    cores = min(float(most), max(1.0, sum(w[3] for w in works) / together))
+  for program in pipe.programs:   # undo the profile's updates
+    program.load_from_model()
+  if update is None:
+    update = float(np.median(updates)) if updates else 0.0
+  return simulator.Costs(forward, backward, transfer, update,
+                         per_task=per_task, cores=cores, ordered=not inline)
+
+
+def predict(costs: simulator.Costs, method: str, batch_size: int, micro_batches: int,
+            num_batches: int = 32, virtual_stages: Optional[int] = None) -> float:
+  """Samples/s the simulator predicts for `method` with `micro_batches` on `costs`
+  (`measure`'s, taken at that micro-batch size) over `num_batches` mini-batches of
+  `batch_size` (`virtual_stages`: V for "interleaved" and "zbv", the costs then per stage)."""
+  policy = policies.policy_for(method, virtual_stages=virtual_stages)
+  timeline = simulator.simulate_method(method, costs, num_batches, micro_batches=micro_batches,
+                                       recompute=policy.recompute,
+                                       virtual_stages=virtual_stages)
+  return timeline.samples_per_second(batch_size)

@@ -1,0 +1,124 @@
+"""`method="auto"`: the candidate with the least predicted time to accuracy (pure Python).
+
+K: stages, M: micro-batches per mini-batch. A candidate is a method with its M and
+options. Its time to accuracy is the seconds an epoch takes on these devices (the
+simulator's, from a profile of these stages at the candidate's micro-batch size) times the
+epochs it needs to reach the synchronous accuracy, relative to synchronous training's (a
+synchronous schedule equals Keras, so 1; an asynchronous method's factor is measured,
+`tfpipe.rules.epochs`). A method whose factor is unknown for the optimizer, or that did not
+reach that accuracy in the measured runs, is not chosen. A micro-batch size is a candidate
+only where the profile shows a device kept busy: a mini-batch's compute cut into M
+micro-batches costs at most `BUSY` times the compute of the mini-batch taken whole.
+"""
+
+import dataclasses
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = ["AUTO", "BUSY", "Candidate", "Row", "candidates", "rank", "report_lines",
+           "by_micro_batches"]
+
+AUTO = "auto"   # the method name that asks for the choice
+BUSY = 2.0
+
+SYNCHRONOUS = ("1f1b", "zb", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A method with its M and options; `kind` names its row in the epochs table
+  ("synchronous", "spectrain", "spectrain advised", "2bw")."""
+  method: str
+  micro_batches: int
+  kind: str
+  options: Tuple[Tuple[str, object], ...] = ()
+
+  @property
+  def name(self) -> str:
+    extra = "".join(f", {k}={v}" for k, v in self.options)
+    return f"{self.method} M={self.micro_batches}{extra}"
+
+
+@dataclasses.dataclass
+class Row:
+  """A candidate's line in the plan report. samples_per_second: predicted; epochs: the
+  factor (None: unknown or not reached); seconds: predicted seconds to accuracy per epoch of
+  synchronous training (None: not a contender); why: why it is out, if it is."""
+  candidate: Candidate
+  samples_per_second: float
+  epochs: Optional[float]
+  seconds: Optional[float]
+  why: str = ""
+
+
+def candidates(num_stages: int, batch_size: int, advised_micro_batches: Optional[int],
+               advised_options: Mapping[str, object]) -> List[Candidate]:
+  """The candidates at K = `num_stages` with mini-batches of `batch_size`: the synchronous
+  schedules with M = K and 2K (where M divides the batch), SpecTrain plain (M = 1),
+  SpecTrain with the measured advice (`advised_micro_batches`, `advised_options`; None:
+  none for this optimizer) and 2BW."""
+  K, found = num_stages, []
+  for M in sorted({K, 2 * K}):
+    if batch_size % M == 0:
+      found += [Candidate(method, M, "synchronous") for method in SYNCHRONOUS]
+  found.append(Candidate("spectrain", 1, "spectrain"))
+  if advised_micro_batches is not None and batch_size % advised_micro_batches == 0:
+    found.append(Candidate("spectrain", advised_micro_batches, "spectrain advised",
+                           tuple(sorted(advised_options.items()))))
+  found.append(Candidate("2bw", 1, "2bw"))
+  return found
+
+
+def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, float],
+         compute: Mapping[int, float], epochs: Mapping[str, Optional[float]]) -> List[Row]:
+  """The candidates' rows, fastest to accuracy first (contenders before the rest).
+
+  samples_per_second: each candidate's, predicted. compute: seconds of compute per
+  mini-batch at each M (the profile's, summed over stages). epochs: the factor per kind
+  (missing: unknown). A candidate predicted at 0 samples/s was not profiled."""
+  whole = compute.get(1) or min(compute.values())
+  rows = []
+  for c in found:
+    rate = samples_per_second[c]
+    factor = 1.0 if c.kind == "synchronous" else epochs.get(c.kind)
+    why = ""
+    if not rate:
+      why = "not profiled: a larger micro-batch was already too small to keep a device busy"
+    elif c.micro_batches > 1 and compute[c.micro_batches] > BUSY * whole:
+      share = compute[c.micro_batches] / whole
+      why = (f"micro-batches too small to keep a device busy (compute {share:.1f}x the "
+             "mini-batch's taken whole)")
+    elif c.kind not in epochs and c.kind != "synchronous":
+      why = "epochs to accuracy not measured for this optimizer and depth"
+    elif factor is None:
+      why = "did not reach the synchronous accuracy in the measured runs"
+    seconds = None if why or factor is None else factor / rate
+    rows.append(Row(c, rate, factor, seconds, why))
+  return sorted(rows, key=lambda r: (r.seconds is None, r.seconds or 0.0,
+                                     -r.samples_per_second))
+
+
+def report_lines(rows: Sequence[Row], batch_size: int, num_batches: int) -> List[str]:
+  """The plan report: one line per candidate, the chosen first."""
+  best = rows[0].seconds
+  lines = [f"{'candidate':<46}{'samples/s':>10}{'epochs':>8}{'to accuracy':>13}  note"]
+  for i, r in enumerate(rows):
+    epoch = num_batches * batch_size / r.samples_per_second if r.samples_per_second else 0.0
+    factor = "-" if r.epochs is None else f"{r.epochs:.2f}"
+    if r.seconds is None or best is None:
+      relative = "-"
+    else:
+      relative = f"{r.seconds / best:.2f}x"
+    note = "chosen" if i == 0 and r.seconds is not None else r.why
+    rate = f"{r.samples_per_second:.0f}" if r.samples_per_second else "-"
+    lines.append(f"{r.candidate.name:<46}{rate:>10}{factor:>8}"
+                 f"{relative:>13}  {note}" + (f" ({epoch:.1f} s an epoch)" if note == "chosen"
+                                              else ""))
+  return lines
+
+
+def by_micro_batches(found: Sequence[Candidate]) -> Dict[int, List[Candidate]]:
+  """The candidates grouped by M (one profile each)."""
+  groups: Dict[int, List[Candidate]] = {}
+  for c in found:
+    groups.setdefault(c.micro_batches, []).append(c)
+  return groups

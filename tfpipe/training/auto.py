@@ -1,0 +1,104 @@
+"""`Pipeline(method="auto")`: the choice made at the first `fit`, from a profile of its first
+batch (`tfpipe.plan.auto` ranks, `tfpipe.instruments.costs` profiles and predicts,
+`tfpipe.rules.epochs` says how many epochs each asynchronous method takes).
+
+Until then the pipeline is built as "1f1b" with 2 micro-batches (its stages are the same
+for every candidate: each is a method on K stages, one per device), which is what the
+profile times; `choose` measures each candidate micro-batch size once.
+"""
+
+import dataclasses
+import time
+from typing import List, Tuple
+
+from tfpipe.instruments import costs as costs_lib
+from tfpipe.plan import auto as auto_plan, policies
+from tfpipe.rules import advice, epochs as epochs_lib
+
+__all__ = ["PROBE", "Choice", "choose", "asked_for"]
+
+PROBE = {"method": "1f1b", "micro_batches": 2}
+SIMULATED_BATCHES = 32   # mini-batches the simulator plays out per candidate
+
+
+@dataclasses.dataclass
+class Choice:
+  """What `choose` chose: the candidate, the ranked rows (chosen first), the report lines,
+  and the seconds the profile took."""
+  candidate: auto_plan.Candidate
+  rows: List[auto_plan.Row]
+  lines: List[str]
+  seconds: float
+
+  @property
+  def kind(self) -> str:
+    return self.candidate.kind
+
+  @property
+  def name(self) -> str:
+    return self.candidate.name
+
+  def summary(self) -> str:
+    """One line: what was chosen and why."""
+    chosen = self.rows[0]
+    others = [r for r in self.rows[1:] if r.seconds is not None]
+    why = (f"{others[0].seconds / chosen.seconds:.2f}x faster to accuracy than the next, "
+           f"{others[0].candidate.name}" if others and chosen.seconds else "the only contender")
+    return (f"method='auto' chose {self.name}: {chosen.samples_per_second:.0f} samples/s "
+            f"predicted, {why} (profile {self.seconds:.1f} s; plan_report() lists "
+            f"{len(self.rows)} candidates)")
+
+
+def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
+  """Profiles `pipe` (built as `PROBE`, compiled) on one mini-batch (`features`, `labels`)
+  at each candidate's micro-batch size and ranks the candidates by predicted time to
+  accuracy for `pipe`'s optimizer at its K."""
+  start = time.perf_counter()
+  K, optimizer = pipe.num_stages, pipe.inner_optimizer
+  spectrain = policies.policy_for("spectrain")
+  advised = advice.micro_batches(spectrain, optimizer, K, None, None,
+                                 bool(advice.batch_norm_layers(pipe.model))) or 1
+  found = auto_plan.candidates(K, batch_size, advised, {"advice": True})
+  found.append(auto_plan.Candidate("1f1b", 1, "synchronous"))
+  speeds, compute, update, cores = {}, {}, None, None
+  for M, group in sorted(auto_plan.by_micro_batches(found).items()):
+    if M > 1 and compute and max(compute.values()) > auto_plan.BUSY * compute[1]:
+      compute[M] = max(compute.values())   # smaller micro-batches than one already too small
+      speeds.update({c: 0.0 for c in group})
+      continue
+    costs = costs_lib.measure(pipe, features, labels, micro_batches=M, inline=False,
+                              repeats=3, runs_per_call=2, quick=True, update=update,
+                              cores=cores)
+    update, cores = costs.update, costs.cores   # the same at every M: measured once
+    if M == 1:   # one batch per update: the update runs inside each backward
+      costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
+                                  update=0.0)
+    compute[M] = sum(costs.forward) + sum(costs.backward) + costs.update * K
+    for c in group:
+      policy = policies.policy_for(c.method)
+      schedule = policies.build_schedule(policy, K, SIMULATED_BATCHES, M)
+      diffs = policies.version_differences(policy, schedule, "exact" if M > 1 else "paper")
+      inline = pipe.runtime.inlines(schedule, diffs, min(num_batches, pipe.runtime.window))
+      traced = dataclasses.replace(costs, per_task=0.0, ordered=False) if inline else costs
+      speeds[c] = costs_lib.predict(traced, c.method, batch_size, M,
+                                    num_batches=SIMULATED_BATCHES)
+  rows = auto_plan.rank(found, speeds, compute,
+                        epochs_lib.factor(advice.family(optimizer), K))
+  lines = auto_plan.report_lines(rows, batch_size, num_batches)
+  return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start)
+
+
+def asked_for(asked, candidate: auto_plan.Candidate):
+  """The `Asked` options that run `candidate` (the user's others kept)."""
+  options = dict(candidate.options)
+  if options.pop("advice", False):
+    return dataclasses.replace(asked, method=candidate.method, micro_batches=None,
+                               advice=True, **options)
+  return dataclasses.replace(asked, method=candidate.method,
+                             micro_batches=candidate.micro_batches, **options)
+
+
+def refuse_chosen_options(asked) -> Tuple[str, ...]:
+  """The options `method="auto"` chooses that the user set (it refuses them)."""
+  return tuple(n for n in ("micro_batches", "virtual_stages", "nesterov", "version_difference")
+               if getattr(asked, n) is not None) + (("advice",) if asked.advice else ())
