@@ -44,8 +44,6 @@ from bench import results_io, staleness  # noqa: E402   (its flags: tasks, stage
 flags.DEFINE_list("parts", ["epochs", "times"], "epochs (from the runs on file), times (trains)")
 flags.DEFINE_bool("run_missing", True, "run the staleness runs the tables need and lack")
 flags.DEFINE_integer("speed_epochs", 3, "epochs each candidate trains to time it")
-flags.DEFINE_string("docs_dir", os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "docs"), "where docs/time-to-accuracy.md goes")
 FLAGS = flags.FLAGS
 
 GOAL_PP = 0.5
@@ -284,8 +282,6 @@ def main(argv):
            "machine's cores (one intra-op thread each).")
   text = title + "\n\n" + "\n\n".join(sections)
   results_io.write(FLAGS.results_dir, "time_to_accuracy.md", text)
-  if FLAGS.docs_dir:
-    results_io.write(FLAGS.docs_dir, "time-to-accuracy.md", text)
   print(text, flush=True)
 
 

@@ -201,3 +201,50 @@ def test_lm():
     speed, ratio, loss = (float(cell) for cell in row.split("|")[3:6])
     assert speed > 0 and ratio > 0 and math.isfinite(loss)
     assert abs(loss - float(keras_row.split("|")[5])) < 0.05   # the same training
+
+
+def test_predicted_speed(tmp_path):
+  out = _bench("predicted_speed.py", "--models=mlp", "--stages=2", "--methods=1f1b,spectrain",
+               "--epochs=2", "--mlp_batches=3", f"--results_dir={tmp_path}")
+  table = (tmp_path / "predicted_speed.md").read_text()
+  assert "| mlp | 2 | 1f1b | 4 |" in table and "| mlp | 2 | spectrain | 1 |" in table
+  assert "Within 20%:" in table and "mlp 2 spectrain" in out
+
+
+def _curve_run(task, option, K, seed, accuracies):
+  return {"task": task, "option": option, "K": K, "seed": seed, "epochs": 4,
+          "learning_rate": 0.1, "batch_size": 128, "val_accuracy": accuracies, "loss": [],
+          "samples_per_second": 1.0}
+
+
+def test_time_to_accuracy_counts_epochs_to_the_target_and_seconds_from_the_timed_runs(tmp_path):
+  import json
+  runs = [_curve_run("classes", "single", 2, 0, [0.5, 0.7, 0.8, 0.8]),
+          _curve_run("classes", "spectrain", 4, 0, [0.5, 0.6, 0.7, 0.79]),   # 0.5 pp short
+          _curve_run("classes", "spectrain+mb2+nesterov", 4, 0, [0.6, 0.8, 0.8, 0.8]),
+          _curve_run("classes", "2bw", 4, 0, [0.1, 0.2, 0.3, 0.4])]
+  (tmp_path / "staleness_runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+  names = ["gpipe M=K", "gpipe M=2K", "1f1b M=K", "1f1b M=2K", "zb M=K", "zb M=2K",
+           "dataparallel", "spectrain", "spectrain advised", "2bw", "auto"]
+  timed = [{"task": "classes", "candidate": n, "K": 4, "first": 2.0, "later": 1.0 + i / 10,
+            "chosen": "synchronous" if n == "auto" else None,
+            "chosen_name": "1f1b M=4" if n == "auto" else None,
+            "profile": 1.5 if n == "auto" else 0.0} for i, n in enumerate(names)]
+  (tmp_path / "time_to_accuracy.jsonl").write_text(
+      "".join(json.dumps(t) + "\n" for t in timed))
+  out = _bench("time_to_accuracy.py", "--tasks=classes", "--stages=4", "--seeds=0",
+               "--choose_on=classes", "--epochs=4", "--norun_missing",
+               f"--results_dir={tmp_path}")
+  table = (tmp_path / "time_to_accuracy.md").read_text()
+  # Target 79.5%: the reference reaches it at epoch 3, the advised spectrain at epoch 2.
+  assert "| sgd | 4 | spectrain advised | 0.67 | 1/1 |" in table
+  assert "| sgd | 4 | spectrain | - | 0/1 |" in table and "| sgd | 4 | 2bw | - | 0/1 |" in table
+  # Seconds: first epoch + 2 more for the schedules (gpipe M=K: 2 + 2 x 1.0 = 4.0), one
+  # fewer epoch for the advised spectrain, the fastest: 2 + 1 x 1.8; auto follows the
+  # synchronous curve: 2 + 2 x 2.0.
+  row = next(line for line in table.splitlines() if line.startswith("| classes | 4 |"))
+  cells = [c.strip() for c in row.split("|")[1:-1]]
+  assert cells[2] == "4.0" and cells[10] == "**3.8**" and cells[9] == "- (0/1)"
+  assert cells[12] == "6.0" and cells[13] == "1f1b M=4"
+  assert cells[14] == "1.58" and cells[15] == "1.18"   # 6.0 / 3.8; (6.0 - 1.5) / 3.8
+  assert "auto (its profile included) within 10% of the fastest: 0 of 1" in out

@@ -60,6 +60,8 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
                                  bool(advice.batch_norm_layers(pipe.model))) or 1
   found = auto_plan.candidates(K, batch_size, advised, {"advice": True})
   found.append(auto_plan.Candidate("1f1b", 1, "synchronous"))
+  if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
+    found = [c for c in found if c.kind == "synchronous"]
   speeds, compute, update, cores = {}, {}, None, None
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
     if M > 1 and compute and max(compute.values()) > auto_plan.BUSY * compute[1]:
