@@ -94,6 +94,11 @@ def test_auto_refuses_the_options_it_chooses():
   pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="gpipe")
   with pytest.raises(ValueError, match="runs method='gpipe', which was not chosen"):
     pipe.plan_report()
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="auto")
+  pipe.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  x, y = helpers.as_arrays(helpers.batches(n=2))
+  with pytest.raises(ValueError, match="would take it from the generator: give the first fit"):
+    pipe.fit(((x[i:i + 16], y[i:i + 16]) for i in range(0, 32, 16)), epochs=1)
 
 
 def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys):

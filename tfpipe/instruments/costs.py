@@ -33,13 +33,14 @@ def _median_seconds(fn, repeats):
   return float(np.median(times))
 
 
-def _in_graph(works, repeats, runs_per_call=4):
+def _in_graph(works, repeats, runs_per_call=4, chained=True):
   """Seconds `runs_per_call` runs of each `(body, inputs, device)` of `works` take traced into
   one graph (the way a window traces a stage's tasks inline), per run: what the tasks
   compute, without a call; the works run at once, each on its device. Each run takes its
   inputs scaled by its own factor, so no two runs are the same computation for the graph
-  optimiser to merge, and reads the run before it (a vanishing multiple of its outputs'
-  mean), so no two runs of a work overlap."""
+  optimiser to merge; `chained`, each reads the run before it (a vanishing multiple of its
+  outputs' mean), so no two runs of a work overlap (else they may, as a graph's
+  micro-batches do)."""
 
   @tf.function
   def runs(*flat):
@@ -49,10 +50,10 @@ def _in_graph(works, repeats, runs_per_call=4):
       with tf.device(device):
         for i in range(runs_per_call):
           last = [tf.reduce_mean(tf.cast(t, tf.float32)) for t in tf.nest.flatten(out)
-                  if t is not None and t.dtype.is_floating]
+                  if chained and t is not None and t.dtype.is_floating]
           factor = 1.0 + 1e-3 * i + (1e-30 * tf.add_n(last) if last else 0.0)
           out = body([x * tf.cast(factor, x.dtype) if x.dtype.is_floating else x for x in xs])
-      outs.append(out)
+          outs.append(out)   # every run's outputs, so none is pruned
     return outs
   flat = [x for _, inputs, _ in works for x in inputs]
   return _median_seconds(lambda: runs(*flat), repeats) / runs_per_call
@@ -161,7 +162,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
                                  [], device)], repeats, runs_per_call))
   most = shared_cores(pipe.devices)
   if cores is None and most is not None:   # how much of the stages' work the cores do at once
-    together = _in_graph([w[:3] for w in works], repeats, runs_per_call)
+    together = _in_graph([w[:3] for w in works], repeats, runs_per_call, chained=False)
     cores = min(float(most), max(1.0, sum(w[3] for w in works) / together))
   for program in pipe.programs:   # undo the profile's updates
     program.load_from_model()

@@ -290,7 +290,7 @@ class Pipeline:
       return (f"method=auto (chosen at the first fit, from a profile of its first batch: the "
               f"least predicted time to accuracy), {self.num_stages} stages")
     line = self.options.describe(self.num_stages, self.num_devices, self.batch_size)
-    return line + (f"; chosen by method='auto'" if self.chosen is not None else "")
+    return line + ("; chosen by method='auto'" if self.chosen is not None else "")
 
   def plan_report(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
     """Prints what `method="auto"` weighed at the first fit: each candidate's predicted
@@ -419,6 +419,10 @@ class Pipeline:
     """
     self._check_compiled()
     fit_data.check_fit_arguments(self, epochs, initial_epoch, validation_freq, batch_size)
+    if self._auto is not None and self.chosen is None and data.is_iterable_data(x):
+      raise ValueError(f"method='auto' profiles the first batch before training, which would "
+                       f"take it from the {type(x).__name__}: give the first fit arrays or a "
+                       "tf.data.Dataset, or name a method")
     x, class_weight, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps_per_epoch,
                                                shuffle, class_weight)
     if validation_split and validation_data is None:
