@@ -30,13 +30,14 @@ from absl import app, flags  # noqa: E402
 
 from bench import results_io, workloads  # noqa: E402
 
-flags.DEFINE_list("models", ["mlp", "llama"], "mlp (8 x 512 SELU, batch 256) or llama")
+flags.DEFINE_list("models", ["mlp", "llama"], "mlp (8 x --mlp_width SELU, batch 256) or llama")
 flags.DEFINE_list("stages", ["2", "4"], "pipeline depths K")
 flags.DEFINE_list("methods", ["gpipe", "1f1b", "zb", "interleaved", "zbv", "spectrain",
                               "pipedream", "vanilla"], "methods, each with its defaults")
 flags.DEFINE_integer("micro_batches", 4, "M for the synchronous schedules")
 flags.DEFINE_integer("epochs", 4, "epochs per run (the first traces)")
 flags.DEFINE_integer("mlp_batches", 64, "mini-batches per epoch for the MLP")
+flags.DEFINE_integer("mlp_width", 512, "units per layer of the MLP")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
@@ -54,7 +55,7 @@ def _model_and_data(name):
   rng = np.random.default_rng(0)
   n = 256 * FLAGS.mlp_batches
   x, y = rng.standard_normal((n, 64)).astype("float32"), rng.integers(0, 10, n)
-  return mlp.snn((64,), 10, width=512, depth=8), x, y, 256
+  return mlp.snn((64,), 10, width=FLAGS.mlp_width, depth=8), x, y, 256
 
 
 def _one(name, K, method):

@@ -12,6 +12,8 @@ prints per schedule:
   simulated: the simulator's bubble and samples/s for the same schedule from the
              stage times recorded in that run (`simulator.costs_from_records`),
              and its error against the measured samples/s;
+  profiled:  the simulator's samples/s from a short profile of the stages
+             (`tfpipe.instruments.costs`), and its error;
   closed:    the closed form with unit F, B, W: (K-1)/(M+K-1) for GPipe and 1F1B,
              (K-1)/(VM+K-1) for interleaved, (K-1)/(3M+K-1) for ZB-H1 (ZB-V: none;
              its order is found by list scheduling, `schedules.zero_bubble_v`);
@@ -61,6 +63,7 @@ def main(argv):
   tfpipe.devices.ensure_logical_cpus(FLAGS.stages, intra_op_threads=1)
   import keras
   from tfpipe.models import mlp
+  from tfpipe.instruments import costs as costs_lib
   from tfpipe.plan import policies, simulator, verify
 
   K, M, V, bs = FLAGS.stages, FLAGS.micro_batches, FLAGS.virtual_stages, FLAGS.batch_size
@@ -87,6 +90,9 @@ def main(argv):
     pipe, rate = train(method, record=False)
     rates[method] = statistics.median(rate[1:])
     kept = list(pipe.runtime.peak_saved)
+    profiled = costs_lib.measure(pipe, x[:bs], y[:bs])
+    from_profile = costs_lib.predict(profiled, method, bs, M, FLAGS.batches,
+                                     policy.virtual_stages if S > K else None)
     recorded, _ = train(method, record=True)
     shares = recorded.breakdown(steps=f"{(FLAGS.epochs - 1) * FLAGS.batches},"
                                       f"{FLAGS.epochs * FLAGS.batches - 1}")
@@ -98,20 +104,22 @@ def main(argv):
                                     virtual_stages=policy.virtual_stages if S > K else None)
     predicted = sim.samples_per_second(bs)
     rows.append((method, kept, paper, bubble, sim.bubble, _closed_form(method, K, M, V),
-                 rates[method], predicted))
+                 rates[method], predicted, from_profile))
     print(f"{method}: done ({rates[method]:.0f} samples/s)", flush=True)
 
   print(f"\nsnn {FLAGS.depth} x {FLAGS.width}, batch {bs}, K={K}, M={M}, V={V}, "
         f"{FLAGS.batches} mini-batches per epoch, compiled executor")
   head = (f"{'method':<12}{'kept per stage (run / verifier)':<40}{'bubble':>8}{'simulated':>10}"
-          f"{'closed':>8}{'samples/s':>11}{'x gpipe':>9}{'sim err':>9}")
+          f"{'closed':>8}{'samples/s':>11}{'x gpipe':>9}{'sim err':>9}{'profiled':>10}"
+          f"{'err':>6}")
   print(head)
-  for method, kept, paper, bubble, sim_bubble, closed, rate, predicted in rows:
+  for method, kept, paper, bubble, sim_bubble, closed, rate, predicted, from_profile in rows:
     base = rates.get("gpipe")
     ratio = f"{rate / base:.2f}" if base else "-"
     kept_text = " ".join(map(str, kept)) + " / " + " ".join(map(str, paper))
     print(f"{method:<12}{kept_text:<40}{bubble:>8.3f}{sim_bubble:>10.3f}{closed:>8.3f}"
-          f"{rate:>11.0f}{ratio:>9}{predicted / rate - 1:>+9.0%}")
+          f"{rate:>11.0f}{ratio:>9}{predicted / rate - 1:>+9.0%}{from_profile:>10.0f}"
+          f"{from_profile / rate - 1:>+6.0%}")
 
 
 if __name__ == "__main__":
