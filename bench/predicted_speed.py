@@ -9,7 +9,7 @@ inside a graph at the micro-batch size, the call a task pays when the executor d
 trace it inline, the cores the devices share), asks the simulator for samples/s
 (`costs.predict`), then trains `--epochs` epochs and takes the median samples/s of the
 epochs after the first. Prints predicted, measured and the error; writes
-bench/results/predicted_speed.md. Timings here vary by about a fifth between runs of the
+bench/results/predicted_speed.md (`--name`). Timings here vary by about a fifth between runs of the
 same command: read the errors against that.
 
   python bench/predicted_speed.py [--models=mlp,llama --stages=2,4
@@ -39,6 +39,7 @@ flags.DEFINE_integer("epochs", 4, "epochs per run (the first traces)")
 flags.DEFINE_integer("mlp_batches", 64, "mini-batches per epoch for the MLP")
 flags.DEFINE_integer("mlp_width", 512, "units per layer of the MLP")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
+flags.DEFINE_string("name", "predicted_speed.md", "the table's file name")
 FLAGS = flags.FLAGS
 
 SYNCHRONOUS = ("gpipe", "1f1b", "zb", "interleaved", "zbv")
@@ -102,7 +103,7 @@ def main(argv):
   table = results_io.markdown_table(["model", "K", "method", "M", "profile s", "cores",
                                      "predicted",
                                      "measured", "error"], rows)
-  results_io.report(FLAGS.results_dir, "predicted_speed.md", title, table)
+  results_io.report(FLAGS.results_dir, FLAGS.name, title, table)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ EPOCHS: Dict[str, Dict[int, Dict[str, Tuple[Optional[float], int, int]]]] = {
     "sgd": {
         2: {"spectrain": (1.01, 5, 9), "spectrain advised": (0.92, 6, 9)},
         4: {"spectrain": (1.08, 1, 9), "spectrain advised": (0.89, 8, 9), "2bw": (None, 0, 9)},
-        8: {"spectrain": (None, 0, 9), "spectrain advised": (0.88, 8, 9)},
+        8: {"spectrain": (None, 0, 9), "spectrain advised": (0.88, 8, 9), "2bw": (None, 0, 9)},
     },
     "adam": {
         2: {"spectrain": (1.00, 7, 9), "spectrain advised": (0.94, 9, 9)},
