@@ -105,6 +105,9 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys):
   tfpipe.devices.ensure_logical_cpus(2)
   pipe = tfpipe.Pipeline(helpers.mlp(width=32), num_stages=2, method="auto")
   assert pipe.describe().startswith("method=auto (chosen at the first fit")
+  summary = []
+  pipe.summary(summary.append)
+  assert "method=auto (chosen at the first fit" in summary[0]
   pipe.compile(keras.optimizers.Adam(1e-3),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   with pytest.raises(RuntimeError, match="chooses at the first fit"):
@@ -119,6 +122,9 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys):
   if chosen.kind == "synchronous":
     assert pipe.micro_batches == chosen.micro_batches
   assert pipe.describe().endswith("chosen by method='auto'")
+  summary = []
+  pipe.summary(summary.append)
+  assert summary[0].endswith("chosen by method='auto'") and f"method={chosen.method}" in summary[0]
   assert any(not np.allclose(a, b.numpy()) for a, b in zip(before, pipe.model.weights))
   lines = []
   pipe.plan_report(lines.append)

@@ -284,9 +284,14 @@ class Pipeline:
     and "zbv", which place several stages on each device)."""
     return len(set(self.devices))
 
+  @property
+  def choosing(self) -> bool:
+    """Whether method="auto" has yet to choose (at the first fit)."""
+    return self._auto is not None and self.chosen is None
+
   def describe(self) -> str:
     """The summary's first line: the method, stages, devices and options in force."""
-    if self._auto is not None and self.chosen is None:
+    if self.choosing:
       return (f"method=auto (chosen at the first fit, from a profile of its first batch: the "
               f"least predicted time to accuracy), {self.num_stages} stages")
     line = self.options.describe(self.num_stages, self.num_devices, self.batch_size)
@@ -419,7 +424,7 @@ class Pipeline:
     """
     self._check_compiled()
     fit_data.check_fit_arguments(self, epochs, initial_epoch, validation_freq, batch_size)
-    if self._auto is not None and self.chosen is None and data.is_iterable_data(x):
+    if self.choosing and data.is_iterable_data(x):
       raise ValueError(f"method='auto' profiles the first batch before training, which would "
                        f"take it from the {type(x).__name__}: give the first fit arrays or a "
                        "tf.data.Dataset, or name a method")
@@ -428,7 +433,7 @@ class Pipeline:
     if validation_split and validation_data is None:
       (x, y, sample_weight), validation_data = data.validation_split(
           x, y, sample_weight, validation_split)
-    if self._auto is not None and self.chosen is None:
+    if self.choosing:
       self._choose(x, y, batch_size, steps_per_epoch, sample_weight, class_weight, verbose)
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps_per_epoch, shuffle,
                                             seed, sample_weight=sample_weight,

@@ -13,8 +13,10 @@ def lines(pipe):
   """The summary's lines: the method line, a row per stage (its devices, layers and
   parameters), then the model's totals (a weight several stages hold counted once)."""
   width = sum(_WIDTHS) + len(_WIDTHS) - 1
-  out = [f'Pipeline "{pipe.model.name}": ' + pipe.options.describe(pipe.num_stages,
-                                                                    pipe.num_devices),
+  line = pipe.options.describe(pipe.num_stages, pipe.num_devices)
+  if pipe.choosing or pipe.chosen is not None:   # method="auto": what it will do, or did
+    line = pipe.describe() if pipe.choosing else line + "; chosen by method='auto'"
+  out = [f'Pipeline "{pipe.model.name}": ' + line,
          "_" * width, _row(_HEADER), "=" * width]
   for k, (devices, layers) in enumerate(zip(pipe.stage_devices, pipe.partition.layer_names)):
     where = (devices[0] if len(devices) == 1
