@@ -15,7 +15,7 @@ from tfpipe.instruments import costs as costs_lib
 from tfpipe.plan import auto as auto_plan, policies
 from tfpipe.rules import advice, epochs as epochs_lib
 
-__all__ = ["PROBE", "Choice", "choose", "asked_for"]
+__all__ = ["PROBE", "Choice", "choose", "asked_for", "refuse_chosen_options"]
 
 PROBE = {"method": "1f1b", "micro_batches": 2}
 SIMULATED_BATCHES = 32   # mini-batches the simulator plays out per candidate
@@ -64,9 +64,8 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
     found = [c for c in found if c.kind == "synchronous"]
   speeds, compute, update, cores = {}, {}, None, None
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
-    if M > 1 and compute and max(compute.values()) > auto_plan.BUSY * compute[1]:
-      compute[M] = max(compute.values())   # smaller micro-batches than one already too small
-      speeds.update({c: 0.0 for c in group})
+    if M > 1 and max(compute.values()) > auto_plan.BUSY * compute[1]:
+      speeds.update({c: 0.0 for c in group})   # smaller than micro-batches already too small
       continue
     costs = costs_lib.measure(pipe, features, labels, micro_batches=M, inline=False,
                               repeats=3, runs_per_call=2, quick=True, update=update,
