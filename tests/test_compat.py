@@ -1,6 +1,7 @@
 """Private Keras and TensorFlow internals: all in `tfpipe.compat`, all present."""
 
 import ast
+import contextlib
 import pathlib
 
 import pytest
@@ -116,3 +117,47 @@ def test_calls_in_a_marked_graph_take_their_devices_marker_and_no_other_op_does(
                       "after": []}
   marker = found["marked"].op.control_inputs[0]
   assert marker.outputs[0].dtype._is_ref_dtype   # what spares the pass its scan  # noqa: SLF001
+
+
+def _backward_pow_exponents(constant):
+  """Whether each Pow op's exponent in the gradient function of a called forward (a
+  `_noinline` function whose tape the caller reads) reads the function's arguments or only
+  constants; and the gradient."""
+  import tensorflow as tf
+  forward = tf.function(lambda x, w: tf.pow(x, 2.0) * w, autograph=False,
+                        experimental_attributes=compat.NOT_INLINED)
+
+  @tf.function(autograph=False)
+  def outer(x, w):
+    with (compat.constant_exponents() if constant else contextlib.nullcontext()):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(forward(x, w))
+      return tape.gradient(y, x)
+
+  x, w = tf.constant([1.5, -2.0, 3.0]), tf.constant([1.0, 2.0, 0.5])
+  graph = outer.get_concrete_function(x, w).graph.as_graph_def()
+  sources = []
+  for function in graph.library.function:
+    if "backward" not in function.signature.name:
+      continue
+    nodes = {n.name: n for n in function.node_def}
+    args = {a.name for a in function.signature.input_arg}
+
+    def reads_argument(name):
+      name = name.lstrip("^").split(":")[0]
+      return name in args or any(reads_argument(i) for i in nodes[name].input)
+
+    sources += ["argument" if reads_argument(node.input[1]) else "constant"
+                for node in function.node_def if node.op == "Pow"]
+  return sources, outer(x, w).numpy()
+
+
+def test_a_kept_forwards_gradient_keeps_a_constant_exponent_constant():
+  import numpy as np
+  plain, expected = _backward_pow_exponents(constant=False)
+  folded, gradient = _backward_pow_exponents(constant=True)
+  assert "argument" in plain   # TensorFlow's own: the exponent taken from the forward
+  assert folded and set(folded) == {"constant"}   # what Grappler rewrites
+  np.testing.assert_array_equal(gradient, expected)
+  np.testing.assert_allclose(gradient, [3.0, -8.0, 3.0])   # 2 x w

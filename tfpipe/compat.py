@@ -7,6 +7,7 @@ labels' shape), the optimizer state that `get_config` does not carry
 (`exclude_from_weight_decay`, the update count, a variable's slot index, Adam's
 moment slots), and the model's metric list that callbacks read. From TensorFlow:
 the call options of function calls (the compiled executor's unoptimised window graph), the
+gradient registry's entry for Pow (a constant exponent kept constant in a backward function), the
 placeholders a traced function feeds at each call (the window groups' carry), the
 call-op attribute that skips shape inference through a callee's body (done
 once per callee and input signature instead), a control input that spares
@@ -31,11 +32,12 @@ from tensorflow.python.distribute import values as _tf_distribute_values
 from tensorflow.python.eager import context as _tf_context
 from tensorflow.python.framework import func_graph as _tf_func_graph
 from tensorflow.python.framework import ops as _tf_ops
+from tensorflow.python.framework import tensor_util as _tf_tensor_util
 
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls",
            "light_calls",
-           "calls_inferred_once", "calls_marked", "NOT_INLINED", "call_time_value",
+           "calls_inferred_once", "calls_marked", "constant_exponents", "NOT_INLINED", "call_time_value",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
            "per_replica", "runtime_started", "data_adapter", "nested_models", "flattened",
@@ -82,7 +84,10 @@ def missing():
             (_tf_context.FunctionCallOptions, "config_proto_serialized"),
             (_tf_func_graph.FuncGraph, "capture_call_time_value"),
             (_tf_ops.Graph, "create_op"), (_tf_ops.Operation, "_add_control_input"),
-            (tf.raw_ops, "VariableV2")]
+            (tf.raw_ops, "VariableV2"), (_tf_ops, "_gradient_registry")]
+  if not isinstance(getattr(getattr(_tf_ops, "_gradient_registry", None), "_registry", {}).get(
+      "Pow"), dict):
+    gone.append("the gradient registry's Pow entry")
   gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
           if not hasattr(owner, name)]
   probe = keras.optimizers.AdamW()
@@ -376,6 +381,57 @@ def _mark(graph, op):
   marker = markers.get(op.device) if markers else None
   if marker is not None and marker.graph is graph:
     op._add_control_input(marker)  # noqa: SLF001
+
+
+# A forward traced as a function call whose tape a later task reads (a kept forward crossing a
+# call: `tfpipe.stage.tracing`) gets its gradient as a function of its own, which takes every
+# forward tensor it reads as an input: for Pow(x, 2), the exponent. Its `x ** (2 - 1)` then
+# has an exponent Grappler cannot see, so it runs as Eigen's generic power instead of being
+# rewritten as a multiplication. Measured (12-layer Llama, K=4, spectrain, perf): 7% of the
+# steady state's CPU time (RMSNorm squares its input); with the exponent kept constant, 5%
+# less CPU time per epoch in two alternating pairs.
+_POW_GRADIENT = []   # TensorFlow's Pow gradient, once wrapped (`constant_exponents`)
+_EXPONENTS = threading.local()   # .constant: Pow gradients built in this thread fold
+
+
+@contextlib.contextmanager
+def constant_exponents():
+  """Pow gradients built in this context (in this thread) read a constant exponent (one
+  value, known when the forward was traced) as a constant of the gradient's own graph, not
+  as a tensor taken from the forward: the same values, and a backward function Grappler can
+  simplify. Elsewhere TensorFlow's gradient runs unchanged."""
+  _install_pow_gradient()
+  with _set_in_thread(_EXPONENTS, "constant", True):
+    yield
+
+
+class _WithExponent:
+  """A Pow op as its gradient reads it, with `exponent` as its second input."""
+
+  def __init__(self, op, exponent):
+    self._op, self.inputs, self.outputs = op, [op.inputs[0], exponent], op.outputs
+
+  def __getattr__(self, name):
+    return getattr(self._op, name)
+
+
+def _install_pow_gradient():
+  """Wraps TensorFlow's registered Pow gradient (once) for `constant_exponents`."""
+  if _POW_GRADIENT:
+    return
+  entry = _tf_ops._gradient_registry._registry["Pow"]  # noqa: SLF001
+  original = entry["type"]
+
+  def gradient(op, grad):
+    y = op.inputs[1]
+    if getattr(_EXPONENTS, "constant", False) and not isinstance(y, _tf_ops.EagerTensor):
+      value = _tf_tensor_util.constant_value(y)
+      if value is not None and value.size == 1:
+        return original(_WithExponent(op, tf.constant(value, dtype=y.dtype)), grad)
+    return original(op, grad)
+
+  entry["type"] = gradient
+  _POW_GRADIENT.append(original)
 
 
 def _input_key(tensor):

@@ -304,9 +304,11 @@ class CompiledRuntime(Executor):
     # The task calls' options: their functions are optimised. Their outputs' shapes are
     # inferred once per function and input shapes (per call: a fifth of a deep model's trace).
     # Calls (not XLA's) take a marker that spares TensorFlow a scan of each call's callee
-    # when it instantiates the window (`compat.calls_marked`).
+    # when it instantiates the window (`compat.calls_marked`). A kept forward's gradient
+    # across a call keeps constant exponents constant (`compat.constant_exponents`).
     marked = self._marked() if not inline else contextlib.nullcontext()
-    with compat.optimised_calls(), compat.calls_inferred_once(), marked:
+    with compat.optimised_calls(), compat.calls_inferred_once(), compat.constant_exponents(), \
+        marked:
       return self._traced_tasks(key, inline, carry, inputs, labels, M)
 
   def _marked(self):
