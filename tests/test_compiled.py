@@ -104,6 +104,19 @@ def test_the_steady_state_windows_trace_alike():
   assert (plan[-1].first, plan[-1].last) == (40, 41)
 
 
+def test_a_backward_recomputes_its_forward_where_an_earlier_window_ran_it():
+  crossing = lambda name, M, N, W: windows.crossing(_plan(name, 3, M, N=N, W=W)[1], 3)
+  assert crossing("1f1b", 1, 40, 40) == [0.0, 0.0, 0.0]   # one window: every tape kept
+  # A window per batch: each stage's first backward finds its forward; the others' ran in
+  # the window before. The last stage's step holds its forward.
+  assert crossing("1f1b", 1, 40, 1) == pytest.approx([39 / 40, 39 / 40, 0.0])
+  shares = [crossing("1f1b", 1, 40, W) for W in (1, 4, 16)]
+  for fewer, more in zip(shares[1:], shares):
+    assert all(a <= b for a, b in zip(fewer, more))
+  assert shares[2][0] < shares[1][0] < shares[0][0]
+  assert crossing("gpipe", 3, 8, 1) == [0.0, 0.0, 0.0]   # each window holds its batches
+
+
 def test_a_drain_window_finishes_exactly_the_started_batches():
   schedule, plan = _plan("1f1b", 3, 1, N=12, W=2)
   last = windows.drain(plan, 1)    # stopped after batches 0..3; stage 0 started 4 and 5

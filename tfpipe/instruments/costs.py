@@ -2,8 +2,10 @@
 
 `measure(pipe, x, y)` times each stage's tasks alone on its device at the method's
 micro-batch size (its forward, its backward, the last stage's step, an update, a transfer
-to the next device), the dispatch every task call pays whatever its size, and how many
-cores the stages' devices share, and returns them as `tfpipe.plan.simulator.Costs`
+to the next device), traced the way the executor runs them (inline, or as calls of the
+stage's functions, a kept forward's gradient taken across its call), with the forwards a
+backward recomputes where its forward ran in an earlier window, the dispatch every task
+call pays whatever its size, and how many cores the stages' devices share, and returns them as `tfpipe.plan.simulator.Costs`
 (seconds per mini-batch). `tfpipe.plan.simulator.simulate_method` then plays any schedule
 out on them: `predict(costs, method, ...)` is the samples/s it predicts for a method on the
 same stages without running it. The profile takes a few seconds (a trace per task); the
@@ -17,6 +19,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import compat
 from tfpipe.plan import policies, simulator
 
 __all__ = ["measure", "predict", "shared_cores", "dispatch_seconds"]
@@ -44,6 +47,10 @@ def _in_graph(works, repeats, runs_per_call=4, chained=True):
 
   @tf.function
   def runs(*flat):
+    with compat.constant_exponents():   # as the compiled executor traces its windows
+      return _runs(flat)
+
+  def _runs(flat):
     outs, at = [], 0
     for body, inputs, device in works:
       xs, at, out = flat[at:at + len(inputs)], at + len(inputs), []
@@ -88,9 +95,12 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   (arrays, tensors or a dict of them; a mini-batch of the size `fit` will take), measured
   at the micro-batch size of `micro_batches` (default: the method's M). `inline`: whether
   the executor traces the tasks into its graphs (None: as `pipe`'s executor would for its
-  method over `num_batches` mini-batches); else each task pays a call (`dispatch_seconds`).
-  A stage's backward is its forward and backward less its forward; the last stage's step
-  is split as 1/3 forward, 2/3 backward (the simulator runs the two as one step there).
+  method over `num_batches` mini-batches); else the tasks are timed as calls of the
+  stage's traced functions and each pays a call besides (`dispatch_seconds`).
+  A stage's backward is its forward and backward less its forward, plus the share of its
+  forward it recomputes when that forward ran in an earlier window (the executor's
+  `crossing`); the last stage's step is split as 1/3 forward, 2/3 backward (the simulator
+  runs the two as one step there).
   Where the devices share the cores (`shared_cores`), the stages' work is also run all at
   once: `Costs.cores` is the work alone over the time together (at most the cores).
   `repeats` timed calls of `runs_per_call` runs each, per task. `quick` (a trace per stage
@@ -110,12 +120,13 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   xs = [tf.convert_to_tensor(t[:n]) for t in flat]
   labels = (tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:n], y), None)
   scale = tf.constant(1.0 / M, tf.float64)
+  schedule = policies.build_schedule(pipe.policy, pipe.num_stages, num_batches, M)
+  diffs = policies.version_differences(pipe.policy, schedule, pipe.options.version_difference)
+  compiled = hasattr(pipe.runtime, "inlines")
   if inline is None:
-    schedule = policies.build_schedule(pipe.policy, pipe.num_stages, num_batches, M)
-    diffs = policies.version_differences(pipe.policy, schedule,
-                                         pipe.options.version_difference)
-    inline = hasattr(pipe.runtime, "inlines") and pipe.runtime.inlines(schedule, diffs,
-                                                                        num_batches)
+    inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)
+  crossing = (pipe.runtime.crossing(schedule, diffs, num_batches) if compiled
+              else [0.0] * pipe.num_stages)
   per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
   forward, backward, transfer, updates, works = [], [], [], [], []
   for program in pipe.programs:
@@ -129,8 +140,8 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     device = program.device
     if program.is_last:
       def step(inputs, program=program):
-        kept = program.forward(inputs, labels=labels, inline=True)[1]
-        return program.backward([kept], None, 0, scale, accumulate, inline=True).dxs
+        kept = program.forward(inputs, labels=labels, inline=inline)[1]
+        return program.backward([kept], None, 0, scale, accumulate, inline=inline).dxs
       seconds = _in_graph([(step, xs, device)], repeats, runs_per_call)
       works.append((step, xs, device, seconds))
       forward.append(seconds * M / 3)
@@ -139,15 +150,17 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       ys = program.forward(xs, s)[0]
 
       def forward_backward(inputs, program=program, s=s):
-        outputs, kept = program.forward(inputs, s, inline=True)
+        outputs, kept = program.forward(inputs, s, inline=inline)
         return program.backward([kept], [tf.ones_like(t) for t in outputs], s, scale,
-                                accumulate, inline=True).dxs
+                                accumulate, inline=inline).dxs
       fb = _in_graph([(forward_backward, xs, device)], repeats, runs_per_call)
       works.append((forward_backward, xs, device, fb))
       f = fb / 3 if quick else _in_graph([(lambda inputs, program=program, s=s: program.forward(
-          inputs, s, inline=True)[0], xs, device)], repeats, runs_per_call)
+          inputs, s, inline=inline)[0], xs, device)], repeats, runs_per_call)
+      # A kept forward that ran in an earlier window is recomputed by its backward.
+      again = crossing[program.index] if program.ops["F"].keeps == "tape" else 0.0
       forward.append(f * M)
-      backward.append(max(fb - f, 0.0) * M)
+      backward.append((max(fb - f, 0.0) + again * f) * M)
       following = pipe.programs[program.index + 1].device
 
       def move(inputs, following=following):

@@ -28,7 +28,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tup
 
 from tfpipe.plan import schedules, verify
 
-__all__ = ["Window", "firsts", "drained_firsts", "plan", "drain", "flush_window"]
+__all__ = ["Window", "firsts", "drained_firsts", "plan", "drain", "flush_window", "crossing"]
 
 class Window(NamedTuple):
   """Mini-batches `first`..`last` finish in this window. `tasks`: its `schedules.Action`s in
@@ -188,3 +188,17 @@ def flush_window(schedule: schedules.Lists, diffs: Diffs) -> Optional[Window]:
   alike = all(w.key == first.key and all(task.batch == w.first for _, task, _, _ in w.tasks)
               for w in windows)
   return first if alike else None
+
+
+def crossing(windows: Sequence[Window], K: int) -> List[float]:
+  """Per stage, the share of its backwards whose forward ran in an earlier window: a forward
+  that keeps its tape loses it at a window's end, so its backward recomputes it
+  (`tfpipe.runtime.compiled`). The last stage's step holds its forward: 0 there."""
+  crossed, total = [0] * K, [0] * K
+  for window in windows:
+    forwards = {(k, t.batch, t.micro) for k, t, _, _ in window.tasks if t.kind == "F"}
+    for k, t, _, _ in window.tasks:
+      if t.kind == "B" and k < K - 1:
+        total[k] += 1
+        crossed[k] += (k, t.batch, t.micro) not in forwards
+  return [c / n if n else 0.0 for c, n in zip(crossed, total)]

@@ -124,8 +124,7 @@ class CompiledRuntime(Executor):
     # Inlined windows (small stages, cheap to trace) run whole; windows of stage calls
     # trace CALL_WINDOW mini-batches at most (CALL_WINDOW_MICRO with micro-batches).
     inlined = self._inlined(num_batches)
-    size = (self.window if inlined else
-            min(self.window, self.CALL_WINDOW if M == 1 else self.CALL_WINDOW_MICRO))
+    size = self._window_size(M, inlined)
     key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size,
            inlined, self.aligned)
     if self._plan[0] != key:
@@ -209,6 +208,24 @@ class CompiledRuntime(Executor):
     if windows_lib.flush_window(schedule, diffs) is not None and not self.record:
       return self._inlined_loop(schedules.micro_batches(schedule))
     return self._inlined(num_batches)
+
+  def crossing(self, schedule, diffs, num_batches):
+    """Per stage, the share of its backwards that recompute their forward because it ran in
+    an earlier window (`tfpipe.plan.windows.crossing`) in an epoch of `schedule` over
+    `num_batches` mini-batches, cut as `train_epoch` cuts it: what the profile adds to a
+    backward that reads a kept tape (`tfpipe.instruments.costs`)."""
+    M = schedules.micro_batches(schedule)
+    if windows_lib.flush_window(schedule, diffs) is not None and not self.record:
+      return [0.0] * self.K   # a loop window holds each mini-batch whole
+    size = self._window_size(M, self._inlined(num_batches))
+    return windows_lib.crossing(windows_lib.plan(schedule, diffs, size, self.aligned), self.K)
+
+  def _window_size(self, M, inlined):
+    """Mini-batches a window traces: `window` inlined, else at most CALL_WINDOW (with
+    micro-batches, CALL_WINDOW_MICRO)."""
+    if inlined:
+      return self.window
+    return min(self.window, self.CALL_WINDOW if M == 1 else self.CALL_WINDOW_MICRO)
 
   def _inlined(self, num_batches):
     """Whether an epoch of `num_batches` traces each task's body into its windows' graphs
