@@ -88,6 +88,29 @@ def test_the_profile_times_every_stage_and_leaves_the_weights_as_they_were(compi
   assert np.isfinite(rate) and rate > 0
 
 
+def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_pipe,
+                                                                      monkeypatch):
+  from tfpipe.runtime import compiled
+  from tfpipe.training import auto as auto_training
+  monkeypatch.setattr(compiled.CompiledRuntime, "INLINE_OPS", 0)   # windows of stage calls
+  seen, measure = [], costs_lib.measure
+
+  def recorded(pipe, x, y, micro_batches=None, inline=None, method=None, **options):
+    seen.append((micro_batches, inline, method))
+    return measure(pipe, x, y, micro_batches=micro_batches, inline=inline, method=method,
+                   **options)
+  monkeypatch.setattr(costs_lib, "measure", recorded)
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  choice = auto_training.choose(compiled_pipe, x, y, 64, 8)
+  compiled_pipe._load_weights()
+  ways = {(M, inline): method for M, inline, method in seen}
+  # At M=1, 1f1b finishes each mini-batch in a loop window (inlined by its own size), the
+  # asynchronous methods run windows of calls: one profile for each way.
+  assert ways[(1, True)] == "1f1b" and ways[(1, False)] in ("spectrain", "2bw")
+  assert len(seen) == len(ways)
+  assert all(r.samples_per_second > 0 for r in choice.rows if r.seconds is not None)
+
+
 def test_auto_refuses_the_options_it_chooses():
   with pytest.raises(ValueError, match="method='auto' chooses micro_batches, nesterov"):
     tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="auto", micro_batches=4, nesterov=True)

@@ -90,7 +90,7 @@ def dispatch_seconds(device, repeats=50) -> float:
 def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bool] = None,
             repeats: int = 5, num_batches: int = 16, runs_per_call: int = 4,
             quick: bool = False, update: Optional[float] = None,
-            cores: Optional[float] = None) -> simulator.Costs:
+            cores: Optional[float] = None, method: Optional[str] = None) -> simulator.Costs:
   """Each stage's costs per mini-batch on `pipe` (compiled) with the mini-batch `x`, `y`
   (arrays, tensors or a dict of them; a mini-batch of the size `fit` will take), measured
   at the micro-batch size of `micro_batches` (default: the method's M). `inline`: whether
@@ -106,7 +106,9 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   `repeats` timed calls of `runs_per_call` runs each, per task. `quick` (a trace per stage
   rather than three): a forward is taken as a third of forward and backward, and moving
   a tensor between two logical CPUs as free; `update`: an update's seconds, known (else
-  timed, with micro-batches); `cores`: `Costs.cores`, known (else measured)."""
+  timed, with micro-batches); `cores`: `Costs.cores`, known (else measured); `method`: the
+  method whose epoch decides `inline` and the recomputed forwards (default: `pipe`'s; the
+  tasks timed are `pipe`'s)."""
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
   M = micro_batches or pipe.micro_batches
@@ -120,8 +122,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   xs = [tf.convert_to_tensor(t[:n]) for t in flat]
   labels = (tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:n], y), None)
   scale = tf.constant(1.0 / M, tf.float64)
-  schedule = policies.build_schedule(pipe.policy, pipe.num_stages, num_batches, M)
-  diffs = policies.version_differences(pipe.policy, schedule, pipe.options.version_difference)
+  policy = pipe.policy if method is None else policies.policy_for(method)
+  schedule = policies.build_schedule(policy, pipe.num_stages, num_batches, M)
+  diffs = policies.version_differences(policy, schedule, pipe.options.version_difference
+                                       if method is None else "exact" if M > 1 else "paper")
   compiled = hasattr(pipe.runtime, "inlines")
   if inline is None:
     inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)

@@ -67,26 +67,37 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
     if M > 1 and max(compute.values()) > auto_plan.BUSY * compute[1]:
       speeds.update({c: 0.0 for c in group})   # smaller than micro-batches already too small
       continue
-    costs = costs_lib.measure(pipe, features, labels, micro_batches=M, inline=False,
-                              repeats=3, runs_per_call=2, quick=True, update=update,
-                              cores=cores)
-    update, cores = costs.update, costs.cores   # the same at every M: measured once
-    if M == 1:   # one batch per update: the update runs inside each backward
-      costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
-                                  update=0.0)
-    compute[M] = sum(costs.forward) + sum(costs.backward) + costs.update * K
+    # The executor inlines some candidates' tasks and calls the stage functions for others
+    # (windows too large to inline): a profile for each way, timed as it runs.
+    ways = {}
     for c in group:
-      policy = policies.policy_for(c.method)
-      schedule = policies.build_schedule(policy, K, SIMULATED_BATCHES, M)
-      diffs = policies.version_differences(policy, schedule, "exact" if M > 1 else "paper")
-      inline = pipe.runtime.inlines(schedule, diffs, min(num_batches, pipe.runtime.window))
-      traced = dataclasses.replace(costs, per_task=0.0, ordered=False) if inline else costs
-      speeds[c] = costs_lib.predict(traced, c.method, batch_size, M,
-                                    num_batches=SIMULATED_BATCHES)
+      ways.setdefault(_inlines(pipe, c.method, M, num_batches), []).append(c)
+    for inline, members in sorted(ways.items()):
+      costs = costs_lib.measure(pipe, features, labels, micro_batches=M, inline=inline,
+                                repeats=3, runs_per_call=2, quick=True, update=update,
+                                cores=cores, method=members[0].method,
+                                num_batches=min(num_batches, pipe.runtime.window))
+      update, cores = costs.update, costs.cores   # the same at every M: measured once
+      if M == 1:   # one batch per update: the update runs inside each backward
+        costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
+                                    update=0.0)
+      work = sum(costs.forward) + sum(costs.backward) + costs.update * K
+      compute[M] = min(compute.get(M, work), work)
+      for c in members:
+        speeds[c] = costs_lib.predict(costs, c.method, batch_size, M,
+                                      num_batches=SIMULATED_BATCHES)
   rows = auto_plan.rank(found, speeds, compute,
                         epochs_lib.factor(advice.family(optimizer), K))
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
   return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start)
+
+
+def _inlines(pipe, method: str, M: int, num_batches: int) -> bool:
+  """Whether the compiled executor traces `method`'s tasks (M micro-batches) inline."""
+  policy = policies.policy_for(method)
+  schedule = policies.build_schedule(policy, pipe.num_stages, SIMULATED_BATCHES, M)
+  diffs = policies.version_differences(policy, schedule, "exact" if M > 1 else "paper")
+  return pipe.runtime.inlines(schedule, diffs, min(num_batches, pipe.runtime.window))
 
 
 def asked_for(asked, candidate: auto_plan.Candidate):
