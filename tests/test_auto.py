@@ -100,15 +100,25 @@ def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_
     return measure(pipe, x, y, micro_batches=micro_batches, inline=inline, method=method,
                    **options)
   monkeypatch.setattr(costs_lib, "measure", recorded)
+  kinds = ("spectrain", "spectrain advised", "2bw")
+  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: dict.fromkeys(
+      kinds, 1.0))   # every candidate a contender
   x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
   choice = auto_training.choose(compiled_pipe, x, y, 64, 8)
-  compiled_pipe._load_weights()
   ways = {(M, inline): method for M, inline, method in seen}
   # At M=1, 1f1b finishes each mini-batch in a loop window (inlined by its own size), the
   # asynchronous methods run windows of calls: one profile for each way.
   assert ways[(1, True)] == "1f1b" and ways[(1, False)] in ("spectrain", "2bw")
   assert len(seen) == len(ways)
   assert all(r.samples_per_second > 0 for r in choice.rows if r.seconds is not None)
+  # Candidates the epochs table rules out (never measured here) are not profiled.
+  seen.clear()
+  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  choice = auto_training.choose(compiled_pipe, x, y, 64, 8)
+  compiled_pipe._load_weights()
+  assert seen and all(inline for _, inline, _ in seen)
+  out = [r for r in choice.rows if r.candidate.kind != "synchronous"]
+  assert out and all(r.samples_per_second == 0 and "not measured" in r.why for r in out)
 
 
 def test_auto_refuses_the_options_it_chooses():

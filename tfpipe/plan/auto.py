@@ -14,7 +14,7 @@ micro-batches costs at most `BUSY` times the compute of the mini-batch taken who
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["AUTO", "BUSY", "Candidate", "Row", "candidates", "rank", "report_lines",
+__all__ = ["AUTO", "BUSY", "Candidate", "Row", "candidates", "epochs_out", "rank", "report_lines",
            "by_micro_batches"]
 
 AUTO = "auto"   # the method name that asks for the choice
@@ -68,29 +68,41 @@ def candidates(num_stages: int, batch_size: int, advised_micro_batches: Optional
   return found
 
 
+def epochs_out(c: Candidate, epochs: Mapping[str, Optional[float]]) -> str:
+  """Why the epochs table rules `c` out whatever its speed ("" when it does not): no run
+  measured its kind for this optimizer and depth, or some run did not reach the accuracy."""
+  if c.kind == "synchronous":
+    return ""
+  if c.kind not in epochs:
+    return "epochs to accuracy not measured for this optimizer and depth"
+  if epochs[c.kind] is None:
+    return "did not reach the synchronous accuracy in the measured runs"
+  return ""
+
+
 def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, float],
          compute: Mapping[int, float], epochs: Mapping[str, Optional[float]]) -> List[Row]:
   """The candidates' rows, fastest to accuracy first (contenders before the rest).
 
   samples_per_second: each candidate's, predicted. compute: seconds of compute per
   mini-batch at each M (the profile's, summed over stages). epochs: the factor per kind
-  (missing: unknown). A candidate predicted at 0 samples/s was not profiled."""
+  (missing: unknown). A candidate predicted at 0 samples/s was not profiled (its
+  micro-batches too small, or `epochs_out`)."""
   whole = compute.get(1) or min(compute.values())
   rows = []
   for c in found:
     rate = samples_per_second[c]
     factor = 1.0 if c.kind == "synchronous" else epochs.get(c.kind)
+    out = epochs_out(c, epochs)
     why = ""
     if not rate:
-      why = "not profiled: a larger micro-batch was already too small to keep a device busy"
+      why = out or "not profiled: a larger micro-batch was already too small to keep a device busy"
     elif c.micro_batches > 1 and compute[c.micro_batches] > BUSY * whole:
       share = compute[c.micro_batches] / whole
       why = (f"micro-batches too small to keep a device busy (compute {share:.1f}x the "
              "mini-batch's taken whole)")
-    elif c.kind not in epochs and c.kind != "synchronous":
-      why = "epochs to accuracy not measured for this optimizer and depth"
-    elif factor is None:
-      why = "did not reach the synchronous accuracy in the measured runs"
+    else:
+      why = out
     seconds = None if why or factor is None else factor / rate
     rows.append(Row(c, rate, factor, seconds, why))
   return sorted(rows, key=lambda r: (r.seconds is None, r.seconds or 0.0,

@@ -62,16 +62,18 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
   found.append(auto_plan.Candidate("1f1b", 1, "synchronous"))
   if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
     found = [c for c in found if c.kind == "synchronous"]
-  speeds, compute, update, cores = {}, {}, None, None
+  epochs = epochs_lib.factor(advice.family(optimizer), K)
+  speeds, compute, update, cores = {c: 0.0 for c in found}, {}, None, None
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
     if M > 1 and max(compute.values()) > auto_plan.BUSY * compute[1]:
-      speeds.update({c: 0.0 for c in group})   # smaller than micro-batches already too small
-      continue
+      continue   # smaller than micro-batches already too small: not profiled
     # The executor inlines some candidates' tasks and calls the stage functions for others
-    # (windows too large to inline): a profile for each way, timed as it runs.
+    # (windows too large to inline): a profile for each way, timed as it runs; none for a
+    # candidate the epochs table rules out whatever its speed.
     ways = {}
     for c in group:
-      ways.setdefault(_inlines(pipe, c.method, M, num_batches), []).append(c)
+      if not auto_plan.epochs_out(c, epochs):
+        ways.setdefault(_inlines(pipe, c.method, M, num_batches), []).append(c)
     for inline, members in sorted(ways.items()):
       costs = costs_lib.measure(pipe, features, labels, micro_batches=M, inline=inline,
                                 repeats=3, runs_per_call=2, quick=True, update=update,
@@ -86,8 +88,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
       for c in members:
         speeds[c] = costs_lib.predict(costs, c.method, batch_size, M,
                                       num_batches=SIMULATED_BATCHES)
-  rows = auto_plan.rank(found, speeds, compute,
-                        epochs_lib.factor(advice.family(optimizer), K))
+  rows = auto_plan.rank(found, speeds, compute, epochs)
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
   return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start)
 
