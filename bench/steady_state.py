@@ -11,9 +11,12 @@ under each variant of the compiled executor, beside plain Keras `fit` on one dev
             per task: what small stages get; here it traces the whole model per window);
   xla:      stage functions compiled by XLA (`jit_compile=True`), and Keras likewise.
 
-It reports each run's first-epoch extra time (the first epoch minus the steady one) and the
-steady epoch (the median of the epochs after the first), and x Keras's steady speed. Each
-run is a process of its own.
+It reports each run's first-epoch extra time (the first epoch minus the steady one), the
+steady epoch (the median of the epochs after the first), x Keras's steady speed, and the
+CPU seconds a steady epoch takes with the cores busy meanwhile (the process's CPU time over
+the epoch's wall-clock): the work an executor adds shows as CPU seconds, and how many of the
+cores Keras itself used bounds what a pipeline on them can gain. Each run is a process of
+its own.
 
   python bench/steady_state.py [--methods=spectrain,1f1b --stages=4 --epochs=3
                                 --variants=calls,calls16,inlined,xla]
@@ -71,15 +74,22 @@ def _one(config):
     runner = tfpipe.Pipeline(model, devices=devices[:config["K"]], method=config["method"],
                              jit_compile=True if variant == "xla" else None)
     runner.compile(**args)
-  times = []
+  times, cpu = [], []
   gc.collect()
   for epoch in range(config["epochs"]):
-    start = time.perf_counter()
+    start, used = time.perf_counter(), _cpu_seconds()
     runner.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     if epoch == 0:
       gc.collect()   # the collection the first epoch's tracing makes due (bench/startup.py)
     times.append(time.perf_counter() - start)
-  return {"times": times, "micro_batches": getattr(runner, "micro_batches", 1)}
+    cpu.append(_cpu_seconds() - used)
+  return {"times": times, "cpu": cpu, "micro_batches": getattr(runner, "micro_batches", 1)}
+
+
+def _cpu_seconds():
+  """This process's CPU time so far (user and system, every thread)."""
+  now = os.times()
+  return now.user + now.system
 
 
 def main(argv):
@@ -109,18 +119,20 @@ def main(argv):
            f"epoch), K={FLAGS.stages} logical CPUs, one intra-op thread each, {FLAGS.epochs} "
            "epochs; `python bench/steady_state.py`")
   table = results_io.markdown_table(
-      ["runner", "variant", "M", "first-epoch extra s", "steady s/epoch", "x Keras steady"],
+      ["runner", "variant", "M", "first-epoch extra s", "steady s/epoch", "x Keras steady",
+       "CPU s/epoch", "cores busy"],
       rows)
   results_io.report(FLAGS.results_dir, "steady_state.md", title, table)
 
 
 def _row(name, variant, result, keras):
   if "error" in result:
-    return [name, variant, "-", "-", "-", result["error"]]
+    return [name, variant, "-", "-", "-", result["error"], "-", "-"]
   steady = statistics.median(result["times"][1:])
+  cpu = statistics.median(result["cpu"][1:])
   speed = f"{keras / steady:.2f}" if keras else "-"
   return [name, variant, str(result["micro_batches"]), f"{result['times'][0] - steady:.1f}",
-          f"{steady:.2f}", speed]
+          f"{steady:.2f}", speed, f"{cpu:.2f}", f"{cpu / steady:.2f}"]
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ def test_steady_state(tmp_path):
   table = (tmp_path / "steady_state.md").read_text()
   assert "| keras fit | calls | 1 |" in table and "| spectrain | calls | 1 |" in table
   assert "over" not in table and "spectrain | calls" in out
+  assert "| CPU s/epoch | cores busy |" in table
+  row = next(l for l in table.splitlines() if l.startswith("| spectrain | calls"))
+  cpu, busy = (float(c) for c in row.strip(" |").split(" | ")[-2:])
+  assert cpu > 0 and 0 < busy <= 2 * os.cpu_count()
 
 
 def test_speedup_model(tmp_path):
