@@ -117,7 +117,8 @@ def main(argv):
       print(" | ".join(rows[-1]), flush=True)
   title = (f"Steady state: Llama ({FLAGS.layers} layers, width 64, batch 16, 64 batches an "
            f"epoch), K={FLAGS.stages} logical CPUs, one intra-op thread each, {FLAGS.epochs} "
-           "epochs; `python bench/steady_state.py`")
+           f"epochs; `python bench/steady_state.py --methods={','.join(FLAGS.methods)} "
+           f"--variants={','.join(FLAGS.variants)}`")
   table = results_io.markdown_table(
       ["runner", "variant", "M", "first-epoch extra s", "steady s/epoch", "x Keras steady",
        "CPU s/epoch", "cores busy"],
