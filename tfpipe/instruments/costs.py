@@ -122,10 +122,12 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   xs = [tf.convert_to_tensor(t[:n]) for t in flat]
   labels = (tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:n], y), None)
   scale = tf.constant(1.0 / M, tf.float64)
-  policy = pipe.policy if method is None else policies.policy_for(method)
-  schedule = policies.build_schedule(policy, pipe.num_stages, num_batches, M)
-  diffs = policies.version_differences(policy, schedule, pipe.options.version_difference
-                                       if method is None else "exact" if M > 1 else "paper")
+  if method is None:
+    schedule = policies.build_schedule(pipe.policy, pipe.num_stages, num_batches, M)
+    diffs = policies.version_differences(pipe.policy, schedule,
+                                         pipe.options.version_difference)
+  else:
+    schedule, diffs = policies.epoch(method, pipe.num_stages, num_batches, M)
   compiled = hasattr(pipe.runtime, "inlines")
   if inline is None:
     inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)

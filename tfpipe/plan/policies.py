@@ -24,12 +24,12 @@ stage applied since the forward, as its version difference.
 """
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from tfpipe.plan import names, schedules
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
-           "build_schedule", "VIRTUAL_STAGE_METHODS",
+           "build_schedule", "epoch", "VIRTUAL_STAGE_METHODS",
            "PIPELINE_METHODS", "SYNCHRONOUS_METHODS", "MICRO_BATCH_METHODS", "MAX_MICRO_BATCHES",
            "LOCKSTEP_METHODS",
            "SPECTRAIN_BACKWARDS", "VERSION_DIFFERENCES"]
@@ -219,6 +219,16 @@ def version_differences(policy: WeightPolicy, schedule: schedules.Lists,
         "micro-batches use version_difference='exact'")
   return [{t: (schedules.paper_version_difference(k, K, t.kind) if t.kind in "FB" else 0)
            for t in tasks} for k, tasks in enumerate(schedule)]
+
+
+def epoch(method: str, K: int, N: int,
+          M: int) -> Tuple[schedules.Lists, List[Dict[schedules.Task, int]]]:
+  """`method`'s schedule for K stages over N mini-batches of M micro-batches, with its
+  default version differences ("exact" with micro-batches, else the paper's): what a
+  candidate of `method="auto"` runs. Returns (schedule, diffs)."""
+  policy = policy_for(method)
+  schedule = build_schedule(policy, K, N, M)
+  return schedule, version_differences(policy, schedule, "exact" if M > 1 else "paper")
 
 
 def build_schedule(policy: WeightPolicy, K: int, N: int, M: int = 1,

@@ -95,9 +95,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
 
 def _inlines(pipe, method: str, M: int, num_batches: int) -> bool:
   """Whether the compiled executor traces `method`'s tasks (M micro-batches) inline."""
-  policy = policies.policy_for(method)
-  schedule = policies.build_schedule(policy, pipe.num_stages, SIMULATED_BATCHES, M)
-  diffs = policies.version_differences(policy, schedule, "exact" if M > 1 else "paper")
+  schedule, diffs = policies.epoch(method, pipe.num_stages, SIMULATED_BATCHES, M)
   return pipe.runtime.inlines(schedule, diffs, min(num_batches, pipe.runtime.window))
 
 
