@@ -3,14 +3,20 @@
 GPU (`--parts=gpu`): the SpecTrain paper's SNN, `--gpu_depth` x `--gpu_width` SELU (16 x 4096),
 batch 512, on one GPU: Keras `fit` compiled with XLA (`jit_compile=True`) against the
 pipeline at K=1 (its `jit_compile` is on by default when every stage is a GPU), for each of
-`--methods`. Targets: K=1 >= 0.95x Keras's samples/s, and its start-up <= 2x Keras's.
+`--methods`, and at K=`--gpu_stages` on as many logical GPUs split from the one GPU (each
+`--gpu_memory_mb`, a stream of its own): what the executor costs where compute is fast.
+Targets: K=1 >= 0.95x Keras's samples/s, K=4 >= 0.9x K=1's, start-up <= 2x Keras's.
 
 CPU (`--parts=cpu`): the SNN `--cpu_depth` x `--cpu_width` (8 x 1024, bench/pipeline_speedup's),
 batch 128, on every core: Keras `fit` with all cores as intra-op threads against the
 methods at K=`--cpu_stages` on logical CPU devices, (a) each device with a thread pool of
 its own of cores/K threads (TF_OVERRIDE_GLOBAL_THREADPOOL), (b) all devices sharing one
-pool of all cores; each with the method's advised options and with none. Target: K=4 >=
-1.5x Keras.
+pool of all cores; each with the method's advised options and with none, and
+`--cpu_methods` (plain) on the shared pool. What bounds a pipeline there is measured beside
+it: Keras `fit` with cores/K intra-op threads (one stage's pool): K stages of 1/K of the
+model each at that speed, perfectly balanced, would run K x its samples/s. Every CPU row
+gives the cores it kept busy (CPU seconds over wall seconds of the timed fits). Target:
+K=4 >= 1.5x Keras.
 
 Every configuration runs in a process of its own (`results_io.in_child`). Steady state is
 marginal, as in bench/runtime_overhead.py: (median time of a fit over 2N batches - median
@@ -46,6 +52,10 @@ flags.DEFINE_integer("gpu_width", 4096, "units per layer (GPU)")
 flags.DEFINE_integer("gpu_depth", 16, "hidden layers (GPU)")
 flags.DEFINE_integer("gpu_batch_size", 512, "batch size (GPU)")
 flags.DEFINE_integer("gpu_batches", 64, "N, batches of the short fit (GPU)")
+flags.DEFINE_integer("gpu_stages", 4, "K on logical GPUs split from the one GPU (0: none)")
+flags.DEFINE_integer("gpu_memory_mb", 16384, "memory of each logical GPU, MB")
+flags.DEFINE_list("cpu_methods", ["pipedream", "vanilla", "1f1b"],
+                  "more methods at K on the CPU (plain options, the shared pool)")
 flags.DEFINE_integer("cpu_width", 1024, "units per layer (CPU)")
 flags.DEFINE_integer("cpu_depth", 8, "hidden layers (CPU)")
 flags.DEFINE_integer("cpu_batch_size", 128, "batch size (CPU)")
@@ -80,7 +90,11 @@ def _one(config):
     if not tf.config.list_physical_devices("GPU"):
       raise RuntimeError("no GPU: TensorFlow lists none (is its GPU build installed, with "
                          "CUDA's libraries on LD_LIBRARY_PATH?)")
-    devices = ["/GPU:0"]
+    if K > 1:
+      gpu = tf.config.list_physical_devices("GPU")[0]
+      tf.config.set_logical_device_configuration(
+          gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=FLAGS.gpu_memory_mb)] * K)
+    devices = [f"/GPU:{i}" for i in range(K)]
   elif config["runner"] == "keras":
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     devices = ["/CPU:0"]
@@ -104,7 +118,8 @@ def _one(config):
     runner = model
   else:
     runner = tfpipe.Pipeline(model, devices=devices[:K], method=config["runner"],
-                             profile_batch_size=size["batch_size"], advice=config["advised"])
+                             profile_batch_size=size["batch_size"], advice=config["advised"],
+                             **config.get("options", {}))
     runner.compile(optimizer, loss)
   span = results_io.fit_span()
 
@@ -118,14 +133,18 @@ def _one(config):
   N = size["batches"]
   first, _ = fit(N)
   fit(2 * N)   # the longer fit's window shapes
+  cpu, wall = sum(os.times()[:2]), time.perf_counter()
   short, long = zip(*[(fit(N), fit(2 * N)) for _ in range(FLAGS.rounds)])
+  busy = (sum(os.times()[:2]) - cpu) / (time.perf_counter() - wall)
   walls = [wall for wall, _ in short]
   per_batch = (statistics.median(s for _, s in long) - statistics.median(s for _, s in short)) / N
-  return {"extra": first - statistics.median(walls), "per_batch": per_batch}
+  return {"extra": first - statistics.median(walls), "per_batch": per_batch, "busy": busy}
 
 
-def _measure(title, size, configs, target):
-  """Runs `configs` (name, config) beside Keras (the first); prints and returns the table."""
+def _measure(title, size, configs, target, bound=None):
+  """Runs `configs` (name, config) beside Keras (the first); prints and returns the table.
+  A config's "versus" names an earlier row its note compares it with; `bound` (a row's name,
+  K) notes what K stages at that row's speed would give."""
   results = []
   for name, config in configs:
     result = results_io.in_child_or_error(_one, dict(config, size=size), FLAGS.timeout, 200)
@@ -138,18 +157,24 @@ def _measure(title, size, configs, target):
   keras_result = results[0][1]
   if "error" in keras_result:
     return f"{title}\n\nKeras fit failed: {keras_result['error']}\n"
+  by_name = dict(results)
   rows = []
-  for name, result in results:
+  for (name, result), (_, config) in zip(results, configs):
     if "error" in result:
-      rows.append([name, "error", "", "", "", result["error"][:80]])
+      rows.append([name, "error", "", "", "", "", result["error"][:80]])
       continue
     rate = size["batch_size"] / result["per_batch"]
     speed = keras_result["per_batch"] / result["per_batch"]
+    versus = by_name.get(config.get("versus"), {})
+    note = (f"{versus['per_batch'] / result['per_batch']:.2f}x {config['versus']}"
+            if "per_batch" in versus else "")
+    if bound and name == bound[0]:
+      note = f"bound for K={bound[1]}: {bound[1] * speed:.2f}x Keras"
     rows.append([name, f"{rate:.0f}", f"{speed:.2f}", f"{result['extra']:.1f}",
                  f"{result['extra'] / keras_result['extra']:.1f}" if keras_result["extra"] > 0
-                 else "-", ""])
+                 else "-", f"{result['busy']:.1f}", note])
   table = results_io.markdown_table(
-      ["runner", "samples/s", "x Keras", "start-up s", "x Keras's", "note"], rows)
+      ["runner", "samples/s", "x Keras", "start-up s", "x Keras's", "cores busy", "note"], rows)
   return f"{title} Target: {target}.\n\n{table}\n"
 
 
@@ -157,12 +182,18 @@ def _gpu():
   size = dict(width=FLAGS.gpu_width, depth=FLAGS.gpu_depth, batch_size=FLAGS.gpu_batch_size,
               batches=FLAGS.gpu_batches)
   configs = [("keras fit (XLA)", dict(runner="keras", where="gpu", K=1, threads=None))]
-  configs += [(f"{method} K=1", dict(runner=method, where="gpu", K=1, threads=None, advised=True))
-              for method in FLAGS.methods]
+  for method in FLAGS.methods:
+    configs.append((f"{method} K=1", dict(runner=method, where="gpu", K=1, threads=None,
+                                          advised=False)))
+    if FLAGS.gpu_stages > 1:
+      configs.append((f"{method} K={FLAGS.gpu_stages}, logical GPUs of one GPU",
+                      dict(runner=method, where="gpu", K=FLAGS.gpu_stages, threads=None,
+                           advised=False, versus=f"{method} K=1")))
   title = (f"GPU: snn {size['depth']} x {size['width']}, batch {size['batch_size']}, "
            f"{size['batches']} / {2 * size['batches']} batches per fit, median of "
            f"{FLAGS.rounds} rounds.")
-  return _measure(title, size, configs, "K=1 >= 0.95x Keras, start-up <= 2x Keras's")
+  return _measure(title, size, configs, f"K=1 >= 0.95x Keras, K={FLAGS.gpu_stages} >= 0.9x "
+                  "K=1, start-up <= 2x Keras's")
 
 
 def _cpu():
@@ -173,7 +204,9 @@ def _cpu():
   size = dict(width=FLAGS.cpu_width, depth=FLAGS.cpu_depth, batch_size=FLAGS.cpu_batch_size,
               batches=FLAGS.cpu_batches)
   configs = [(f"keras fit, {cores} threads", dict(runner="keras", where="cpu", K=1,
-                                                   threads=cores))]
+                                                   threads=cores)),
+             (f"keras fit, {cores // K} threads", dict(runner="keras", where="cpu", K=1,
+                                                        threads=cores // K))]
   for method in FLAGS.methods:
     for advised in (False, True) if method == "spectrain" else (True,):
       options = (" (advised)" if advised else " (plain, M=1)") if method == "spectrain" else ""
@@ -183,10 +216,16 @@ def _cpu():
       configs.append((f"{method}{options} K={K}, one shared pool of {cores} threads",
                       dict(runner=method, where="cpu", K=K, threads=cores, pools="shared",
                            advised=advised)))
+  for method in FLAGS.cpu_methods:
+    options = {"micro_batches": K} if method in ("1f1b", "gpipe", "zb", "zbv") else {}
+    configs.append((f"{method} K={K}{f' M={K}' if options else ''}, one shared pool of "
+                    f"{cores} threads", dict(runner=method, where="cpu", K=K, threads=cores,
+                                             pools="shared", advised=False, options=options)))
   title = (f"CPU: snn {size['depth']} x {size['width']}, batch {size['batch_size']}, {cores} "
            f"cores, {size['batches']} / {2 * size['batches']} batches per fit, median of "
            f"{FLAGS.rounds} rounds.")
-  return _measure(title, size, configs, f"K={K} >= 1.5x Keras")
+  return _measure(title, size, configs, f"K={K} >= 1.5x Keras",
+                  bound=(f"keras fit, {cores // K} threads", K))
 
 
 def main(argv):
