@@ -24,8 +24,7 @@ of a fit over N) / N, so the per-fit setup does not count. Start-up: the first f
 time minus the median of the later fits of the same length (tracing, XLA compilation,
 graph optimisation). The device's own start (CUDA context, XLA's first use) is paid before
 the timing, in every process alike. The CPU part hides the GPU (CUDA_VISIBLE_DEVICES=-1).
-README ("A GPU and 16 cores") says how TensorFlow's GPU build was installed for the run
-in bench/results/device_targets.md.
+docs/benchmarks.md ("A GPU and 16 cores") says how to install TensorFlow's GPU build for it.
 
   python bench/device_targets.py [--parts=gpu,cpu --methods=spectrain --rounds=3]
 """
