@@ -151,17 +151,22 @@ def test_startup():
 
 
 def test_device_targets(tmp_path):
-  # No GPU here: that part's rows name why; the CPU part runs Keras and one method at K=2.
-  out = _bench("device_targets.py", "--parts=gpu,cpu", "--methods=pipedream", "--cores=2",
-               "--cpu_stages=2", "--cpu_width=32", "--cpu_depth=2", "--cpu_batches=4",
-               "--rounds=1", f"--results_dir={tmp_path}")
+  # No GPU here: that part's rows name why; the CPU part runs Keras with all cores and with
+  # one stage's (the bound), one method in both pools, one more (M=K) in the shared pool.
+  out = _bench("device_targets.py", "--parts=gpu,cpu", "--methods=pipedream",
+               "--cpu_methods=1f1b", "--cores=2", "--cpu_stages=2", "--cpu_width=32",
+               "--cpu_depth=2", "--cpu_batches=4", "--rounds=1", f"--results_dir={tmp_path}")
   assert "Keras fit failed: RuntimeError: no GPU" in out
   rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
   assert [row[0].strip() for row in rows[1:]] == [
-      "keras fit, 2 threads", "pipedream K=2, a pool of 1 threads per device",
-      "pipedream K=2, one shared pool of 2 threads"]
+      "keras fit, 2 threads", "keras fit, 1 threads",
+      "pipedream K=2, a pool of 1 threads per device",
+      "pipedream K=2, one shared pool of 2 threads", "1f1b K=2 M=2, one shared pool of 2 threads"]
   # Marginal times at this size are noise (a row can come out negative): numbers, no sign.
-  assert all(math.isfinite(float(cell)) for row in rows[1:] for cell in row[1:5])
+  assert all(math.isfinite(float(cell)) for row in rows[1:] for cell in row[1:6])
+  note = rows[2][6].strip()   # K stages at one stage's speed (the cells are rounded)
+  assert note.startswith("bound for K=2: ") and note.endswith("x Keras")
+  assert abs(float(note[len("bound for K=2: "):-len("x Keras")]) - 2 * float(rows[2][2])) <= 0.011
   assert (tmp_path / "device_targets.md").read_text().count("| pipedream K=2") == 2
 
 
