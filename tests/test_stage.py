@@ -40,10 +40,13 @@ def test_a_recompute_does_not_advance_the_seed_state():
     np.testing.assert_array_equal(a, b.numpy())
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["calls", "inline"])
 @pytest.mark.parametrize("method", ["pipedream", "vanilla", "i_timeprest", "spectrain"])
-def test_backward_halves_equal_the_whole_backward(method):
+def test_backward_halves_equal_the_whole_backward(method, inline):
   """A zero-bubble split: input gradients first (no update), then the weight gradients and the
-  update, give the input gradients and weights of one backward, for every kind of kept state."""
+  update, give the input gradients and weights of one backward, for every kind of kept state.
+  Traced inline (both halves in one graph), a kept tape is not persistent: the input half
+  takes the weight gradients in the same walk and hands them to the weight half."""
   def program():
     return stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
                               keras.optimizers.SGD(0.1, momentum=0.9),
@@ -54,13 +57,22 @@ def test_backward_halves_equal_the_whole_backward(method):
   one = tf.constant(1.0, tf.float64)
   _, kept = whole.forward(x, 1)
   expected = whole.backward([kept], dys, 1, one, False).dxs
-  _, kept = split.forward(x, 1, split=True)
-  assert kept.tape is not None or whole.ops["F"].keeps != "tape"
+  _, kept = split.forward(x, 1, split=True, inline=inline)
+  tape = whole.ops["F"].keeps == "tape"
+  assert (kept.tape is not None) == tape
+  if tape:
+    assert kept.tape._persistent == (not inline)
   before = [v.numpy() for v in split.trainable]
-  got = split.backward_input([kept], dys, 1, one).dxs
+  done = split.backward_input([kept], dys, 1, one, inline=inline)
+  got = done.dxs
   for a, b in zip(before, split.trainable):   # no update yet
     np.testing.assert_array_equal(a, b.numpy())
-  assert split.backward_weights([kept], dys, 1, one, False) is None
+  if inline and tape:
+    assert len(done.kept.grads) == len(split.trainable) and done.kept.tape is None
+    kept = done.kept
+  else:
+    assert done.kept is None
+  assert split.backward_weights([kept], dys, 1, one, False, inline=inline) is None
   np.testing.assert_allclose(got[0].numpy(), expected[0].numpy(), rtol=1e-6, atol=1e-7)
   helpers.assert_weights_close([v.numpy() for v in split.trainable],
                                [v.numpy() for v in whole.trainable], rtol=1e-6, atol=1e-7)

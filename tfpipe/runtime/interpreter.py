@@ -162,7 +162,10 @@ def run(action, stage, moves):
     kept, share = [p.kept for p in parts], moves.total([p.share for p in parts])
     if split:
       stage.halves[unit] = dys
-      dxs = program.backward_input(kept, dys, s, moves.weight(k, share), moves.inline).dxs
+      done = program.backward_input(kept, dys, s, moves.weight(k, share), moves.inline)
+      if done.kept is not None:   # it took the weight gradients too: its weight half's
+        stage.saved[unit] = stage.saved[unit]._replace(kept=done.kept)
+      dxs = done.dxs
     else:
       dxs = program.backward(kept, dys, s, moves.weight(k, share), micro is not None,
                              moves.inline).dxs

@@ -22,8 +22,8 @@ __all__ = ["StageProgram", "Kept", "Backward"]
 _ZERO = tf.UnconnectedGradients.ZERO
 # The traced task functions (`StageProgram.task`).
 Kept = collections.namedtuple(
-    "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels"],
-    defaults=(None, None, None, None, None, None))
+    "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels", "grads"],
+    defaults=(None, None, None, None, None, None, None))
 Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
 inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
 replays); the `weights` it read (for "tape" and "weights"); for "tape" also the gradient
@@ -31,7 +31,9 @@ replays); the `weights` it read (for "tape" and "weights"); for "tape" also the 
 regularisation `reg`. `Kept.recomputable()` drops the tape (what a compiled window carries
 across its boundary): the backward then recomputes the forward on its kept weights, which
 gives the same values. The last stage's forward keeps its inputs and `labels`
-((labels, sample weights)) for its step."""
+((labels, sample weights)) for its step. After a split backward's input half traced into
+one graph with its weight half (`inline`), `grads`: the weight gradients it took in the same
+walk of the tape, which the weight half applies."""
 Kept.recomputable = lambda self: Kept(self.xs, self.state, self.weights, labels=self.labels)
 
 Backward = collections.namedtuple("Backward", ["dxs", "loss", "logs", "kept"],
@@ -424,7 +426,8 @@ class StageProgram:
 
     `split`: its backward will run as two halves (`backward_input`, then
     `backward_weights`: a zero-bubble schedule, where the table says so), so a
-    kept tape is persistent. Only then: under a persistent tape TensorFlow
+    kept tape is persistent, unless `inline` (both halves in one graph: the input
+    half takes both gradients). Only then: under a persistent tape TensorFlow
     builds higher-order gradient functions for every stage call (measured: 4x
     the ops, twice the start-up).
 
@@ -435,7 +438,9 @@ class StageProgram:
       if labels is None:
         return self.task("infer", inline)(xs)
       return self.reports.completed(self.task("evaluate_last", inline)(xs, *labels))
-    split = split or self.ops["B"].op == "backward_input"
+    # Traced inline (one graph with its halves), a split backward takes both gradients in one
+    # walk of the tape (`backward_input`): the tape need not persist.
+    split = (split or self.ops["B"].op == "backward_input") and not inline
     keeps = self.ops["F"].keeps
     if self.ops["F"].op == "hold":
       return None, Kept(xs, labels=labels)
@@ -468,15 +473,35 @@ class StageProgram:
 
   def backward_input(self, parts, dys, s, scale, inline=False):
     """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
-    tape must be persistent (`forward(..., split=True)`). At the last stage, `Backward.kept`
-    holds the persistent tape its weight half takes the weight gradients from."""
+    tape must be persistent (`forward(..., split=True)`) unless `inline`: then it takes the
+    weight gradients too, in the same walk, and `Backward.kept` holds them (`Kept.grads`) for
+    the weight half. At the last stage, `Backward.kept` holds the persistent tape its weight
+    half takes the weight gradients from, or (`inline`) the weight gradients."""
     if self._steps:
       return self._step_input(parts, s, scale, inline)
+    if inline and len(parts) == 1 and parts[0].tape is not None:
+      # One graph holds both halves: the input and weight gradients in one walk of the tape
+      # (two walks trace the backward twice: start-up); `Backward.kept` holds the weight
+      # gradients the weight half applies. The dataflow, not the trace, orders their ops.
+      kept = parts[0]
+      with tf.device(self.device):
+        float_xs = self._float_inputs(kept.xs)
+        targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
+        grads = kept.tape.gradient(targets, kept.weights + float_xs,
+                                   output_gradients=out_grads, unconnected_gradients=_ZERO)
+      n = len(kept.weights)
+      return Backward(self._shaped_input_grads(grads[n:], float_xs),
+                      kept=kept._replace(tape=None, grads=grads[:n]))
     return Backward(self._backward(parts, dys, s, scale, False, "inputs", inline))
 
   def backward_weights(self, parts, dys, s, scale, accumulate, inline=False):
     """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update (at
     the last stage, `parts` is its input half's `Backward.kept` and `dys` None)."""
+    if len(parts) == 1 and parts[0].grads is not None:   # taken by the input half
+      (kept,) = parts
+      with tf.device(self.device):
+        self.task("update", inline)(kept.grads, accumulate, self.updates.read(kept.weights))
+      return
     if self._steps:
       (kept,) = parts
       with tf.device(self.device):
@@ -498,21 +523,26 @@ class StageProgram:
 
   def _step_input(self, parts, s, scale, inline):
     """A split step's input half: the last stage's forward, loss, metrics and input
-    gradients, no update, under a persistent tape its weight half reads."""
+    gradients, no update, under a persistent tape its weight half reads (`inline`: the
+    weight gradients taken in the same walk)."""
     (part,) = parts
     y, sample_weight = part.labels
     weights = list(self.task("read_weights", inline)(s))
     float_xs = self._float_inputs(part.xs)
-    with tf.device(self.device), tf.GradientTape(persistent=True) as tape:
+    with tf.device(self.device), tf.GradientTape(persistent=not inline) as tape:
       tape.watch(weights + float_xs)
       target, loss, logs = self.task("step_on", inline)(weights, part.xs, y, sample_weight,
                                                         scale)
     with tf.device(self.device):
-      grads = tape.gradient(target, float_xs, unconnected_gradients=_ZERO)
+      # Inline (one graph with the weight half): both gradients in one walk of the tape.
+      grads = tape.gradient(target, (weights if inline else []) + float_xs,
+                            unconnected_gradients=_ZERO)
       if not self._step_scales_loss:
         grads = [_scaled(g, scale) for g in grads]
-    kept = Kept(part.xs, None, weights, tape, [target], None)
-    return Backward(self._input_grads(grads), loss, self.reports.completed(logs), kept)
+    n = len(weights) if inline else 0
+    kept = (Kept(part.xs, None, weights, grads=grads[:n]) if inline else
+            Kept(part.xs, None, weights, tape, [target], None))
+    return Backward(self._input_grads(grads[n:]), loss, self.reports.completed(logs), kept)
 
   def _backward(self, parts, dys, s, scale, accumulate, wrt, inline):
     if len(parts) == 1 and parts[0].tape is not None:
@@ -540,13 +570,16 @@ class StageProgram:
                                       self.updates.read(weights))
       if wrt == "weights":
         return []
-      # Each input's gradient has the input's shape. Through a call of the forward traced for
-      # any batch size (`_forward_trace`) TensorFlow does not know it, and the backward of
-      # the stage before, called with these gradients, would trace once more for them.
-      for g, x in zip(grads[len(weights):], float_xs):
-        if isinstance(g, tf.Tensor) and not tf.executing_eagerly():
-          g.set_shape(x.shape)
-      return self._input_grads(grads[len(weights):])
+      return self._shaped_input_grads(grads[len(weights):], float_xs)
+
+  def _shaped_input_grads(self, grads, float_xs):
+    """The input gradients `grads` of `float_xs`, each given its input's shape: through a
+    call of the forward traced for any batch size (`_forward_trace`) TensorFlow does not
+    know it, and the backward of the stage before, called with them, would trace again."""
+    for g, x in zip(grads, float_xs):
+      if isinstance(g, tf.Tensor) and not tf.executing_eagerly():
+        g.set_shape(x.shape)
+    return self._input_grads(grads)
 
   # Moving weights between the stage and the user's model.
 
