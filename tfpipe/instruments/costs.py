@@ -45,7 +45,7 @@ def _in_graph(works, repeats, runs_per_call=4, chained=True):
   outputs' mean), so no two runs of a work overlap (else they may, as a graph's
   micro-batches do)."""
 
-  @tf.function
+  @tf.function(autograph=False)   # as the executor traces (AutoGraph's conversion: a second a task)
   def runs(*flat):
     with compat.constant_exponents():   # as the compiled executor traces its windows
       return _runs(flat)
@@ -82,7 +82,7 @@ def dispatch_seconds(device, repeats=50) -> float:
   """Seconds a call of a traced function costs on `device` when it computes nothing."""
   with tf.device(device):
     value = tf.zeros([1])
-  call = tf.function(lambda t: t + 1.0)
+  call = tf.function(lambda t: t + 1.0, autograph=False)
   with tf.device(device):
     return _median_seconds(lambda: call(value), repeats)
 

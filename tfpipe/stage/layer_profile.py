@@ -46,12 +46,12 @@ def profile_nodes(nodes, batch_size, device, repeats=5, seed=0):
       args, kwargs = node.arguments.fill_in({id(t): x for t, x in zip(inputs, xs)})
       return [y for y in tf.nest.flatten(node.operation(*args, **kwargs)) if y.dtype.is_floating]
 
-    @tf.function
+    @tf.function(autograph=False)   # as the executor traces the stages
     def forward(*xs, call=call):
       with tf.device(device):
         return call(*xs)
 
-    @tf.function
+    @tf.function(autograph=False)   # as the executor traces the stages
     def forward_backward(*xs, call=call, layer=layer):
       with tf.device(device):
         floats = [x for x in xs if x.dtype.is_floating]
