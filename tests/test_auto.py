@@ -4,6 +4,7 @@ the profile the simulator predicts from, and a Pipeline that chooses at its firs
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpipe
 from tfpipe.instruments import costs as costs_lib
@@ -86,6 +87,23 @@ def test_the_profile_times_every_stage_and_leaves_the_weights_as_they_were(compi
   assert 1.0 <= called.cores <= 2.0
   rate = costs_lib.predict(called, "1f1b", 32, 2)
   assert np.isfinite(rate) and rate > 0
+
+
+def test_the_profiles_trace_without_autograph_as_the_executor_does(compiled_pipe, monkeypatch):
+  # AutoGraph converting the stage code was over half of a profile's seconds.
+  from tensorflow.python.autograph.impl import api
+  from tfpipe.stage import layer_profile, partition
+  converted = []
+  convert = api._convert_actual
+  monkeypatch.setattr(api, "_convert_actual",
+                      lambda entity, *a: converted.append(entity) or convert(entity, *a))
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  costs_lib.measure(compiled_pipe, x, y, inline=True, repeats=1, runs_per_call=1, quick=True)
+  profiler = layer_profile.Profiler(batch_size=8, device="/device:CPU:0", repeats=1)
+  profiler(partition.graph_nodes(helpers.mlp(width=8))[2])
+  assert converted == []
+  tf.function(lambda t: t + 1.0)(tf.ones([1]))   # the probe sees a conversion where one is made
+  assert converted
 
 
 def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_pipe,
