@@ -151,6 +151,20 @@ def test_a_window_traces_once_and_is_reused_across_epochs(inline, traces):
   assert pipe.runtime.traces == traces
 
 
+@pytest.mark.parametrize("executor", ["compiled", "threaded"])
+def test_an_epoch_of_the_schedule_verified_last_is_not_verified_again(executor, monkeypatch):
+  from tfpipe.plan import verify
+  reports, real = [], verify.verify
+  monkeypatch.setattr(verify, "verify", lambda *a: reports.append(real(*a)) or reports[-1])
+  pipe, _, _ = _train(executor, 4, n=24)
+  x, y = helpers.as_arrays(helpers.batches(24))
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, epochs=2)   # the same schedule
+  assert len(reports) == 1 and pipe.runtime.report is reports[0]
+  pipe.fit(x[:8 * 16], y[:8 * 16], batch_size=16, shuffle=False, verbose=0)   # another one
+  assert len(reports) == 2 and pipe.runtime.report is reports[1]
+  assert len(reports[1].order) < len(reports[0].order)
+
+
 @pytest.mark.parametrize("inline", [False, True])
 def test_windows_of_stage_calls_and_evaluate_windows_mark_their_calls(inline, monkeypatch):
   """`compat.calls_marked` (a control input sparing TensorFlow a scan per call) wraps the

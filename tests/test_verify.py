@@ -197,3 +197,41 @@ def test_a_schedule_error_shows_the_schedule_as_a_grid():
 def test_a_long_schedule_grid_shows_its_first_steps_and_counts_the_rest():
   grid = verify.format_grid(schedules.build("1f1b", 2, 10), width=4).splitlines()
   assert len(grid) == 3 and grid[1].endswith("... (+16)") and grid[1].split()[2] == "F0"
+
+
+@pytest.mark.parametrize("method,M", [("spectrain", 1), ("pipedream", 1), ("1f1b", 4), ("zb", 4),
+                                      ("zbv", 2), ("interleaved", 4), ("gpipe", 2),
+                                      ("i_timeprest", 1)])
+@pytest.mark.parametrize("size", [1, 3, 16])
+def test_windows_end_where_each_stage_last_runs_a_task_of_their_batches(method, M, size):
+  """Each window ends, on every stage, after that stage's last task (barriers aside) of a
+  mini-batch the window finishes: the definition, scanned per window, against the one
+  pass the planner makes (`windows._reach`)."""
+  schedule, diffs = policies.epoch(method, 4, 13, M)
+  planned = windows.plan(schedule, diffs, size)
+  done = [0] * len(schedule)
+  for window in planned:
+    for k, tasks in enumerate(schedule):
+      end = 1 + max(i for i, t in enumerate(tasks) if t.kind != "S" and t.batch <= window.last)
+      ran = [t for t in tasks[done[k]:end] if t.kind != "S"]
+      traced = [t for j, t, _, _ in window.tasks if j == k]   # in the window's trace order
+      assert collections.Counter(traced) == collections.Counter(ran)
+      done[k] = end
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_verifier_leaves_the_garbage_collector_as_it_found_it(broken):
+  import gc
+  schedule, _ = policies.epoch("1f1b", 2, 3, 2)
+  if broken:
+    schedule = [list(reversed(schedule[0])), schedule[1]]
+  for enabled in (True, False):
+    (gc.enable if enabled else gc.disable)()
+    try:
+      verify.verify(schedule)
+    except verify.ScheduleError:
+      assert broken
+    finally:
+      assert gc.isenabled() == enabled
+      gc.enable()
+

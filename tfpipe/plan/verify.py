@@ -20,6 +20,7 @@ schedule that fails is refused with a `ScheduleError` naming stage and task.
 """
 
 import collections
+import gc
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 import dataclasses
 
@@ -163,10 +164,18 @@ def verify(schedule: schedules.Lists, capacity: Optional[float] = None) -> Repor
 
   `capacity`: the most items a link holds in flight (None: unbounded).
   """
+  # The play-out allocates a tuple or two per task and frees none in cycles: Python's cyclic
+  # collector, left on, scanned the whole heap (TensorFlow's graphs too) again and again,
+  # 2-10x the verifier's own time (1f1b, K=4, M=8: 0.97 against 0.29 ms a mini-batch).
+  collecting = gc.isenabled()
+  gc.disable()
   try:
     return _verify(schedule, capacity)
   except ScheduleError as error:
     raise ScheduleError(f"{error}\n{format_grid(schedule)}") from None
+  finally:
+    if collecting:
+      gc.enable()
 
 
 def format_grid(schedule: Any, width: int = 16) -> str:

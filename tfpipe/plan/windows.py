@@ -101,10 +101,8 @@ def _cut(schedule: schedules.Lists, diffs: Diffs, starts: List[int], N: int) -> 
   covers = [verify.covered_units(tasks) for tasks in schedule]
   joint = _accumulations(schedule) if getattr(schedule, "joint", False) else None
   ends = [b - 1 for b in starts[1:]] + [N - 1]
-  cuts = [[0] * K]
-  for last in ends:
-    cuts.append([1 + max(i for i, t in enumerate(tasks) if t.kind != "S" and t.batch <= last)
-                 for tasks in schedule])
+  reach = [_reach(tasks) for tasks in schedule]
+  cuts = [[0] * K] + [[r[min(last, len(r) - 1)] for r in reach] for last in ends]
   windows: List[Window] = []
   done: Done = set()
   for w, (first, last) in enumerate(zip(starts, ends)):
@@ -114,6 +112,21 @@ def _cut(schedule: schedules.Lists, diffs: Diffs, starts: List[int], N: int) -> 
              for k, t in _order(lists, done, joint)]
     windows.append(_window(first, last, tasks))
   return windows
+
+
+def _reach(tasks: Sequence[schedules.Task]) -> List[int]:
+  """Per mini-batch b, 1 + the index of the last of `tasks` (barriers aside) of a mini-batch
+  <= b: where a window that finishes b ends in this stage's list. One pass (a scan per window
+  end made an epoch's windows of one cost O(N^2): 1.8 s of Python a fit at N=256, K=4, M=4)."""
+  last_of: Dict[int, int] = {}
+  for i, t in enumerate(tasks):
+    if t.kind != "S":
+      last_of[t.batch] = i + 1
+  reach, running = [], 0
+  for b in range(1 + max(last_of, default=-1)):
+    running = max(running, last_of.get(b, 0))
+    reach.append(running)
+  return reach
 
 
 def _needs(k: int, t: schedules.Task, K: int) -> Optional[Tuple[int, schedules.Task]]:
