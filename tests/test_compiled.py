@@ -163,6 +163,16 @@ def test_an_epoch_of_the_schedule_verified_last_is_not_verified_again(executor, 
   pipe.fit(x[:8 * 16], y[:8 * 16], batch_size=16, shuffle=False, verbose=0)   # another one
   assert len(reports) == 2 and pipe.runtime.report is reports[1]
   assert len(reports[1].order) < len(reports[0].order)
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)   # the first again: verified lately
+  assert len(reports) == 2 and pipe.runtime.report is reports[0]
+
+
+def test_recent_keeps_the_values_of_the_last_keys_used():
+  from tfpipe.runtime import base
+  recent, made = base.Recent(size=2), []
+  make = lambda key: lambda: made.append(key) or key * 10
+  assert [recent.get(k, make(k)) for k in (1, 2, 1, 3, 1, 2)] == [10, 20, 10, 30, 10, 20]
+  assert made == [1, 2, 3, 2]   # 2 was the least recently used when 3 came
 
 
 @pytest.mark.parametrize("inline", [False, True])

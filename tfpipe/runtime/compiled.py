@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import pieces, records, schedules, tasks as plan_tasks, windows as windows_lib
-from tfpipe.runtime import calls, grouped, groups, interpreter, loops, timeline
+from tfpipe.runtime import base, calls, grouped, groups, interpreter, loops, timeline
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.calls import StageFailed
 from tfpipe.runtime.links import concat
@@ -95,8 +95,10 @@ class CompiledRuntime(Executor):
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
-    # (what it was made for, the windows, their numbers, the flush window or None)
-    self._plan = (None, None, None, None)
+    # Per schedule, window size and way (lately run): its windows, their numbers, and the
+    # flush window or None.
+    self._plans = base.Recent()
+    self._plan = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
     self._train = tf.function(self._train_window, autograph=False)
     self.grouped = grouped.GroupedWindows(self)   # a plan's windows as one function's branches
     self.loops = loops.LoopWindows(self)   # windows that loop over their mini-batches
@@ -126,13 +128,15 @@ class CompiledRuntime(Executor):
     # trace CALL_WINDOW mini-batches at most (CALL_WINDOW_MICRO with micro-batches).
     inlined = self._inlined(num_batches)
     size = self._window_size(M, inlined)
-    key = (tuple(map(tuple, schedule)), tuple(tuple(sorted(d.items())) for d in diffs), size,
-           inlined, self.aligned)
-    if self._plan[0] != key:
+    key = (base.key(schedule), tuple(tuple(sorted(d.items())) for d in diffs), size, inlined,
+           self.aligned)
+
+    def planned():
       plan = windows_lib.plan(schedule, diffs, size, self.aligned)
-      self._plan = (key, plan, [self._number(window, inlined) for window in plan],
-                    windows_lib.flush_window(schedule, diffs))
-    _, plan, numbers, flush = self._plan
+      return (plan, [self._number(window, inlined) for window in plan],
+              windows_lib.flush_window(schedule, diffs))
+    plan, numbers, flush = self._plans.get(key, planned)
+    self._plan = (key, plan, numbers, flush)   # this epoch's
     for k, tasks in enumerate(schedule):
       keeps = plan_tasks.keeps_weights(self.programs[k].policy)
       peaks = records.kept_peaks(tasks, diffs[k], keeps, k == self.K - 1)
