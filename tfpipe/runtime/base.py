@@ -26,6 +26,7 @@ class Executor:
     self.records = []
     self.report = None                   # the verifier's report on the last schedule run
     self._verified = Recent()            # schedules verified lately (as keys): their reports
+    self.schedule_key = None             # the last epoch's schedule as a key (`key`)
     self.updates = [0] * self.K          # updates applied per stage so far
     self.peak_saved = [0] * self.K       # most forward states kept at once, per stage
     self.peak_versions = [0] * self.K    # most weight versions kept at once, per stage
@@ -38,7 +39,8 @@ class Executor:
     """Verifies `schedule` (a broken one is refused) and counts the epoch. A schedule verified
     lately (`Recent`) is not verified again: the verifier plays out every task in Python (at
     K=4, M=4 0.15 ms a mini-batch: a fifth of a tiny model's step)."""
-    self.report = self._verified.get(key(schedule, self.link_capacity),
+    self.schedule_key = key(schedule)   # also what an executor keeps its own plans under
+    self.report = self._verified.get((self.schedule_key, self.link_capacity),
                                      lambda: verify.verify(schedule, self.link_capacity))
     self.epoch += 1
     if any(t.kind == "U" for tasks in schedule for t in tasks):
@@ -79,9 +81,9 @@ class Recent:
     return self.values[key]
 
 
-def key(schedule, capacity=None):
-  """What the verifier's report on `schedule` depends on, hashable: its stages' tasks, its
-  devices' lanes and joint updates where it has them (`schedules.Schedule`), the capacity."""
+def key(schedule):
+  """`schedule` as a hashable key: its stages' tasks, and its devices' lanes and joint updates
+  where it has them (`schedules.Schedule`): all the verifier reads of it."""
   lanes = getattr(schedule, "lanes", None)
   return (tuple(map(tuple, schedule)), lanes and tuple(map(tuple, lanes)),
-          getattr(schedule, "joint", False), capacity)
+          getattr(schedule, "joint", False))

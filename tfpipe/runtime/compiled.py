@@ -128,7 +128,7 @@ class CompiledRuntime(Executor):
     # trace CALL_WINDOW mini-batches at most (CALL_WINDOW_MICRO with micro-batches).
     inlined = self._inlined(num_batches)
     size = self._window_size(M, inlined)
-    key = (base.key(schedule), tuple(tuple(sorted(d.items())) for d in diffs), size, inlined,
+    key = (self.schedule_key, tuple(tuple(sorted(d.items())) for d in diffs), size, inlined,
            self.aligned)
 
     def planned():

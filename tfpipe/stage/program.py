@@ -486,9 +486,7 @@ class StageProgram:
       kept = parts[0]
       with tf.device(self.device):
         float_xs = self._float_inputs(kept.xs)
-        targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
-        grads = kept.tape.gradient(targets, kept.weights + float_xs,
-                                   output_gradients=out_grads, unconnected_gradients=_ZERO)
+        grads = self._walk(kept, dys, scale, kept.weights + float_xs)
       n = len(kept.weights)
       return Backward(self._shaped_input_grads(grads[n:], float_xs),
                       kept=kept._replace(tape=None, grads=grads[:n]))
@@ -561,9 +559,7 @@ class StageProgram:
     with tf.device(self.device):
       float_xs = self._float_inputs(kept.xs)
       weights = kept.weights if wrt != "inputs" else []
-      targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
-      grads = kept.tape.gradient(targets, weights + (float_xs if wrt != "weights" else []),
-                                 output_gradients=out_grads, unconnected_gradients=_ZERO)
+      grads = self._walk(kept, dys, scale, weights + (float_xs if wrt != "weights" else []))
       if wrt != "inputs":   # after the input gradients, as `_update_after` says
         with tf.control_dependencies([g for g in grads[len(weights):] if g is not None]):
           self.task("update", inline)(grads[:len(weights)], accumulate,
@@ -571,6 +567,12 @@ class StageProgram:
       if wrt == "weights":
         return []
       return self._shaped_input_grads(grads[len(weights):], float_xs)
+
+  def _walk(self, kept, dys, scale, sources):
+    """The gradients of `sources` through a kept forward's tape, given its outputs' `dys`."""
+    targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
+    return kept.tape.gradient(targets, sources, output_gradients=out_grads,
+                              unconnected_gradients=_ZERO)
 
   def _shaped_input_grads(self, grads, float_xs):
     """The input gradients `grads` of `float_xs`, each given its input's shape: through a
