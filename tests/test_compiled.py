@@ -427,3 +427,29 @@ def test_a_smaller_last_batch_leaves_the_group_for_the_rest_of_its_epoch(monkeyp
   # in the window finishing 9..11) and the last one, each traced on its own.
   assert None not in grouped.grouped.groups.values() and grouped.traces == 3
   helpers.assert_weights_close(ours, apart)
+
+
+@pytest.mark.parametrize("method", ["spectrain", "pipedream"])
+def test_kept_forwards_cross_windows_of_calls_with_their_residuals_not_recomputed(method):
+  """A forward whose backward reads its tape, called from a window of stage calls, outputs
+  what its gradient reads (`compat.ResidualCall`): its backward, in that window or a later
+  one, runs no recompute (the stages' recomputing backward is never traced) and gives the
+  weights of the inlined windows, which recompute the forwards crossing a window (dropout
+  draws included: a recompute replays them, residuals hold them)."""
+  weights = {}
+  for inline in (False, True):
+    model = helpers.dropout_mlp()
+    x, y = helpers.as_arrays(helpers.batches(12))
+    pipe, compile_ = helpers.pipeline(
+        model, {"executor": "compiled", "steps_per_execution": 3, "inline": inline},
+        num_stages=3, method=method, partition=helpers.DROPOUT_CUTS[3])
+    compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
+    pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    weights[inline] = model.get_weights()
+    if not inline:   # windows of 3 mini-batches: forwards of 3 stages cross every boundary
+      kept = [p for p in pipe.programs if p.ops["F"].keeps == "tape"]
+      assert kept and all(p._residual_calls for p in kept)
+      assert sum(p.functions.traced["backward_on"].experimental_get_tracing_count()
+                 for p in pipe.programs) == 0
+  for a, b in zip(weights[False], weights[True]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -116,8 +116,9 @@ def test_a_backward_updates_only_after_its_input_gradients(method):
 
 def test_a_kept_forwards_input_gradients_have_the_inputs_static_shape():
   """Through a call of the forward traced for any batch size, TensorFlow loses the batch
-  size of a kept tape's input gradients; the backward restores it, so the stage before
-  (whose backward takes them) traces once for them and for a recompute's alike."""
+  size of a kept forward's input gradients (from its residuals, in a window's graph); the
+  backward restores it, so the stage before (whose backward takes them) traces once for
+  them and for a recompute's alike."""
   program = stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
                                keras.optimizers.SGD(0.1), policies.policy_for("pipedream"))
   tracing.check_kept_tapes(program)   # traces the forward for any batch size, as compile does
@@ -125,7 +126,7 @@ def test_a_kept_forwards_input_gradients_have_the_inputs_static_shape():
   @tf.function(autograph=False)
   def window(x, dy):
     _, kept = program.forward([x], 0)
-    assert kept.tape is not None
+    assert kept.tape is None and kept.residuals is not None
     return program.backward([kept], [dy], 0, tf.constant(1.0, tf.float64), False).dxs
 
   shapes = window.get_concrete_function(tf.TensorSpec((6, 8)), tf.TensorSpec((6, 3)))

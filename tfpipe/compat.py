@@ -29,7 +29,10 @@ from keras.src.trainers import compile_utils as _compile_utils
 from keras.src.trainers import data_adapters as _data_adapters
 from tensorflow.core.framework import attr_value_pb2 as _tf_attr_value_pb2
 from tensorflow.python.distribute import values as _tf_distribute_values
+from tensorflow.python.eager import backprop_util as _tf_backprop_util
 from tensorflow.python.eager import context as _tf_context
+from tensorflow.python.eager.polymorphic_function import (
+    function_type_utils as _tf_function_type_utils)
 from tensorflow.python.framework import func_graph as _tf_func_graph
 from tensorflow.python.framework import ops as _tf_ops
 from tensorflow.python.framework import tensor_util as _tf_tensor_util
@@ -38,6 +41,7 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls",
            "light_calls",
            "calls_inferred_once", "calls_marked", "constant_exponents", "NOT_INLINED", "call_time_value",
+           "ResidualCall",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
            "per_replica", "runtime_started", "data_adapter", "nested_models", "flattened",
@@ -85,11 +89,12 @@ def missing():
             (_tf_func_graph.FuncGraph, "capture_call_time_value"),
             (_tf_ops.Graph, "create_op"), (_tf_ops.Operation, "_add_control_input"),
             (tf.raw_ops, "VariableV2"), (_tf_ops, "_gradient_registry")]
+  gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
+          if not hasattr(owner, name)]
   if not isinstance(getattr(getattr(_tf_ops, "_gradient_registry", None), "_registry", {}).get(
       "Pow"), dict):
     gone.append("the gradient registry's Pow entry")
-  gone = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needs
-          if not hasattr(owner, name)]
+  gone += _residual_calls_missing()
   probe = keras.optimizers.AdamW()
   probe.exclude_from_weight_decay(var_names=["probe"])
   gone += [f"Optimizer.{a}" for a in (_EXCLUDED_VARIABLES, _EXCLUDED_PATTERN, "_iterations",
@@ -482,6 +487,86 @@ def _install_call_cache():
   create_op.__doc__ = original.__doc__
   _CREATE_OP.append(original)
   _tf_ops.Graph.create_op = create_op
+
+
+class ResidualCall:
+  """A `tf.function` called in a graph being traced the way TensorFlow's gradient of the call
+  rewrites it: the call also outputs the forward's tensors its gradient reads (the residuals),
+  and `gradients` later takes the gradient from them, in this graph or another one the
+  residuals were carried into, without a tape and without running the forward again.
+
+  TensorFlow does the same when a tape reads through a call in one graph (its "delayed
+  rewrite": the same forward and backward functions, traced once per function); here the
+  two halves may sit in two graphs, e.g. two calls of a window function. Made for one
+  concrete function (`concrete_for`: the function and arguments that pick it).
+  """
+
+  def __init__(self, function, args):
+    self._concrete = function.get_concrete_function(*args)
+    rewrite = self._concrete._delayed_rewrite_functions  # noqa: SLF001
+    self._forward, self._backward = rewrite.forward_backward()
+    self._outputs = rewrite._num_inference_outputs  # noqa: SLF001
+    graph = self._concrete.graph
+    made = graph.outputs[:len(self._forward.function_type.flat_outputs)]
+    position = {_tf_ops.tensor_id(t): i for i, t in enumerate(made)}
+    # Each input the backward captured: a forward output (its index) or a value of its own.
+    self._sources = [position.get(_tf_ops.tensor_id(c), c)
+                     for c in self._backward.captured_inputs]
+    if any(not isinstance(s, int) and not isinstance(s, _tf_ops.EagerTensor)
+           for s in self._sources):
+      raise NotImplementedError("the backward reads a tensor of another graph")
+    self.trainable = [_tf_backprop_util.IsTrainable(t) for t in made[:self._outputs]]
+    self.num_args = len(graph.inputs) - len(self._concrete.captured_inputs)
+
+  @staticmethod
+  def concrete_for(function, args):
+    """The concrete function a call of `function` on `args` runs (what keys a `ResidualCall`)."""
+    return function.get_concrete_function(*args)
+
+  def call(self, args):
+    """(the function's structured outputs, the residuals: a list of tensors)."""
+    bound = _tf_function_type_utils.canonicalize_function_inputs(
+        args, {}, self._concrete.function_type)
+    flat = self._concrete.function_type.unpack_inputs(bound)
+    outs = self._forward.call_flat(*(list(flat) + list(self._concrete.captured_inputs)))
+    structured = self._concrete.function_type.pack_output(outs[:self._outputs])
+    return structured, [outs[s] for s in self._sources if isinstance(s, int)]
+
+  @property
+  def outputs(self):
+    """The function's outputs as it returns them (its graph's tensors: dtypes and shapes)."""
+    return self._concrete.structured_outputs
+
+  @staticmethod
+  def trainable_output(tensor):
+    """Whether an output of this dtype takes a gradient (`gradients` reads it)."""
+    return _tf_backprop_util.IsTrainable(tensor)
+
+  def gradients(self, residuals, doutputs):
+    """The gradients of the function's flat arguments (None: none), given the call's
+    `residuals` and its outputs' gradients `doutputs` (`outputs`' structure; those of
+    outputs that take none, `trainable_output` False, are ignored)."""
+    carried = iter(residuals)
+    captured = [next(carried) if isinstance(s, int) else s for s in self._sources]
+    flat = [d for d, o in zip(tf.nest.flatten(doutputs), tf.nest.flatten(self.outputs))
+            if o is not None]
+    if len(flat) != len(self.trainable):
+      raise ValueError(f"{len(flat)} output gradients for {len(self.trainable)} outputs")
+    cleaned = [d for d, t in zip(flat, self.trainable) if t]
+    grads = self._backward._call_flat(cleaned, captured)  # noqa: SLF001
+    return list(grads)[:self.num_args]
+
+
+def _residual_calls_missing():
+  """What `ResidualCall` reads of TensorFlow that the installed version lacks (names)."""
+  probe = tf.function(lambda x: x * x, autograph=False)
+  concrete = probe.get_concrete_function(tf.TensorSpec([], tf.float32))
+  rewrite = getattr(concrete, "_delayed_rewrite_functions", None)
+  needs = [(rewrite, "forward_backward"), (rewrite, "_num_inference_outputs"),
+           (concrete.function_type, "unpack_inputs"), (concrete.function_type, "pack_output"),
+           (_tf_function_type_utils, "canonicalize_function_inputs"),
+           (_tf_backprop_util, "IsTrainable"), (_tf_ops, "tensor_id")]
+  return [f"{type(owner).__name__}.{name}" for owner, name in needs if not hasattr(owner, name)]
 
 
 def call_time_value(graph, closure, specs, key):

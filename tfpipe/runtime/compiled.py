@@ -218,11 +218,16 @@ class CompiledRuntime(Executor):
     """Per stage, the share of its backwards that recompute their forward because it ran in
     an earlier window (`tfpipe.plan.windows.crossing`) in an epoch of `schedule` over
     `num_batches` mini-batches, cut as `train_epoch` cuts it: what the profile adds to a
-    backward that reads a kept tape (`tfpipe.instruments.costs`)."""
+    backward that reads a kept tape (`tfpipe.instruments.costs`). Only inlined windows
+    recompute: a window of stage calls carries the forward's residuals instead
+    (`tfpipe.stage.program.Kept`)."""
     M = schedules.micro_batches(schedule)
     if windows_lib.flush_window(schedule, diffs) is not None and not self.record:
       return [0.0] * self.K   # a loop window holds each mini-batch whole
-    size = self._window_size(M, self._inlined(num_batches))
+    inlined = self._inlined(num_batches)
+    if not inlined:
+      return [0.0] * self.K
+    size = self._window_size(M, inlined)
     return windows_lib.crossing(windows_lib.plan(schedule, diffs, size, self.aligned), self.K)
 
   def _window_size(self, M, inlined):
@@ -349,9 +354,10 @@ class CompiledRuntime(Executor):
         interpreter.run(action, stages[action.stage], moves)
     if any(stage.held or stage.losses or stage.halves for stage in stages):
       raise AssertionError("a window cut a last-stage step or a split backward apart")   # windows.plan prevents it
-    # Forwards still waiting cross into the next window without their tapes: their backward
-    # recomputes them on the kept inputs, weights and random state (the same values).
-    saved = {(stage.k,) + unit: (part.kept.recomputable(), part.share)
+    # Forwards still waiting cross into the next window with the residuals their calls output
+    # (`Kept.carried`), or, inlined, without their tapes: their backward then recomputes them
+    # on the kept inputs, weights and random state (the same values).
+    saved = {(stage.k,) + unit: (part.kept.carried(), part.share)
              for stage in stages for unit, part in stage.saved.items()}
     return ({"x": moves.outputs, "saved": saved, "g": moves.gradients},
             [moves.results[b] for b in sorted(moves.results)])

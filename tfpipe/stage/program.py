@@ -22,19 +22,23 @@ __all__ = ["StageProgram", "Kept", "Backward"]
 _ZERO = tf.UnconnectedGradients.ZERO
 # The traced task functions (`StageProgram.task`).
 Kept = collections.namedtuple(
-    "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels", "grads"],
-    defaults=(None, None, None, None, None, None, None))
+    "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels", "grads", "residuals"],
+    defaults=(None, None, None, None, None, None, None, None))
 Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
 inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
 replays); the `weights` it read (for "tape" and "weights"); for "tape" also the gradient
 `tape` (persistent when the backward runs as two halves) with its outputs `ys` and
-regularisation `reg`. `Kept.recomputable()` drops the tape (what a compiled window carries
-across its boundary): the backward then recomputes the forward on its kept weights, which
-gives the same values. The last stage's forward keeps its inputs and `labels`
+regularisation `reg`, or, for a forward called from a compiled window's graph, its
+`residuals`: the forward's tensors its gradient reads, which the call output
+(`compat.ResidualCall`), so the backward needs no tape and may run in a later window.
+`Kept.carried()` is what a compiled window carries across its boundary: the residuals, or
+without a tape the inputs, state and weights, from which the backward then recomputes the
+forward (the same values). The last stage's forward keeps its inputs and `labels`
 ((labels, sample weights)) for its step. After a split backward's input half traced into
 one graph with its weight half (`inline`), `grads`: the weight gradients it took in the same
 walk of the tape, which the weight half applies."""
-Kept.recomputable = lambda self: Kept(self.xs, self.state, self.weights, labels=self.labels)
+Kept.carried = lambda self: Kept(self.xs, self.state, self.weights, labels=self.labels,
+                                 residuals=self.residuals)
 
 Backward = collections.namedtuple("Backward", ["dxs", "loss", "logs", "kept"],
                                   defaults=(None, None, None))
@@ -167,6 +171,7 @@ class StageProgram:
     self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources)
     self.jit_compile = jit_compile
     self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile)
+    self._residual_calls = {}   # concrete forward's name -> its `compat.ResidualCall`
 
   def _has_losses(self):
     """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
@@ -451,10 +456,26 @@ class StageProgram:
     if keeps == "weights":
       ys, _, state = self.task("forward_on", inline)(weights, xs)
       return ys, Kept(xs, state, weights)
+    call = None if split or inline else self._residual_call(weights, xs)
+    if call is not None:   # its outputs and what its gradient reads: no tape
+      with tf.device(self.device):
+        (ys, reg, state), residuals = call.call((weights, xs))
+      return ys, Kept(xs, state, list(weights), residuals=residuals)
     with tf.device(self.device), tf.GradientTape(persistent=split) as tape:
       tape.watch(list(weights) + self._float_inputs(xs))
       ys, reg, state = self.task("forward_on", inline)(weights, xs)
     return ys, Kept(xs, state, list(weights), tape, ys, reg)
+
+  def _residual_call(self, weights, xs):
+    """The forward's `compat.ResidualCall` for these arguments, when a window's graph calls
+    the traced forward (not eagerly, not under XLA); else None."""
+    if tf.executing_eagerly() or self.jit_compile:
+      return None
+    function = self.functions.traced["forward_on"]
+    concrete = compat.ResidualCall.concrete_for(function, (weights, xs))
+    if concrete.name not in self._residual_calls:
+      self._residual_calls[concrete.name] = compat.ResidualCall(function, (weights, xs))
+    return self._residual_calls[concrete.name]
 
   def backward(self, parts, dys, s, scale, accumulate, inline=False):
     """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
@@ -543,7 +564,7 @@ class StageProgram:
     return Backward(self._input_grads(grads[n:]), loss, self.reports.completed(logs), kept)
 
   def _backward(self, parts, dys, s, scale, accumulate, wrt, inline):
-    if len(parts) == 1 and parts[0].tape is not None:
+    if len(parts) == 1 and (parts[0].tape is not None or self._replays(parts[0], dys)):
       return self._through_tape(parts[0], dys, scale, accumulate, wrt, inline)
     weights = parts[0].weights if parts[0].weights is not None else []
     if self.ops["B"].reads in ("corrected", "blend"):
@@ -569,10 +590,31 @@ class StageProgram:
       return self._shaped_input_grads(grads[len(weights):], float_xs)
 
   def _walk(self, kept, dys, scale, sources):
-    """The gradients of `sources` through a kept forward's tape, given its outputs' `dys`."""
+    """The gradients of `sources` through a kept forward's tape, given its outputs' `dys`
+    (or from its residuals: the same functions TensorFlow's gradient of the call runs)."""
+    if kept.tape is None:
+      return self._from_residuals(kept, dys, scale, sources)
     targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
     return kept.tape.gradient(targets, sources, output_gradients=out_grads,
                               unconnected_gradients=_ZERO)
+
+  def _replays(self, kept, dys):
+    """Whether the backward of `kept` takes its gradients from its residuals: it has them
+    and every float output has its gradient (else the forward is recomputed)."""
+    return kept.residuals is not None and all(
+        dy is not None for dy, f in zip(dys, self._float_out) if f)
+
+  def _from_residuals(self, kept, dys, scale, sources):
+    """`_walk` for a forward that kept its residuals (`Kept.residuals`), not a tape."""
+    call = self._residual_call(kept.weights, kept.xs)
+    _, reg, state = call.outputs
+    reg_grad = self._loss_scaled(tf.ones([], reg.dtype) * tf.cast(scale, reg.dtype))
+    zeros = [tf.zeros(t.shape, t.dtype) if call.trainable_output(t) else None
+             for t in tf.nest.flatten(state)]
+    out_grads = [dy if f else None for dy, f in zip(dys, self._float_out)]
+    grads = call.gradients(kept.residuals, (out_grads, reg_grad, zeros))
+    by_id = {id(t): g for t, g in zip(list(kept.weights) + list(kept.xs), grads)}
+    return [by_id[id(t)] if by_id[id(t)] is not None else tf.zeros_like(t) for t in sources]
 
   def _shaped_input_grads(self, grads, float_xs):
     """The input gradients `grads` of `float_xs`, each given its input's shape: through a
