@@ -516,6 +516,9 @@ class ResidualCall:
            for s in self._sources):
       raise NotImplementedError("the backward reads a tensor of another graph")
     self.trainable = [_tf_backprop_util.IsTrainable(t) for t in made[:self._outputs]]
+    residual = [made[s] for s in self._sources if isinstance(s, int)]
+    self.residual_types = [t.dtype for t in residual]   # and shapes (batch sizes unknown)
+    self.residual_shapes = [t.shape for t in residual]
     self.num_args = len(graph.inputs) - len(self._concrete.captured_inputs)
 
   @staticmethod

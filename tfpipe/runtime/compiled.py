@@ -357,7 +357,7 @@ class CompiledRuntime(Executor):
     # Forwards still waiting cross into the next window with the residuals their calls output
     # (`Kept.carried`), or, inlined, without their tapes: their backward then recomputes them
     # on the kept inputs, weights and random state (the same values).
-    saved = {(stage.k,) + unit: (part.kept.carried(), part.share)
+    saved = {(stage.k,) + unit: (stage.program.carried(part.kept), part.share)
              for stage in stages for unit, part in stage.saved.items()}
     return ({"x": moves.outputs, "saved": saved, "g": moves.gradients},
             [moves.results[b] for b in sorted(moves.results)])

@@ -117,5 +117,5 @@ class Group:
     if self.carry is not None:
       return groups.flat(self.carry)
     if self._zeros is None:
-      self._zeros = [tf.zeros(s.shape, s.dtype) for s in self.specs]
+      self._zeros = [groups.zeros(s.shape, s.dtype) for s in self.specs]
     return self._zeros

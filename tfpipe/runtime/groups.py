@@ -25,7 +25,7 @@ group's largest window.
 import tensorflow as tf
 
 __all__ = ["Ungroupable", "PARTS", "rebase", "specs", "fit", "pad_results", "flat",
-           "pack"]
+           "pack", "zeros"]
 
 PARTS = ("x", "saved", "g")   # the carry's parts (`tfpipe.runtime.compiled`)
 
@@ -69,7 +69,7 @@ def fit(template, carry, out):
       value = items.get(key)
       if value is None:   # the template's tensors belong to the first branch: only their specs
         value = tf.nest.map_structure(
-            lambda t: tf.zeros(t.shape, t.dtype) if isinstance(t, tf.Tensor) else t, like)
+            lambda t: zeros(t.shape, t.dtype) if isinstance(t, tf.Tensor) else t, like)
       try:
         tf.nest.assert_same_structure(like, value)
       except (ValueError, TypeError) as error:
@@ -79,6 +79,15 @@ def fit(template, carry, out):
           raise Ungroupable(f"carried {part} {key}: {b.dtype} {b.shape}, not {a.dtype} {a.shape}")
       fitted[part][key] = value
   return fitted
+
+
+def zeros(shape, dtype):
+  """A value of `shape` and `dtype` no window reads: zeros, or for a variant (a forward's
+  residuals packed into one tensor, `tfpipe.stage.program.StageProgram.carried`) an empty
+  optional."""
+  if dtype == tf.variant:
+    return tf.raw_ops.OptionalNone()
+  return tf.zeros(shape, dtype)
 
 
 def pad_results(results, size):

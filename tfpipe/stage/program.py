@@ -31,14 +31,12 @@ replays); the `weights` it read (for "tape" and "weights"); for "tape" also the 
 regularisation `reg`, or, for a forward called from a compiled window's graph, its
 `residuals`: the forward's tensors its gradient reads, which the call output
 (`compat.ResidualCall`), so the backward needs no tape and may run in a later window.
-`Kept.carried()` is what a compiled window carries across its boundary: the residuals, or
-without a tape the inputs, state and weights, from which the backward then recomputes the
-forward (the same values). The last stage's forward keeps its inputs and `labels`
+`StageProgram.carried` is what a compiled window carries across its boundary: the residuals
+packed into one tensor, or without a tape the inputs, state and weights, from which the
+backward then recomputes the forward (the same values). The last stage's forward keeps its inputs and `labels`
 ((labels, sample weights)) for its step. After a split backward's input half traced into
 one graph with its weight half (`inline`), `grads`: the weight gradients it took in the same
 walk of the tape, which the weight half applies."""
-Kept.carried = lambda self: Kept(self.xs, self.state, self.weights, labels=self.labels,
-                                 residuals=self.residuals)
 
 Backward = collections.namedtuple("Backward", ["dxs", "loss", "logs", "kept"],
                                   defaults=(None, None, None))
@@ -598,6 +596,18 @@ class StageProgram:
     return kept.tape.gradient(targets, sources, output_gradients=out_grads,
                               unconnected_gradients=_ZERO)
 
+  def carried(self, kept):
+    """`kept` as a compiled window carries it into the next: without its tape, and its
+    residuals (if any) packed into one tensor, which the backward unpacks (a window's carry
+    passes each of its tensors through the window function: measured, a 12-layer Llama's
+    stage kept about 300, and carrying them one by one cost more than the recompute they
+    spare)."""
+    residuals = kept.residuals
+    if residuals is not None and not isinstance(residuals, tf.Tensor):
+      with tf.device(self.device):
+        residuals = tf.raw_ops.OptionalFromValue(components=residuals)
+    return Kept(kept.xs, kept.state, kept.weights, labels=kept.labels, residuals=residuals)
+
   def _replays(self, kept, dys):
     """Whether the backward of `kept` takes its gradients from its residuals: it has them
     and every float output has its gradient (else the forward is recomputed)."""
@@ -607,12 +617,16 @@ class StageProgram:
   def _from_residuals(self, kept, dys, scale, sources):
     """`_walk` for a forward that kept its residuals (`Kept.residuals`), not a tape."""
     call = self._residual_call(kept.weights, kept.xs)
+    residuals = kept.residuals
+    if isinstance(residuals, tf.Tensor):   # packed (`carried`)
+      residuals = tf.raw_ops.OptionalGetValue(optional=residuals, output_types=call.residual_types,
+                                              output_shapes=call.residual_shapes)
     _, reg, state = call.outputs
     reg_grad = self._loss_scaled(tf.ones([], reg.dtype) * tf.cast(scale, reg.dtype))
     zeros = [tf.zeros(t.shape, t.dtype) if call.trainable_output(t) else None
              for t in tf.nest.flatten(state)]
     out_grads = [dy if f else None for dy, f in zip(dys, self._float_out)]
-    grads = call.gradients(kept.residuals, (out_grads, reg_grad, zeros))
+    grads = call.gradients(residuals, (out_grads, reg_grad, zeros))
     by_id = {id(t): g for t, g in zip(list(kept.weights) + list(kept.xs), grads)}
     return [by_id[id(t)] if by_id[id(t)] is not None else tf.zeros_like(t) for t in sources]
 
