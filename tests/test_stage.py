@@ -78,6 +78,42 @@ def test_backward_halves_equal_the_whole_backward(method, inline):
                                [v.numpy() for v in whole.trainable], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("method", ["pipedream", "spectrain"])
+def test_backward_halves_of_a_call_in_a_window_run_its_backward_once(method):
+  """In a window's graph a stage's forward call keeps its residuals, not a tape: a
+  zero-bubble split takes the input and weight gradients in one call of the forward's
+  backward (two walks of a persistent tape ran the call's whole backward twice) and
+  equals the whole backward."""
+  def program():
+    return stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
+                              keras.optimizers.SGD(0.1, momentum=0.9),
+                              policies.policy_for(method))
+  whole, split = program(), program()
+  x = [tf.constant(np.random.default_rng(1).standard_normal((6, 8)), tf.float32)]
+  dys = [tf.constant(np.random.default_rng(2).standard_normal((6, 3)), tf.float32)]
+  one = tf.constant(1.0, tf.float64)
+  _, kept = whole.forward(x, 1)
+  expected = whole.backward([kept], dys, 1, one, False).dxs
+
+  @tf.function(autograph=False)
+  def window(x, dys):
+    _, kept = split.forward(x, 1, split=True)
+    assert kept.tape is None and kept.residuals is not None
+    done = split.backward_input([kept], dys, 1, one)
+    assert len(done.kept.grads) == len(split.trainable) and done.kept.residuals is None
+    split.backward_weights([done.kept], dys, 1, one, False)
+    return done.dxs
+
+  got = window(x, dys)
+  graph = window.get_concrete_function(x, dys).graph
+  calls = [op.get_attr("f").name for op in graph.get_operations()
+           if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+  assert sum("backward" in name for name in calls) == 1, calls
+  np.testing.assert_allclose(got[0].numpy(), expected[0].numpy(), rtol=1e-6, atol=1e-7)
+  helpers.assert_weights_close([v.numpy() for v in split.trainable],
+                               [v.numpy() for v in whole.trainable], rtol=1e-6, atol=1e-7)
+
+
 def _ancestors(op):
   seen, todo = set(), [op]
   while todo:

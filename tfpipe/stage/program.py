@@ -429,10 +429,12 @@ class StageProgram:
 
     `split`: its backward will run as two halves (`backward_input`, then
     `backward_weights`: a zero-bubble schedule, where the table says so), so a
-    kept tape is persistent, unless `inline` (both halves in one graph: the input
-    half takes both gradients). Only then: under a persistent tape TensorFlow
-    builds higher-order gradient functions for every stage call (measured: 4x
-    the ops, twice the start-up).
+    kept tape is persistent when the halves run eagerly (the threaded executor) or
+    under XLA; traced into a window (inline, or a call that outputs its residuals)
+    the input half takes both gradients at once and the weight half applies them.
+    Only then: under a persistent tape TensorFlow builds higher-order gradient
+    functions for every stage call (measured: 4x the ops, twice the start-up), and each
+    half of a call's backward runs the call's whole backward.
 
     `training=False` (inference, current weights): the outputs; at the last stage with
     `labels`, the loss and metrics of the batch added to the running logs, which it returns.
@@ -454,7 +456,7 @@ class StageProgram:
     if keeps == "weights":
       ys, _, state = self.task("forward_on", inline)(weights, xs)
       return ys, Kept(xs, state, weights)
-    call = None if split or inline else self._residual_call(weights, xs)
+    call = None if inline else self._residual_call(weights, xs)
     if call is not None:   # its outputs and what its gradient reads: no tape
       with tf.device(self.device):
         (ys, reg, state), residuals = call.call((weights, xs))
@@ -492,23 +494,26 @@ class StageProgram:
 
   def backward_input(self, parts, dys, s, scale, inline=False):
     """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
-    tape must be persistent (`forward(..., split=True)`) unless `inline`: then it takes the
-    weight gradients too, in the same walk, and `Backward.kept` holds them (`Kept.grads`) for
-    the weight half. At the last stage, `Backward.kept` holds the persistent tape its weight
-    half takes the weight gradients from, or (`inline`) the weight gradients."""
+    tape must be persistent (`forward(..., split=True)`) unless `inline`, or the forward kept
+    its residuals: then it takes the weight gradients too, in the same walk (one call of the
+    forward's backward), and `Backward.kept` holds them (`Kept.grads`) for the weight half.
+    At the last stage, `Backward.kept` holds the persistent tape its weight half takes the
+    weight gradients from (eagerly), or (in a window's graph) the weight gradients."""
     if self._steps:
       return self._step_input(parts, s, scale, inline)
-    if inline and len(parts) == 1 and parts[0].tape is not None:
+    if len(parts) == 1 and (inline and parts[0].tape is not None or
+                            self._replays(parts[0], dys)):
       # One graph holds both halves: the input and weight gradients in one walk of the tape
-      # (two walks trace the backward twice: start-up); `Backward.kept` holds the weight
-      # gradients the weight half applies. The dataflow, not the trace, orders their ops.
+      # (two walks trace the backward twice: start-up; of a call's tape, each runs the call's
+      # whole backward); `Backward.kept` holds the weight gradients the weight half applies.
+      # Inlined, the dataflow, not the trace, orders their ops.
       kept = parts[0]
       with tf.device(self.device):
         float_xs = self._float_inputs(kept.xs)
         grads = self._walk(kept, dys, scale, kept.weights + float_xs)
       n = len(kept.weights)
       return Backward(self._shaped_input_grads(grads[n:], float_xs),
-                      kept=kept._replace(tape=None, grads=grads[:n]))
+                      kept=kept._replace(tape=None, grads=grads[:n], residuals=None))
     return Backward(self._backward(parts, dys, s, scale, False, "inputs", inline))
 
   def backward_weights(self, parts, dys, s, scale, accumulate, inline=False):
@@ -540,24 +545,25 @@ class StageProgram:
 
   def _step_input(self, parts, s, scale, inline):
     """A split step's input half: the last stage's forward, loss, metrics and input
-    gradients, no update, under a persistent tape its weight half reads (`inline`: the
-    weight gradients taken in the same walk)."""
+    gradients, no update, under a persistent tape its weight half reads when they run
+    eagerly (in a window's graph: the weight gradients taken in the same walk)."""
     (part,) = parts
+    together = inline or not tf.executing_eagerly()
     y, sample_weight = part.labels
     weights = list(self.task("read_weights", inline)(s))
     float_xs = self._float_inputs(part.xs)
-    with tf.device(self.device), tf.GradientTape(persistent=not inline) as tape:
+    with tf.device(self.device), tf.GradientTape(persistent=not together) as tape:
       tape.watch(weights + float_xs)
       target, loss, logs = self.task("step_on", inline)(weights, part.xs, y, sample_weight,
                                                         scale)
     with tf.device(self.device):
-      # Inline (one graph with the weight half): both gradients in one walk of the tape.
-      grads = tape.gradient(target, (weights if inline else []) + float_xs,
+      # In one graph with the weight half: both gradients in one walk of the tape.
+      grads = tape.gradient(target, (weights if together else []) + float_xs,
                             unconnected_gradients=_ZERO)
       if not self._step_scales_loss:
         grads = [_scaled(g, scale) for g in grads]
-    n = len(weights) if inline else 0
-    kept = (Kept(part.xs, None, weights, grads=grads[:n]) if inline else
+    n = len(weights) if together else 0
+    kept = (Kept(part.xs, None, weights, grads=grads[:n]) if together else
             Kept(part.xs, None, weights, tape, [target], None))
     return Backward(self._input_grads(grads[n:]), loss, self.reports.completed(logs), kept)
 
