@@ -40,13 +40,10 @@ def test_a_recompute_does_not_advance_the_seed_state():
     np.testing.assert_array_equal(a, b.numpy())
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["calls", "inline"])
-@pytest.mark.parametrize("method", ["pipedream", "vanilla", "i_timeprest", "spectrain"])
-def test_backward_halves_equal_the_whole_backward(method, inline):
-  """A zero-bubble split: input gradients first (no update), then the weight gradients and the
-  update, give the input gradients and weights of one backward, for every kind of kept state.
-  Traced inline (both halves in one graph), a kept tape is not persistent: the input half
-  takes the weight gradients in the same walk and hands them to the weight half."""
+def _whole_backward(method):
+  """Two like stages of `method` (stage 1 of 3 of a dropout MLP, momentum SGD), a batch, its
+  output gradients, the share 1, and the input gradients of one whole backward on the first
+  (which updates it)."""
   def program():
     return stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
                               keras.optimizers.SGD(0.1, momentum=0.9),
@@ -56,7 +53,17 @@ def test_backward_halves_equal_the_whole_backward(method, inline):
   dys = [tf.constant(np.random.default_rng(2).standard_normal((6, 3)), tf.float32)]
   one = tf.constant(1.0, tf.float64)
   _, kept = whole.forward(x, 1)
-  expected = whole.backward([kept], dys, 1, one, False).dxs
+  return whole, split, x, dys, one, whole.backward([kept], dys, 1, one, False).dxs
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["calls", "inline"])
+@pytest.mark.parametrize("method", ["pipedream", "vanilla", "i_timeprest", "spectrain"])
+def test_backward_halves_equal_the_whole_backward(method, inline):
+  """A zero-bubble split: input gradients first (no update), then the weight gradients and the
+  update, give the input gradients and weights of one backward, for every kind of kept state.
+  Traced inline (both halves in one graph), a kept tape is not persistent: the input half
+  takes the weight gradients in the same walk and hands them to the weight half."""
+  whole, split, x, dys, one, expected = _whole_backward(method)
   _, kept = split.forward(x, 1, split=True, inline=inline)
   tape = whole.ops["F"].keeps == "tape"
   assert (kept.tape is not None) == tape
@@ -84,16 +91,7 @@ def test_backward_halves_of_a_call_in_a_window_run_its_backward_once(method):
   zero-bubble split takes the input and weight gradients in one call of the forward's
   backward (two walks of a persistent tape ran the call's whole backward twice) and
   equals the whole backward."""
-  def program():
-    return stage.StageProgram(1, 3, helpers.dropout_mlp(rate=0.5), DEVICES[0],
-                              keras.optimizers.SGD(0.1, momentum=0.9),
-                              policies.policy_for(method))
-  whole, split = program(), program()
-  x = [tf.constant(np.random.default_rng(1).standard_normal((6, 8)), tf.float32)]
-  dys = [tf.constant(np.random.default_rng(2).standard_normal((6, 3)), tf.float32)]
-  one = tf.constant(1.0, tf.float64)
-  _, kept = whole.forward(x, 1)
-  expected = whole.backward([kept], dys, 1, one, False).dxs
+  whole, split, x, dys, one, expected = _whole_backward(method)
 
   @tf.function(autograph=False)
   def window(x, dys):
