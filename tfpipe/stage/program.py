@@ -468,7 +468,10 @@ class StageProgram:
 
   def _residual_call(self, weights, xs):
     """The forward's `compat.ResidualCall` for these arguments, when a window's graph calls
-    the traced forward (not eagerly, not under XLA); else None."""
+    the traced forward (not eagerly, not under XLA); else None. Under XLA on CPU, measured
+    (`bench/steady_state.py --methods=spectrain --variants=xla`, two runs each): first-epoch
+    extra 15.7-16.7 s against 19.9-20.5 s recomputing, but steady epochs 2.93-3.09 s against
+    2.37-2.40 s (cores busy 1.15 against 1.41): recomputed there."""
     if tf.executing_eagerly() or self.jit_compile:
       return None
     function = self.functions.traced["forward_on"]
