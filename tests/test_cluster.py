@@ -31,6 +31,8 @@ def test_two_process_pipeline_equals_one_process():
   result = _scenario("equal")
   for method in ("sequential", "pipedream", "spectrain"):
     assert result[method]["gap"] < 1e-6, method
+    # Windows of stage calls on the servers (kept forwards cross as residuals) alike.
+    assert result[method]["calls_gap"] < 1e-5, method
     assert "/job:worker/replica:0/task:1" in result[method]["stage1_device"]
 
 
