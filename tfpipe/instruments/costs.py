@@ -13,7 +13,6 @@ weights it changes are put back from the model.
 """
 
 import os
-import time
 from typing import Optional
 
 import numpy as np
@@ -21,19 +20,9 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import policies, simulator
+from tfpipe.stage.layer_profile import median_seconds as _median_seconds
 
 __all__ = ["measure", "predict", "shared_cores", "dispatch_seconds"]
-
-
-def _median_seconds(fn, repeats):
-  fn()   # trace
-  fn()   # warm
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def _in_graph(works, repeats, runs_per_call=4, chained=True):

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["profile_nodes", "Profiler"]
+__all__ = ["profile_nodes", "Profiler", "median_seconds"]
 
 
 def _example(tensor, batch_size, rng):
@@ -16,14 +16,15 @@ def _example(tensor, batch_size, rng):
   return tf.zeros(shape, dtype=dtype)
 
 
-def _median_seconds(fn, args, repeats):
-  fn(*args)  # trace
-  fn(*args)  # warm
+def median_seconds(fn, repeats):
+  """The median seconds of `repeats` calls of `fn` (its outputs read back), after a call
+  that traces it and one that warms it."""
+  fn()  # trace
+  fn()  # warm
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    out = fn(*args)
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, fn())
     times.append(time.perf_counter() - start)
   return float(np.median(times))
 
@@ -63,8 +64,8 @@ def profile_nodes(nodes, batch_size, device, repeats=5, seed=0):
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return grads + [total]
 
-    f = _median_seconds(forward, values, repeats)
-    fb = _median_seconds(forward_backward, values, repeats)
+    f = median_seconds(lambda: forward(*values), repeats)
+    fb = median_seconds(lambda: forward_backward(*values), repeats)
     forward_times.append(f)
     backward_times.append(max(fb - f, 0.0))
   return forward_times, backward_times
