@@ -67,7 +67,9 @@ class CompiledRuntime(Executor):
   # extra 18.0 s inlined against 7.1 s as calls (Keras 8.8 s), steady epoch 1.95 s against
   # 2.81 s (Keras 2.59 s): 1.33x Keras's steady speed, where calls ran 0.92x. zb M=4: inlined
   # 25.4 s (Keras 9.1 s), steady 1.43x Keras; as calls 26.3 s (Keras 11.5 s), steady 0.44x.
-  # (Since its inlined halves share one walk of the tape: 17.5-18.3 s, Keras 9.2-10.3 s.)
+  # (Since its inlined halves share one walk of the tape: 17.5-18.3 s, Keras 9.2-10.3 s; since
+  # its halves as calls take one backward from the residuals, as calls: first epoch 8.9 s in
+  # all, steady 2.5 s, with 1f1b as calls 8.2 s, 2.4 s: for a larger model's loop.)
   INLINE_LOOP_OPS = 60000
   # Windows of stage calls trace at most this many mini-batches; a window of more runs as
   # several calls of them, its results handed on together. Measured (12-layer Llama, K=4,
