@@ -13,6 +13,7 @@ weights it changes are put back from the model.
 """
 
 import os
+import time
 from typing import Optional
 
 import numpy as np
@@ -20,9 +21,21 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import policies, simulator
-from tfpipe.stage.layer_profile import median_seconds as _median_seconds
 
-__all__ = ["measure", "predict", "shared_cores", "dispatch_seconds"]
+__all__ = ["measure", "predict", "shared_cores", "dispatch_seconds", "median_seconds"]
+
+
+def median_seconds(fn, repeats):
+  """The median seconds of `repeats` calls of `fn` (its outputs read back), after a call
+  that traces it and one that warms it."""
+  fn()  # trace
+  fn()  # warm
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
 
 
 def _in_graph(works, repeats, runs_per_call=4, chained=True):
@@ -52,7 +65,7 @@ def _in_graph(works, repeats, runs_per_call=4, chained=True):
           outs.append(out)   # every run's outputs, so none is pruned
     return outs
   flat = [x for _, inputs, _ in works for x in inputs]
-  return _median_seconds(lambda: runs(*flat), repeats) / runs_per_call
+  return median_seconds(lambda: runs(*flat), repeats) / runs_per_call
 
 
 def shared_cores(devices) -> Optional[int]:
@@ -73,7 +86,7 @@ def dispatch_seconds(device, repeats=50) -> float:
     value = tf.zeros([1])
   call = tf.function(lambda t: t + 1.0, autograph=False)
   with tf.device(device):
-    return _median_seconds(lambda: call(value), repeats)
+    return median_seconds(lambda: call(value), repeats)
 
 
 def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bool] = None,

@@ -1,11 +1,12 @@
 """Profiling: each layer's measured forward and backward time on a device."""
 
-import time
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["profile_nodes", "Profiler", "median_seconds"]
+from tfpipe.instruments.costs import median_seconds
+
+__all__ = ["profile_nodes", "Profiler"]
 
 
 def _example(tensor, batch_size, rng):
@@ -14,19 +15,6 @@ def _example(tensor, batch_size, rng):
   if dtype.is_floating:
     return tf.constant(rng.standard_normal(shape), dtype=dtype)
   return tf.zeros(shape, dtype=dtype)
-
-
-def median_seconds(fn, repeats):
-  """The median seconds of `repeats` calls of `fn` (its outputs read back), after a call
-  that traces it and one that warms it."""
-  fn()  # trace
-  fn()  # warm
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def profile_nodes(nodes, batch_size, device, repeats=5, seed=0):
