@@ -1,6 +1,5 @@
 """Profiling: each layer's measured forward and backward time on a device."""
 
-
 import numpy as np
 import tensorflow as tf
 
