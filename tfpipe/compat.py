@@ -498,11 +498,11 @@ class ResidualCall:
   TensorFlow does the same when a tape reads through a call in one graph (its "delayed
   rewrite": the same forward and backward functions, traced once per function); here the
   two halves may sit in two graphs, e.g. two calls of a window function. Made for one
-  concrete function (`concrete_for`: the function and arguments that pick it).
+  concrete function (`tf.function.get_concrete_function` of the arguments picks it).
   """
 
-  def __init__(self, function, args):
-    self._concrete = function.get_concrete_function(*args)
+  def __init__(self, concrete):
+    self._concrete = concrete
     rewrite = self._concrete._delayed_rewrite_functions  # noqa: SLF001
     self._forward, self._backward = rewrite.forward_backward()
     self._outputs = rewrite._num_inference_outputs  # noqa: SLF001
@@ -520,11 +520,6 @@ class ResidualCall:
     self.residual_types = [t.dtype for t in residual]   # and shapes (batch sizes unknown)
     self.residual_shapes = [t.shape for t in residual]
     self.num_args = len(graph.inputs) - len(self._concrete.captured_inputs)
-
-  @staticmethod
-  def concrete_for(function, args):
-    """The concrete function a call of `function` on `args` runs (what keys a `ResidualCall`)."""
-    return function.get_concrete_function(*args)
 
   def call(self, args):
     """(the function's structured outputs, the residuals: a list of tensors)."""

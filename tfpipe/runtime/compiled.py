@@ -359,7 +359,7 @@ class CompiledRuntime(Executor):
     if any(stage.held or stage.losses or stage.halves for stage in stages):
       raise AssertionError("a window cut a last-stage step or a split backward apart")   # windows.plan prevents it
     # Forwards still waiting cross into the next window with the residuals their calls output
-    # (`Kept.carried`), or, inlined, without their tapes: their backward then recomputes them
+    # (`StageProgram.carried`), or, inlined, without their tapes: their backward then recomputes them
     # on the kept inputs, weights and random state (the same values).
     saved = {(stage.k,) + unit: (stage.program.carried(part.kept), part.share)
              for stage in stages for unit, part in stage.saved.items()}

@@ -474,10 +474,9 @@ class StageProgram:
     2.37-2.40 s (cores busy 1.15 against 1.41): recomputed there."""
     if tf.executing_eagerly() or self.jit_compile:
       return None
-    function = self.functions.traced["forward_on"]
-    concrete = compat.ResidualCall.concrete_for(function, (weights, xs))
+    concrete = self.functions.traced["forward_on"].get_concrete_function(weights, xs)
     if concrete.name not in self._residual_calls:
-      self._residual_calls[concrete.name] = compat.ResidualCall(function, (weights, xs))
+      self._residual_calls[concrete.name] = compat.ResidualCall(concrete)
     return self._residual_calls[concrete.name]
 
   def backward(self, parts, dys, s, scale, accumulate, inline=False):
