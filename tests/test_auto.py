@@ -89,6 +89,34 @@ def test_the_profile_times_every_stage_and_leaves_the_weights_as_they_were(compi
   assert np.isfinite(rate) and rate > 0
 
 
+def test_a_quick_profile_traces_each_stage_once_and_times_them_together_without_a_trace(
+    compiled_pipe, monkeypatch):
+  # Traces were most of a profile's seconds: the stages' work together is timed by calling
+  # each stage's traced runs at once from threads, not by tracing them all again.
+  traced, in_graph = [], costs_lib._in_graph
+  monkeypatch.setattr(costs_lib, "_in_graph",
+                      lambda works, *a, **k: traced.append(len(works)) or in_graph(works, *a, **k))
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  costs = costs_lib.measure(compiled_pipe, x, y, micro_batches=1, inline=True, repeats=3,
+                            runs_per_call=2, quick=True)
+  compiled_pipe._load_weights()
+  # One function per stage (and per update where the stages accumulate), each of one work.
+  updates = compiled_pipe.programs[0].updates.accumulators is not None
+  assert traced == [1] * (2 * (2 if updates else 1))
+  assert 1.0 <= costs.cores <= 2.0 and min(costs.forward + costs.backward) > 0
+  alone, together = costs_lib._at_once([lambda: tf.ones([4]) * 2.0] * 2, 3)
+  assert alone > 0 and together > 0
+
+
+def test_a_profile_of_some_stages_times_only_them(compiled_pipe):
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  costs = costs_lib.measure(compiled_pipe, x, y, micro_batches=2, inline=True, repeats=2,
+                            runs_per_call=2, quick=True, stages=[1])
+  compiled_pipe._load_weights()
+  assert costs.forward[0] == costs.backward[0] == 0 and costs.forward[1] > 0
+  assert costs.transfer == [0.0] and costs.cores is None and costs.update > 0
+
+
 def test_the_profiles_trace_without_autograph_as_the_executor_does(compiled_pipe, monkeypatch):
   # AutoGraph converting the stage code was over half of a profile's seconds.
   from tensorflow.python.autograph.impl import api
@@ -111,10 +139,11 @@ def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_
   from tfpipe.runtime import compiled
   from tfpipe.training import auto as auto_training
   monkeypatch.setattr(compiled.CompiledRuntime, "INLINE_OPS", 0)   # windows of stage calls
-  seen, measure = [], costs_lib.measure
+  seen, stages, measure = [], [], costs_lib.measure
 
   def recorded(pipe, x, y, micro_batches=None, inline=None, method=None, **options):
     seen.append((micro_batches, inline, method))
+    stages.append(options.get("stages"))
     return measure(pipe, x, y, micro_batches=micro_batches, inline=inline, method=method,
                    **options)
   monkeypatch.setattr(costs_lib, "measure", recorded)
@@ -128,6 +157,8 @@ def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_
   # asynchronous methods run windows of calls: one profile for each way.
   assert ways[(1, True)] == "1f1b" and ways[(1, False)] in ("spectrain", "2bw")
   assert len(seen) == len(ways)
+  # The first profile times every stage; each later one the stage with the most work.
+  assert stages[0] is None and all(s is not None and len(s) == 1 for s in stages[1:])
   assert all(r.samples_per_second > 0 for r in choice.rows if r.seconds is not None)
   # Candidates the epochs table rules out (never measured here) are not profiled.
   seen.clear()

@@ -12,9 +12,10 @@ same stages without running it. The profile takes a few seconds (a trace per tas
 weights it changes are put back from the model.
 """
 
+import concurrent.futures
 import os
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -38,14 +39,15 @@ def median_seconds(fn, repeats):
   return float(np.median(times))
 
 
-def _in_graph(works, repeats, runs_per_call=4, chained=True):
+def _in_graph(works, repeats, runs_per_call=4, chained=True, less=0.0, calls=None):
   """Seconds `runs_per_call` runs of each `(body, inputs, device)` of `works` take traced into
   one graph (the way a window traces a stage's tasks inline), per run: what the tasks
   compute, without a call; the works run at once, each on its device. Each run takes its
   inputs scaled by its own factor, so no two runs are the same computation for the graph
   optimiser to merge; `chained`, each reads the run before it (a vanishing multiple of its
   outputs' mean), so no two runs of a work overlap (else they may, as a graph's
-  micro-batches do)."""
+  micro-batches do). `less`: seconds taken off each call (its dispatch) before dividing;
+  `calls` (a list): the warm call is appended to it, for `_at_once`."""
 
   @tf.function(autograph=False)   # as the executor traces (AutoGraph's conversion: a second a task)
   def runs(*flat):
@@ -55,6 +57,9 @@ def _in_graph(works, repeats, runs_per_call=4, chained=True):
   def _runs(flat):
     outs, at = [], 0
     for body, inputs, device in works:
+      # Traced once and called per run: the graph optimiser inlines the calls (the same
+      # graph), the runs after the first add no trace (measured: a third of a profile).
+      body = tf.function(body, autograph=False)
       xs, at, out = flat[at:at + len(inputs)], at + len(inputs), []
       with tf.device(device):
         for i in range(runs_per_call):
@@ -65,7 +70,29 @@ def _in_graph(works, repeats, runs_per_call=4, chained=True):
           outs.append(out)   # every run's outputs, so none is pruned
     return outs
   flat = [x for _, inputs, _ in works for x in inputs]
-  return median_seconds(lambda: runs(*flat), repeats) / runs_per_call
+  seconds = median_seconds(lambda: runs(*flat), repeats)
+  if calls is not None:
+    calls.append(lambda: runs(*flat))
+  return max(seconds - less, 0.1 * seconds) / runs_per_call
+
+
+def _at_once(calls, repeats):
+  """(Seconds the warm `calls` (`_in_graph`'s) take one after the other, each its median;
+  the median seconds they take run at once, each from a thread of its own): no trace. Each
+  call runs on its device, and TensorFlow runs calls from several threads side by side."""
+  def read(call):
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, call())
+  alone, together = [[] for _ in calls], []
+  with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+    for _ in range(repeats):
+      for call, times in zip(calls, alone):
+        start = time.perf_counter()
+        read(call)
+        times.append(time.perf_counter() - start)
+      start = time.perf_counter()
+      list(pool.map(read, calls))
+      together.append(time.perf_counter() - start)
+  return sum(float(np.median(t)) for t in alone), float(np.median(together))
 
 
 def shared_cores(devices) -> Optional[int]:
@@ -92,7 +119,8 @@ def dispatch_seconds(device, repeats=50) -> float:
 def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bool] = None,
             repeats: int = 5, num_batches: int = 16, runs_per_call: int = 4,
             quick: bool = False, update: Optional[float] = None,
-            cores: Optional[float] = None, method: Optional[str] = None) -> simulator.Costs:
+            cores: Optional[float] = None, method: Optional[str] = None,
+            stages: Optional[Sequence[int]] = None) -> simulator.Costs:
   """Each stage's costs per mini-batch on `pipe` (compiled) with the mini-batch `x`, `y`
   (arrays, tensors or a dict of them; a mini-batch of the size `fit` will take), measured
   at the micro-batch size of `micro_batches` (default: the method's M). `inline`: whether
@@ -110,7 +138,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   a tensor between two logical CPUs as free; `update`: an update's seconds, known (else
   timed, with micro-batches); `cores`: `Costs.cores`, known (else measured); `method`: the
   method whose epoch decides `inline` and the recomputed forwards (default: `pipe`'s; the
-  tasks timed are `pipe`'s)."""
+  tasks timed are `pipe`'s). Quick, each timed call's dispatch is taken off its seconds,
+  and the stages' work together is timed by calling their traced runs at once, each from
+  its own thread (no trace more). `stages`: the stages timed (default: all); the others'
+  times are 0 (with a stage timed, cores and transfers are not)."""
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
   M = micro_batches or pipe.micro_batches
@@ -135,9 +166,18 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)
   crossing = (pipe.runtime.crossing(schedule, diffs, num_batches) if compiled
               else [0.0] * pipe.num_stages)
-  per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
-  forward, backward, transfer, updates, works = [], [], [], [], []
-  for program in pipe.programs:
+  if quick:   # one call's dispatch: taken off each timed call, and what a task call pays
+    dispatch = dispatch_seconds(pipe.programs[0].device, repeats=20)
+    per_task, less = (0.0 if inline else dispatch), dispatch
+  else:
+    per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
+    less = 0.0
+  timed = set(range(pipe.num_stages) if stages is None else stages)
+  forward, backward, transfer, updates, works, calls = [], [], [], [], [], []
+
+  def in_graph(body, inputs, device, **options):
+    return _in_graph([(body, inputs, device)], repeats, runs_per_call, less=less, **options)
+  for program in pipe.programs[:max(timed) + 1]:
     # With accumulators (M > 1) a backward adds its gradients and an update applies them;
     # without, the backward updates (and the update costs nothing apart). A prediction
     # reads its stage's version difference under 1F1B (K-1-k).
@@ -146,11 +186,17 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     accumulate = program.updates.accumulators is not None
     s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
     device = program.device
+    if program.index not in timed:
+      forward.append(0.0)
+      backward.append(0.0)
+      transfer.append(0.0)
+      xs = program.forward(xs, s)[0]
+      continue
     if program.is_last:
       def step(inputs, program=program):
         kept = program.forward(inputs, labels=labels, inline=inline)[1]
         return program.backward([kept], None, 0, scale, accumulate, inline=inline).dxs
-      seconds = _in_graph([(step, xs, device)], repeats, runs_per_call)
+      seconds = in_graph(step, xs, device, calls=calls)
       works.append((step, xs, device, seconds))
       forward.append(seconds * M / 3)
       backward.append(2 * seconds * M / 3)
@@ -161,10 +207,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         outputs, kept = program.forward(inputs, s, inline=inline)
         return program.backward([kept], [tf.ones_like(t) for t in outputs], s, scale,
                                 accumulate, inline=inline).dxs
-      fb = _in_graph([(forward_backward, xs, device)], repeats, runs_per_call)
+      fb = in_graph(forward_backward, xs, device, calls=calls)
       works.append((forward_backward, xs, device, fb))
-      f = fb / 3 if quick else _in_graph([(lambda inputs, program=program, s=s: program.forward(
-          inputs, s, inline=inline)[0], xs, device)], repeats, runs_per_call)
+      f = fb / 3 if quick else in_graph(lambda inputs, program=program, s=s: program.forward(
+          inputs, s, inline=inline)[0], xs, device)
       # A kept forward that ran in an earlier window is recomputed by its backward.
       again = crossing[program.index] if program.ops["F"].keeps == "tape" else 0.0
       forward.append(f * M)
@@ -174,17 +220,24 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       def move(inputs, following=following):
         with tf.device(following):
           return [tf.identity(t) for t in inputs]
-      local = quick and shared_cores([device, following]) is not None
-      transfer.append(0.0 if local else
-                      _in_graph([(move, ys, device)], repeats, runs_per_call) * M)
+      local = (quick and shared_cores([device, following]) is not None) or stages is not None
+      transfer.append(0.0 if local else in_graph(move, ys, device) * M)
       xs = ys
     if accumulate and update is None:
-      updates.append(_in_graph([(lambda inputs, program=program: program.update(inline=True),
-                                 [], device)], repeats, runs_per_call))
+      updates.append(in_graph(lambda inputs, program=program: program.update(inline=True), [],
+                              device))
+  missing = pipe.num_stages - len(forward)
+  forward, backward = forward + [0.0] * missing, backward + [0.0] * missing
+  transfer = (transfer + [0.0] * missing)[:pipe.num_stages - 1]
   most = shared_cores(pipe.devices)
-  if cores is None and most is not None:   # how much of the stages' work the cores do at once
-    together = _in_graph([w[:3] for w in works], repeats, runs_per_call, chained=False)
-    cores = min(float(most), max(1.0, sum(w[3] for w in works) / together))
+  if cores is None and most is not None and stages is None:
+    # How much of the stages' work the cores do at once.
+    if quick:
+      alone, together = _at_once(calls, repeats)
+    else:
+      alone = sum(w[3] for w in works)
+      together = _in_graph([w[:3] for w in works], repeats, runs_per_call, chained=False)
+    cores = min(float(most), max(1.0, alone / together))
   for program in pipe.programs:   # undo the profile's updates
     program.load_from_model()
   if update is None:

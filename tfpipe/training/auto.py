@@ -63,7 +63,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
   if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
     found = [c for c in found if c.kind == "synchronous"]
   epochs = epochs_lib.factor(advice.family(optimizer), K)
-  speeds, compute, update, cores = {c: 0.0 for c in found}, {}, None, None
+  speeds, compute, base, update = {c: 0.0 for c in found}, {}, None, None
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
     if M > 1 and max(compute.values()) > auto_plan.BUSY * compute[1]:
       continue   # smaller than micro-batches already too small: not profiled
@@ -75,11 +75,9 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
       if not auto_plan.epochs_out(c, epochs):
         ways.setdefault(_inlines(pipe, c.method, M, num_batches), []).append(c)
     for inline, members in sorted(ways.items()):
-      costs = costs_lib.measure(pipe, features, labels, micro_batches=M, inline=inline,
-                                repeats=3, runs_per_call=2, quick=True, update=update,
-                                cores=cores, method=members[0].method,
-                                num_batches=min(num_batches, pipe.runtime.window))
-      update, cores = costs.update, costs.cores   # the same at every M: measured once
+      costs, update = _profile(pipe, features, labels, M, inline, members[0].method,
+                               min(num_batches, pipe.runtime.window), base, update)
+      base = base or costs
       if M == 1:   # one batch per update: the update runs inside each backward
         costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
                                     update=0.0)
@@ -91,6 +89,29 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
   rows = auto_plan.rank(found, speeds, compute, epochs)
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
   return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start)
+
+
+def _profile(pipe, features, labels, M: int, inline: bool, method: str, num_batches: int,
+             base, update):
+  """The costs at M micro-batches, tasks `inline` or not, and an update's seconds (None:
+  not yet timed). The first profile (`base` None) times every stage; each later one only
+  the stage with the most work in `base`, every stage's times scaled as that stage's grew
+  (a trace of one stage, not K: the traces are most of a profile's seconds), transfers,
+  update and cores as measured before. An update is timed once, with micro-batches."""
+  options = dict(repeats=5, runs_per_call=2, quick=True, method=method, num_batches=num_batches,
+                 micro_batches=M, inline=inline, update=update)
+  if base is None:
+    costs = costs_lib.measure(pipe, features, labels, **options)
+    return costs, (costs.update if M > 1 else update)
+  work = [f + b for f, b in zip(base.forward, base.backward)]
+  k = work.index(max(work))
+  part = costs_lib.measure(pipe, features, labels, stages=[k], cores=base.cores, **options)
+  grew = (part.forward[k] + part.backward[k]) / work[k] if work[k] > 0 else 1.0
+  costs = dataclasses.replace(base, forward=[f * grew for f in base.forward],
+                              backward=[b * grew for b in base.backward],
+                              update=part.update if M > 1 else 0.0,
+                              per_task=part.per_task, ordered=part.ordered)
+  return costs, (part.update if M > 1 else update)
 
 
 def _inlines(pipe, method: str, M: int, num_batches: int) -> bool:
