@@ -215,3 +215,17 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys):
   # A second fit keeps the choice.
   pipe.fit(x, y, batch_size=32, epochs=1, verbose=0)
   assert pipe.chosen.candidate == chosen
+
+
+@pytest.mark.parametrize("K", [2, 4, 8])
+def test_the_simulator_plays_fewer_mini_batches_at_more_micro_batches_for_the_same_prediction(K):
+  from tfpipe.training import auto as auto_training
+  rng = np.random.default_rng(K)
+  costs = simulator.Costs(list(rng.uniform(1e-4, 1e-3, K)), list(rng.uniform(2e-4, 2e-3, K)),
+                          list(rng.uniform(0, 2e-4, K - 1)), 1e-4, cores=1.5, ordered=False)
+  for method, M, tolerance in [("1f1b", K, 1e-9), ("gpipe", 2 * K, 1e-9), ("zb", K, 0.01),
+                               ("spectrain", 1, 0.0), ("spectrain", 2 * K, 0.05)]:
+    played = auto_training.simulated_batches(K, M)
+    assert played <= 32 and played * M >= 32
+    assert costs_lib.predict(costs, method, 64, M, num_batches=played) == pytest.approx(
+        costs_lib.predict(costs, method, 64, M, num_batches=32), rel=tolerance)

@@ -18,7 +18,16 @@ from tfpipe.rules import advice, epochs as epochs_lib
 __all__ = ["PROBE", "Choice", "choose", "asked_for", "refuse_chosen_options"]
 
 PROBE = {"method": "1f1b", "micro_batches": 2}
-SIMULATED_BATCHES = 32   # mini-batches the simulator plays out per candidate
+SIMULATED_BATCHES = 32   # micro-batches per stage the simulator plays out per candidate
+
+
+def simulated_batches(K: int, M: int) -> int:
+  """Mini-batches the simulator plays out for a candidate at M micro-batches on K stages:
+  SIMULATED_BATCHES micro-batches, at least 2K mini-batches (an asynchronous pipeline's fill
+  and drain). Against 32 mini-batches at any M (40 random costs, K = 2, 4, 8): the same
+  samples/s for the synchronous schedules, within 5% for spectrain at M = K and 2K, in half
+  the seconds (at K = 8 and M = 16 a candidate's play took up to 0.3 s)."""
+  return max(2 * K, SIMULATED_BATCHES // M)
 
 
 @dataclasses.dataclass
@@ -85,7 +94,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
       compute[M] = min(compute.get(M, work), work)
       for c in members:
         speeds[c] = costs_lib.predict(costs, c.method, batch_size, M,
-                                      num_batches=SIMULATED_BATCHES)
+                                      num_batches=simulated_batches(K, M))
   rows = auto_plan.rank(found, speeds, compute, epochs)
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
   return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start)
