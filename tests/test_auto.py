@@ -89,20 +89,24 @@ def test_the_profile_times_every_stage_and_leaves_the_weights_as_they_were(compi
   assert np.isfinite(rate) and rate > 0
 
 
-def test_a_quick_profile_traces_each_stage_once_and_times_them_together_without_a_trace(
+def test_a_quick_profile_traces_each_stage_once_beside_the_last_ones_first_call_and_times_them_together_without_a_trace(
     compiled_pipe, monkeypatch):
   # Traces were most of a profile's seconds: the stages' work together is timed by calling
   # each stage's traced runs at once from threads, not by tracing them all again.
-  traced, in_graph = [], costs_lib._in_graph
-  monkeypatch.setattr(costs_lib, "_in_graph",
-                      lambda works, *a, **k: traced.append(len(works)) or in_graph(works, *a, **k))
+  traced, runs = [], costs_lib._Runs
+
+  class Recorded(runs):
+    def __init__(self, works, *args, pool=None, **options):
+      traced.append((len(works), pool is not None))   # its first call started on a thread?
+      super().__init__(works, *args, pool=pool, **options)
+  monkeypatch.setattr(costs_lib, "_Runs", Recorded)
   x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
   costs = costs_lib.measure(compiled_pipe, x, y, micro_batches=1, inline=True, repeats=3,
                             runs_per_call=2, quick=True)
   compiled_pipe._load_weights()
   # One function per stage (and per update where the stages accumulate), each of one work.
   updates = compiled_pipe.programs[0].updates.accumulators is not None
-  assert traced == [1] * (2 * (2 if updates else 1))
+  assert traced == [(1, True)] * (2 * (2 if updates else 1))
   assert 1.0 <= costs.cores <= 2.0 and min(costs.forward + costs.backward) > 0
   alone, together = costs_lib._at_once([lambda: tf.ones([4]) * 2.0] * 2, 3)
   assert alone > 0 and together > 0

@@ -39,41 +39,57 @@ def median_seconds(fn, repeats):
   return float(np.median(times))
 
 
-def _in_graph(works, repeats, runs_per_call=4, chained=True, less=0.0, calls=None):
-  """Seconds `runs_per_call` runs of each `(body, inputs, device)` of `works` take traced into
-  one graph (the way a window traces a stage's tasks inline), per run: what the tasks
-  compute, without a call; the works run at once, each on its device. Each run takes its
-  inputs scaled by its own factor, so no two runs are the same computation for the graph
-  optimiser to merge; `chained`, each reads the run before it (a vanishing multiple of its
-  outputs' mean), so no two runs of a work overlap (else they may, as a graph's
-  micro-batches do). `less`: seconds taken off each call (its dispatch) before dividing;
-  `calls` (a list): the warm call is appended to it, for `_at_once`."""
+class _Runs:
+  """`runs_per_call` runs of each `(body, inputs, device)` of `works` traced into one graph (the
+  way a window traces a stage's tasks inline): the works run at once, each on its device.
+  Each run takes its inputs scaled by its own factor, so no two runs are the same
+  computation for the graph optimiser to merge; `chained`, each reads the run before it (a
+  vanishing multiple of its outputs' mean), so no two runs of a work overlap (else they may,
+  as a graph's micro-batches do). Traced when made; with `pool` (an executor), its first
+  call (where TensorFlow optimises the graph and makes its kernels, outside Python's lock)
+  starts there at once, alongside whatever Python traces next."""
 
-  @tf.function(autograph=False)   # as the executor traces (AutoGraph's conversion: a second a task)
-  def runs(*flat):
-    with compat.constant_exponents():   # as the compiled executor traces its windows
-      return _runs(flat)
+  def __init__(self, works, runs_per_call=4, chained=True, pool=None):
+    self.runs_per_call = runs_per_call
 
-  def _runs(flat):
-    outs, at = [], 0
-    for body, inputs, device in works:
-      # Traced once and called per run: the graph optimiser inlines the calls (the same
-      # graph), the runs after the first add no trace (measured: a third of a profile).
-      body = tf.function(body, autograph=False)
-      xs, at, out = flat[at:at + len(inputs)], at + len(inputs), []
-      with tf.device(device):
-        for i in range(runs_per_call):
-          last = [tf.reduce_mean(tf.cast(t, tf.float32)) for t in tf.nest.flatten(out)
-                  if chained and t is not None and t.dtype.is_floating]
-          factor = 1.0 + 1e-3 * i + (1e-30 * tf.add_n(last) if last else 0.0)
-          out = body([x * tf.cast(factor, x.dtype) if x.dtype.is_floating else x for x in xs])
-          outs.append(out)   # every run's outputs, so none is pruned
-    return outs
-  flat = [x for _, inputs, _ in works for x in inputs]
-  seconds = median_seconds(lambda: runs(*flat), repeats)
-  if calls is not None:
-    calls.append(lambda: runs(*flat))
-  return max(seconds - less, 0.1 * seconds) / runs_per_call
+    @tf.function(autograph=False)   # as the executor traces (AutoGraph: a second a task)
+    def runs(*flat):
+      with compat.constant_exponents():   # as the compiled executor traces its windows
+        return _runs(flat)
+
+    def _runs(flat):
+      outs, at = [], 0
+      for body, inputs, device in works:
+        # Traced once and called per run: the graph optimiser inlines the calls (the same
+        # graph), the runs after the first add no trace (measured: a third of a profile).
+        body = tf.function(body, autograph=False)
+        xs, at, out = flat[at:at + len(inputs)], at + len(inputs), []
+        with tf.device(device):
+          for i in range(runs_per_call):
+            last = [tf.reduce_mean(tf.cast(t, tf.float32)) for t in tf.nest.flatten(out)
+                    if chained and t is not None and t.dtype.is_floating]
+            factor = 1.0 + 1e-3 * i + (1e-30 * tf.add_n(last) if last else 0.0)
+            out = body([x * tf.cast(factor, x.dtype) if x.dtype.is_floating else x
+                        for x in xs])
+            outs.append(out)   # every run's outputs, so none is pruned
+      return outs
+    flat = [x for _, inputs, _ in works for x in inputs]
+    concrete = runs.get_concrete_function(*flat)
+    self.call = lambda: concrete(*flat)
+    self._first = pool.submit(self.call) if pool is not None else None
+
+  def seconds(self, repeats, less=0.0):
+    """Per run: the median of `repeats` timed calls, less `less` (a call's dispatch) each."""
+    if self._first is not None:
+      self._first.result()
+    seconds = median_seconds(self.call, repeats)
+    return max(seconds - less, 0.1 * seconds) / self.runs_per_call
+
+
+def _in_graph(works, repeats, runs_per_call=4, chained=True, less=0.0):
+  """Seconds per run of `_Runs(works, runs_per_call, chained)`: what the tasks compute,
+  without a call."""
+  return _Runs(works, runs_per_call, chained).seconds(repeats, less)
 
 
 def _at_once(calls, repeats):
@@ -173,70 +189,87 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
     less = 0.0
   timed = set(range(pipe.num_stages) if stages is None else stages)
-  forward, backward, transfer, updates, works, calls = [], [], [], [], [], []
+  # Quick, every task is traced first, each graph's first call started on a thread beside
+  # the next trace, and all timed after; else each is traced and timed in turn.
+  pool = concurrent.futures.ThreadPoolExecutor(1) if quick else None
+  pending, works = [], []   # per stage timed: (program, {task: _Runs or seconds}), its work
 
-  def in_graph(body, inputs, device, **options):
-    return _in_graph([(body, inputs, device)], repeats, runs_per_call, less=less, **options)
-  for program in pipe.programs[:max(timed) + 1]:
-    # With accumulators (M > 1) a backward adds its gradients and an update applies them;
-    # without, the backward updates (and the update costs nothing apart). A prediction
-    # reads its stage's version difference under 1F1B (K-1-k).
-    if M > 1:   # built at the first fit otherwise
-      program.updates.build_accumulators()
-    accumulate = program.updates.accumulators is not None
-    s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
-    device = program.device
-    if program.index not in timed:
-      forward.append(0.0)
-      backward.append(0.0)
-      transfer.append(0.0)
-      xs = program.forward(xs, s)[0]
-      continue
-    if program.is_last:
-      def step(inputs, program=program):
-        kept = program.forward(inputs, labels=labels, inline=inline)[1]
-        return program.backward([kept], None, 0, scale, accumulate, inline=inline).dxs
-      seconds = in_graph(step, xs, device, calls=calls)
-      works.append((step, xs, device, seconds))
-      forward.append(seconds * M / 3)
-      backward.append(2 * seconds * M / 3)
+  def start(body, inputs, device):
+    made = _Runs([(body, inputs, device)], runs_per_call, pool=pool)
+    return made if quick else made.seconds(repeats, less)
+  try:
+    for program in pipe.programs[:max(timed) + 1]:
+      # With accumulators (M > 1) a backward adds its gradients and an update applies them;
+      # without, the backward updates (and the update costs nothing apart). A prediction
+      # reads its stage's version difference under 1F1B (K-1-k).
+      if M > 1:   # built at the first fit otherwise
+        program.updates.build_accumulators()
+      accumulate = program.updates.accumulators is not None
+      s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
+      device = program.device
+      if program.index not in timed:
+        xs = program.forward(xs, s)[0]
+        continue
+      tasks = {}
+      if program.is_last:
+        def step(inputs, program=program):
+          kept = program.forward(inputs, labels=labels, inline=inline)[1]
+          return program.backward([kept], None, 0, scale, accumulate, inline=inline).dxs
+        tasks["step"] = start(step, xs, device)
+        works.append((step, xs, device))
+      else:
+        ys = program.forward(xs, s)[0]
+
+        def forward_backward(inputs, program=program, s=s):
+          outputs, kept = program.forward(inputs, s, inline=inline)
+          return program.backward([kept], [tf.ones_like(t) for t in outputs], s, scale,
+                                  accumulate, inline=inline).dxs
+        tasks["fb"] = start(forward_backward, xs, device)
+        works.append((forward_backward, xs, device))
+        if not quick:
+          tasks["f"] = start(lambda inputs, program=program, s=s: program.forward(
+              inputs, s, inline=inline)[0], xs, device)
+        following = pipe.programs[program.index + 1].device
+
+        def move(inputs, following=following):
+          with tf.device(following):
+            return [tf.identity(t) for t in inputs]
+        if not (quick and shared_cores([device, following]) is not None) and stages is None:
+          tasks["move"] = start(move, ys, device)
+        xs = ys
+      if accumulate and update is None:
+        tasks["update"] = start(lambda inputs, program=program: program.update(inline=True),
+                                [], device)
+      pending.append((program, tasks))
+    seconds = [{task: (t.seconds(repeats, less) if quick else t) for task, t in tasks.items()}
+               for _, tasks in pending]
+  finally:
+    if pool is not None:
+      pool.shutdown()
+  forward, backward = [0.0] * pipe.num_stages, [0.0] * pipe.num_stages
+  transfer, updates = [0.0] * (pipe.num_stages - 1), []
+  for (program, _), times in zip(pending, seconds):
+    k = program.index
+    if "step" in times:
+      forward[k], backward[k] = times["step"] * M / 3, 2 * times["step"] * M / 3
     else:
-      ys = program.forward(xs, s)[0]
-
-      def forward_backward(inputs, program=program, s=s):
-        outputs, kept = program.forward(inputs, s, inline=inline)
-        return program.backward([kept], [tf.ones_like(t) for t in outputs], s, scale,
-                                accumulate, inline=inline).dxs
-      fb = in_graph(forward_backward, xs, device, calls=calls)
-      works.append((forward_backward, xs, device, fb))
-      f = fb / 3 if quick else in_graph(lambda inputs, program=program, s=s: program.forward(
-          inputs, s, inline=inline)[0], xs, device)
+      fb = times["fb"]
+      f = times.get("f", fb / 3)
       # A kept forward that ran in an earlier window is recomputed by its backward.
-      again = crossing[program.index] if program.ops["F"].keeps == "tape" else 0.0
-      forward.append(f * M)
-      backward.append((max(fb - f, 0.0) + again * f) * M)
-      following = pipe.programs[program.index + 1].device
-
-      def move(inputs, following=following):
-        with tf.device(following):
-          return [tf.identity(t) for t in inputs]
-      local = (quick and shared_cores([device, following]) is not None) or stages is not None
-      transfer.append(0.0 if local else in_graph(move, ys, device) * M)
-      xs = ys
-    if accumulate and update is None:
-      updates.append(in_graph(lambda inputs, program=program: program.update(inline=True), [],
-                              device))
-  missing = pipe.num_stages - len(forward)
-  forward, backward = forward + [0.0] * missing, backward + [0.0] * missing
-  transfer = (transfer + [0.0] * missing)[:pipe.num_stages - 1]
+      again = crossing[k] if program.ops["F"].keeps == "tape" else 0.0
+      forward[k], backward[k] = f * M, (max(fb - f, 0.0) + again * f) * M
+      transfer[k] = times.get("move", 0.0) * M
+    if "update" in times:
+      updates.append(times["update"])
   most = shared_cores(pipe.devices)
   if cores is None and most is not None and stages is None:
     # How much of the stages' work the cores do at once.
     if quick:
-      alone, together = _at_once(calls, repeats)
+      alone, together = _at_once([t.get("step", t.get("fb")).call for _, t in pending],
+                                 repeats)
     else:
-      alone = sum(w[3] for w in works)
-      together = _in_graph([w[:3] for w in works], repeats, runs_per_call, chained=False)
+      alone = sum(t.get("step", t.get("fb")) for t in seconds)
+      together = _in_graph(works, repeats, runs_per_call, chained=False)
     cores = min(float(most), max(1.0, alone / together))
   for program in pipe.programs:   # undo the profile's updates
     program.load_from_model()
