@@ -234,3 +234,16 @@ def test_the_simulator_plays_fewer_mini_batches_at_more_micro_batches_for_the_sa
     assert played <= 32 and played * M >= 32
     assert costs_lib.predict(costs, method, 64, M, num_batches=played) == pytest.approx(
         costs_lib.predict(costs, method, 64, M, num_batches=32), rel=tolerance)
+
+
+@pytest.mark.parametrize("K", [2, 4, 8])
+def test_whether_an_epoch_loops_over_one_mini_batch_shows_over_2k_mini_batches(K):
+  from tfpipe.plan import policies, windows
+  for method in policies.PIPELINE_METHODS:
+    for M in sorted({1, K, 2 * K}):
+      if (M > 1 and method not in policies.MICRO_BATCH_METHODS) or (
+          method == "interleaved" and M == 1):
+        continue
+      loops = [windows.flush_window(*policies.epoch(method, K, N, M)) is not None
+               for N in (2 * K, 32)]
+      assert loops[0] == loops[1], (method, M)
