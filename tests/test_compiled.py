@@ -7,8 +7,11 @@ The weight rules on this executor are checked with every method in test_pipeline
 import collections
 
 import keras
+from unittest import mock
+
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests import helpers
 from tfpipe.plan import policies, schedules, windows
@@ -435,7 +438,17 @@ def test_kept_forwards_cross_windows_of_calls_with_their_residuals_not_recompute
   what its gradient reads (`compat.ResidualCall`): its backward, in that window or a later
   one, runs no recompute (the stages' recomputing backward is never traced) and gives the
   weights of the inlined windows, which recompute the forwards crossing a window (dropout
-  draws included: a recompute replays them, residuals hold them)."""
+  draws included: a recompute replays them, residuals hold them). A kept forward crosses as
+  its inputs, its state and one tensor packing its weights with its residuals."""
+  from tfpipe.runtime import grouped, groups
+  carried, carry_values = [], grouped.Group.carry_values
+
+  def recorded(group):
+    if group.carry is not None:
+      carried.extend((len(groups.flat(kept.weights)), len(kept.weights),
+                      len(tf.nest.flatten(kept.residuals)))
+                     for kept, _ in group.carry["saved"].values())
+    return carry_values(group)
   weights = {}
   for inline in (False, True):
     model = helpers.dropout_mlp()
@@ -444,9 +457,13 @@ def test_kept_forwards_cross_windows_of_calls_with_their_residuals_not_recompute
         model, {"executor": "compiled", "steps_per_execution": 3, "inline": inline},
         num_stages=3, method=method, partition=helpers.DROPOUT_CUTS[3])
     compile_(optimizers.SpecTrain(0.05, 0.9), "sparse_categorical_crossentropy")
-    pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with mock.patch.object(grouped.Group, "carry_values", recorded):
+      pipe.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     weights[inline] = model.get_weights()
     if not inline:   # windows of 3 mini-batches: forwards of 3 stages cross every boundary
+      # Each kept forward's weights cross packed with its residuals in one tensor, not one
+      # tensor per weight.
+      assert carried and all(w == 0 and n > 0 and r == 1 for w, n, r in carried), carried
       kept = [p for p in pipe.programs if p.ops["F"].keeps == "tape"]
       assert kept and all(p._residual_calls for p in kept)
       assert sum(p.functions.traced["backward_on"].experimental_get_tracing_count()

@@ -492,7 +492,8 @@ class StageProgram:
       loss, dxs, logs = self.task("last_step", inline)(part.xs, y, sample_weight, s, scale,
                                                        accumulate)
       return Backward(dxs, loss, self.reports.completed(logs))
-    return Backward(self._backward(parts, dys, s, scale, accumulate, "both", inline))
+    return Backward(self._backward(self._opened(parts), dys, s, scale, accumulate, "both",
+                                   inline))
 
   def backward_input(self, parts, dys, s, scale, inline=False):
     """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
@@ -503,6 +504,7 @@ class StageProgram:
     weight gradients from (eagerly), or (in a window's graph) the weight gradients."""
     if self._steps:
       return self._step_input(parts, s, scale, inline)
+    parts = self._opened(parts)
     if len(parts) == 1 and (inline and parts[0].tape is not None or
                             self._replays(parts[0], dys)):
       # One graph holds both halves: the input and weight gradients in one walk of the tape
@@ -534,7 +536,7 @@ class StageProgram:
           grads = [_scaled(g, scale) for g in grads]
         self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
       return
-    self._backward(parts, dys, s, scale, accumulate, "weights", inline)
+    self._backward(self._opened(parts), dys, s, scale, accumulate, "weights", inline)
 
   def update(self, inline=False):
     """Task U: one update with the accumulated gradients, which it clears."""
@@ -606,15 +608,35 @@ class StageProgram:
 
   def carried(self, kept):
     """`kept` as a compiled window carries it into the next: without its tape, and its
-    residuals (if any) packed into one tensor, which the backward unpacks (a window's carry
-    passes each of its tensors through the window function: measured, a 12-layer Llama's
-    stage kept about 300, and carrying them one by one cost more than the recompute they
-    spare)."""
-    residuals = kept.residuals
+    residuals (if any) packed with the weights it read into one tensor (its `weights` then
+    None, one per weight), which the backward unpacks (`_opened`). A window's carry passes
+    each of its tensors through the window function, and each costs the call: measured, a
+    12-layer Llama's stage kept about 300 residuals, and carrying them one by one cost more
+    than the recompute they spare; with the weights packed too, spectrain's carry at K=4
+    went from 228 tensors to 24."""
+    residuals, weights = kept.residuals, kept.weights
     if residuals is not None and not isinstance(residuals, tf.Tensor):
       with tf.device(self.device):
-        residuals = tf.raw_ops.OptionalFromValue(components=residuals)
-    return Kept(kept.xs, kept.state, kept.weights, labels=kept.labels, residuals=residuals)
+        residuals = tf.raw_ops.OptionalFromValue(components=list(weights) + list(residuals))
+      weights = [None] * len(weights)
+    return Kept(kept.xs, kept.state, weights, labels=kept.labels, residuals=residuals)
+
+  def _opened(self, parts):
+    """`parts` with any residuals a window carried packed (`carried`) unpacked: the weights
+    the forward read and its residuals, as tensors again."""
+    return [self._opened_one(kept) for kept in parts]
+
+  def _opened_one(self, kept):
+    if not isinstance(kept.residuals, tf.Tensor):
+      return kept
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
+    call = self._residual_call(specs, kept.xs)
+    with tf.device(self.device):
+      values = tf.raw_ops.OptionalGetValue(
+          optional=kept.residuals, output_types=[s.dtype for s in specs] + call.residual_types,
+          output_shapes=[s.shape for s in specs] + call.residual_shapes)
+    n = len(specs)
+    return kept._replace(weights=list(values[:n]), residuals=list(values[n:]))
 
   def _replays(self, kept, dys):
     """Whether the backward of `kept` takes its gradients from its residuals: it has them
@@ -626,9 +648,6 @@ class StageProgram:
     """`_walk` for a forward that kept its residuals (`Kept.residuals`), not a tape."""
     call = self._residual_call(kept.weights, kept.xs)
     residuals = kept.residuals
-    if isinstance(residuals, tf.Tensor):   # packed (`carried`)
-      residuals = tf.raw_ops.OptionalGetValue(optional=residuals, output_types=call.residual_types,
-                                              output_shapes=call.residual_shapes)
     _, reg, state = call.outputs
     reg_grad = self._loss_scaled(tf.ones([], reg.dtype) * tf.cast(scale, reg.dtype))
     zeros = [tf.zeros(t.shape, t.dtype) if call.trainable_output(t) else None
