@@ -154,10 +154,12 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   a tensor between two logical CPUs as free; `update`: an update's seconds, known (else
   timed, with micro-batches); `cores`: `Costs.cores`, known (else measured); `method`: the
   method whose epoch decides `inline` and the recomputed forwards (default: `pipe`'s; the
-  tasks timed are `pipe`'s). Quick, each timed call's dispatch is taken off its seconds,
-  and the stages' work together is timed by calling their traced runs at once, each from
-  its own thread (no trace more). `stages`: the stages timed (default: all); the others'
-  times are 0 (with a stage timed, cores and transfers are not)."""
+  tasks timed are `pipe`'s). Quick, every task is traced before any is timed, each graph's
+  first call (its optimisation) running on a thread beside the next trace; each timed call's
+  dispatch is taken off its seconds; and the stages' work together is timed by calling
+  their traced runs at once, each from its own thread (no trace more). `stages`: the stages
+  timed (default: all); the others' times are 0, and neither the cores nor the transfers
+  are timed then."""
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
   M = micro_batches or pipe.micro_batches
