@@ -95,10 +95,20 @@ def test_a_quick_profile_traces_each_stage_once_beside_the_last_ones_first_call_
   # each stage's traced runs at once from threads, not by tracing them all again.
   traced, runs = [], costs_lib._Runs
 
+  events = []
+
   class Recorded(runs):
     def __init__(self, works, *args, pool=None, **options):
       traced.append((len(works), pool is not None))   # its first call started on a thread?
       super().__init__(works, *args, pool=pool, **options)
+
+    def wait(self):
+      super().wait()
+      events.append("first call ended")
+
+    def seconds(self, *args, **options):
+      events.append("timed")
+      return super().seconds(*args, **options)
   monkeypatch.setattr(costs_lib, "_Runs", Recorded)
   x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
   costs = costs_lib.measure(compiled_pipe, x, y, micro_batches=1, inline=True, repeats=3,
@@ -107,6 +117,8 @@ def test_a_quick_profile_traces_each_stage_once_beside_the_last_ones_first_call_
   # One function per stage (and per update where the stages accumulate), each of one work.
   updates = compiled_pipe.programs[0].updates.accumulators is not None
   assert traced == [(1, True)] * (2 * (2 if updates else 1))
+  # No task is timed while another's first call (its graph's optimisation) may still run.
+  assert "timed" not in events[:len(traced)] and events.count("first call ended") >= len(traced)
   assert 1.0 <= costs.cores <= 2.0 and min(costs.forward + costs.backward) > 0
   alone, together = costs_lib._at_once([lambda: tf.ones([4]) * 2.0] * 2, 3)
   assert alone > 0 and together > 0

@@ -78,10 +78,14 @@ class _Runs:
     self.call = lambda: concrete(*flat)
     self._first = pool.submit(self.call) if pool is not None else None
 
-  def seconds(self, repeats, less=0.0):
-    """Per run: the median of `repeats` timed calls, less `less` (a call's dispatch) each."""
+  def wait(self):
+    """Until the first call started on the pool (if any) has ended."""
     if self._first is not None:
       self._first.result()
+
+  def seconds(self, repeats, less=0.0):
+    """Per run: the median of `repeats` timed calls, less `less` (a call's dispatch) each."""
+    self.wait()
     seconds = median_seconds(self.call, repeats)
     return max(seconds - less, 0.1 * seconds) / self.runs_per_call
 
@@ -243,6 +247,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         tasks["update"] = start(lambda inputs, program=program: program.update(inline=True),
                                 [], device)
       pending.append((program, tasks))
+    if quick:   # no first call still running on the pool while a task is timed
+      for _, tasks in pending:
+        for t in tasks.values():
+          t.wait()
     seconds = [{task: (t.seconds(repeats, less) if quick else t) for task, t in tasks.items()}
                for _, tasks in pending]
   finally:
