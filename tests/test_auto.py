@@ -120,8 +120,9 @@ def test_a_quick_profile_traces_each_stage_once_beside_the_last_ones_first_call_
   # No task is timed while another's first call (its graph's optimisation) may still run.
   assert "timed" not in events[:len(traced)] and events.count("first call ended") >= len(traced)
   assert 1.0 <= costs.cores <= 2.0 and min(costs.forward + costs.backward) > 0
-  alone, together = costs_lib._at_once([lambda: tf.ones([4]) * 2.0] * 2, 3)
-  assert alone > 0 and together > 0
+  made = costs_lib._Runs([(lambda xs: [xs[0] * 2.0], [tf.ones([4])], "/device:CPU:0")], 1)
+  assert made.call_seconds is None and made.seconds(2) > 0 and made.call_seconds > 0
+  assert costs_lib._at_once([made, made], 3) > 0
 
 
 def test_a_profile_of_some_stages_times_only_them(compiled_pipe):

@@ -26,11 +26,11 @@ from tfpipe.plan import policies, simulator
 __all__ = ["measure", "predict", "shared_cores", "dispatch_seconds", "median_seconds"]
 
 
-def median_seconds(fn, repeats):
-  """The median seconds of `repeats` calls of `fn` (its outputs read back), after a call
-  that traces it and one that warms it."""
-  fn()  # trace
-  fn()  # warm
+def median_seconds(fn, repeats, untimed=2):
+  """The median seconds of `repeats` calls of `fn` (its outputs read back), after `untimed`
+  calls (by default one that traces it and one that warms it)."""
+  for _ in range(untimed):
+    fn()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -77,6 +77,7 @@ class _Runs:
     concrete = runs.get_concrete_function(*flat)
     self.call = lambda: concrete(*flat)
     self._first = pool.submit(self.call) if pool is not None else None
+    self.call_seconds = None   # a call's median seconds, once timed
 
   def wait(self):
     """Until the first call started on the pool (if any) has ended."""
@@ -84,10 +85,12 @@ class _Runs:
       self._first.result()
 
   def seconds(self, repeats, less=0.0):
-    """Per run: the median of `repeats` timed calls, less `less` (a call's dispatch) each."""
+    """Per run: the median of `repeats` timed calls, less `less` (a call's dispatch) each.
+    After a first call on the pool, one call warms it (else one traces it, one warms it)."""
     self.wait()
-    seconds = median_seconds(self.call, repeats)
-    return max(seconds - less, 0.1 * seconds) / self.runs_per_call
+    self.call_seconds = median_seconds(self.call, repeats,
+                                       untimed=1 if self._first is not None else 2)
+    return max(self.call_seconds - less, 0.1 * self.call_seconds) / self.runs_per_call
 
 
 def _in_graph(works, repeats, runs_per_call=4, chained=True, less=0.0):
@@ -96,23 +99,20 @@ def _in_graph(works, repeats, runs_per_call=4, chained=True, less=0.0):
   return _Runs(works, runs_per_call, chained).seconds(repeats, less)
 
 
-def _at_once(calls, repeats):
-  """(Seconds the warm `calls` (`_in_graph`'s) take one after the other, each its median;
-  the median seconds they take run at once, each from a thread of its own): no trace. Each
-  call runs on its device, and TensorFlow runs calls from several threads side by side."""
-  def read(call):
-    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, call())
-  alone, together = [[] for _ in calls], []
-  with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+def _at_once(runs, repeats):
+  """The median seconds the timed `_Runs` take called at once, each from a thread of its own
+  (no trace: each call runs on its device, and TensorFlow runs calls from several threads
+  side by side); against the sum of their `call_seconds`, how much of their work the
+  cores do at once."""
+  def read(made):
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, made.call())
+  together = []
+  with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
     for _ in range(repeats):
-      for call, times in zip(calls, alone):
-        start = time.perf_counter()
-        read(call)
-        times.append(time.perf_counter() - start)
       start = time.perf_counter()
-      list(pool.map(read, calls))
+      list(pool.map(read, runs))
       together.append(time.perf_counter() - start)
-  return sum(float(np.median(t)) for t in alone), float(np.median(together))
+  return float(np.median(together))
 
 
 def shared_cores(devices) -> Optional[int]:
@@ -195,14 +195,13 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
     less = 0.0
   timed = set(range(pipe.num_stages) if stages is None else stages)
-  # Quick, every task is traced first, each graph's first call started on a thread beside
-  # the next trace, and all timed after; else each is traced and timed in turn.
+  # Every task is traced first, then all are timed; quick, each graph's first call starts on
+  # a thread beside the next trace.
   pool = concurrent.futures.ThreadPoolExecutor(1) if quick else None
-  pending, works = [], []   # per stage timed: (program, {task: _Runs or seconds}), its work
+  pending, works = [], []   # per stage timed: (program, {task: its _Runs}), its work
 
   def start(body, inputs, device):
-    made = _Runs([(body, inputs, device)], runs_per_call, pool=pool)
-    return made if quick else made.seconds(repeats, less)
+    return _Runs([(body, inputs, device)], runs_per_call, pool=pool)
   try:
     for program in pipe.programs[:max(timed) + 1]:
       # With accumulators (M > 1) a backward adds its gradients and an update applies them;
@@ -247,11 +246,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         tasks["update"] = start(lambda inputs, program=program: program.update(inline=True),
                                 [], device)
       pending.append((program, tasks))
-    if quick:   # no first call still running on the pool while a task is timed
-      for _, tasks in pending:
-        for t in tasks.values():
-          t.wait()
-    seconds = [{task: (t.seconds(repeats, less) if quick else t) for task, t in tasks.items()}
+    for _, tasks in pending:   # no first call still running on the pool while a task is timed
+      for t in tasks.values():
+        t.wait()
+    seconds = [{task: t.seconds(repeats, less) for task, t in tasks.items()}
                for _, tasks in pending]
   finally:
     if pool is not None:
@@ -274,9 +272,9 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   most = shared_cores(pipe.devices)
   if cores is None and most is not None and stages is None:
     # How much of the stages' work the cores do at once.
+    stage_runs = [t.get("step", t.get("fb")) for _, t in pending]
     if quick:
-      alone, together = _at_once([t.get("step", t.get("fb")).call for _, t in pending],
-                                 repeats)
+      alone, together = sum(r.call_seconds for r in stage_runs), _at_once(stage_runs, repeats)
     else:
       alone = sum(t.get("step", t.get("fb")) for t in seconds)
       together = _in_graph(works, repeats, runs_per_call, chained=False)
