@@ -114,9 +114,10 @@ def test_a_quick_profile_traces_each_stage_once_beside_the_last_ones_first_call_
   costs = costs_lib.measure(compiled_pipe, x, y, micro_batches=1, inline=True, repeats=3,
                             runs_per_call=2, quick=True)
   compiled_pipe._load_weights()
-  # One function per stage (and per update where the stages accumulate), each of one work.
+  # One function per stage (and one update, on one stage, where the stages accumulate), each
+  # of one work.
   updates = compiled_pipe.programs[0].updates.accumulators is not None
-  assert traced == [(1, True)] * (2 * (2 if updates else 1))
+  assert traced == [(1, True)] * (2 + (1 if updates else 0))
   # No task is timed while another's first call (its graph's optimisation) may still run.
   assert "timed" not in events[:len(traced)] and events.count("first call ended") >= len(traced)
   assert 1.0 <= costs.cores <= 2.0 and min(costs.forward + costs.backward) > 0
@@ -132,6 +133,30 @@ def test_a_profile_of_some_stages_times_only_them(compiled_pipe):
   compiled_pipe._load_weights()
   assert costs.forward[0] == costs.backward[0] == 0 and costs.forward[1] > 0
   assert costs.transfer == [0.0] and costs.cores is None and costs.update > 0
+
+
+def test_a_profile_kept_traced_times_other_micro_batch_sizes_without_a_trace(compiled_pipe,
+                                                                             monkeypatch):
+  made, runs = [], costs_lib._Runs
+
+  class Counted(runs):
+    def __init__(self, *args, **options):
+      super().__init__(*args, **options)
+      made.append(self)
+  monkeypatch.setattr(costs_lib, "_Runs", Counted)
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  traced, options = {}, dict(inline=True, repeats=2, runs_per_call=2, quick=True)
+  one = costs_lib.measure(compiled_pipe, x, y, micro_batches=1, traced=traced, **options)
+  # Two stages' tasks and one update (accumulated at M=1 too), each traced for any batch.
+  assert len(made) == 3 and one.update > 0
+  four = costs_lib.measure(compiled_pipe, x, y, micro_batches=4, traced=traced, **options)
+  compiled_pipe._load_weights()
+  assert len(made) == 3   # nothing traced again
+  fed = [r.inputs[0].shape[0] for r in made if r.inputs]
+  assert fed == [16, 16]   # the stages' tasks fed micro-batches of 64 / 4
+  assert four.cores is not None and min(four.forward + four.backward) > 0 and four.update > 0
+  with pytest.raises(ValueError, match="pass quick=True"):
+    costs_lib.measure(compiled_pipe, x, y, traced={}, inline=True)
 
 
 def test_the_profiles_trace_without_autograph_as_the_executor_does(compiled_pipe, monkeypatch):
@@ -156,14 +181,22 @@ def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_
   from tfpipe.runtime import compiled
   from tfpipe.training import auto as auto_training
   monkeypatch.setattr(compiled.CompiledRuntime, "INLINE_OPS", 0)   # windows of stage calls
-  seen, stages, measure = [], [], costs_lib.measure
+  seen, made, measure, runs = [], [], costs_lib.measure, costs_lib._Runs
 
   def recorded(pipe, x, y, micro_batches=None, inline=None, method=None, **options):
     seen.append((micro_batches, inline, method))
-    stages.append(options.get("stages"))
-    return measure(pipe, x, y, micro_batches=micro_batches, inline=inline, method=method,
-                   **options)
+    made.append(0)
+    costs = measure(pipe, x, y, micro_batches=micro_batches, inline=inline, method=method,
+                    **options)
+    assert costs.cores is not None and all(f > 0 for f in costs.forward)   # every stage timed
+    return costs
+
+  class Counted(runs):
+    def __init__(self, *args, **options):
+      made[-1] += 1
+      super().__init__(*args, **options)
   monkeypatch.setattr(costs_lib, "measure", recorded)
+  monkeypatch.setattr(costs_lib, "_Runs", Counted)
   kinds = ("spectrain", "spectrain advised", "2bw")
   monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: dict.fromkeys(
       kinds, 1.0))   # every candidate a contender
@@ -173,10 +206,12 @@ def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_
   # At M=1, 1f1b finishes each mini-batch in a loop window (inlined by its own size), the
   # asynchronous methods run windows of calls: one profile for each way.
   assert ways[(1, True)] == "1f1b" and ways[(1, False)] in ("spectrain", "2bw")
-  assert len(seen) == len(ways)
-  # The first profile times every stage; each later one the busiest before the last, and
-  # the last.
-  assert stages[0] is None and all(s == [0, 1] for s in stages[1:])
+  assert len(seen) == len(ways) and len({M for M, _ in ways}) > 1
+  # Each way's first profile traces each stage's task (and one update); a later M, none.
+  first = {}
+  for (M, inline, _), count in zip(seen, made):
+    assert count == (3 if inline not in first else 0), (M, inline, count)
+    first.setdefault(inline, M)
   assert all(r.samples_per_second > 0 for r in choice.rows if r.seconds is not None)
   # Candidates the epochs table rules out (never measured here) are not profiled.
   seen.clear()

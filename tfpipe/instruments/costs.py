@@ -49,7 +49,7 @@ class _Runs:
   call (where TensorFlow optimises the graph and makes its kernels, outside Python's lock)
   starts there at once, alongside whatever Python traces next."""
 
-  def __init__(self, works, runs_per_call=4, chained=True, pool=None):
+  def __init__(self, works, runs_per_call=4, chained=True, pool=None, relaxed=False):
     self.runs_per_call = runs_per_call
 
     @tf.function(autograph=False)   # as the executor traces (AutoGraph: a second a task)
@@ -74,10 +74,19 @@ class _Runs:
             outs.append(out)   # every run's outputs, so none is pruned
       return outs
     flat = [x for _, inputs, _ in works for x in inputs]
-    concrete = runs.get_concrete_function(*flat)
-    self.call = lambda: concrete(*flat)
+    # `relaxed`: traced for inputs of any batch size (`use` then feeds other sizes, no trace).
+    specs = [tf.TensorSpec([None] + list(x.shape[1:]) if relaxed and x.shape.rank else x.shape,
+                           x.dtype) for x in flat]
+    self._concrete = runs.get_concrete_function(*specs)
+    self.use(flat)
     self._first = pool.submit(self.call) if pool is not None else None
     self.call_seconds = None   # a call's median seconds, once timed
+
+  def use(self, flat):
+    """Calls run on the inputs `flat` from now on (of the traced shapes, any batch size when
+    relaxed)."""
+    self.inputs = flat
+    self.call = lambda: self._concrete(*flat)
 
   def wait(self):
     """Until the first call started on the pool (if any) has ended."""
@@ -140,7 +149,8 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
             repeats: int = 5, num_batches: int = 16, runs_per_call: int = 4,
             quick: bool = False, update: Optional[float] = None,
             cores: Optional[float] = None, method: Optional[str] = None,
-            stages: Optional[Sequence[int]] = None) -> simulator.Costs:
+            stages: Optional[Sequence[int]] = None,
+            traced: Optional[dict] = None) -> simulator.Costs:
   """Each stage's costs per mini-batch on `pipe` (compiled) with the mini-batch `x`, `y`
   (arrays, tensors or a dict of them; a mini-batch of the size `fit` will take), measured
   at the micro-batch size of `micro_batches` (default: the method's M). `inline`: whether
@@ -163,7 +173,11 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   dispatch is taken off its seconds; and the stages' work together is timed by calling
   their traced runs at once, each from its own thread (no trace more). `stages`: the stages
   timed (default: all); the others' times are 0, and neither the cores nor the transfers
-  are timed then."""
+  are timed then. `traced` (a dict, quick only): the tasks traced for a batch of any size and
+  kept there, so a later call at another micro-batch size traces none (each stage's tasks
+  traced once for every M; with accumulators at M = 1 too, whose update is then timed
+  apart: a backward's seconds hold the accumulation, not the update). Quick, the update
+  is timed on one stage, the one of the median weights."""
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
   M = micro_batches or pipe.micro_batches
@@ -188,26 +202,43 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)
   crossing = (pipe.runtime.crossing(schedule, diffs, num_batches) if compiled
               else [0.0] * pipe.num_stages)
+  if traced is not None and not quick:
+    raise ValueError("`traced` keeps a quick profile's tasks: pass quick=True with it")
   if quick:   # one call's dispatch: taken off each timed call, and what a task call pays
-    dispatch = dispatch_seconds(pipe.programs[0].device, repeats=20)
+    if traced is None or "dispatch" not in traced:
+      dispatch = dispatch_seconds(pipe.programs[0].device, repeats=20)
+      if traced is not None:
+        traced["dispatch"] = dispatch
+    dispatch = traced["dispatch"] if traced is not None else dispatch
     per_task, less = (0.0 if inline else dispatch), dispatch
   else:
     per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
     less = 0.0
   timed = set(range(pipe.num_stages) if stages is None else stages)
+  # Quick, an update is timed on one stage: the timed stage of the median weights.
+  by_size = sorted(timed, key=lambda k: sum(int(np.prod(v.shape))
+                                            for v in pipe.programs[k].trainable))
+  updated = {by_size[len(by_size) // 2]} if quick else timed
   # Every task is traced first, then all are timed; quick, each graph's first call starts on
   # a thread beside the next trace.
   pool = concurrent.futures.ThreadPoolExecutor(1) if quick else None
   pending, works = [], []   # per stage timed: (program, {task: its _Runs}), its work
 
-  def start(body, inputs, device):
-    return _Runs([(body, inputs, device)], runs_per_call, pool=pool)
+  def start(key, body, inputs, device):
+    if traced is None:
+      return _Runs([(body, inputs, device)], runs_per_call, pool=pool)
+    key = (key, inline)
+    if key in traced:   # traced for any batch size: fed this one
+      traced[key].use(inputs)
+    else:
+      traced[key] = _Runs([(body, inputs, device)], runs_per_call, pool=pool, relaxed=True)
+    return traced[key]
   try:
     for program in pipe.programs[:max(timed) + 1]:
       # With accumulators (M > 1) a backward adds its gradients and an update applies them;
       # without, the backward updates (and the update costs nothing apart). A prediction
       # reads its stage's version difference under 1F1B (K-1-k).
-      if M > 1:   # built at the first fit otherwise
+      if M > 1 or traced is not None:   # built at the first fit otherwise
         program.updates.build_accumulators()
       accumulate = program.updates.accumulators is not None
       s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
@@ -216,34 +247,39 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         xs = program.forward(xs, s)[0]
         continue
       tasks = {}
+      # The labels and the gradients' scale are inputs (not captured): a task traced for
+      # any batch size is fed other micro-batches.
       if program.is_last:
-        def step(inputs, program=program):
-          kept = program.forward(inputs, labels=labels, inline=inline)[1]
-          return program.backward([kept], None, 0, scale, accumulate, inline=inline).dxs
-        tasks["step"] = start(step, xs, device)
-        works.append((step, xs, device))
+        def step(inputs, program=program, n=len(xs)):
+          own = (tf.nest.pack_sequence_as(labels[0], inputs[n + 1:]), None)
+          kept = program.forward(inputs[:n], labels=own, inline=inline)[1]
+          return program.backward([kept], None, 0, inputs[n], accumulate, inline=inline).dxs
+        inputs = xs + [scale] + tf.nest.flatten(labels[0])
+        tasks["step"] = start((program.index, "step"), step, inputs, device)
+        works.append((step, inputs, device))
       else:
         ys = program.forward(xs, s)[0]
 
         def forward_backward(inputs, program=program, s=s):
-          outputs, kept = program.forward(inputs, s, inline=inline)
-          return program.backward([kept], [tf.ones_like(t) for t in outputs], s, scale,
+          outputs, kept = program.forward(inputs[:-1], s, inline=inline)
+          return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
                                   accumulate, inline=inline).dxs
-        tasks["fb"] = start(forward_backward, xs, device)
-        works.append((forward_backward, xs, device))
+        tasks["fb"] = start((program.index, "fb"), forward_backward, xs + [scale], device)
+        works.append((forward_backward, xs + [scale], device))
         if not quick:
-          tasks["f"] = start(lambda inputs, program=program, s=s: program.forward(
-              inputs, s, inline=inline)[0], xs, device)
+          tasks["f"] = start((program.index, "f"), lambda inputs, program=program, s=s:
+                             program.forward(inputs, s, inline=inline)[0], xs, device)
         following = pipe.programs[program.index + 1].device
 
         def move(inputs, following=following):
           with tf.device(following):
             return [tf.identity(t) for t in inputs]
         if not (quick and shared_cores([device, following]) is not None) and stages is None:
-          tasks["move"] = start(move, ys, device)
+          tasks["move"] = start((program.index, "move"), move, ys, device)
         xs = ys
-      if accumulate and update is None:
-        tasks["update"] = start(lambda inputs, program=program: program.update(inline=True),
+      if accumulate and update is None and program.index in updated:
+        tasks["update"] = start((program.index, "update"),
+                                lambda inputs, program=program: program.update(inline=True),
                                 [], device)
       pending.append((program, tasks))
     for _, tasks in pending:   # no first call still running on the pool while a task is timed

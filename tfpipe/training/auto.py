@@ -72,7 +72,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
   if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
     found = [c for c in found if c.kind == "synchronous"]
   epochs = epochs_lib.factor(advice.family(optimizer), K)
-  speeds, compute, base, update = {c: 0.0 for c in found}, {}, None, None
+  speeds, compute, traced = {c: 0.0 for c in found}, {}, {}
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
     if M > 1 and max(compute.values()) > auto_plan.BUSY * compute[1]:
       continue   # smaller than micro-batches already too small: not profiled
@@ -84,9 +84,8 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
       if not auto_plan.epochs_out(c, epochs):
         ways.setdefault(_inlines(pipe, c.method, M, num_batches), []).append(c)
     for inline, members in sorted(ways.items()):
-      costs, update = _profile(pipe, features, labels, M, inline, members[0].method,
-                               min(num_batches, pipe.runtime.window), base, update)
-      base = base or costs
+      costs = _profile(pipe, features, labels, M, inline, members[0].method,
+                       min(num_batches, pipe.runtime.window), traced)
       if M == 1:   # one batch per update: the update runs inside each backward
         costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
                                     update=0.0)
@@ -101,34 +100,19 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
 
 
 def _profile(pipe, features, labels, M: int, inline: bool, method: str, num_batches: int,
-             base, update):
-  """The costs at M micro-batches, tasks `inline` or not, and an update's seconds (None:
-  not yet timed). The first profile (`base` None) times every stage; each later one two:
-  the stage before the last with the most work in `base`, whose growth scales every stage
-  before the last, and the last stage (its step's loss and metrics grow apart), with
-  transfers and cores as measured before (two traces, not K: the traces are most of a
-  profile's seconds). Against every stage timed (`bench/time_to_accuracy.py`'s classes
-  task, an MLP, at K = 8, M = 8): the stages' summed work 9% under, against 16% with every
-  stage scaled as the busiest grew (a light stage's fixed cost per micro-batch weighs more;
-  the last stage's grew 4.8x, the busiest's 1.35x). An update is timed once, with
-  micro-batches."""
-  options = dict(repeats=5, runs_per_call=2, quick=True, method=method, num_batches=num_batches,
-                 micro_batches=M, inline=inline, update=update)
-  if base is None:
-    costs = costs_lib.measure(pipe, features, labels, **options)
-    return costs, (costs.update if M > 1 else update)
-  work = [f + b for f, b in zip(base.forward, base.backward)]
-  k, last = work.index(max(work[:-1])), len(work) - 1
-  part = costs_lib.measure(pipe, features, labels, stages=[k, last], cores=base.cores,
-                           **options)
-  grew = [(part.forward[i] + part.backward[i]) / work[i] if work[i] > 0 else 1.0
-          for i in (k, last)]
-  scale = [grew[0]] * last + [grew[1]]
-  costs = dataclasses.replace(base, forward=[f * g for f, g in zip(base.forward, scale)],
-                              backward=[b * g for b, g in zip(base.backward, scale)],
-                              update=part.update if M > 1 else 0.0,
-                              per_task=part.per_task, ordered=part.ordered)
-  return costs, (part.update if M > 1 else update)
+             traced: dict):
+  """The costs at M micro-batches, tasks `inline` or not: every stage timed, with the cores
+  its micro-batches keep busy, on tasks traced once for every M (`traced`, kept across the
+  calls). Each stage's tasks are traced for a batch of any size, with accumulators at M = 1
+  too, so a later M traces nothing: traces were most of a profile's seconds. Before, each
+  later M traced two stages again and scaled the others by their growth, with the cores
+  taken at M = 1: on `bench/time_to_accuracy.py`'s shapes task (a CNN) at K = 4 that
+  predicted 3,735 samples/s at M = 4 against 5,477 at M = 1 (chose M = 1), where every
+  stage timed at M = 4 with its cores (1.61 against 1.23 at M = 1) predicted 6,264 and
+  training measured 7,138 against 5,007."""
+  return costs_lib.measure(pipe, features, labels, repeats=5, runs_per_call=2, quick=True,
+                           method=method, num_batches=num_batches, micro_batches=M,
+                           inline=inline, traced=traced)
 
 
 def _inlines(pipe, method: str, M: int, num_batches: int) -> bool:
