@@ -259,3 +259,4 @@ def test_time_to_accuracy_counts_epochs_to_the_target_and_seconds_from_the_timed
   assert cells[12] == "6.0" and cells[13] == "1f1b M=4"
   assert cells[14] == "1.58" and cells[15] == "1.18"   # 6.0 / 3.8; (6.0 - 1.5) / 3.8
   assert "auto (its profile included) within 10% of the fastest: 0 of 1" in out
+  assert "Its profile alone took 39%-39% of the fastest column's time (over 10% on 1 of 1" in out
