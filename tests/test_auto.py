@@ -149,9 +149,14 @@ def test_a_profile_kept_traced_times_other_micro_batch_sizes_without_a_trace(com
   one = costs_lib.measure(compiled_pipe, x, y, micro_batches=1, traced=traced, **options)
   # Two stages' tasks and one update (accumulated at M=1 too), each traced for any batch.
   assert len(made) == 3 and one.update > 0
+  program_class, forwards = type(compiled_pipe.programs[0]), []
+  forward = program_class.forward
+  monkeypatch.setattr(program_class, "forward",
+                      lambda self, *a, **k: forwards.append(self.index) or forward(self, *a, **k))
   four = costs_lib.measure(compiled_pipe, x, y, micro_batches=4, traced=traced, **options)
   compiled_pipe._load_weights()
   assert len(made) == 3   # nothing traced again
+  assert forwards == []   # the next stage's inputs: the first rows of the outputs kept
   fed = [r.inputs[0].shape[0] for r in made if r.inputs]
   assert fed == [16, 16]   # the stages' tasks fed micro-batches of 64 / 4
   assert four.cores is not None and min(four.forward + four.backward) > 0 and four.update > 0

@@ -145,6 +145,22 @@ def dispatch_seconds(device, repeats=50) -> float:
     return median_seconds(lambda: call(value), repeats)
 
 
+def _outputs(program, xs, s, n, traced):
+  """Stage `program`'s outputs on `xs` (micro-batches of `n` samples), the next stage's
+  inputs: with `traced`, the first rows of the outputs kept from a larger micro-batch where
+  every output has one row per sample (the stages' forwards are per sample; the values only
+  feed timed runs), else a forward run now and kept."""
+  key = ("outputs", program.index)
+  if traced is not None and key in traced:
+    rows, kept = traced[key]
+    if rows >= n and all(t.shape.rank and t.shape[0] == rows for t in kept):
+      return [t[:n] for t in kept]
+  ys = program.forward(xs, s)[0]
+  if traced is not None:
+    traced[key] = (n, ys)
+  return ys
+
+
 def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bool] = None,
             repeats: int = 5, num_batches: int = 16, runs_per_call: int = 4,
             quick: bool = False, update: Optional[float] = None,
@@ -176,7 +192,8 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   are timed then. `traced` (a dict, quick only): the tasks traced for a batch of any size and
   kept there, so a later call at another micro-batch size traces none (each stage's tasks
   traced once for every M; with accumulators at M = 1 too, whose update is then timed
-  apart: a backward's seconds hold the accumulation, not the update). Quick, the update
+  apart: a backward's seconds hold the accumulation, not the update), with each stage's
+  outputs, whose first rows feed the next stage at a smaller micro-batch). Quick, the update
   is timed on one stage, the one of the median weights."""
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
@@ -244,7 +261,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
       device = program.device
       if program.index not in timed:
-        xs = program.forward(xs, s)[0]
+        xs = _outputs(program, xs, s, n, traced)
         continue
       tasks = {}
       # The labels and the gradients' scale are inputs (not captured): a task traced for
@@ -258,7 +275,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         tasks["step"] = start((program.index, "step"), step, inputs, device)
         works.append((step, inputs, device))
       else:
-        ys = program.forward(xs, s)[0]
+        ys = _outputs(program, xs, s, n, traced)
 
         def forward_backward(inputs, program=program, s=s):
           outputs, kept = program.forward(inputs[:-1], s, inline=inline)
