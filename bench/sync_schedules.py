@@ -10,8 +10,9 @@ prints per schedule:
   bubble:    1 - compute share of the stages' time, from the recorded timeline
              (`Pipeline.breakdown`) of the last epoch;
   simulated: the simulator's bubble and samples/s for the same schedule from the
-             stage times recorded in that run (`simulator.costs_from_records`),
-             and its error against the measured samples/s;
+             stage times recorded in that run (`simulator.costs_from_records`) on
+             the cores the profile measured the stages to share, and its error
+             against the measured samples/s;
   profiled:  the simulator's samples/s from a short profile of the stages
              (`tfpipe.instruments.costs`), and its error;
   closed:    the closed form with unit F, B, W: (K-1)/(M+K-1) for GPipe and 1F1B,
@@ -30,6 +31,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 
@@ -48,6 +50,8 @@ flags.DEFINE_integer("depth", 8, "hidden layers")
 flags.DEFINE_integer("batch_size", 256, "mini-batch size")
 flags.DEFINE_integer("batches", 16, "mini-batches per epoch")
 flags.DEFINE_integer("epochs", 3, "epochs per run (the first traces)")
+flags.DEFINE_string("results_dir", None, "where the table goes (sync_schedules.md); default "
+                    "bench/results")
 FLAGS = flags.FLAGS
 
 
@@ -99,7 +103,10 @@ def main(argv):
     # per device: its stages' compute shares add up (they run one at a time)
     bubble = 1.0 - sum(s["compute"] for s in shares.shares) / K
     last_epoch = [r for r in recorded.records if r.epoch == FLAGS.epochs - 1]
-    costs = simulator.costs_from_records(last_epoch, S, M, recompute=policy.recompute)
+    # The recorded tasks' own times, on the cores the profile saw the stages share.
+    costs = dataclasses.replace(
+        simulator.costs_from_records(last_epoch, S, M, recompute=policy.recompute),
+        cores=profiled.cores, ordered=profiled.ordered)
     sim = simulator.simulate_method(method, costs, FLAGS.batches, micro_batches=M,
                                     virtual_stages=policy.virtual_stages if S > K else None)
     predicted = sim.samples_per_second(bs)
@@ -113,6 +120,7 @@ def main(argv):
           f"{'closed':>8}{'samples/s':>11}{'x gpipe':>9}{'sim err':>9}{'profiled':>10}"
           f"{'err':>6}")
   print(head)
+  table = []
   for method, kept, paper, bubble, sim_bubble, closed, rate, predicted, from_profile in rows:
     base = rates.get("gpipe")
     ratio = f"{rate / base:.2f}" if base else "-"
@@ -120,6 +128,22 @@ def main(argv):
     print(f"{method:<12}{kept_text:<40}{bubble:>8.3f}{sim_bubble:>10.3f}{closed:>8.3f}"
           f"{rate:>11.0f}{ratio:>9}{predicted / rate - 1:>+9.0%}{from_profile:>10.0f}"
           f"{from_profile / rate - 1:>+6.0%}")
+    table.append([method, kept_text, f"{bubble:.3f}", f"{sim_bubble:.3f}",
+                  "-" if closed != closed else f"{closed:.3f}", f"{rate:.0f}", ratio,
+                  f"{predicted:.0f} ({predicted / rate - 1:+.0%})",
+                  f"{from_profile:.0f} ({from_profile / rate - 1:+.0%})"])
+  from bench import results_io
+  results_io.write(FLAGS.results_dir or results_io.RESULTS, "sync_schedules.md", (
+      f"# The synchronous schedules side by side\n\n`python bench/sync_schedules.py "
+      f"--stages={K} --micro_batches={M}`: SNN {FLAGS.depth} x {FLAGS.width}, batch {bs}, "
+      f"V={V}, {FLAGS.batches} mini-batches an epoch, compiled executor, K logical CPUs of "
+      "this machine's cores. Bubble: measured from the recorded timeline, and simulated from "
+      "the recorded tasks' times on the cores the profile measured; samples/s of an "
+      "unrecorded run; predicted samples/s (error) from the recorded tasks and from a short "
+      "profile.\n\n" + results_io.markdown_table(
+          ["method", "kept per stage (run / verifier)", "bubble", "simulated bubble",
+           "closed form", "samples/s", "x gpipe", "simulated from the records",
+           "from a profile"], table)))
 
 
 if __name__ == "__main__":

@@ -112,9 +112,12 @@ def test_staleness(tmp_path):
   assert "K=2: best val. accuracy" in table and "K=4: best val. accuracy" in table
 
 
-def test_sync_schedules():
+def test_sync_schedules(tmp_path):
   out = _bench("sync_schedules.py", "--stages=2", "--micro_batches=4", "--batches=3",
-               "--epochs=2", "--width=16", "--depth=3", "--batch_size=16")
+               "--epochs=2", "--width=16", "--depth=3", "--batch_size=16",
+               f"--results_dir={tmp_path}")
+  table = (tmp_path / "sync_schedules.md").read_text()
+  assert all(f"| {m} | " in table for m in ("gpipe", "1f1b", "interleaved", "zb", "zbv"))
   methods = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
   rows = {line.split()[0]: line.split() for line in out.splitlines()
           if line.split() and line.split()[0] in methods}

@@ -97,6 +97,25 @@ def test_costs_measured_from_a_timeline_give_back_the_costs(method, micro):
   assert again.makespan == pytest.approx(timeline.makespan)
 
 
+@pytest.mark.parametrize("method,micro", [("1f1b", 4), ("pipedream", None)])
+def test_a_task_recorded_in_pieces_costs_the_sum_of_its_pieces(method, micro):
+  # The compiled executor's profiler timeline gives one record per run of a task's ops: a
+  # task that waits for a core between its ops comes as several records.
+  costs = Costs([1.0, 2.0, 1.5], [2.0, 3.0, 2.5], [0.25, 0.5], update=0.0)
+  records = simulator.simulate_method(method, costs, 12, micro_batches=micro).records()
+  pieces = []
+  for r in records:
+    third = (r.end - r.start) / 3
+    pieces += [r._replace(start=r.start + 2 * i * third, end=r.start + (2 * i + 1) * third)
+               for i in range(3)] if r.kind in ("F", "B", "FB") else [r]
+  policy = simulator.policies.policy_for(method)
+  whole = simulator.costs_from_records(records, 3, micro or 1, policy.recompute)
+  split = simulator.costs_from_records(pieces, 3, micro or 1, policy.recompute)
+  assert split.forward == pytest.approx(whole.forward)
+  assert split.backward == pytest.approx(whole.backward)
+  assert whole.backward[:2] == pytest.approx(costs.backward[:2])
+
+
 @pytest.mark.parametrize("method,micro", [("gpipe", 4), ("1f1b", 4), ("zb", 4), ("pipedream", None),
                                           ("spectrain", None), ("vanilla", None)])
 def test_stages_sharing_one_core_take_the_sum_of_their_work(method, micro):

@@ -18,6 +18,7 @@ link, overlapped with the next iteration's computation).
 """
 
 import bisect
+import collections
 import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -281,19 +282,27 @@ def costs_from_records(records: Sequence[TaskRecord], num_stages: int, micro_bat
   """`Costs` measured in a run: each stage's median task times, per mini-batch.
 
   `records`: `tfpipe.runtime.TaskRecord`s of a `Pipeline(record=True)` run
-  (or `Timeline.records()`); a micro-batch task counts 1/M of a mini-batch.
-  With `recompute`, a backward's time includes its stage's forward, which
-  is taken out. The last stage's FB step is its backward (its forward costs
-  0 here: the simulator runs the two as one step there). Times measured in
-  the running pipeline include what isolated timings miss: stages sharing
-  cores, per-task overhead.
+  (or `Timeline.records()`); a task's records (one per run of its ops, on the
+  compiled executor) add up to its time; a micro-batch task counts 1/M of a
+  mini-batch. With `recompute`, a backward's time includes its stage's
+  forward, which is taken out. The last stage's FB step is its backward (its
+  forward costs 0 here: the simulator runs the two as one step there). The
+  times are the tasks' own: where the devices share cores, give the result
+  the cores they share (`dataclasses.replace(costs, cores=...)`, e.g. a
+  profile's, `tfpipe.instruments.costs.measure`).
   """
   K, M = num_stages, micro_batches
 
   def median(kind: str, k: int) -> Optional[float]:
-    times = [(r.end - r.start) * (M if r.micro is not None else 1) for r in records
-             if r.kind == kind and r.stage == k]
-    return statistics.median(times) if times else None
+    # A task's records add up: the compiled executor's profiler timeline gives one record
+    # per run of its ops, and a task waiting for a core between its ops runs several (1F1B,
+    # K=4 on 2 cores: 3-14 a task; their median was a twentieth of a task).
+    tasks = collections.defaultdict(float)
+    for r in records:
+      if r.kind == kind and r.stage == k:
+        tasks[(r.batch, r.micro, r.epoch)] += (r.end - r.start) * (M if r.micro is not None
+                                                                    else 1)
+    return statistics.median(tasks.values()) if tasks else None
 
   forward, backward, transfer, shares = [], [], [], []
   for k in range(K):
