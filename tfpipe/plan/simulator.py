@@ -297,7 +297,7 @@ def costs_from_records(records: Sequence[TaskRecord], num_stages: int, micro_bat
     # A task's records add up: the compiled executor's profiler timeline gives one record
     # per run of its ops, and a task waiting for a core between its ops runs several (1F1B,
     # K=4 on 2 cores: 3-14 a task; their median was a twentieth of a task).
-    tasks = collections.defaultdict(float)
+    tasks: Dict[Tuple[Optional[int], Optional[int], int], float] = collections.defaultdict(float)
     for r in records:
       if r.kind == kind and r.stage == k:
         tasks[(r.batch, r.micro, r.epoch)] += (r.end - r.start) * (M if r.micro is not None
