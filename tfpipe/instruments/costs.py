@@ -192,8 +192,8 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   are timed then. `traced` (a dict, quick only): the tasks traced for a batch of any size and
   kept there, so a later call at another micro-batch size traces none (each stage's tasks
   traced once for every M; with accumulators at M = 1 too, whose update is then timed
-  apart: a backward's seconds hold the accumulation, not the update), with each stage's
-  outputs, whose first rows feed the next stage at a smaller micro-batch). Quick, the update
+  apart: a backward's seconds hold the accumulation, not the update); and each stage's
+  outputs, whose first rows feed the next stage at a smaller micro-batch. Quick, the update
   is timed on one stage, the one of the median weights."""
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
