@@ -129,7 +129,7 @@ def main(argv):
           f"{rate:>11.0f}{ratio:>9}{predicted / rate - 1:>+9.0%}{from_profile:>10.0f}"
           f"{from_profile / rate - 1:>+6.0%}")
     table.append([method, kept_text, f"{bubble:.3f}", f"{sim_bubble:.3f}",
-                  "-" if closed != closed else f"{closed:.3f}", f"{rate:.0f}", ratio,
+                  "-" if np.isnan(closed) else f"{closed:.3f}", f"{rate:.0f}", ratio,
                   f"{predicted:.0f} ({predicted / rate - 1:+.0%})",
                   f"{from_profile:.0f} ({from_profile / rate - 1:+.0%})"])
   from bench import results_io

@@ -86,7 +86,10 @@ class _Runs:
     """Calls run on the inputs `flat` from now on (of the traced shapes, any batch size when
     relaxed)."""
     self.inputs = flat
-    self.call = lambda: self._concrete(*flat)
+
+  def call(self):
+    """One call of the traced runs on the inputs in use."""
+    return self._concrete(*self.inputs)
 
   def wait(self):
     """Until the first call started on the pool (if any) has ended."""
@@ -222,20 +225,20 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   if traced is not None and not quick:
     raise ValueError("`traced` keeps a quick profile's tasks: pass quick=True with it")
   if quick:   # one call's dispatch: taken off each timed call, and what a task call pays
-    if traced is None or "dispatch" not in traced:
-      dispatch = dispatch_seconds(pipe.programs[0].device, repeats=20)
-      if traced is not None:
-        traced["dispatch"] = dispatch
-    dispatch = traced["dispatch"] if traced is not None else dispatch
+    kept = traced if traced is not None else {}
+    if "dispatch" not in kept:
+      kept["dispatch"] = dispatch_seconds(pipe.programs[0].device, repeats=20)
+    dispatch = kept["dispatch"]
     per_task, less = (0.0 if inline else dispatch), dispatch
   else:
     per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
     less = 0.0
   timed = set(range(pipe.num_stages) if stages is None else stages)
-  # Quick, an update is timed on one stage: the timed stage of the median weights.
-  by_size = sorted(timed, key=lambda k: sum(int(np.prod(v.shape))
-                                            for v in pipe.programs[k].trainable))
-  updated = {by_size[len(by_size) // 2]} if quick else timed
+  updated = timed
+  if quick:   # an update timed on one stage: the timed stage of the median weights
+    by_size = sorted(timed, key=lambda k: sum(int(np.prod(v.shape))
+                                              for v in pipe.programs[k].trainable))
+    updated = {by_size[len(by_size) // 2]}
   # Every task is traced first, then all are timed; quick, each graph's first call starts on
   # a thread beside the next trace.
   pool = concurrent.futures.ThreadPoolExecutor(1) if quick else None
