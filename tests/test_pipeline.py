@@ -249,7 +249,7 @@ def test_vanilla_backward_reads_current_weights():
     if r.kind == "B":  # version = updates before it: every earlier batch's backward at k
       assert r.version == r.batch
   assert pipe.runtime.peak_versions == [0, 0, 0]  # inputs only
-  assert pipe.runtime.peak_saved == [3, 2, 0]
+  assert pipe.runtime.peak_saved == [3, 2, 1]   # the last stage's step holds its forward
 
 
 def test_spectrain_copies():

@@ -10,7 +10,9 @@ k: stage index, M: micro-batches. Bytes are counted from what the run held:
   activations:  the peak count of kept forward states the runtime measured,
                 times one state: the outputs of every layer of the stage
                 (a gradient tape's saved tensors) or, for methods that
-                recompute, the stage's inputs; one unit is a micro-batch;
+                recompute, the stage's inputs; one unit is a micro-batch. The
+                last stage runs forward and backward as one step, which holds the
+                tape of every forward it joins (one unit, or a mini-batch's M);
   optimizer:    the optimizer's slots (SpecTrain's smoothed gradient,
                 momentum) and counters;
   accumulators: gradient accumulators of micro-batched methods.
@@ -68,7 +70,9 @@ def stage_memory(pipeline, batch_size):
   for k, program in enumerate(pipeline.programs):
     weights = _bytes(program.trainable) + _bytes(program.non_trainable)
     trainable = _bytes(program.trainable)
-    if ops["F"].keeps != "tape":
+    # A forward keeps its tape, or its inputs only; the last stage's step builds the tape of
+    # every forward it joins, whatever the method keeps.
+    if ops["F"].keeps != "tape" and not program.is_last:
       state = _per_sample(program.model.inputs)
     else:
       state = _per_sample(program.model.inputs) + _per_sample(_layer_outputs(program.model))

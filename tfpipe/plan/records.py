@@ -35,11 +35,13 @@ def kept_peaks(tasks: Sequence[schedules.Task], diffs: Mapping[schedules.Task, i
   A forward's state lives until the backward that covers it (a split backward's W). With
   `keeps_weights` (the backward reads the forward's weights) each state
   holds the version it read, or its prediction (version, s); otherwise it
-  holds inputs only. The last stage runs forward and backward as one step.
+  holds inputs only. The last stage runs forward and backward as one step: its forwards are
+  held (inputs only) until the step, which then holds every unit it joins at once, so they
+  count as states, but they hold no weight version (a split step keeps its tape for its W).
   """
   split = {(t.batch, t.micro) for t in tasks if t.kind == "W"}
-  if last and not split:   # a split step keeps its tape for its W
-    return 0, 0
+  if last and not split:
+    keeps_weights = False
   held: Dict[Tuple[int, Optional[int]], Tuple[int, int]] = {}
   updates, peak_states, peak_versions = 0, 0, 0
   for task in tasks:

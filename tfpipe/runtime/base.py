@@ -28,7 +28,7 @@ class Executor:
     self._verified = Recent()            # schedules verified lately (as keys): their reports
     self.schedule_key = None             # the last epoch's schedule as a key (`key`)
     self.updates = [0] * self.K          # updates applied per stage so far
-    self.peak_saved = [0] * self.K       # most forward states kept at once, per stage
+    self.peak_saved = [0] * self.K       # most forward states kept (or held for a step) at once
     self.peak_versions = [0] * self.K    # most weight versions kept at once, per stage
 
   @property

@@ -108,7 +108,7 @@ class Moves:
     """Task `action` ran as `kind` (`tfpipe.plan.records.TaskRecord`'s kinds) from `start`."""
 
   def saved(self, stage):
-    """Stage `stage` kept a forward (its peak of kept forwards)."""
+    """Stage `stage` kept a forward, or held one for its step (its peak of kept forwards)."""
 
 
 def run(action, stage, moves):
@@ -124,6 +124,7 @@ def run(action, stage, moves):
     ys, kept = program.forward(xs, s, labels, inline=moves.inline)
     if op == "hold":   # the last stage runs its forward and loss with the backward (its step)
       stage.held[unit] = Held(kept, share, s)
+      moves.saved(stage)
       return
     version = moves.version(k, s)
     stage.saved[unit] = Saved(kept, version, share)

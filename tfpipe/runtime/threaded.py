@@ -225,9 +225,10 @@ class _LinkMoves(interpreter.Moves):
   def saved(self, stage):
     """Tracks the peak count of kept forward states and of the weight versions they hold: a
     kept tape (or a blend's kept weights) holds the weights its forward read, version v
-    (stashed) or the prediction (v, s) of that forward; inputs-only states hold none."""
+    (stashed) or the prediction (v, s) of that forward; inputs-only states, and the last
+    stage's forwards held for its step, hold none."""
     k, runtime = stage.k, self.runtime
-    runtime.peak_saved[k] = max(runtime.peak_saved[k], len(stage.saved))
+    runtime.peak_saved[k] = max(runtime.peak_saved[k], len(stage.saved) + len(stage.held))
     versions = {(part.version, self.diffs[k].get(schedules.Task("F", *unit), 0))
                 for unit, part in stage.saved.items() if part.kept.weights is not None}
     runtime.peak_versions[k] = max(runtime.peak_versions[k], len(versions))
