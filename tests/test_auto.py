@@ -126,6 +126,50 @@ def test_a_quick_profile_traces_each_stage_once_beside_the_last_ones_first_call_
   assert costs_lib._at_once([made, made], 3) > 0
 
 
+def test_stages_run_at_once_are_timed_at_their_fastest_quarter_after_warm_calls(monkeypatch):
+  # Calls of every stage at once took ~19 ms or ~12 ms call by call (the executor's order),
+  # the first ~10 of a graph ~19 ms: a median of few calls read the cores half idle.
+  clock = [0.0]
+  monkeypatch.setattr(costs_lib.time, "perf_counter", lambda: clock[0])
+
+  class Run:   # a traced stage whose calls take the next of `durations`
+    def __init__(self, durations):
+      self.durations = iter(durations)
+
+    def call(self):
+      clock[0] += next(self.durations)
+      return []
+  mixed = [0.019] * 7 + [0.012] * 5
+  assert costs_lib.TOGETHER_REPEATS == len(mixed) and costs_lib.TOGETHER_QUANTILE == 0.25
+  assert costs_lib._at_once([Run(mixed)], 5) == pytest.approx(0.012)
+  asked = []
+  real = costs_lib.median_seconds
+
+  def median_seconds(fn, repeats, untimed=2, quantile=0.5):
+    asked.append((repeats, untimed, quantile))
+    return real(fn, repeats, untimed, quantile)
+  monkeypatch.setattr(costs_lib, "median_seconds", median_seconds)
+  work = (lambda xs: [xs[0] * 2.0], [tf.ones([4])], "/device:CPU:0")
+  clock[0] = 0.0   # real runs below: they take no time on the fake clock
+  costs_lib._in_graph([work, work], repeats=5, runs_per_call=1)
+  assert asked == [(12, 13, 0.25)]   # 12 timed after 12 warm calls and one that traces
+
+
+def test_a_full_profile_takes_the_higher_of_its_two_readings_of_the_cores(compiled_pipe,
+                                                                          monkeypatch):
+  # Either reading (every stage in one graph, or their graphs called from threads) errs low
+  # only, when the executor's order leaves a core idle, and one graph may keep that order.
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  cores = {}
+  for graph, threads in ((1e-9, 1e3), (1e3, 1e-9), (1e3, 1e3)):   # seconds together
+    monkeypatch.setattr(costs_lib, "_in_graph", lambda *args, s=graph, **kw: s)
+    monkeypatch.setattr(costs_lib, "_at_once", lambda runs, repeats, s=threads: s)
+    cores[(graph, threads)] = costs_lib.measure(compiled_pipe, x, y, repeats=2,
+                                                runs_per_call=2).cores
+    compiled_pipe._load_weights()
+  assert cores == {(1e-9, 1e3): 2.0, (1e3, 1e-9): 2.0, (1e3, 1e3): 1.0}   # 2 logical CPUs
+
+
 def test_a_profile_of_some_stages_times_only_them(compiled_pipe):
   x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
   costs = costs_lib.measure(compiled_pipe, x, y, micro_batches=2, inline=True, repeats=2,

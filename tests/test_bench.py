@@ -125,7 +125,10 @@ def test_sync_schedules(tmp_path):
   # kept micro-batches at stage 0, measured / verified: gpipe M, 1f1b min(K, M), zb min(K, M)
   assert (rows["gpipe"][1], rows["1f1b"][1], rows["zb"][1]) == ("4", "2", "2")
   assert rows["interleaved"].index("/") == 5   # 4 stages on 2 devices
-  assert rows["gpipe"][-4] == "1.00"   # samples/s x gpipe
+  for row in rows.values():   # every stage, the last's step included, kept what was verified
+    n = row.index("/")
+    assert row[1:n] == row[n + 1:2 * n]
+  assert rows["gpipe"][-5] == "1.00"   # samples/s x gpipe
 
 
 def test_data_parallel_pipeline():
