@@ -41,6 +41,21 @@ def test_time_to_accuracy_counts_a_stale_methods_extra_epochs_against_its_speed(
   assert rows[0].seconds == pytest.approx(0.8 / 900)
 
 
+def test_schedules_predicted_alike_at_one_m_rank_by_what_they_keep():
+  # Stages sharing the cores: the three schedules predicted alike but for the last digits.
+  found = [auto.Candidate(m, 4, "synchronous") for m in ("gpipe", "zb", "1f1b")]
+  found += [auto.Candidate("1f1b", 8, "synchronous"), auto.Candidate("2bw", 1, "2bw")]
+  rates = [1000.0 * (1 + 3e-9), 1000.0 * (1 + 1e-9), 1000.0, 999.9, 1000.0]
+  rows = auto.rank(found, dict(zip(found, rates)), {1: 1.0, 4: 1.0, 8: 1.0}, {"2bw": 1.0})
+  assert [r.candidate.name for r in rows[:3]] == ["1f1b M=4", "zb M=4", "gpipe M=4"]
+  # Another M ranks by its own prediction (2bw M=1 as fast as 1f1b M=4 is no tie with it).
+  assert [r.candidate.name for r in rows[3:]] == ["2bw M=1", "1f1b M=8"]
+  # Faster by more than a tie: the prediction ranks.
+  rates[1] = 1000.0 * (1 + 2 * auto.TIE)
+  rows = auto.rank(found, dict(zip(found, rates)), {1: 1.0, 4: 1.0, 8: 1.0}, {"2bw": 1.0})
+  assert rows[0].candidate.name == "zb M=4"
+
+
 def test_candidates_that_cannot_win_say_why():
   rows = _rank([1000.0, 3000.0, 900.0], {"spectrain": None}, compute={1: 1.0, 4: 1.2, 8: 2.5})
   why = {r.candidate.kind: r.why for r in rows}

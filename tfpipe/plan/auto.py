@@ -9,16 +9,24 @@ synchronous schedule equals Keras, so 1; an asynchronous method's factor is meas
 reach that accuracy in the measured runs, is not chosen. A micro-batch size is a candidate
 only where the profile shows a device kept busy: a mini-batch's compute cut into M
 micro-batches costs at most `BUSY` times the compute of the mini-batch taken whole.
+Candidates of one M predicted within `TIE` of each other rank by what they keep: 1f1b
+(stage k keeps K - k micro-batches), zb (up to K), gpipe (M), then the asynchronous methods
+(their weights do not equal Keras's). Where the stages share the cores, the simulator
+predicts the three schedules alike at one M (the cores, not the bubble, bound them), and
+their order had followed the last digits of the prediction.
 """
 
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["AUTO", "BUSY", "Candidate", "Row", "candidates", "epochs_out", "rank", "report_lines",
+__all__ = ["AUTO", "BUSY", "TIE", "KEEPS", "Candidate", "Row", "candidates", "epochs_out", "rank", "report_lines",
            "by_micro_batches"]
 
 AUTO = "auto"   # the method name that asks for the choice
 BUSY = 2.0
+TIE = 1e-3   # relative: predicted seconds to accuracy this close are a tie
+
+KEEPS = ("1f1b", "zb", "gpipe")   # the schedules, least kept first
 
 SYNCHRONOUS = ("1f1b", "zb", "gpipe")
 
@@ -105,8 +113,17 @@ def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, floa
       why = out
     seconds = None if why or factor is None else factor / rate
     rows.append(Row(c, rate, factor, seconds, why))
-  return sorted(rows, key=lambda r: (r.seconds is None, r.seconds or 0.0,
-                                     -r.samples_per_second))
+  def key(r):
+    if r.seconds is None:
+      return (True, 0.0, 0, -r.samples_per_second)
+    # The fastest of its M's candidates within TIE of it stands for them all: a tie.
+    tied = min(o.seconds for o in rows if o.seconds is not None
+               and o.candidate.micro_batches == r.candidate.micro_batches
+               and abs(o.seconds - r.seconds) <= TIE * r.seconds)
+    keeps = (KEEPS.index(r.candidate.method) if r.candidate.kind == "synchronous"
+             else len(KEEPS))
+    return (False, tied, keeps, -r.samples_per_second)
+  return sorted(rows, key=key)
 
 
 def report_lines(rows: Sequence[Row], batch_size: int, num_batches: int) -> List[str]:
