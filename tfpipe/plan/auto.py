@@ -19,16 +19,14 @@ their order had followed the last digits of the prediction.
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["AUTO", "BUSY", "TIE", "KEEPS", "Candidate", "Row", "candidates", "epochs_out", "rank", "report_lines",
-           "by_micro_batches"]
+__all__ = ["AUTO", "BUSY", "TIE", "Candidate", "Row", "candidates", "epochs_out", "rank",
+           "report_lines", "by_micro_batches"]
 
 AUTO = "auto"   # the method name that asks for the choice
 BUSY = 2.0
 TIE = 1e-3   # relative: predicted seconds to accuracy this close are a tie
 
-KEEPS = ("1f1b", "zb", "gpipe")   # the schedules, least kept first
-
-SYNCHRONOUS = ("1f1b", "zb", "gpipe")
+SYNCHRONOUS = ("1f1b", "zb", "gpipe")   # the schedules, least kept first (ties go that way)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,15 +111,15 @@ def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, floa
       why = out
     seconds = None if why or factor is None else factor / rate
     rows.append(Row(c, rate, factor, seconds, why))
-  def key(r):
+  def key(r: Row) -> Tuple[bool, float, int, float]:
     if r.seconds is None:
       return (True, 0.0, 0, -r.samples_per_second)
     # The fastest of its M's candidates within TIE of it stands for them all: a tie.
     tied = min(o.seconds for o in rows if o.seconds is not None
                and o.candidate.micro_batches == r.candidate.micro_batches
                and abs(o.seconds - r.seconds) <= TIE * r.seconds)
-    keeps = (KEEPS.index(r.candidate.method) if r.candidate.kind == "synchronous"
-             else len(KEEPS))
+    keeps = (SYNCHRONOUS.index(r.candidate.method) if r.candidate.kind == "synchronous"
+             else len(SYNCHRONOUS))
     return (False, tied, keeps, -r.samples_per_second)
   return sorted(rows, key=key)
 
