@@ -47,11 +47,12 @@ def median_seconds(fn, repeats, untimed=2, quantile=0.5):
 # or ~19 ms, call by call, as the executor happened to order the ops: a median of 5 after 2
 # untimed read 1.1-1.4 cores in 3 of 10 profiles (predicting 43% under the measured
 # samples/s), where training's many calls of a window keep ~1.9 busy. Some graphs stay in
-# the slow order for every call (three `bench/sync_schedules.py` runs: one of five methods
-# read 1.1-1.2 cores, -38% to -43%): the full profile takes the higher of two readings, the
+# the slow order for every call (`bench/sync_schedules.py`: one of five methods at ~1.1-1.2
+# cores in 4 of 6 runs, -38% to -48%): the full profile takes the higher of two readings, the
 # stages in one graph and their own graphs called at once from threads (`_at_once`), since
-# either only errs low (a core left idle). Then: five methods at 1.9-2.0 cores, within 13%;
-# `bench/predicted_speed.py`'s MLP rows 16 of 16 within 20%, median error 3% (6% before).
+# either only errs low (a core left idle). Then, three runs: all 15 profiles at 1.71-2.00
+# cores, errors -23% to +10%; `bench/predicted_speed.py`'s MLP rows 16 of 16 within 20%,
+# median error 3% (6% before).
 TOGETHER_QUANTILE = 0.25
 TOGETHER_REPEATS = 12
 
