@@ -161,3 +161,66 @@ def test_a_kept_forwards_gradient_keeps_a_constant_exponent_constant():
   assert folded and set(folded) == {"constant"}   # what Grappler rewrites
   np.testing.assert_array_equal(gradient, expected)
   np.testing.assert_allclose(gradient, [3.0, -8.0, 3.0])   # 2 x w
+
+
+@contextlib.contextmanager
+def _retracing_warnings():
+  """The lines TensorFlow logs to say that a tf.function retraces too often."""
+  import logging
+
+  import tensorflow as tf
+
+  class Lines(logging.Handler):
+    def __init__(self):
+      super().__init__(logging.WARNING)
+      self.lines = []
+
+    def emit(self, record):
+      if "triggered tf.function retracing" in record.getMessage():
+        self.lines.append(record.getMessage())
+  handler = Lines()
+  tf.get_logger().addHandler(handler)
+  try:
+    yield handler.lines
+  finally:
+    tf.get_logger().removeHandler(handler)
+
+
+class _Traced:
+  def __init__(self, make):
+    self.function = make(self.run)
+
+  def run(self, x):
+    return x * 2.0
+
+
+def test_own_functions_count_their_own_traces_and_still_warn_where_one_retraces():
+  import tensorflow as tf
+  with _retracing_warnings() as shared:
+    for _ in range(6):   # six objects, each tracing its method once
+      _Traced(lambda fn: tf.function(fn, autograph=False)).function(tf.ones([2]))
+  assert shared   # TensorFlow counts them as one function retracing
+  with _retracing_warnings() as own:
+    for _ in range(6):
+      _Traced(lambda fn: compat.own_function(fn, autograph=False)).function(tf.ones([2]))
+  assert own == []
+  with _retracing_warnings() as retraced:
+    one = _Traced(lambda fn: compat.own_function(fn, autograph=False))
+    for n in range(1, 7):   # one function traced at six shapes
+      one.function(tf.ones([n, n, n]))
+  assert retraced
+  assert one.function.get_concrete_function(tf.ones([2])).name.decode().startswith(
+      "__inference_run")   # traced under the method's own name
+
+
+def test_pipelines_built_one_after_another_log_no_retracing_warning():
+  import keras
+  import tfpipe
+  from tests import helpers
+  x, y = helpers.as_arrays(helpers.batches(n=2))
+  with _retracing_warnings() as lines:
+    for seed in range(6):   # a sweep: each pipeline traces its own windows and stages once
+      pipe = tfpipe.Pipeline(helpers.mlp(seed=seed), num_stages=2, method="pipedream")
+      pipe.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+      pipe.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  assert lines == []

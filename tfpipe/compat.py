@@ -14,12 +14,13 @@ once per callee and input signature instead), a control input that spares
 TensorFlow's XLA pass a scan of every call's callee, the
 payload that marks a derived error, the profiler's converter from a
 profile to trace events, the per-replica values that `tf.distribute`'s
-cross-device ops reduce, and whether the runtime has started (the bench scripts fork
-their measurements before it has). Keras and TensorFlow may move these: `missing()`
+cross-device ops reduce, whether the runtime has started (the bench scripts fork
+their measurements before it has), and how `tf.function` counts retraces (by code object). Keras and TensorFlow may move these: `missing()`
 names what the installed versions lack, and a test fails loudly on it.
 """
 
 import contextlib
+import functools
 import logging
 import threading
 
@@ -45,11 +46,26 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
            "per_replica", "runtime_started", "data_adapter", "nested_models", "flattened",
-           "overrides_compile", "compile_arguments"]
+           "overrides_compile", "compile_arguments", "own_function"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
 NOT_INLINED = {"_noinline": True}
+
+
+def own_function(fn, **options):
+  """`tf.function(fn, **options)` whose traces TensorFlow counts for this function alone.
+
+  TensorFlow warns that a function retraces ("5 out of the last 5 calls to ... triggered
+  tf.function retracing") counting the traces of every function made from one Python code
+  object: every stage's task functions (and every pipeline's windows) share theirs, so one
+  `method="auto"` pipeline at K=8, or a process that builds several pipelines, read as one
+  function retracing, though each traced once. A partial has no code object, so TensorFlow
+  counts by the function itself: one that does retrace still warns."""
+  own = functools.partial(fn)
+  own.__name__ = getattr(fn, "__name__", "function")   # the traced graph's name, as before
+  return tf.function(own, **options)
+
 
 # The payload TensorFlow puts on an error that only follows another one (a cancelled receive).
 _DERIVED = b"type.googleapis.com/tensorflow.DerivedStatus"

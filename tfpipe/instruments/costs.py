@@ -80,7 +80,7 @@ class _Runs:
       for body, inputs, device in works:
         # Traced once and called per run: the graph optimiser inlines the calls (the same
         # graph), the runs after the first add no trace (measured: a third of a profile).
-        body = tf.function(body, autograph=False)
+        body = compat.own_function(body, autograph=False)
         xs, at, out = flat[at:at + len(inputs)], at + len(inputs), []
         with tf.device(device):
           for i in range(runs_per_call):

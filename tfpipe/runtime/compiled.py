@@ -103,10 +103,10 @@ class CompiledRuntime(Executor):
     # flush window or None.
     self._plans = base.Recent()
     self._plan = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
-    self._train = tf.function(self._train_window, autograph=False)
+    self._train = compat.own_function(self._train_window, autograph=False)
     self.grouped = grouped.GroupedWindows(self)   # a plan's windows as one function's branches
     self.loops = loops.LoopWindows(self)   # windows that loop over their mini-batches
-    self._infer = tf.function(self._infer_window, autograph=False)
+    self._infer = compat.own_function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
     # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
     self._gpu = any(tf.DeviceSpec.from_string(p.device).device_type == "GPU" for p in programs)

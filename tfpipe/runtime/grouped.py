@@ -15,7 +15,7 @@ class GroupedWindows:
 
   def __init__(self, runtime):
     self.runtime, self.groups = runtime, {}
-    self.function = tf.function(self._traced, autograph=False)
+    self.function = compat.own_function(self._traced, autograph=False)
 
   def group_of(self, plan, numbers):
     """The `Group` that runs `plan` (windows of stage calls, not profiled), else None."""

@@ -4,6 +4,7 @@ mini-batch's tasks whatever W is."""
 
 import tensorflow as tf
 
+from tfpipe import compat
 from tfpipe.plan import schedules
 from tfpipe.runtime import calls
 
@@ -15,7 +16,7 @@ class LoopWindows:
 
   def __init__(self, runtime):
     self.runtime = runtime
-    self.function = tf.function(self._traced, autograph=False)
+    self.function = compat.own_function(self._traced, autograph=False)
 
   def train(self, flush, number, batches, num_batches, M, on_result, before):
     """Runs a schedule whose mini-batches finish one by one (`windows.flush_window`): each

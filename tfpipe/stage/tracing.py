@@ -20,11 +20,13 @@ class TaskFunctions:
 
   def __init__(self, bodies, device, jit_compile, inlinable=("part_grads",)):
     self.bodies, self.device, self.jit_compile = bodies, device, jit_compile
-    self.inlinable = {name: tf.function(bodies[name], reduce_retracing=True, autograph=False)
+    self.inlinable = {name: compat.own_function(bodies[name], reduce_retracing=True,
+                                                   autograph=False)
                       for name in inlinable}
     # Traced once per signature, called (not inlined) from the window graph.
-    self.traced = {name: tf.function(body, reduce_retracing=True, jit_compile=jit_compile,
-                                     autograph=False, experimental_attributes=compat.NOT_INLINED)
+    self.traced = {name: compat.own_function(body, reduce_retracing=True,
+                                              jit_compile=jit_compile, autograph=False,
+                                              experimental_attributes=compat.NOT_INLINED)
                    for name, body in bodies.items()}
     self.functions = {name: self._placed(fn) if jit_compile else fn
                       for name, fn in self.traced.items()}

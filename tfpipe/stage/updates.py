@@ -10,6 +10,7 @@ weights shared across stages) where one is set (`joint`).
 
 import tensorflow as tf
 
+from tfpipe import compat
 from tfpipe.rules import mitigations
 
 __all__ = ["Updates"]
@@ -28,7 +29,8 @@ class Updates:
     # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
     # holds one call op per update rather than a Python trace of the optimizer each time
     # (measured, 8 x Dense(32), K=4, 8 mini-batches: first epoch 5.1 s, then 3.5 s).
-    self._apply_step = tf.function(self._step, reduce_retracing=True, autograph=False)
+    self._apply_step = compat.own_function(self._step, reduce_retracing=True,
+                                             autograph=False)
 
   def build_accumulators(self):
     """Creates the gradient accumulators (once) for schedules with micro-batch backwards."""
