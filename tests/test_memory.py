@@ -33,11 +33,14 @@ def test_memory_follows_each_methods_rule():
   assert stash[0]["activations"] == 3 * per_sample_0 * 16
   _, vanilla = _memory("vanilla")
   assert [row["versions"] for row in vanilla] == [0, 0, 0]
-  assert vanilla[0]["activations"] == 3 * 4 * 8 * 16            # inputs only
+  # Inputs only, and the one tape a backward rebuilds while it runs (a unit's layer outputs).
+  assert vanilla[0]["activations"] == 3 * 4 * 8 * 16 + 4 * (16 + 16) * 16
   _, gpipe = _memory("gpipe", micro_batches=4)
   assert gpipe[0]["accumulators"] == weight_bytes[0]
   assert gpipe[0]["versions"] == 0     # no update inside a mini-batch: the current weights
   assert gpipe[0]["activations"] == 4 * per_sample_0 * 4          # M micro-batches of 4
+  _, again = _memory("gpipe", micro_batches=4, recompute=True)   # M inputs, one tape rebuilt
+  assert again[0]["activations"] == 4 * 4 * 8 * 4 + 4 * (16 + 16) * 4
   # The last stage's step holds the tape of every unit it joins: a mini-batch, a micro-batch.
   per_sample_2 = 4 * (16 + 3)   # its inputs + the logits
   assert stash[2]["activations"] == per_sample_2 * 16

@@ -10,9 +10,11 @@ k: stage index, M: micro-batches. Bytes are counted from what the run held:
   activations:  the peak count of kept forward states the runtime measured,
                 times one state: the outputs of every layer of the stage
                 (a gradient tape's saved tensors) or, for methods that
-                recompute, the stage's inputs; one unit is a micro-batch. The
-                last stage runs forward and backward as one step, which holds the
-                tape of every forward it joins (one unit, or a mini-batch's M);
+                recompute, the stage's inputs and, while a backward runs, the
+                one tape it rebuilds (a unit's layer outputs); one unit is a
+                micro-batch. The last stage runs forward and backward as one
+                step, which holds the tape of every forward it joins (one unit,
+                or a mini-batch's M);
   optimizer:    the optimizer's slots (SpecTrain's smoothed gradient,
                 momentum) and counters;
   accumulators: gradient accumulators of micro-batched methods.
@@ -70,16 +72,19 @@ def stage_memory(pipeline, batch_size):
   for k, program in enumerate(pipeline.programs):
     weights = _bytes(program.trainable) + _bytes(program.non_trainable)
     trainable = _bytes(program.trainable)
-    # A forward keeps its tape, or its inputs only; the last stage's step builds the tape of
-    # every forward it joins, whatever the method keeps.
+    # A forward keeps its tape, or its inputs only, and then the backward rebuilds one tape
+    # (held while it runs, on top of the inputs kept); the last stage's step builds the tape
+    # of every forward it joins, whatever the method keeps.
+    inputs, outputs = _per_sample(program.model.inputs), _per_sample(_layer_outputs(program.model))
+    kept = pipeline.runtime.peak_saved[k]
     if ops["F"].keeps != "tape" and not program.is_last:
-      state = _per_sample(program.model.inputs)
+      activations = (kept * inputs + (outputs if kept else 0)) * unit
     else:
-      state = _per_sample(program.model.inputs) + _per_sample(_layer_outputs(program.model))
+      activations = kept * (inputs + outputs) * unit
     row = {
         "weights": weights,
         "versions": max(0, pipeline.runtime.peak_versions[k] - extra_current) * trainable,
-        "activations": pipeline.runtime.peak_saved[k] * state * unit,
+        "activations": activations,
         "optimizer": _bytes(program.optimizer.variables),
         "accumulators": _bytes(program.updates.accumulators or []),
     }
