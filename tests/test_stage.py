@@ -199,3 +199,19 @@ def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_
   assert [len(g) for g in summed] == [len(g) for g in joined] == counts
   for got, expected in zip(summed[0] + summed[1], joined[0] + joined[1]):
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_pipeline_compiled_again_traces_no_forward_to_learn_its_stages_again():
+  # What a stage's forward shows (its ops, a tf.py_function) is kept per stage model: a second
+  # compile (auto's choice after its probe, a Keras user's after unfreezing) traces none.
+  import tfpipe
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="1f1b", micro_batches=2)
+  counts = lambda: [p.functions.traced["forward_on"].experimental_get_tracing_count()
+                    for p in pipe.programs]
+  pipe.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+  assert counts()[0] == 1   # stage 0 keeps its tape: its forward traced to check it
+  ops = [p.forward_ops() for p in pipe.programs]
+  pipe.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+  assert [p.forward_ops() for p in pipe.programs] == ops and counts() == [0, 0]
+  x, y = helpers.as_arrays(helpers.batches(2))
+  assert np.isfinite(pipe.fit(x, y, batch_size=16, verbose=0).history["loss"][0])
