@@ -20,6 +20,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import gc  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -75,7 +76,14 @@ def _one(name, K, method):
   V = pipe.policy.virtual_stages
   predicted = costs_lib.predict(costs, method, batch, pipe.micro_batches,
                                 virtual_stages=V if V > 1 else None)
-  history = pipe.fit(x, y, batch_size=batch, epochs=FLAGS.epochs, verbose=0, shuffle=False)
+  # The methods run one after another in this process: the garbage of the earlier ones' graphs
+  # and of this one's first epoch is collected before and between epochs, not inside a
+  # measured one, as in bench/sync_schedules.py.
+  collect = keras.callbacks.LambdaCallback(
+      on_epoch_end=lambda epoch, logs: gc.collect() if epoch == 0 else None)
+  gc.collect()
+  history = pipe.fit(x, y, batch_size=batch, epochs=FLAGS.epochs, verbose=0, shuffle=False,
+                     callbacks=[collect])
   measured = statistics.median(history.history["samples_per_second"][1:])
   cores = "-" if costs.cores is None else f"{costs.cores:.2f}"
   return [name, K, method, pipe.micro_batches, f"{profiled:.1f}", cores, f"{predicted:.0f}",
