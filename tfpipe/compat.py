@@ -15,8 +15,9 @@ TensorFlow's XLA pass a scan of every call's callee, the
 payload that marks a derived error, the profiler's converter from a
 profile to trace events, the per-replica values that `tf.distribute`'s
 cross-device ops reduce, whether the runtime has started (the bench scripts fork
-their measurements before it has), and how `tf.function` counts retraces (by code object). Keras and TensorFlow may move these: `missing()`
-names what the installed versions lack, and a test fails loudly on it.
+their measurements before it has), and how `tf.function` counts retraces (by code
+object). Keras and TensorFlow may move these: `missing()` names what the installed
+versions lack, and a test fails loudly on it.
 """
 
 import contextlib

@@ -23,7 +23,7 @@ class TaskFunctions:
   def __init__(self, bodies, device, jit_compile, inlinable=("part_grads",)):
     self.bodies, self.device, self.jit_compile = bodies, device, jit_compile
     self.inlinable = {name: compat.own_function(bodies[name], reduce_retracing=True,
-                                                   autograph=False)
+                                                autograph=False)
                       for name in inlinable}
     # Traced once per signature, called (not inlined) from the window graph.
     self.traced = {name: compat.own_function(body, reduce_retracing=True,
