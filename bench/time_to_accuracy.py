@@ -6,12 +6,14 @@ its epochs (`single`: Keras at the global batch, which every synchronous schedul
 less 0.5 pp. A candidate's epochs to target come from its accuracy curve in
 bench/results/staleness_runs.jsonl (the staleness benchmark's runs, at each task's first
 learning rate, SpecTrain-form momentum SGD or Adam; runs missing there are run first and
-appended): the synchronous schedules, gpipe, 1f1b and zb at their best M, and the
+appended): the synchronous schedules, gpipe, 1f1b and zb at M = K and 2K and 1f1b at
+M = 1 and K/2 (every schedule alike there on these shared cores), and the
 data-parallel baseline (MirroredStrategy over K replicas) follow the reference's curve (the
 same updates); spectrain plain (M=1), spectrain advised (`advice=True`), 2bw and `auto` (the
 curve of what it chose) their own. Its seconds come from training it here for
 `--speed_epochs` epochs on the task (momentum SGD, validation each epoch, as the staleness
-runs): the first epoch (start-up, and `auto`'s profile, included) and the median later one;
+runs; its fit asks for the runs' `--epochs`, which `auto` weighs start-up against, and is
+stopped after those): the first epoch (start-up, and `auto`'s profile, included) and the median later one;
 time to target = first + (epochs to target - 1) x later. A candidate that does not reach the
 target within the runs' epochs on a seed has no time there ("-", with how many seeds it
 reached).
@@ -55,8 +57,11 @@ KINDS = {
              "spectrain advised": "spectrain+mb+nesterov/adam", "2bw": "2bw/adam"},
 }
 ADVISED_AT_2 = {"sgd": "spectrain+nesterov", "adam": "spectrain+nesterov/adam"}
+HALF_STAGES = "K/2"   # an option value that stands for half the run's depth
 # The candidates timed: (name, kind, create's method, its options).
-TIMED = [("gpipe M=K", "synchronous", "gpipe", {"micro_batches": "K"}),
+TIMED = [("1f1b M=1", "synchronous", "1f1b", {"micro_batches": 1}),
+         ("1f1b M=K/2", "synchronous", "1f1b", {"micro_batches": HALF_STAGES}),
+         ("gpipe M=K", "synchronous", "gpipe", {"micro_batches": "K"}),
          ("gpipe M=2K", "synchronous", "gpipe", {"micro_batches": "2K"}),
          ("1f1b M=K", "synchronous", "1f1b", {"micro_batches": "K"}),
          ("1f1b M=2K", "synchronous", "1f1b", {"micro_batches": "2K"}),
@@ -143,14 +148,25 @@ def epochs_table(runs, tasks, stages, seeds, families):
   return table
 
 
+def _StopAfter(epochs):
+  """A Keras callback that stops training after `epochs` epochs."""
+  import keras
+
+  class StopAfter(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+      if epoch + 1 >= epochs:
+        self.model.stop_training = True
+  return StopAfter()
+
+
 def _time_one(task, name, K):
   """Trains candidate `name` at K on `task` for --speed_epochs epochs: its seconds."""
   import keras
   import tfpipe
   from trainers import config as config_lib, datasets, main as trainer_main, models
   _, kind, method, options = next(t for t in TIMED if t[0] == name)
-  options = {k: staleness._PER_STAGE[v] * K if v in staleness._PER_STAGE else v
-             for k, v in options.items()}
+  per_stage = dict(staleness._PER_STAGE, **{HALF_STAGES: 0.5})
+  options = {k: int(per_stage[v] * K) if v in per_stage else v for k, v in options.items()}
   model_name, model_options, sgd, _ = staleness.TASKS[task]
   config = config_lib.TrainConfig(model=model_name, dataset=task, method="1f1b", num_stages=K,
                                   batch_size=FLAGS.batch_size, learning_rate=sgd[0],
@@ -166,8 +182,10 @@ def _time_one(task, name, K):
                   metrics=["accuracy"])
   timer = staleness._EpochTimer()
   start = time.perf_counter()
-  trainer.fit(data.train, epochs=FLAGS.speed_epochs, validation_data=data.validation,
-              callbacks=[timer.callback], verbose=0)
+  # The fit asks for the runs' epochs (what `auto` weighs start-up against) and stops after
+  # --speed_epochs.
+  trainer.fit(data.train, epochs=FLAGS.epochs, validation_data=data.validation,
+              callbacks=[timer.callback, _StopAfter(FLAGS.speed_epochs)], verbose=0)
   first = time.perf_counter() - start - sum(timer.seconds[1:])
   chosen = None
   if method == "auto":

@@ -16,11 +16,35 @@ from tests import helpers
 def test_candidates_are_the_schedules_at_m_dividing_the_batch_and_the_asynchronous_methods():
   found = auto.candidates(4, 96, 8, {"advice": True})
   names = [c.name for c in found]
-  # M = 4 and 8 divide 96; the advised spectrain takes its 8 micro-batches and the advice.
-  assert names == ["1f1b M=4", "zb M=4", "gpipe M=4", "1f1b M=8", "zb M=8", "gpipe M=8",
+  # 1f1b at M = 1; M = 2, 4 and 8 divide 96; the advised spectrain takes its 8 micro-batches
+  # and the advice.
+  assert names == ["1f1b M=1", "1f1b M=2", "zb M=2", "gpipe M=2", "1f1b M=4", "zb M=4",
+                   "gpipe M=4", "1f1b M=8", "zb M=8", "gpipe M=8",
                    "spectrain M=1", "spectrain M=8, advice=True", "2bw M=1"]
   assert [c.name for c in auto.candidates(4, 36, 8, {})] == [
-      "1f1b M=4", "zb M=4", "gpipe M=4", "spectrain M=1", "2bw M=1"]
+      "1f1b M=1", "1f1b M=2", "zb M=2", "gpipe M=2", "1f1b M=4", "zb M=4", "gpipe M=4",
+      "spectrain M=1", "2bw M=1"]
+
+
+@pytest.mark.parametrize("K, expected", [(2, [2, 4]), (3, [2, 3, 6]), (4, [2, 4, 8]),
+                                         (8, [2, 4, 8, 16]), (6, [2, 4, 6, 12])])
+def test_the_schedules_are_candidates_at_powers_of_two_below_k_and_at_k_and_2k(K, expected):
+  assert auto.synchronous_micro_batches(K) == expected
+
+
+def test_a_short_fit_weighs_start_up_and_a_long_one_speed():
+  found = [auto.Candidate("1f1b", 1, "synchronous"), auto.Candidate("1f1b", 4, "synchronous")]
+  speeds = dict(zip(found, [1000.0, 1250.0]))   # M=4 a quarter faster, 3 s more to start
+  start = dict(zip(found, [1.0, 4.0]))
+  epoch = 2000   # samples
+  short = auto.rank(found, speeds, {1: 1.0, 4: 1.1}, {}, samples=2 * epoch, start=start)
+  assert short[0].candidate.micro_batches == 1
+  assert short[0].seconds == pytest.approx(1.0 + 2 * epoch / 1000.0)
+  assert short[1].seconds == pytest.approx(4.0 + 2 * epoch / 1250.0) and short[1].start == 4.0
+  long = auto.rank(found, speeds, {1: 1.0, 4: 1.1}, {}, samples=20 * epoch, start=start)
+  assert long[0].candidate.micro_batches == 4
+  lines = auto.report_lines(long, 100, 20)
+  assert "start-up" in lines[0] and "4.0 s" in lines[1] and "1.0 s" in lines[2]
 
 
 def _rank(speeds, epochs_by_kind, compute=None):
@@ -184,7 +208,9 @@ def test_stages_run_at_once_are_timed_at_their_fastest_quarter_after_warm_calls(
   work = (lambda xs: [xs[0] * 2.0], [tf.ones([4])], "/device:CPU:0")
   clock[0] = 0.0   # real runs below: they take no time on the fake clock
   costs_lib._in_graph([work, work], repeats=5, runs_per_call=1)
-  assert asked == [(12, 13, 0.25)]   # 12 timed after 12 warm calls and one that traces
+  # 12 timed after 12 warm calls, after the first call (timed apart: where TensorFlow
+  # optimises the graph).
+  assert asked == [(12, 12, 0.25)]
 
 
 def test_a_full_profile_takes_the_higher_of_its_two_readings_of_the_cores(compiled_pipe,
@@ -238,6 +264,56 @@ def test_a_profile_kept_traced_times_other_micro_batch_sizes_without_a_trace(com
   assert four.cores is not None and min(four.forward + four.backward) > 0 and four.update > 0
   with pytest.raises(ValueError, match="pass quick=True"):
     costs_lib.measure(compiled_pipe, x, y, traced={}, inline=True)
+
+
+def test_a_quick_profile_times_what_each_stage_took_to_trace_and_run_first_inlined_as_a_window(
+    compiled_pipe, monkeypatch):
+  from tfpipe import compat
+  light, entered = compat.light_calls, []
+
+  def recorded(layout=True):
+    entered.append(layout)
+    return light(layout)
+  monkeypatch.setattr(compat, "light_calls", recorded)
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
+  traced, options = {}, dict(repeats=2, runs_per_call=2, quick=True)
+  costs_lib.measure(compiled_pipe, x, y, micro_batches=1, inline=False, traced=traced, **options)
+  assert entered == []   # tasks as calls: their graphs optimised as the stage functions are
+  inlined = costs_lib.measure(compiled_pipe, x, y, micro_batches=1, inline=True, traced=traced,
+                              **options)
+  compiled_pipe._load_weights()
+  # Inlined tasks' graphs run as the executor's inlined windows: the lighter Grappler (no
+  # layout pass on CPUs), every call.
+  assert entered and set(entered) == {False} and inlined.forward[0] > 0
+  for inline in (False, True):
+    seconds = costs_lib.start_seconds(traced, inline, 2)
+    runs = [traced[((0, "fb"), inline)], traced[((1, "step"), inline)]]
+    assert seconds == [r.trace_seconds + r.first_seconds for r in runs]
+    assert all(r.trace_seconds > 0 and r.first_seconds > 0 for r in runs)
+
+
+def test_a_candidates_start_up_counts_the_copies_of_each_stages_tasks_its_epoch_traces(
+    compiled_pipe, monkeypatch):
+  from tfpipe.plan import policies, windows
+  from tfpipe.runtime import compiled
+  from tfpipe.training import auto as auto_training
+  runtime = compiled_pipe.runtime
+  # A loop window inlined holds its M micro-batches on every stage.
+  assert auto_training._executed(compiled_pipe, "1f1b", 4, 62) == (True, [4, 4])
+  assert auto_training._executed(compiled_pipe, "gpipe", 8, 62) == (True, [8, 8])
+  # Inlined windows that do not loop: the forwards of the distinct windows, whatever the
+  # epoch's length past the warm-up, steady and last windows.
+  for N in (200, 62, 40):
+    inline, copies = auto_training._executed(compiled_pipe, "spectrain", 1, N)
+    schedule, diffs = policies.epoch("spectrain", 2, N, 1)
+    plan = windows.plan(schedule, diffs, runtime.window)
+    assert inline and copies == windows.traced_forwards(plan, 2)
+    assert copies[0] == min(N, 2 * runtime.window + (N - 1) % runtime.window + 1)
+  # Tasks as calls of the stage functions: each traced once.
+  monkeypatch.setattr(compiled.CompiledRuntime, "INLINE_LOOP_OPS", 0)
+  monkeypatch.setattr(compiled.CompiledRuntime, "INLINE_OPS", 0)
+  assert auto_training._executed(compiled_pipe, "1f1b", 4, 62) == (False, [1, 1])
+  assert auto_training._executed(compiled_pipe, "spectrain", 1, 62) == (False, [1, 1])
 
 
 def test_the_profiles_trace_without_autograph_as_the_executor_does(compiled_pipe, monkeypatch):

@@ -247,6 +247,9 @@ def test_time_to_accuracy_counts_epochs_to_the_target_and_seconds_from_the_timed
             "chosen": "synchronous" if n == "auto" else None,
             "chosen_name": "1f1b M=4" if n == "auto" else None,
             "profile": 1.5 if n == "auto" else 0.0} for i, n in enumerate(names)]
+  timed += [{"task": "classes", "candidate": n, "K": 4, "first": 2.0, "later": later,
+             "chosen": None, "chosen_name": None, "profile": 0.0}
+            for n, later in [("1f1b M=1", 1.5), ("1f1b M=K/2", 1.6)]]
   (tmp_path / "time_to_accuracy.jsonl").write_text(
       "".join(json.dumps(t) + "\n" for t in timed))
   out = _bench("time_to_accuracy.py", "--tasks=classes", "--stages=4", "--seeds=0",
@@ -256,13 +259,14 @@ def test_time_to_accuracy_counts_epochs_to_the_target_and_seconds_from_the_timed
   # Target 79.5%: the reference reaches it at epoch 3, the advised spectrain at epoch 2.
   assert "| sgd | 4 | spectrain advised | 0.67 | 1/1 |" in table
   assert "| sgd | 4 | spectrain | - | 0/1 |" in table and "| sgd | 4 | 2bw | - | 0/1 |" in table
-  # Seconds: first epoch + 2 more for the schedules (gpipe M=K: 2 + 2 x 1.0 = 4.0), one
-  # fewer epoch for the advised spectrain, the fastest: 2 + 1 x 1.8; auto follows the
-  # synchronous curve: 2 + 2 x 2.0.
+  # Seconds: first epoch + 2 more for the schedules (gpipe M=K: 2 + 2 x 1.0 = 4.0; 1f1b M=1:
+  # 2 + 2 x 1.5 = 5.0), one fewer epoch for the advised spectrain, the fastest: 2 + 1 x 1.8;
+  # auto follows the synchronous curve: 2 + 2 x 2.0.
   row = next(line for line in table.splitlines() if line.startswith("| classes | 4 |"))
   cells = [c.strip() for c in row.split("|")[1:-1]]
-  assert cells[2] == "4.0" and cells[10] == "**3.8**" and cells[9] == "- (0/1)"
-  assert cells[12] == "6.0" and cells[13] == "1f1b M=4"
-  assert cells[14] == "1.58" and cells[15] == "1.18"   # 6.0 / 3.8; (6.0 - 1.5) / 3.8
+  assert cells[2] == "5.0" and cells[3] == "5.2"   # 1f1b at M = 1 and K/2
+  assert cells[4] == "4.0" and cells[12] == "**3.8**" and cells[11] == "- (0/1)"
+  assert cells[14] == "6.0" and cells[15] == "1f1b M=4"
+  assert cells[16] == "1.58" and cells[17] == "1.18"   # 6.0 / 3.8; (6.0 - 1.5) / 3.8
   assert "auto (its profile included) within 10% of the fastest: 0 of 1" in out
   assert "Its profile alone took 39%-39% of the fastest column's time (over 10% on 1 of 1" in out

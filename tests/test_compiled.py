@@ -107,6 +107,18 @@ def test_the_steady_state_windows_trace_alike():
   assert (plan[-1].first, plan[-1].last) == (40, 41)
 
 
+def test_an_epoch_traces_the_forwards_of_its_distinct_windows_whatever_its_length():
+  _, whole = _plan("1f1b", 4, 1, N=40, W=40)
+  assert windows.traced_forwards(whole, 4) == [40] * 4   # one window: every forward traced
+  _, plan = _plan("1f1b", 4, 1, N=40, W=4)
+  traced = windows.traced_forwards(plan, 4)
+  # The warm-up, one of the steady windows and the last.
+  by_stage = [sum(t.kind == "F" for w in (plan[0], plan[1], plan[-1]) for j, t, _, _ in w.tasks
+                  if j == k) for k in range(4)]
+  assert traced == by_stage and all(n < 40 for n in traced)
+  assert windows.traced_forwards(_plan("1f1b", 4, 1, N=80, W=4)[1], 4) == traced
+
+
 def test_a_backward_recomputes_its_forward_where_an_earlier_window_ran_it():
   crossing = lambda name, M, N, W: windows.crossing(_plan(name, 3, M, N=N, W=W)[1], 3)
   assert crossing("1f1b", 1, 40, 40) == [0.0, 0.0, 0.0]   # one window: every tape kept

@@ -15,7 +15,7 @@ weights it changes are put back from the model.
 import concurrent.futures
 import os
 import time
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -23,7 +23,8 @@ import tensorflow as tf
 from tfpipe import compat
 from tfpipe.plan import policies, simulator
 
-__all__ = ["measure", "predict", "shared_cores", "dispatch_seconds", "median_seconds"]
+__all__ = ["measure", "predict", "shared_cores", "dispatch_seconds", "median_seconds",
+           "start_seconds"]
 
 
 def median_seconds(fn, repeats, untimed=2, quantile=0.5):
@@ -67,8 +68,10 @@ class _Runs:
   call (where TensorFlow optimises the graph and makes its kernels, outside Python's lock)
   starts there at once, alongside whatever Python traces next."""
 
-  def __init__(self, works, runs_per_call=4, chained=True, pool=None, relaxed=False):
+  def __init__(self, works, runs_per_call=4, chained=True, pool=None, relaxed=False,
+               light=None):
     self.runs_per_call = runs_per_call
+    self.light = light   # None, or called as the executor calls an inlined window (its layout)
 
     @tf.function(autograph=False)   # as the executor traces (AutoGraph: a second a task)
     def runs(*flat):
@@ -95,9 +98,12 @@ class _Runs:
     # `relaxed`: traced for inputs of any batch size (`use` then feeds other sizes, no trace).
     specs = [tf.TensorSpec([None] + list(x.shape[1:]) if relaxed and x.shape.rank else x.shape,
                            x.dtype) for x in flat]
+    start = time.perf_counter()
     self._concrete = runs.get_concrete_function(*specs)
+    self.trace_seconds = time.perf_counter() - start
+    self.first_seconds = None   # its first call's (TensorFlow optimises the graph then)
     self.use(flat)
-    self._first = pool.submit(self.call) if pool is not None else None
+    self._first = pool.submit(self._first_call) if pool is not None else None
     self.call_seconds = None   # a call's median seconds, once timed
 
   def use(self, flat):
@@ -106,8 +112,17 @@ class _Runs:
     self.inputs = flat
 
   def call(self):
-    """One call of the traced runs on the inputs in use."""
-    return self._concrete(*self.inputs)
+    """One call of the traced runs on the inputs in use (with `light`, under the lighter
+    Grappler the executor's inlined windows run under: `compat.light_calls`)."""
+    if self.light is None:
+      return self._concrete(*self.inputs)
+    with compat.light_calls(layout=self.light):
+      return self._concrete(*self.inputs)
+
+  def _first_call(self):
+    start = time.perf_counter()
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, self.call())
+    self.first_seconds = time.perf_counter() - start
 
   def wait(self):
     """Until the first call started on the pool (if any) has ended."""
@@ -119,9 +134,9 @@ class _Runs:
     dispatch) each, after `warm` calls (and one that traces it, unless its first call ran
     on the pool)."""
     self.wait()
-    self.call_seconds = median_seconds(self.call, repeats,
-                                       untimed=warm + (self._first is None),
-                                       quantile=quantile)
+    if self.first_seconds is None:
+      self._first_call()
+    self.call_seconds = median_seconds(self.call, repeats, untimed=warm, quantile=quantile)
     return max(self.call_seconds - less, 0.1 * self.call_seconds) / self.runs_per_call
 
 
@@ -268,14 +283,19 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   pool = concurrent.futures.ThreadPoolExecutor(1) if quick else None
   pending, works = [], []   # per stage timed: (program, {task: its _Runs}), its work
 
+  # Inlined tasks run in a window's graph, optimised as the executor's inlined windows are.
+  light = (any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in pipe.devices)
+           if inline else None)
+
   def start(key, body, inputs, device):
     if traced is None:
-      return _Runs([(body, inputs, device)], runs_per_call, pool=pool)
+      return _Runs([(body, inputs, device)], runs_per_call, pool=pool, light=light)
     key = (key, inline)
     if key in traced:   # traced for any batch size: fed this one
       traced[key].use(inputs)
     else:
-      traced[key] = _Runs([(body, inputs, device)], runs_per_call, pool=pool, relaxed=True)
+      traced[key] = _Runs([(body, inputs, device)], runs_per_call, pool=pool, relaxed=True,
+                          light=light)
     return traced[key]
   try:
     for program in pipe.programs[:max(timed) + 1]:
@@ -366,6 +386,21 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     update = float(np.median(updates)) if updates else 0.0
   return simulator.Costs(forward, backward, transfer, update,
                          per_task=per_task, cores=cores, ordered=not inline)
+
+
+def start_seconds(traced: dict, inline: bool, num_stages: int) -> List[float]:
+  """Per stage, the seconds its forward and backward (the last stage's step) took to trace
+  and to run the first time (where TensorFlow optimises the graph and makes its kernels), in
+  the quick profile that kept its tasks in `traced` with tasks `inline` or not: what a copy
+  of the stage's tasks costs a window's start-up (`tfpipe.training.auto`)."""
+  seconds = []
+  for k in range(num_stages):
+    runs = traced.get(((k, "fb"), inline)) or traced[((k, "step"), inline)]
+    runs.wait()
+    if runs.first_seconds is None:
+      runs._first_call()
+    seconds.append(runs.trace_seconds + runs.first_seconds)
+  return seconds
 
 
 def predict(costs: simulator.Costs, method: str, batch_size: int, micro_batches: int,

@@ -1,11 +1,12 @@
 """`method="auto"`: the candidate with the least predicted time to accuracy (pure Python).
 
 K: stages, M: micro-batches per mini-batch. A candidate is a method with its M and
-options. Its time to accuracy is the seconds an epoch takes on these devices (the
-simulator's, from a profile of these stages at the candidate's micro-batch size) times the
-epochs it needs to reach the synchronous accuracy, relative to synchronous training's (a
-synchronous schedule equals Keras, so 1; an asynchronous method's factor is measured,
-`tfpipe.rules.epochs`). A method whose factor is unknown for the optimizer, or that did not
+options. Its time to accuracy is its start-up (the graphs it traces and optimises, predicted
+from the profile's own) plus the seconds an epoch takes on these devices (the simulator's,
+from a profile of these stages at the candidate's micro-batch size) times the epochs it needs
+to reach the accuracy `fit`'s epochs of synchronous training reach (a synchronous schedule
+equals Keras, so the fit's epochs; an asynchronous method's factor over them is measured,
+`tfpipe.rules.epochs`). A short fit weighs start-up; a long one, speed. A method whose factor is unknown for the optimizer, or that did not
 reach that accuracy in the measured runs, is not chosen. A micro-batch size is a candidate
 only where the profile shows a device kept busy: a mini-batch's compute cut into M
 micro-batches costs at most `BUSY` times the compute of the mini-batch taken whole.
@@ -20,7 +21,7 @@ import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["AUTO", "BUSY", "TIE", "Candidate", "Row", "candidates", "epochs_out", "rank",
-           "report_lines", "by_micro_batches"]
+           "report_lines", "by_micro_batches", "synchronous_micro_batches"]
 
 AUTO = "auto"   # the method name that asks for the choice
 BUSY = 2.0
@@ -47,23 +48,34 @@ class Candidate:
 @dataclasses.dataclass
 class Row:
   """A candidate's line in the plan report. samples_per_second: predicted; epochs: the
-  factor (None: unknown or not reached); seconds: predicted seconds to accuracy per epoch of
-  synchronous training (None: not a contender); why: why it is out, if it is."""
+  factor (None: unknown or not reached); seconds: predicted seconds to accuracy (None: not
+  a contender); start: of those, its predicted start-up; why: why it is out, if it is."""
   candidate: Candidate
   samples_per_second: float
   epochs: Optional[float]
   seconds: Optional[float]
   why: str = ""
+  start: float = 0.0
+
+
+def synchronous_micro_batches(num_stages: int) -> List[int]:
+  """The M the synchronous schedules are candidates at on K = `num_stages`: K and 2K (the
+  bubble's fill), and the powers of two from 2 below K (fewer copies of each stage's tasks to
+  trace, larger micro-batches: on `bench/time_to_accuracy.py`'s 12-layer transformer at K=4,
+  1f1b's first epoch took 4.3 s at M=2 against 6.5 s at M=4, its later ones 0.85 against
+  0.91 s). M = 1 is 1f1b's alone (every schedule is the same there)."""
+  K = num_stages
+  return sorted({K, 2 * K} | {2 ** i for i in range(1, K.bit_length()) if 2 ** i < K})
 
 
 def candidates(num_stages: int, batch_size: int, advised_micro_batches: Optional[int],
                advised_options: Mapping[str, object]) -> List[Candidate]:
-  """The candidates at K = `num_stages` with mini-batches of `batch_size`: the synchronous
-  schedules with M = K and 2K (where M divides the batch), SpecTrain plain (M = 1),
-  SpecTrain with the measured advice (`advised_micro_batches`, `advised_options`; None:
-  none for this optimizer) and 2BW."""
-  K, found = num_stages, []
-  for M in sorted({K, 2 * K}):
+  """The candidates at K = `num_stages` with mini-batches of `batch_size`: 1f1b with M = 1,
+  the synchronous schedules at each of `synchronous_micro_batches` that divides the batch,
+  SpecTrain plain (M = 1), SpecTrain with the measured advice (`advised_micro_batches`,
+  `advised_options`; None: none for this optimizer) and 2BW."""
+  K, found = num_stages, [Candidate("1f1b", 1, "synchronous")]
+  for M in synchronous_micro_batches(K):
     if batch_size % M == 0:
       found += [Candidate(method, M, "synchronous") for method in SYNCHRONOUS]
   found.append(Candidate("spectrain", 1, "spectrain"))
@@ -87,30 +99,37 @@ def epochs_out(c: Candidate, epochs: Mapping[str, Optional[float]]) -> str:
 
 
 def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, float],
-         compute: Mapping[int, float], epochs: Mapping[str, Optional[float]]) -> List[Row]:
+         compute: Mapping[int, float], epochs: Mapping[str, Optional[float]],
+         samples: float = 1.0, start: Optional[Mapping[Candidate, float]] = None) -> List[Row]:
   """The candidates' rows, fastest to accuracy first (contenders before the rest).
 
   samples_per_second: each candidate's, predicted. compute: seconds of compute per
   mini-batch at each M (the profile's, summed over stages). epochs: the factor per kind
-  (missing: unknown). A candidate predicted at 0 samples/s was not profiled (its
-  micro-batches too small, or `epochs_out`)."""
+  (missing: unknown). samples: the samples synchronous training takes to the accuracy (the
+  fit's epochs times an epoch's). start: each candidate's predicted start-up seconds (none:
+  0). A candidate predicted at 0 samples/s was not played out (its micro-batches too small,
+  those of a larger M already too small, or `epochs_out`)."""
+  start = start or {}
   whole = compute.get(1) or min(compute.values())
   rows = []
   for c in found:
     rate = samples_per_second[c]
     factor = 1.0 if c.kind == "synchronous" else epochs.get(c.kind)
     out = epochs_out(c, epochs)
-    why = ""
-    if not rate:
-      why = out or "not profiled: a larger micro-batch was already too small to keep a device busy"
-    elif c.micro_batches > 1 and compute[c.micro_batches] > BUSY * whole:
+    small = c.micro_batches > 1 and compute.get(c.micro_batches, 0.0) > BUSY * whole
+    if not rate and out:
+      why = out
+    elif small:
       share = compute[c.micro_batches] / whole
       why = (f"micro-batches too small to keep a device busy (compute {share:.1f}x the "
              "mini-batch's taken whole)")
+    elif not rate:
+      why = "not profiled: a larger micro-batch was already too small to keep a device busy"
     else:
       why = out
-    seconds = None if why or factor is None else factor / rate
-    rows.append(Row(c, rate, factor, seconds, why))
+    seconds = (None if why or factor is None
+               else start.get(c, 0.0) + factor * samples / rate)
+    rows.append(Row(c, rate, factor, seconds, why, start.get(c, 0.0)))
   def key(r: Row) -> Tuple[bool, float, int, float]:
     if r.seconds is None:
       return (True, 0.0, 0, -r.samples_per_second)
@@ -127,7 +146,8 @@ def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, floa
 def report_lines(rows: Sequence[Row], batch_size: int, num_batches: int) -> List[str]:
   """The plan report: one line per candidate, the chosen first."""
   best = rows[0].seconds
-  lines = [f"{'candidate':<46}{'samples/s':>10}{'epochs':>8}{'to accuracy':>13}  note"]
+  lines = [f"{'candidate':<46}{'samples/s':>10}{'start-up':>10}{'epochs':>8}"
+           f"{'to accuracy':>13}  note"]
   for i, r in enumerate(rows):
     epoch = num_batches * batch_size / r.samples_per_second if r.samples_per_second else 0.0
     factor = "-" if r.epochs is None else f"{r.epochs:.2f}"
@@ -137,7 +157,8 @@ def report_lines(rows: Sequence[Row], batch_size: int, num_batches: int) -> List
       relative = f"{r.seconds / best:.2f}x"
     note = "chosen" if i == 0 and r.seconds is not None else r.why
     rate = f"{r.samples_per_second:.0f}" if r.samples_per_second else "-"
-    lines.append(f"{r.candidate.name:<46}{rate:>10}{factor:>8}"
+    begin = f"{r.start:.1f} s" if r.seconds is not None else "-"
+    lines.append(f"{r.candidate.name:<46}{rate:>10}{begin:>10}{factor:>8}"
                  f"{relative:>13}  {note}" + (f" ({epoch:.1f} s an epoch)" if note == "chosen"
                                               else ""))
   return lines

@@ -28,7 +28,8 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tup
 
 from tfpipe.plan import schedules, verify
 
-__all__ = ["Window", "firsts", "drained_firsts", "plan", "drain", "flush_window", "crossing"]
+__all__ = ["Window", "firsts", "drained_firsts", "plan", "drain", "flush_window", "crossing",
+           "traced_forwards"]
 
 class Window(NamedTuple):
   """Mini-batches `first`..`last` finish in this window. `tasks`: its `schedules.Action`s in
@@ -215,3 +216,16 @@ def crossing(windows: Sequence[Window], K: int) -> List[float]:
         total[k] += 1
         crossed[k] += (k, t.batch, t.micro) not in forwards
   return [c / n if n else 0.0 for c, n in zip(crossed, total)]
+
+
+def traced_forwards(windows: Sequence[Window], K: int) -> List[int]:
+  """Per stage, the forwards in `windows` that trace (a window whose `key` an earlier one has
+  reuses its trace): the copies of each stage's tasks an epoch's graphs hold."""
+  counts, seen = [0] * K, set()
+  for window in windows:
+    if window.key in seen:
+      continue
+    seen.add(window.key)
+    for k, t, _, _ in window.tasks:
+      counts[k] += t.kind == "F"
+  return counts

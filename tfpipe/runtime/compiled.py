@@ -210,11 +210,12 @@ class CompiledRuntime(Executor):
       self.numbered.append(_Numbered(window.key, inline, window.last + 1 - window.first))
     return number
 
-  def inlines(self, schedule, diffs, num_batches):
+  def inlines(self, schedule, diffs, num_batches, loops=None):
     """Whether an epoch of `schedule` (version differences `diffs`) over `num_batches`
     mini-batches traces its tasks' bodies into its graphs (else each task calls its stage's
-    traced function): what a task costs besides its ops (`tfpipe.instruments.costs`)."""
-    if windows_lib.flush_window(schedule, diffs) is not None and not self.record:
+    traced function): what a task costs besides its ops (`tfpipe.instruments.costs`).
+    `loops`: whether `schedule` runs as a loop window, if known (`windows.flush_window`)."""
+    if self._loops(schedule, diffs, loops):
       return self._inlined_loop(schedules.micro_batches(schedule))
     return self._inlined(num_batches)
 
@@ -226,13 +227,36 @@ class CompiledRuntime(Executor):
     recompute: a window of stage calls carries the forward's residuals instead
     (`tfpipe.stage.program.Kept`)."""
     M = schedules.micro_batches(schedule)
-    if windows_lib.flush_window(schedule, diffs) is not None and not self.record:
+    if self._loops(schedule, diffs):
       return [0.0] * self.K   # a loop window holds each mini-batch whole
     inlined = self._inlined(num_batches)
     if not inlined:
       return [0.0] * self.K
     size = self._window_size(M, inlined)
     return windows_lib.crossing(windows_lib.plan(schedule, diffs, size, self.aligned), self.K)
+
+  def traced_copies(self, schedule, diffs, num_batches, loops=None):
+    """Per stage, how many copies of its tasks an epoch of `schedule` (version differences
+    `diffs`) over `num_batches` mini-batches traces and optimises: a loop window inlined, its
+    M micro-batches; inlined windows, the forwards in the distinct windows (the steady ones
+    trace once); windows of stage calls, one (each stage function is traced once). What a
+    method pays at start-up besides what every method pays (`tfpipe.training.auto`). `loops`
+    as `inlines`'s."""
+    M = schedules.micro_batches(schedule)
+    if self._loops(schedule, diffs, loops):
+      return [M if self._inlined_loop(M) else 1] * self.K
+    inlined = self._inlined(num_batches)
+    if not inlined:
+      return [1] * self.K
+    return windows_lib.traced_forwards(
+        windows_lib.plan(schedule, diffs, self._window_size(M, inlined), self.aligned), self.K)
+
+  def _loops(self, schedule, diffs, loops=None):
+    """Whether an epoch of `schedule` runs as a loop window (`loops`: whether it would, if
+    known): one that finishes each mini-batch before the next, unless recorded."""
+    if loops is None:
+      loops = windows_lib.flush_window(schedule, diffs) is not None
+    return loops and not self.record
 
   def _window_size(self, M, inlined):
     """Mini-batches a window traces: `window` inlined, else at most CALL_WINDOW (with

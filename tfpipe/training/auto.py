@@ -12,13 +12,20 @@ import time
 from typing import List, Tuple
 
 from tfpipe.instruments import costs as costs_lib
-from tfpipe.plan import auto as auto_plan, policies
+from tfpipe.plan import auto as auto_plan, policies, windows as windows_lib
 from tfpipe.rules import advice, epochs as epochs_lib
 
 __all__ = ["PROBE", "Choice", "choose", "asked_for", "refuse_chosen_options"]
 
 PROBE = {"method": "1f1b", "micro_batches": 2}
 SIMULATED_BATCHES = 32   # micro-batches per stage the simulator plays out per candidate
+# A candidate's start-up: this share of the seconds the profile took to trace and first run
+# each stage's forward and backward, per copy the candidate's epoch traces
+# (`_copies`). The profile's graphs are optimised by TensorFlow's full Grappler, a window's by
+# the lighter one of `compat.light_calls`. Measured (bench/time_to_accuracy.py's classes MLP
+# and 12-layer transformer at K = 4 and 8, 1f1b at M = 1, 2, K, 2K): each micro-batch more
+# added 0.35, 0.45, 0.47 and 0.51 of the profile's per-copy seconds to the first epoch.
+START_SHARE = 0.45
 
 
 def simulated_batches(K: int, M: int) -> int:
@@ -58,31 +65,33 @@ class Choice:
             f"{len(self.rows)} candidates)")
 
 
-def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
+def choose(pipe, features, labels, batch_size: int, num_batches: int,
+           epochs: int = 1) -> Choice:
   """Profiles `pipe` (built as `PROBE`, compiled) on one mini-batch (`features`, `labels`)
-  at each candidate's micro-batch size and ranks the candidates by predicted time to
-  accuracy for `pipe`'s optimizer at its K."""
+  at each candidate's micro-batch size and ranks the candidates by predicted time to the
+  accuracy `epochs` epochs of `num_batches` mini-batches of synchronous training reach, for
+  `pipe`'s optimizer at its K."""
   start = time.perf_counter()
   K, optimizer = pipe.num_stages, pipe.inner_optimizer
   spectrain = policies.policy_for("spectrain")
   advised = advice.micro_batches(spectrain, optimizer, K, None, None,
                                  bool(advice.batch_norm_layers(pipe.model))) or 1
   found = auto_plan.candidates(K, batch_size, advised, {"advice": True})
-  found.append(auto_plan.Candidate("1f1b", 1, "synchronous"))
   if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
     found = [c for c in found if c.kind == "synchronous"]
-  epochs = epochs_lib.factor(advice.family(optimizer), K)
-  speeds, compute, traced = {c: 0.0 for c in found}, {}, {}
+  factors = epochs_lib.factor(advice.family(optimizer), K)
+  speeds, compute, traced, starts = {c: 0.0 for c in found}, {}, {}, {}
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
     if M > 1 and max(compute.values()) > auto_plan.BUSY * compute[1]:
       continue   # smaller than micro-batches already too small: not profiled
     # The executor inlines some candidates' tasks and calls the stage functions for others
     # (windows too large to inline): a profile for each way, timed as it runs; none for a
     # candidate the epochs table rules out whatever its speed.
-    ways = {}
+    ways, copies = {}, {}
     for c in group:
-      if not auto_plan.epochs_out(c, epochs):
-        ways.setdefault(_inlines(pipe, c.method, M, num_batches), []).append(c)
+      if not auto_plan.epochs_out(c, factors):
+        inline, copies[c] = _executed(pipe, c.method, M, num_batches)
+        ways.setdefault(inline, []).append(c)
     for inline, members in sorted(ways.items()):
       costs = _profile(pipe, features, labels, M, inline, members[0].method,
                        min(num_batches, pipe.runtime.window), traced)
@@ -91,10 +100,15 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int) -> Choice:
                                     update=0.0)
       work = sum(costs.forward) + sum(costs.backward) + costs.update * K
       compute[M] = min(compute.get(M, work), work)
+      if M > 1 and compute[M] > auto_plan.BUSY * compute[1]:
+        continue   # too small to keep a device busy: not played out (up to 0.3 s each)
+      copy = costs_lib.start_seconds(traced, inline, K)
       for c in members:
         speeds[c] = costs_lib.predict(costs, c.method, batch_size, M,
                                       num_batches=simulated_batches(K, M))
-  rows = auto_plan.rank(found, speeds, compute, epochs)
+        starts[c] = START_SHARE * sum(n * s for n, s in zip(copies[c], copy))
+  rows = auto_plan.rank(found, speeds, compute, factors,
+                        samples=epochs * num_batches * batch_size, start=starts)
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
   return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start)
 
@@ -115,13 +129,24 @@ def _profile(pipe, features, labels, M: int, inline: bool, method: str, num_batc
                            inline=inline, traced=traced)
 
 
-def _inlines(pipe, method: str, M: int, num_batches: int) -> bool:
-  """Whether the compiled executor traces `method`'s tasks (M micro-batches) inline. Whether
-  an epoch finishes each mini-batch before the next (a loop window) shows over 2K
-  mini-batches as over 32 (every method, K = 2, 4, 8, M = 1, K, 2K: the same), in a fifth of
-  the seconds (up to 0.1 s a candidate at K = 8)."""
-  schedule, diffs = policies.epoch(method, pipe.num_stages, 2 * pipe.num_stages, M)
-  return pipe.runtime.inlines(schedule, diffs, min(num_batches, pipe.runtime.window))
+def _executed(pipe, method: str, M: int, num_batches: int) -> Tuple[bool, List[int]]:
+  """How the compiled executor runs an epoch of `num_batches` mini-batches of `method` (M
+  micro-batches): whether it traces the tasks inline, and per stage the copies of its tasks
+  its graphs hold (`CompiledRuntime.traced_copies`). Whether an epoch finishes each
+  mini-batch before the next (a loop window) shows over 2K mini-batches as over 32 (every
+  method, K = 2, 4, 8, M = 1, K, 2K: the same), in a fifth of the seconds (up to 0.1 s a
+  candidate at K = 8); inlined windows that do not loop are counted over three windows (the
+  warm-up, a steady one and the last: the steady ones trace alike)."""
+  runtime, K = pipe.runtime, pipe.num_stages
+  window = min(num_batches, runtime.window)
+  schedule, diffs = policies.epoch(method, K, 2 * K, M)
+  loops = windows_lib.flush_window(schedule, diffs) is not None
+  inline = runtime.inlines(schedule, diffs, window, loops=loops)
+  if inline and not loops:   # the warm-up, a steady window and the last, as long as the epoch's
+    W = runtime.window
+    N = num_batches if num_batches <= 3 * W else 2 * W + (num_batches - 1) % W + 1
+    schedule, diffs = policies.epoch(method, K, N, M)
+  return inline, runtime.traced_copies(schedule, diffs, window, loops=loops)
 
 
 def asked_for(asked, candidate: auto_plan.Candidate):

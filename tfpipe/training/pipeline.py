@@ -82,8 +82,9 @@ class Pipeline:
       forward's and the current weights); see `tfpipe.rules.mitigations`.
       "auto": chosen at the first `fit` for this model, these devices, the batch
       size and the optimizer, by the least predicted time to accuracy
-      (`tfpipe.plan.auto`): a profile of the first batch gives each candidate's
-      speed (the simulator), `tfpipe.rules.epochs` the extra epochs an
+      (`tfpipe.plan.auto`) over that fit's epochs: a profile of the first batch
+      gives each candidate's speed (the simulator) and start-up (the graphs it
+      traces), `tfpipe.rules.epochs` the extra epochs an
       asynchronous method was measured to need; `fit` prints the choice in a
       line, `plan_report()` lists the candidates. It chooses `micro_batches`,
       `virtual_stages`, `nesterov`, `version_difference` and `advice`, so those
@@ -434,7 +435,8 @@ class Pipeline:
       (x, y, sample_weight), validation_data = data.validation_split(
           x, y, sample_weight, validation_split)
     if self.choosing:
-      self._choose(x, y, batch_size, steps_per_epoch, sample_weight, class_weight, verbose)
+      self._choose(x, y, batch_size, steps_per_epoch, sample_weight, class_weight, verbose,
+                   epochs - initial_epoch)
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps_per_epoch, shuffle,
                                             seed, sample_weight=sample_weight,
                                             class_weight=class_weight,
@@ -466,7 +468,7 @@ class Pipeline:
         return fit_loop.train(self, dataset, num_batches, schedule, diffs, cbs, link, epochs,
                               initial_epoch, steps_per_epoch, validation, validation_freq)
 
-  def _choose(self, x, y, batch_size, steps, sample_weight, class_weight, verbose):
+  def _choose(self, x, y, batch_size, steps, sample_weight, class_weight, verbose, epochs):
     """method="auto": profiles the first batch, chooses (`tfpipe.training.auto`), and builds
     the stages' programs again for the choice, compiled as the user compiled."""
     probe, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
@@ -475,7 +477,8 @@ class Pipeline:
     first = next(iter(probe))
     features, labels = first[0], first[1]
     size = int(tf.nest.flatten(features)[0].shape[0])
-    self.chosen = auto_lib.choose(self, features, labels, size, num_batches or 16)
+    self.chosen = auto_lib.choose(self, features, labels, size, num_batches or 16,
+                                  max(epochs, 1))
     self.asked = auto_lib.asked_for(self._auto, self.chosen.candidate)
     self.options = options_lib.checked(self.asked, self.model, self.num_stages)
     self.compile(**self._compile_arguments)
