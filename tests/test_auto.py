@@ -442,13 +442,13 @@ def test_the_simulator_plays_fewer_mini_batches_at_more_micro_batches_for_the_sa
 
 
 @pytest.mark.parametrize("K", [2, 4, 8])
-def test_whether_an_epoch_loops_over_one_mini_batch_shows_over_2k_mini_batches(K):
+def test_whether_an_epoch_loops_over_one_mini_batch_shows_over_two_mini_batches(K):
   from tfpipe.plan import policies, windows
   for method in policies.PIPELINE_METHODS:
-    for M in sorted({1, K, 2 * K}):
+    for M in sorted({1, 2, K, 2 * K}):
       if (M > 1 and method not in policies.MICRO_BATCH_METHODS) or (
-          method == "interleaved" and M == 1):
+          method == "interleaved" and (M == 1 or M % K)):
         continue
       loops = [windows.flush_window(*policies.epoch(method, K, N, M)) is not None
-               for N in (2 * K, 32)]
-      assert loops[0] == loops[1], (method, M)
+               for N in (2, 2 * K, 32)]
+      assert loops[0] == loops[1] == loops[2], (method, M)

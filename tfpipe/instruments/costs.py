@@ -2,8 +2,9 @@
 
 `measure(pipe, x, y)` times each stage's tasks alone on its device at the method's
 micro-batch size (its forward, its backward, the last stage's step, an update, a transfer
-to the next device), traced the way the executor runs them (inline, or as calls of the
-stage's functions, a kept forward's gradient taken across its call), with the forwards a
+to the next device), traced the way the executor runs them (inline, optimised as an inlined
+window is, or as calls of the stage's functions, a kept forward's gradient taken across its
+call), with the forwards a
 backward recomputes where its forward ran in an earlier window, the dispatch every task
 call pays whatever its size, and how many cores the stages' devices share, and returns them as `tfpipe.plan.simulator.Costs`
 (seconds per mini-batch). `tfpipe.plan.simulator.simulate_method` then plays any schedule

@@ -20,11 +20,12 @@ __all__ = ["PROBE", "Choice", "choose", "asked_for", "refuse_chosen_options"]
 PROBE = {"method": "1f1b", "micro_batches": 2}
 SIMULATED_BATCHES = 32   # micro-batches per stage the simulator plays out per candidate
 # A candidate's start-up: this share of the seconds the profile took to trace and first run
-# each stage's forward and backward, per copy the candidate's epoch traces
-# (`_copies`). The profile's graphs are optimised by TensorFlow's full Grappler, a window's by
-# the lighter one of `compat.light_calls`. Measured (bench/time_to_accuracy.py's classes MLP
-# and 12-layer transformer at K = 4 and 8, 1f1b at M = 1, 2, K, 2K): each micro-batch more
-# added 0.35, 0.45, 0.47 and 0.51 of the profile's per-copy seconds to the first epoch.
+# each stage's forward and backward, per copy of them the candidate's epoch traces
+# (`_executed`). The profile traces one copy run twice and times its first call alone; a
+# window traces each copy into one graph. Measured (bench/time_to_accuracy.py's classes MLP
+# and 12-layer transformer, "counting", at K = 4 and 8, 1f1b at M = 1, 2, K, 2K): each
+# micro-batch more added 0.28 (MLP, K = 4), 0.39 (MLP, K = 8), 0.60-0.65 (transformer,
+# K = 4) and 0.45 (transformer, K = 8) of the profile's per-copy seconds to the first epoch.
 START_SHARE = 0.45
 
 
@@ -133,13 +134,13 @@ def _executed(pipe, method: str, M: int, num_batches: int) -> Tuple[bool, List[i
   """How the compiled executor runs an epoch of `num_batches` mini-batches of `method` (M
   micro-batches): whether it traces the tasks inline, and per stage the copies of its tasks
   its graphs hold (`CompiledRuntime.traced_copies`). Whether an epoch finishes each
-  mini-batch before the next (a loop window) shows over 2K mini-batches as over 32 (every
-  method, K = 2, 4, 8, M = 1, K, 2K: the same), in a fifth of the seconds (up to 0.1 s a
-  candidate at K = 8); inlined windows that do not loop are counted over three windows (the
-  warm-up, a steady one and the last: the steady ones trace alike)."""
+  mini-batch before the next (a loop window) shows over 2 mini-batches as over 2K and 32
+  (every method, K = 2, 3, 4, 8, M = 1, 2, K, 2K: the same), in a twentieth of 2K's seconds
+  (zb at K = 8, M = 16: 0.26 s over 2K); inlined windows that do not loop are counted over
+  three windows (the warm-up, a steady one and the last: the steady ones trace alike)."""
   runtime, K = pipe.runtime, pipe.num_stages
   window = min(num_batches, runtime.window)
-  schedule, diffs = policies.epoch(method, K, 2 * K, M)
+  schedule, diffs = policies.epoch(method, K, 2, M)
   loops = windows_lib.flush_window(schedule, diffs) is not None
   inline = runtime.inlines(schedule, diffs, window, loops=loops)
   if inline and not loops:   # the warm-up, a steady window and the last, as long as the epoch's
