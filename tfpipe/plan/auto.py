@@ -159,7 +159,7 @@ def report_lines(rows: Sequence[Row], batch_size: int, num_batches: int) -> List
     rate = f"{r.samples_per_second:.0f}" if r.samples_per_second else "-"
     begin = f"{r.start:.1f} s" if r.seconds is not None else "-"
     lines.append(f"{r.candidate.name:<46}{rate:>10}{begin:>10}{factor:>8}"
-                 f"{relative:>13}  {note}" + (f" ({epoch:.1f} s an epoch)" if note == "chosen"
+                 f"{relative:>13}  {note}" + (f" ({epoch:.2g} s an epoch)" if note == "chosen"
                                               else ""))
   return lines
 
