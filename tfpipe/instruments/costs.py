@@ -104,7 +104,7 @@ class _Runs:
     self.trace_seconds = time.perf_counter() - start
     self.first_seconds = None   # its first call's (TensorFlow optimises the graph then)
     self.use(flat)
-    self._first = pool.submit(self._first_call) if pool is not None else None
+    self._first = pool.submit(self.first_call) if pool is not None else None
     self.call_seconds = None   # a call's median seconds, once timed
 
   def use(self, flat):
@@ -120,7 +120,8 @@ class _Runs:
     with compat.light_calls(layout=self.light):
       return self._concrete(*self.inputs)
 
-  def _first_call(self):
+  def first_call(self):
+    """The first call, timed (`first_seconds`)."""
     start = time.perf_counter()
     tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, self.call())
     self.first_seconds = time.perf_counter() - start
@@ -136,7 +137,7 @@ class _Runs:
     on the pool)."""
     self.wait()
     if self.first_seconds is None:
-      self._first_call()
+      self.first_call()
     self.call_seconds = median_seconds(self.call, repeats, untimed=warm, quantile=quantile)
     return max(self.call_seconds - less, 0.1 * self.call_seconds) / self.runs_per_call
 
@@ -399,7 +400,7 @@ def start_seconds(traced: dict, inline: bool, num_stages: int) -> List[float]:
     runs = traced.get(((k, "fb"), inline)) or traced[((k, "step"), inline)]
     runs.wait()
     if runs.first_seconds is None:
-      runs._first_call()
+      runs.first_call()
     seconds.append(runs.trace_seconds + runs.first_seconds)
   return seconds
 
