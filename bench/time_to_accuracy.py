@@ -13,8 +13,8 @@ same updates); spectrain plain (M=1), spectrain advised (`advice=True`), 2bw and
 curve of what it chose) their own. Its seconds come from training it here for
 `--speed_epochs` epochs on the task (momentum SGD, validation each epoch, as the staleness
 runs; its fit asks for the runs' `--epochs`, which `auto` weighs start-up against, and is
-stopped after those): the first epoch (start-up, and `auto`'s profile, included) and the median later one;
-time to target = first + (epochs to target - 1) x later. A candidate that does not reach the
+stopped after those): the first epoch (start-up, and `auto`'s profile, included) and the
+median later one; time to target = first + (epochs to target - 1) x later. A candidate that does not reach the
 target within the runs' epochs on a seed has no time there ("-", with how many seeds it
 reached).
 

@@ -393,7 +393,14 @@ def test_auto_refuses_the_options_it_chooses():
     pipe.fit(((x[i:i + 16], y[i:i + 16]) for i in range(0, 32, 16)), epochs=1)
 
 
-def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys):
+def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys, monkeypatch):
+  from tfpipe.training import auto as auto_training
+  choose, horizons = auto_training.choose, []
+
+  def recorded(pipe, features, labels, batch_size, num_batches, epochs=1):
+    horizons.append((batch_size, num_batches, epochs))
+    return choose(pipe, features, labels, batch_size, num_batches, epochs)
+  monkeypatch.setattr(auto_training, "choose", recorded)
   tfpipe.devices.ensure_logical_cpus(2)
   pipe = tfpipe.Pipeline(helpers.mlp(width=32), num_stages=2, method="auto")
   assert pipe.describe().startswith("method=auto (chosen at the first fit")
@@ -406,7 +413,9 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys):
     pipe.plan_report()
   x, y = helpers.as_arrays(helpers.batches(n=8, batch_size=32))
   before = [w.numpy() for w in pipe.model.weights]
-  history = pipe.fit(x, y, batch_size=32, epochs=2, verbose=2)
+  history = pipe.fit(x, y, batch_size=32, epochs=3, initial_epoch=1, verbose=2)
+  # The choice weighs start-up against the epochs this fit trains.
+  assert horizons == [(32, 8, 2)]
   printed = capsys.readouterr().out
   chosen = pipe.chosen.candidate
   assert f"method='auto' chose {chosen.name}" in printed

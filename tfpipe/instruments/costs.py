@@ -4,10 +4,9 @@
 micro-batch size (its forward, its backward, the last stage's step, an update, a transfer
 to the next device), traced the way the executor runs them (inline, optimised as an inlined
 window is, or as calls of the stage's functions, a kept forward's gradient taken across its
-call), with the forwards a
-backward recomputes where its forward ran in an earlier window, the dispatch every task
-call pays whatever its size, and how many cores the stages' devices share, and returns them as `tfpipe.plan.simulator.Costs`
-(seconds per mini-batch). `tfpipe.plan.simulator.simulate_method` then plays any schedule
+call), with the forwards a backward recomputes where its forward ran in an earlier window,
+the dispatch every task call pays whatever its size, and how many cores the stages' devices
+share, and returns them as `tfpipe.plan.simulator.Costs` (seconds per mini-batch). `tfpipe.plan.simulator.simulate_method` then plays any schedule
 out on them: `predict(costs, method, ...)` is the samples/s it predicts for a method on the
 same stages without running it. The profile takes a few seconds (a trace per task); the
 weights it changes are put back from the model.
@@ -133,8 +132,7 @@ class _Runs:
 
   def seconds(self, repeats, less=0.0, quantile=0.5, warm=1):
     """Per run: the median (or `quantile`) of `repeats` timed calls, less `less` (a call's
-    dispatch) each, after `warm` calls (and one that traces it, unless its first call ran
-    on the pool)."""
+    dispatch) each, after its first call (timed apart: `first_seconds`) and `warm` calls."""
     self.wait()
     if self.first_seconds is None:
       self.first_call()

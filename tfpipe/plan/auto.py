@@ -6,8 +6,9 @@ from the profile's own) plus the seconds an epoch takes on these devices (the si
 from a profile of these stages at the candidate's micro-batch size) times the epochs it needs
 to reach the accuracy `fit`'s epochs of synchronous training reach (a synchronous schedule
 equals Keras, so the fit's epochs; an asynchronous method's factor over them is measured,
-`tfpipe.rules.epochs`). A short fit weighs start-up; a long one, speed. A method whose factor is unknown for the optimizer, or that did not
-reach that accuracy in the measured runs, is not chosen. A micro-batch size is a candidate
+`tfpipe.rules.epochs`). A short fit weighs start-up; a long one, speed. A method whose factor
+is unknown for the optimizer, or that did not reach that accuracy in the measured runs, is
+not chosen. A micro-batch size is a candidate
 only where the profile shows a device kept busy: a mini-batch's compute cut into M
 micro-batches costs at most `BUSY` times the compute of the mini-batch taken whole.
 Candidates of one M predicted within `TIE` of each other rank by what they keep: 1f1b
@@ -108,7 +109,7 @@ def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, floa
   (missing: unknown). samples: the samples synchronous training takes to the accuracy (the
   fit's epochs times an epoch's). start: each candidate's predicted start-up seconds (none:
   0). A candidate predicted at 0 samples/s was not played out (its micro-batches too small,
-  those of a larger M already too small, or `epochs_out`)."""
+  those of a smaller M already too small, or `epochs_out`)."""
   start = start or {}
   whole = compute.get(1) or min(compute.values())
   rows = []
