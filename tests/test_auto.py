@@ -419,6 +419,7 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys, m
   printed = capsys.readouterr().out
   chosen = pipe.chosen.candidate
   assert f"method='auto' chose {chosen.name}" in printed
+  assert "s of start-up predicted" in printed and "to accuracy over 2 epochs" in printed
   assert pipe.method == chosen.method and len(history.history["loss"]) == 2
   if chosen.kind == "synchronous":
     assert pipe.micro_batches == chosen.micro_batches

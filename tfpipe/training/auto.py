@@ -41,11 +41,12 @@ def simulated_batches(K: int, M: int) -> int:
 @dataclasses.dataclass
 class Choice:
   """What `choose` chose: the candidate, the ranked rows (chosen first), the report lines,
-  and the seconds the profile took."""
+  the seconds the profile took, and the fit's epochs the choice was weighed over."""
   candidate: auto_plan.Candidate
   rows: List[auto_plan.Row]
   lines: List[str]
   seconds: float
+  epochs: int = 1
 
   @property
   def kind(self) -> str:
@@ -59,11 +60,13 @@ class Choice:
     """One line: what was chosen and why."""
     chosen = self.rows[0]
     others = [r for r in self.rows[1:] if r.seconds is not None]
-    why = (f"{others[0].seconds / chosen.seconds:.2f}x faster to accuracy than the next, "
-           f"{others[0].candidate.name}" if others and chosen.seconds else "the only contender")
+    over = f"over {self.epochs} epoch{'s' if self.epochs != 1 else ''}"
+    why = (f"{others[0].seconds / chosen.seconds:.2f}x faster to accuracy {over} than the "
+           f"next, {others[0].candidate.name}" if others and chosen.seconds
+           else "the only contender")
     return (f"method='auto' chose {self.name}: {chosen.samples_per_second:.0f} samples/s "
-            f"predicted, {why} (profile {self.seconds:.1f} s; plan_report() lists "
-            f"{len(self.rows)} candidates)")
+            f"and {chosen.start:.1f} s of start-up predicted, {why} (profile "
+            f"{self.seconds:.1f} s; plan_report() lists {len(self.rows)} candidates)")
 
 
 def choose(pipe, features, labels, batch_size: int, num_batches: int,
@@ -111,7 +114,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
   rows = auto_plan.rank(found, speeds, compute, factors,
                         samples=epochs * num_batches * batch_size, start=starts)
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
-  return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start)
+  return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start, epochs)
 
 
 def _profile(pipe, features, labels, M: int, inline: bool, method: str, num_batches: int,
