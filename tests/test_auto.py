@@ -437,6 +437,26 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys, m
   assert pipe.chosen.candidate == chosen
 
 
+def test_auto_trains_as_keras_when_it_chooses_a_synchronous_schedule(monkeypatch):
+  # The profile's updates (weights, the optimizers' slots and steps) leave nothing behind: the
+  # choice trains from the model's weights and fresh optimizers, as Keras does.
+  from tfpipe.training import auto as auto_training
+  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  tfpipe.devices.ensure_logical_cpus(2)
+  build = lambda: helpers.sequential_mlp(dtype="float64")
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  x, y = helpers.as_arrays(helpers.batches(20))
+  optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9)
+  expected = helpers.keras_fit_weights(build(), optimizer(), loss(), x, y, batch_size=16,
+                                       shuffle=False, epochs=2, verbose=0)
+  model = build()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
+  pipe.compile(optimizer(), loss())
+  pipe.fit(x, y, batch_size=16, shuffle=False, epochs=2, verbose=0)
+  assert pipe.chosen.kind == "synchronous"
+  helpers.assert_weights_close(model.get_weights(), expected)
+
+
 @pytest.mark.parametrize("K", [2, 4, 8])
 def test_the_simulator_plays_fewer_mini_batches_at_more_micro_batches_for_the_same_prediction(K):
   from tfpipe.training import auto as auto_training
