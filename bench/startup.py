@@ -45,8 +45,9 @@ from bench import workloads  # noqa: E402
 flags.DEFINE_list("models", ["llama", "resnet"], "models to measure (llama, resnet, mlp)")
 flags.DEFINE_list("stages", ["2", "4"], "numbers of stages K")
 flags.DEFINE_list("windows", ["auto", "64"], "steps_per_execution values")
-flags.DEFINE_list("methods", ["sequential", "gpipe", "vanilla", "pipedream", "spectrain", "ddg",
-                              "feature_replay", "timeprest", "pipemare", "i_timeprest"],
+flags.DEFINE_list("methods", ["sequential", "gpipe", "1f1b", "zb", "interleaved", "zbv",
+                              "vanilla", "pipedream", "spectrain", "ddg", "feature_replay",
+                              "timeprest", "pipemare", "i_timeprest", "2bw"],
                   "pipelined methods")
 flags.DEFINE_integer("layers", 12, "decoder layers of the Llama model")
 flags.DEFINE_integer("micro_batches", None, "micro_batches for every pipeline (default: each "
