@@ -32,6 +32,13 @@ def test_the_schedules_are_candidates_at_powers_of_two_below_k_and_at_k_and_2k(K
   assert auto.synchronous_micro_batches(K) == expected
 
 
+def test_micro_batches_are_too_small_where_their_compute_passes_busy_times_the_whole():
+  compute = {1: 1.0, 2: 1.5, 4: 2.0 + 1e-9, 8: 3.0}
+  assert [auto.too_small(compute, M) for M in (1, 2, 4, 8, 16)] == [False, False, True, True,
+                                                                    False]   # 16: not profiled
+  assert auto.too_small({2: 1.0, 4: 2.5}, 4) and not auto.too_small({2: 1.0, 4: 2.0}, 4)
+
+
 def test_a_short_fit_weighs_start_up_and_a_long_one_speed():
   found = [auto.Candidate("1f1b", 1, "synchronous"), auto.Candidate("1f1b", 4, "synchronous")]
   speeds = dict(zip(found, [1000.0, 1250.0]))   # M=4 a quarter faster, 3 s more to start

@@ -392,15 +392,11 @@ def start_seconds(traced: dict, inline: bool, num_stages: int) -> List[float]:
   """Per stage, the seconds its forward and backward (the last stage's step) took to trace
   and to run the first time (where TensorFlow optimises the graph and makes its kernels), in
   the quick profile that kept its tasks in `traced` with tasks `inline` or not: what a copy
-  of the stage's tasks costs a window's start-up (`tfpipe.training.auto`)."""
-  seconds = []
-  for k in range(num_stages):
-    runs = traced.get(((k, "fb"), inline)) or traced[((k, "step"), inline)]
-    runs.wait()
-    if runs.first_seconds is None:
-      runs.first_call()
-    seconds.append(runs.trace_seconds + runs.first_seconds)
-  return seconds
+  of the stage's tasks costs a window's start-up (`tfpipe.training.auto`). Every task
+  `measure` keeps there has been timed, its first call with it."""
+  runs = [traced.get(((k, "fb"), inline)) or traced[((k, "step"), inline)]
+          for k in range(num_stages)]
+  return [r.trace_seconds + r.first_seconds for r in runs]
 
 
 def predict(costs: simulator.Costs, method: str, batch_size: int, micro_batches: int,

@@ -22,7 +22,7 @@ import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["AUTO", "BUSY", "TIE", "Candidate", "Row", "candidates", "epochs_out", "rank",
-           "report_lines", "by_micro_batches", "synchronous_micro_batches"]
+           "report_lines", "by_micro_batches", "synchronous_micro_batches", "too_small"]
 
 AUTO = "auto"   # the method name that asks for the choice
 BUSY = 2.0
@@ -99,6 +99,16 @@ def epochs_out(c: Candidate, epochs: Mapping[str, Optional[float]]) -> str:
   return ""
 
 
+def too_small(compute: Mapping[int, float], micro_batches: int) -> bool:
+  """Whether the profile's compute per mini-batch at `micro_batches` (`compute`: seconds at
+  each M profiled) exceeds `BUSY` times the mini-batch's taken whole (M = 1, else the least
+  profiled): micro-batches too small to keep a device busy."""
+  if micro_batches <= 1 or micro_batches not in compute:
+    return False
+  whole = compute.get(1) or min(compute.values())
+  return compute[micro_batches] > BUSY * whole
+
+
 def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, float],
          compute: Mapping[int, float], epochs: Mapping[str, Optional[float]],
          samples: float = 1.0, start: Optional[Mapping[Candidate, float]] = None) -> List[Row]:
@@ -117,10 +127,9 @@ def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, floa
     rate = samples_per_second[c]
     factor = 1.0 if c.kind == "synchronous" else epochs.get(c.kind)
     out = epochs_out(c, epochs)
-    small = c.micro_batches > 1 and compute.get(c.micro_batches, 0.0) > BUSY * whole
     if not rate and out:
       why = out
-    elif small:
+    elif too_small(compute, c.micro_batches):
       share = compute[c.micro_batches] / whole
       why = (f"micro-batches too small to keep a device busy (compute {share:.1f}x the "
              "mini-batch's taken whole)")

@@ -86,7 +86,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
   factors = epochs_lib.factor(advice.family(optimizer), K)
   speeds, compute, traced, starts = {c: 0.0 for c in found}, {}, {}, {}
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
-    if M > 1 and max(compute.values()) > auto_plan.BUSY * compute[1]:
+    if any(auto_plan.too_small(compute, m) for m in compute):
       continue   # smaller than micro-batches already too small: not profiled
     # The executor inlines some candidates' tasks and calls the stage functions for others
     # (windows too large to inline): a profile for each way, timed as it runs; none for a
@@ -104,7 +104,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
                                     update=0.0)
       work = sum(costs.forward) + sum(costs.backward) + costs.update * K
       compute[M] = min(compute.get(M, work), work)
-      if M > 1 and compute[M] > auto_plan.BUSY * compute[1]:
+      if auto_plan.too_small(compute, M):
         continue   # too small to keep a device busy: not played out (up to 0.3 s each)
       copy = costs_lib.start_seconds(traced, inline, K)
       for c in members:
