@@ -365,7 +365,8 @@ def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_
   monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: dict.fromkeys(
       kinds, 1.0))   # every candidate a contender
   x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
-  choice = auto_training.choose(compiled_pipe, x, y, 64, 8)
+  # A long fit: speed, not start-up, decides, so more than M=1 is profiled.
+  choice = auto_training.choose(compiled_pipe, x, y, 64, 8, epochs=10 ** 5)
   ways = {(M, inline): method for M, inline, method in seen}
   # At M=1, 1f1b finishes each mini-batch in a loop window (inlined by its own size), the
   # asynchronous methods run windows of calls: one profile for each way.
@@ -385,6 +386,73 @@ def test_auto_profiles_each_candidate_the_way_the_executor_will_run_it(compiled_
   assert seen and all(inline for _, inline, _ in seen)
   out = [r for r in choice.rows if r.candidate.kind != "synchronous"]
   assert out and all(r.samples_per_second == 0 and "not measured" in r.why for r in out)
+
+
+@pytest.mark.parametrize("K", [2, 4, 8])
+def test_no_schedule_is_predicted_faster_than_the_least_a_mini_batch_can_take(K):
+  from tfpipe.training import auto as auto_training
+  for seed in range(10):
+    rng = np.random.default_rng(seed)
+    forward, backward = list(rng.uniform(1e-4, 1e-3, K)), list(rng.uniform(2e-4, 2e-3, K))
+    update = float(rng.uniform(0, 2e-4))
+    for cores, ordered in [(1.5, False), (2.0, True), (None, True), (None, False)]:
+      costs = simulator.Costs(forward, backward, list(rng.uniform(0, 2e-4, K - 1)), update,
+                              per_task=1e-5, cores=cores, ordered=ordered)
+      # The cores the stages share at most (the measured `cores` may be fewer).
+      least = auto.least_batch_seconds(forward, backward, update, cores and 2.0)
+      for method, M in [("1f1b", K), ("gpipe", 2 * K), ("zb", K), ("spectrain", 2 * K)]:
+        rate = costs_lib.predict(costs, method, 64, M,
+                                 num_batches=auto_training.simulated_batches(K, M))
+        assert rate <= 64 / least * (1 + 1e-9), (seed, cores, ordered, method, M)
+
+
+@pytest.mark.parametrize("epochs", [1, 10 ** 5])
+def test_auto_profiles_and_plays_out_only_candidates_that_could_beat_one_predicted(
+    compiled_pipe, monkeypatch, epochs):
+  # Stages of known costs: compute per mini-batch growing slowly with M, every copy of a
+  # stage's tasks 100 ms to trace and first run. A short fit is start-up bound, so a larger M
+  # cannot win and is not profiled; whatever the fit, the choice is the brute force's.
+  import types
+  from tfpipe.training import auto as auto_training
+  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  monkeypatch.setattr(costs_lib, "shared_cores", lambda devices: None)
+  K, batch, num_batches = 2, 64, 8
+
+  def costs_at(M):
+    grow = 1 + 0.05 * M
+    return simulator.Costs([1e-3 * grow] * K, [2e-3 * grow] * K, [0.0], 0.0 if M == 1 else 1e-4)
+  profiled = []
+
+  def profile(pipe, features, labels, M, inline, method, n, traced):
+    profiled.append(M)
+    for k in range(K):
+      traced[((k, "step" if k == K - 1 else "fb"), inline)] = types.SimpleNamespace(
+          trace_seconds=0.05, first_seconds=0.05)
+    return costs_at(M)
+  monkeypatch.setattr(auto_training, "_profile", profile)
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=batch))
+  choice = auto_training.choose(compiled_pipe, x, y, batch, num_batches, epochs)
+  found = [r.candidate for r in choice.rows]
+  speeds, starts = {}, {}
+  for c in found:
+    if c.kind == "synchronous":
+      speeds[c] = costs_lib.predict(costs_at(c.micro_batches), c.method, batch, c.micro_batches,
+                                    num_batches=auto_training.simulated_batches(K, c.micro_batches))
+      copies = auto_training._executed(compiled_pipe, c.method, c.micro_batches, num_batches)[1]
+      starts[c] = auto_training.START_SHARE * 0.1 * sum(copies)
+  samples = epochs * num_batches * batch
+  brute = auto.rank(found, {c: speeds.get(c, 0.0) for c in found}, {1: 1.0}, {},
+                    samples=samples, start=starts)
+  assert choice.candidate == brute[0].candidate
+  assert choice.rows[0].seconds == pytest.approx(brute[0].seconds)
+  left = [r for r in choice.rows if r.why.startswith("not played out")]
+  for r in left:   # each left out could not have won
+    assert auto.seconds_to_accuracy(r.candidate, speeds[r.candidate], {}, samples,
+                                    starts[r.candidate]) >= choice.rows[0].seconds
+  if epochs == 1:   # start-up bound: M=1 alone profiled, the rest left out unplayed
+    assert profiled == [1] and len(left) == len(speeds) - 1
+    assert sum("no faster than the chosen" in line for line in choice.lines) == len(left)
+    assert "at least" in choice.summary() and "to accuracy over 1 epoch than" in choice.summary()
 
 
 def test_auto_refuses_the_options_it_chooses():

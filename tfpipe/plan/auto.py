@@ -11,6 +11,10 @@ is unknown for the optimizer, or that did not reach that accuracy in the measure
 not chosen. A micro-batch size is a candidate
 only where the profile shows a device kept busy: a mini-batch's compute cut into M
 micro-batches costs at most `BUSY` times the compute of the mini-batch taken whole.
+A candidate whose least possible time (`least_batch_seconds`: its compute over the cores,
+or its busiest device's, at the compute of a smaller M) is no better than a time already
+predicted is neither profiled nor played out (`bounded`): the profile costs what a short fit
+can least afford.
 Candidates of one M predicted within `TIE` of each other rank by what they keep: 1f1b
 (stage k keeps K - k micro-batches), zb (up to K), gpipe (M), then the asynchronous methods
 (their weights do not equal Keras's). Where the stages share the cores, the simulator
@@ -21,12 +25,17 @@ their order had followed the last digits of the prediction.
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["AUTO", "BUSY", "TIE", "Candidate", "Row", "candidates", "epochs_out", "rank",
-           "report_lines", "by_micro_batches", "synchronous_micro_batches", "too_small"]
+__all__ = ["AUTO", "BUSY", "TIE", "NOISE", "Candidate", "Row", "candidates", "epochs_out", "rank",
+           "report_lines", "by_micro_batches", "synchronous_micro_batches", "too_small",
+           "least_batch_seconds", "seconds_to_accuracy"]
 
 AUTO = "auto"   # the method name that asks for the choice
 BUSY = 2.0
 TIE = 1e-3   # relative: predicted seconds to accuracy this close are a tie
+# What a larger M's compute per mini-batch may be measured below a smaller M's: on
+# `bench/time_to_accuracy.py`'s 10 tasks and depths, M = 1, 2, 4, .., 2K, 33 of 35 steps up
+# in M grew it (1.3-2.6x from M = 1 to 2K), 2 fell, by 2% each.
+NOISE = 0.05
 
 SYNCHRONOUS = ("1f1b", "zb", "gpipe")   # the schedules, least kept first (ties go that way)
 
@@ -50,13 +59,15 @@ class Candidate:
 class Row:
   """A candidate's line in the plan report. samples_per_second: predicted; epochs: the
   factor (None: unknown or not reached); seconds: predicted seconds to accuracy (None: not
-  a contender); start: of those, its predicted start-up; why: why it is out, if it is."""
+  a contender); start: of those, its predicted start-up; why: why it is out, if it is;
+  least: where it was not played out for its bound, its least possible seconds."""
   candidate: Candidate
   samples_per_second: float
   epochs: Optional[float]
   seconds: Optional[float]
   why: str = ""
   start: float = 0.0
+  least: Optional[float] = None
 
 
 def synchronous_micro_batches(num_stages: int) -> List[int]:
@@ -109,18 +120,48 @@ def too_small(compute: Mapping[int, float], micro_batches: int) -> bool:
   return compute[micro_batches] > BUSY * whole
 
 
+def least_batch_seconds(forward: Sequence[float], backward: Sequence[float], update: float,
+                        cores: Optional[float]) -> float:
+  """The least seconds a mini-batch can take on stages whose compute per mini-batch is
+  `forward`, `backward` (per stage) and `update` (each stage's update): with `cores`, the
+  cores all the stages share, their compute over the cores (two tasks of one logical CPU may
+  run at once in one graph, so no stage bounds it); else (each stage computes on its own)
+  its busiest stage's. No schedule at any M beats it, nor does the simulator predict faster
+  (`tests/test_auto.py`); at a larger M, whose micro-batches are smaller, the compute per
+  mini-batch grows, so with `NOISE` off it bounds those too."""
+  work = sum(forward) + sum(backward) + update * len(forward)
+  if cores:
+    return work / cores
+  return max(f + b for f, b in zip(forward, backward)) + update
+
+
+def seconds_to_accuracy(c: Candidate, samples_per_second: float,
+                        epochs: Mapping[str, Optional[float]], samples: float,
+                        start: float = 0.0) -> Optional[float]:
+  """`c`'s predicted seconds to accuracy at `samples_per_second`: its start-up and its
+  epochs (`epochs`' factor for its kind; synchronous 1) of `samples` samples (None: a
+  factor unknown)."""
+  factor = 1.0 if c.kind == "synchronous" else epochs.get(c.kind)
+  if factor is None or not samples_per_second:
+    return None
+  return start + factor * samples / samples_per_second
+
+
 def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, float],
          compute: Mapping[int, float], epochs: Mapping[str, Optional[float]],
-         samples: float = 1.0, start: Optional[Mapping[Candidate, float]] = None) -> List[Row]:
+         samples: float = 1.0, start: Optional[Mapping[Candidate, float]] = None,
+         bounded: Optional[Mapping[Candidate, float]] = None) -> List[Row]:
   """The candidates' rows, fastest to accuracy first (contenders before the rest).
 
   samples_per_second: each candidate's, predicted. compute: seconds of compute per
   mini-batch at each M (the profile's, summed over stages). epochs: the factor per kind
   (missing: unknown). samples: the samples synchronous training takes to the accuracy (the
   fit's epochs times an epoch's). start: each candidate's predicted start-up seconds (none:
-  0). A candidate predicted at 0 samples/s was not played out (its micro-batches too small,
-  those of a smaller M already too small, or `epochs_out`)."""
-  start = start or {}
+  0). bounded: the candidates not played out because their least possible seconds to
+  accuracy (the value) were no better than a candidate's predicted. A candidate predicted
+  at 0 samples/s was not played out (bounded, its micro-batches too small, those of a
+  smaller M already too small, or `epochs_out`)."""
+  start, bounded = start or {}, bounded or {}
   whole = compute.get(1) or min(compute.values())
   rows = []
   for c in found:
@@ -133,13 +174,16 @@ def rank(found: Sequence[Candidate], samples_per_second: Mapping[Candidate, floa
       share = compute[c.micro_batches] / whole
       why = (f"micro-batches too small to keep a device busy (compute {share:.1f}x the "
              "mini-batch's taken whole)")
+    elif not rate and c in bounded:
+      why = (f"not played out: at least {bounded[c]:.2g} s to accuracy (its compute over the "
+             "cores, or its busiest device's), no faster than the chosen")
     elif not rate:
       why = "not profiled: a larger micro-batch was already too small to keep a device busy"
     else:
       why = out
-    seconds = (None if why or factor is None
-               else start.get(c, 0.0) + factor * samples / rate)
-    rows.append(Row(c, rate, factor, seconds, why, start.get(c, 0.0)))
+    seconds = None if why else seconds_to_accuracy(c, rate, epochs, samples, start.get(c, 0.0))
+    rows.append(Row(c, rate, factor, seconds, why, start.get(c, 0.0),
+                    bounded.get(c) if not rate else None))
   def key(r: Row) -> Tuple[bool, float, int, float]:
     if r.seconds is None:
       return (True, 0.0, 0, -r.samples_per_second)

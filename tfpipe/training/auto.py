@@ -59,11 +59,16 @@ class Choice:
   def summary(self) -> str:
     """One line: what was chosen and why."""
     chosen = self.rows[0]
-    others = [r for r in self.rows[1:] if r.seconds is not None]
+    # The next: the fastest other played out, or one whose least seconds are fewer still.
+    others = [(r.seconds, "", r) for r in self.rows[1:] if r.seconds is not None]
+    others += [(r.least, "at least ", r) for r in self.rows[1:] if r.least is not None]
     over = f"over {self.epochs} epoch{'s' if self.epochs != 1 else ''}"
-    why = (f"{others[0].seconds / chosen.seconds:.2f}x faster to accuracy {over} than the "
-           f"next, {others[0].candidate.name}" if others and chosen.seconds
-           else "the only contender")
+    if others and chosen.seconds:
+      seconds, bound, r = min(others, key=lambda o: o[0])
+      why = (f"{bound}{seconds / chosen.seconds:.2f}x faster to accuracy {over} than the "
+             f"next, {r.candidate.name}")
+    else:
+      why = "the only contender"
     return (f"method='auto' chose {self.name}: {chosen.samples_per_second:.0f} samples/s "
             f"and {chosen.start:.1f} s of start-up predicted, {why} (profile "
             f"{self.seconds:.1f} s; plan_report() lists {len(self.rows)} candidates)")
@@ -84,7 +89,12 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
   if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
     found = [c for c in found if c.kind == "synchronous"]
   factors = epochs_lib.factor(advice.family(optimizer), K)
+  samples, cores = epochs * num_batches * batch_size, costs_lib.shared_cores(pipe.devices)
   speeds, compute, traced, starts = {c: 0.0 for c in found}, {}, {}, {}
+  # The best predicted seconds to accuracy so far, the least seconds a mini-batch can take at
+  # the largest M profiled (a larger M's least, its compute only growing), and the
+  # candidates left out by that bound.
+  best, least, bounded = float("inf"), None, {}
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
     if any(auto_plan.too_small(compute, m) for m in compute):
       continue   # smaller than micro-batches already too small: not profiled
@@ -96,6 +106,15 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
       if not auto_plan.epochs_out(c, factors):
         inline, copies[c] = _executed(pipe, c.method, M, num_batches)
         ways.setdefault(inline, []).append(c)
+        starts[c] = _start(traced, inline, K, copies[c])
+    if least is not None:   # none profiled at M where none can beat the best at its least
+      rate = batch_size / (least * (1 - auto_plan.NOISE))
+      floor = {c: auto_plan.seconds_to_accuracy(c, rate, factors, samples, starts[c])
+               for c in copies}
+      if all(s >= best for s in floor.values()):
+        bounded.update(floor)
+        continue
+    at_m = []
     for inline, members in sorted(ways.items()):
       costs = _profile(pipe, features, labels, M, inline, members[0].method,
                        min(num_batches, pipe.runtime.window), traced)
@@ -106,15 +125,34 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
       compute[M] = min(compute.get(M, work), work)
       if auto_plan.too_small(compute, M):
         continue   # too small to keep a device busy: not played out (up to 0.3 s each)
-      copy = costs_lib.start_seconds(traced, inline, K)
-      for c in members:
+      at_m.append(auto_plan.least_batch_seconds(costs.forward, costs.backward, costs.update,
+                                                cores))
+      for c in members:   # the schedules that keep least first: a tie goes their way
+        starts[c] = _start(traced, inline, K, copies[c])
+        floor = auto_plan.seconds_to_accuracy(c, batch_size / at_m[-1], factors, samples,
+                                              starts[c])
+        if floor >= best:
+          bounded[c] = floor
+          continue
         speeds[c] = costs_lib.predict(costs, c.method, batch_size, M,
                                       num_batches=simulated_batches(K, M))
-        starts[c] = START_SHARE * sum(n * s for n, s in zip(copies[c], copy))
-  rows = auto_plan.rank(found, speeds, compute, factors,
-                        samples=epochs * num_batches * batch_size, start=starts)
+        best = min(best, auto_plan.seconds_to_accuracy(c, speeds[c], factors, samples,
+                                                       starts[c]))
+    least = min(at_m) if at_m else least
+  rows = auto_plan.rank(found, speeds, compute, factors, samples=samples, start=starts,
+                        bounded=bounded)
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
   return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start, epochs)
+
+
+def _start(traced: dict, inline: bool, K: int, copies: List[int]) -> float:
+  """A candidate's predicted start-up: `START_SHARE` of the profile's seconds to trace and
+  first run each stage's tasks `inline` or not, per copy its epoch traces (`copies`); 0
+  before a profile of that way (the least it can be)."""
+  if ((0, "fb"), inline) not in traced and ((0, "step"), inline) not in traced:
+    return 0.0
+  copy = costs_lib.start_seconds(traced, inline, K)
+  return START_SHARE * sum(n * s for n, s in zip(copies, copy))
 
 
 def _profile(pipe, features, labels, M: int, inline: bool, method: str, num_batches: int,
