@@ -347,12 +347,14 @@ def _fit_windows(model, inline, num_stages, method="spectrain", n=12):
 @pytest.mark.parametrize("method", ["spectrain", "gpipe"])
 def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_alike(method):
   inlined, model_a, _ = _train("compiled", 4, method, n=12)
-  assert inlined.runtime._inlined(12)   # 4 x Dense(16): a few hundred ops per window
-  # An epoch shorter than the window (4) is inlined by its own size.
+  assert inlined.runtime._inlined(12, 1)   # 4 x Dense(16): a few hundred ops per window
+  # An epoch shorter than the window (4) is inlined by its own size; a window holds each
+  # mini-batch's M micro-batches.
   inlined.runtime.INLINE_OPS = 3 * inlined.runtime._forward_ops * 2
-  assert inlined.runtime._inlined(2) and not inlined.runtime._inlined(3)
+  assert inlined.runtime._inlined(2, 1) and not inlined.runtime._inlined(3, 1)
+  assert inlined.runtime._inlined(1, 2) and not inlined.runtime._inlined(2, 2)
   inlined.runtime.INLINE_OPS = 1
-  assert not inlined.runtime._inlined(12)
+  assert not inlined.runtime._inlined(12, 1)
   model_b = helpers.mlp()
   called = _fit_windows(model_b, False, 3, method)
   assert all(key[1] is False for key in called.runtime._keys)
@@ -368,7 +370,7 @@ def test_a_loop_window_inlines_its_one_mini_batch_by_its_own_size(method, monkey
   monkeypatch.setattr(tfpipe.runtime.CompiledRuntime, "INLINE_OPS", 1)
   looped, model_a, _ = _train("compiled", 4, method, n=12, micro_batches=2)
   runtime = looped.runtime
-  assert not runtime._inlined(12)
+  assert not runtime._inlined(12, 2)
   # The loop's window is the last numbered (after the plan's windows, numbered as calls).
   assert runtime._inlined_loop(2) and runtime.numbered[-1].inline
   assert not any(n.inline for n in runtime.numbered[:-1])
