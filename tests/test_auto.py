@@ -308,15 +308,17 @@ def test_a_candidates_start_up_counts_the_copies_of_each_stages_tasks_its_epoch_
   # A loop window inlined holds its M micro-batches on every stage.
   assert auto_training._executed(compiled_pipe, "1f1b", 4, 62) == (True, [4, 4])
   assert auto_training._executed(compiled_pipe, "gpipe", 8, 62) == (True, [8, 8])
-  # Inlined windows that do not loop: the forwards of the distinct windows, whatever the
-  # epoch's length past the warm-up, steady and last windows.
+  # Inlined windows that do not loop (micro-batches on small stages): the forwards of the
+  # distinct windows, whatever the epoch's length past the warm-up, steady and last windows.
   for N in (200, 62, 40):
-    inline, copies = auto_training._executed(compiled_pipe, "spectrain", 1, N)
-    schedule, diffs = policies.epoch("spectrain", 2, N, 1)
+    inline, copies = auto_training._executed(compiled_pipe, "spectrain", 2, N)
+    schedule, diffs = policies.epoch("spectrain", 2, N, 2)
     plan = windows.plan(schedule, diffs, runtime.window)
     assert inline and copies == windows.traced_forwards(plan, 2)
-    assert copies[0] == min(N, 2 * runtime.window + (N - 1) % runtime.window + 1)
-  # Tasks as calls of the stage functions: each traced once.
+    assert copies[0] == 2 * min(N, 2 * runtime.window + (N - 1) % runtime.window + 1)
+  # Tasks as calls of the stage functions: each traced once (one batch per update on small
+  # stages, or any stages too large to inline).
+  assert auto_training._executed(compiled_pipe, "spectrain", 1, 62) == (False, [1, 1])
   monkeypatch.setattr(compiled.CompiledRuntime, "INLINE_LOOP_OPS", 0)
   monkeypatch.setattr(compiled.CompiledRuntime, "INLINE_OPS", 0)
   assert auto_training._executed(compiled_pipe, "1f1b", 4, 62) == (False, [1, 1])

@@ -255,14 +255,18 @@ def test_a_stop_takes_effect_at_the_window_end_and_drains_the_started_batches():
   assert pipe.runtime.updates == [10, 10, 10]
 
 
-@pytest.mark.parametrize("method,options,most,updates", [
-    ("pipedream", {}, "CALL_WINDOW", 10),
-    ("spectrain", {"micro_batches": 2}, "CALL_WINDOW_MICRO", 9)])
-def test_a_window_of_stage_calls_runs_as_calls_of_at_most_call_window_batches(method, options,
-                                                                              most, updates):
+@pytest.mark.parametrize("method,options,small,most,updates", [
+    ("pipedream", {}, False, "CALL_WINDOW", 10),
+    ("pipedream", {}, True, None, 10),
+    ("spectrain", {"micro_batches": 2}, True, "CALL_WINDOW_MICRO", 9)])
+def test_a_window_of_stage_calls_runs_as_calls_of_at_most_call_window_batches(
+    method, options, small, most, updates, monkeypatch):
   # Window of 8 on the call path: traced and run 4 mini-batches at a time (CALL_WINDOW; 2 with
   # micro-batches), the hooks of all 8 after the calls; a stop in batch 5's hook drains as a
-  # window of 8 does.
+  # window of 8 does. Small stages with one batch per update (`INLINE_OPS`) call whole
+  # windows of 8.
+  if not small:
+    monkeypatch.setattr(tfpipe.runtime.CompiledRuntime, "INLINE_OPS", 0)
   runs = {}
   x, y = helpers.as_arrays(helpers.batches(24))
   for inline in (False, True):
@@ -274,7 +278,8 @@ def test_a_window_of_stage_calls_runs_as_calls_of_at_most_call_window_batches(me
     pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[stop])
     sizes = {w.last - w.first + 1 for w in pipe.runtime._plan[1]}   # pylint: disable=protected-access
     runs[inline] = (stop.ends, list(pipe.runtime.updates), model.get_weights(), max(sizes))
-  assert runs[False][3] == getattr(tfpipe.runtime.CompiledRuntime, most) and runs[True][3] == 8
+  assert runs[False][3] == (getattr(tfpipe.runtime.CompiledRuntime, most) if most else 8)
+  assert runs[True][3] == 8
   assert runs[False][0] == runs[True][0] == list(range(6))
   assert runs[False][1] == runs[True][1] == [updates] * 3   # the drain's updates too
   for a, b in zip(runs[False][2], runs[True][2]):
@@ -345,16 +350,23 @@ def _fit_windows(model, inline, num_stages, method="spectrain", n=12):
 
 
 @pytest.mark.parametrize("method", ["spectrain", "gpipe"])
-def test_small_windows_inline_their_tasks_large_ones_call_the_stage_functions_alike(method):
-  inlined, model_a, _ = _train("compiled", 4, method, n=12)
-  assert inlined.runtime._inlined(12, 1)   # 4 x Dense(16): a few hundred ops per window
-  # An epoch shorter than the window (4) is inlined by its own size; a window holds each
+def test_small_stages_inline_windows_of_micro_batches_others_call_the_stage_functions_alike(
+    method):
+  inlined, model_a, _ = _train("compiled", 4, method, n=12, inline=True)
+  runtime = inlined.runtime
+  runtime.inline = "auto"
+  # 4 x Dense(16), a few hundred ops per window: small. Windows of micro-batches trace their
+  # tasks inline; with one batch per update they call the stage functions.
+  assert runtime._small(12, 1) and runtime._inlined(12, 2) and not runtime._inlined(12, 1)
+  # An epoch shorter than the window (4) counts its own size; a window holds each
   # mini-batch's M micro-batches.
-  inlined.runtime.INLINE_OPS = 3 * inlined.runtime._forward_ops * 2
-  assert inlined.runtime._inlined(2, 1) and not inlined.runtime._inlined(3, 1)
-  assert inlined.runtime._inlined(1, 2) and not inlined.runtime._inlined(2, 2)
-  inlined.runtime.INLINE_OPS = 1
-  assert not inlined.runtime._inlined(12, 1)
+  runtime.INLINE_OPS = 3 * runtime._forward_ops * 4
+  assert runtime._inlined(2, 2) and not runtime._inlined(3, 2)
+  assert runtime._inlined(1, 4) and not runtime._inlined(2, 4)
+  runtime.INLINE_OPS = 3 * runtime._forward_ops * 3
+  assert runtime._small(3, 1) and not runtime._small(4, 1)
+  runtime.INLINE_OPS = 1
+  assert not runtime._inlined(12, 2)
   model_b = helpers.mlp()
   called = _fit_windows(model_b, False, 3, method)
   assert all(key[1] is False for key in called.runtime._keys)

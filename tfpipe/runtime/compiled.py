@@ -57,11 +57,20 @@ class CompiledRuntime(Executor):
   `profile_dir` when set.
   """
 
-  # Windows whose inlined graph would hold at most this many ops (3 x a forward's, per stage
-  # and micro-batch: W x M forwards) trace their tasks inline: small stages cost less as
-  # copies than as calls. Counting W alone, M = 8 (spectrain advised) on the time-to-accuracy
-  # classes MLP at K = 4 inlined 368 copies a stage: first epoch 47 s (as calls 2.8 s, each
-  # later epoch 0.42 s against 0.55 s).
+  # Small stages: windows whose inlined graph would hold at most this many ops (3 x a
+  # forward's, per stage and micro-batch: W x M forwards). With micro-batches (M > 1) they
+  # trace their tasks inline (as calls, each mini-batch's 2KM task calls cost more than the
+  # copies: `runtime_overhead.py`'s 2bw at K=4, M=4, 2.92x Keras per mini-batch as calls of
+  # whole windows, 1.05x inlined). Counting W alone, M = 8 (spectrain advised) on the
+  # time-to-accuracy classes MLP at K = 4 inlined 368 copies a stage: first epoch 47 s (as
+  # calls 2.8 s, each later epoch 0.42 s against 0.55 s). With one batch per update their
+  # tasks are calls, a whole window of W mini-batches per call: on the time-to-accuracy tasks
+  # (spectrain, first / later epoch s, inlined against calls of whole windows) classes K=4
+  # 6.84 / 0.267 against 2.09 / 0.233, K=8 7.44 / 0.300 against 3.85 / 0.331, regions 8.38 /
+  # 0.383 against 2.49 / 0.323 and 9.58 / 0.353 against 3.67 / 0.475, shapes 8.78 / 1.237
+  # against 3.51 / 1.539 and 9.53 / 1.301 against 4.90 / 1.519: faster to the end of a
+  # 15-epoch fit everywhere; `runtime_overhead.py`'s spectrain 0.69x / 0.80x Keras per
+  # mini-batch at K = 2 / 4 against 0.66x / 0.90x inlined.
   INLINE_OPS = 20000
   # A loop window (a schedule that finishes each mini-batch before the next: `loops`) holds one
   # mini-batch's tasks, M micro-batches on every stage, whatever W is: it traces its tasks
@@ -131,10 +140,11 @@ class CompiledRuntime(Executor):
     """
     self._start_epoch(schedule)
     M = schedules.micro_batches(schedule)
-    # Inlined windows (small stages, cheap to trace) run whole; windows of stage calls
-    # trace CALL_WINDOW mini-batches at most (CALL_WINDOW_MICRO with micro-batches).
+    # Inlined windows (small stages with micro-batches) and calls of small stages run whole
+    # windows; other windows of stage calls trace CALL_WINDOW mini-batches at most
+    # (CALL_WINDOW_MICRO with micro-batches).
     inlined = self._inlined(num_batches, M)
-    size = self._window_size(M, inlined)
+    size = self._window_size(M, inlined, num_batches)
     key = (self.schedule_key, tuple(tuple(sorted(d.items())) for d in diffs), size, inlined,
            self.aligned)
 
@@ -235,7 +245,7 @@ class CompiledRuntime(Executor):
     inlined = self._inlined(num_batches, M)
     if not inlined:
       return [0.0] * self.K
-    size = self._window_size(M, inlined)
+    size = self._window_size(M, inlined, num_batches)
     return windows_lib.crossing(windows_lib.plan(schedule, diffs, size, self.aligned), self.K)
 
   def traced_copies(self, schedule, diffs, num_batches, loops=None):
@@ -252,7 +262,8 @@ class CompiledRuntime(Executor):
     if not inlined:
       return [1] * self.K
     return windows_lib.traced_forwards(
-        windows_lib.plan(schedule, diffs, self._window_size(M, inlined), self.aligned), self.K)
+        windows_lib.plan(schedule, diffs, self._window_size(M, inlined, num_batches),
+                         self.aligned), self.K)
 
   def _loops(self, schedule, diffs, loops=None):
     """Whether an epoch of `schedule` runs as a loop window (`loops`: whether it would, if
@@ -261,26 +272,32 @@ class CompiledRuntime(Executor):
       loops = windows_lib.flush_window(schedule, diffs) is not None
     return loops and not self.record
 
-  def _window_size(self, M, inlined):
-    """Mini-batches a window traces: `window` inlined, else at most CALL_WINDOW (with
-    micro-batches, CALL_WINDOW_MICRO)."""
-    if inlined:
+  def _window_size(self, M, inlined, num_batches):
+    """Mini-batches a window of an epoch of `num_batches` traces: `window` inlined, or as
+    calls of small stages with one batch per update (`INLINE_OPS`: the calls' cost is a
+    window's, spread over its mini-batches), else at most CALL_WINDOW (with micro-batches,
+    CALL_WINDOW_MICRO)."""
+    if inlined or (M == 1 and self._small(num_batches, M)):
       return self.window
     return min(self.window, self.CALL_WINDOW if M == 1 else self.CALL_WINDOW_MICRO)
+
+  def _small(self, num_batches, M):
+    """Whether the stages are small: an inlined window of the epoch (W mini-batches, or the
+    epoch's when it is shorter, of M micro-batches each) would hold at most `INLINE_OPS`."""
+    return self._inlined_ops(min(self.window, num_batches) * M) <= self.INLINE_OPS
 
   def _inlined(self, num_batches, M):
     """Whether an epoch of `num_batches` mini-batches of M micro-batches traces each task's
     body into its windows' graphs rather than a call of the stage's traced function: when
-    profiled (the timeline reads each op's task scope), else as `inline` says; "auto": when
-    the inlined window (W mini-batches, or the epoch's when it is shorter, of M micro-batches
-    each) is small (`INLINE_OPS`). Calls trace and
-    optimise each stage function once, so start-up does not grow with W; each costs a
-    function call per task when it runs (tens of microseconds: felt by tiny stages only)."""
+    profiled (the timeline reads each op's task scope), else as `inline` says; "auto": with
+    micro-batches (M > 1) on small stages (`_small`). Calls trace and optimise each stage
+    function once, so start-up does not grow with W; each costs a function call per task
+    when it runs (tens of microseconds: felt by tiny stages, 2KM calls a mini-batch)."""
     if self.record:
       return True
     if self.inline != "auto":
       return self.inline
-    return self._inlined_ops(min(self.window, num_batches) * M) <= self.INLINE_OPS
+    return M > 1 and self._small(num_batches, M)
 
   def _inlined_loop(self, M):
     """Whether a loop window (one mini-batch of M micro-batches, `loops`) traces its tasks'
