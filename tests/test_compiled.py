@@ -358,6 +358,10 @@ def test_small_stages_inline_windows_of_micro_batches_others_call_the_stage_func
   # 4 x Dense(16), a few hundred ops per window: small. Windows of micro-batches trace their
   # tasks inline; with one batch per update they call the stage functions.
   assert runtime._small(12, 1) and runtime._inlined(12, 2) and not runtime._inlined(12, 1)
+  assert runtime._local_cpus
+  runtime._local_cpus = False   # a stage on a TF server or a GPU: its task calls cost more
+  assert runtime._inlined(12, 1)
+  runtime._local_cpus = True
   # An epoch shorter than the window (4) counts its own size; a window holds each
   # mini-batch's M micro-batches.
   runtime.INLINE_OPS = 3 * runtime._forward_ops * 4

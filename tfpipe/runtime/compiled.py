@@ -122,6 +122,11 @@ class CompiledRuntime(Executor):
     self.traces = 0   # windows traced so far (a new window shape traces once)
     # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
     self._gpu = any(tf.DeviceSpec.from_string(p.device).device_type == "GPU" for p in programs)
+    # Every stage a logical CPU of this process: small stages with one batch per update call
+    # their functions (`_inlined`; measured there only).
+    self._local_cpus = all(tf.DeviceSpec.from_string(p.device).device_type == "CPU"
+                           and tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
+                           for p in programs)
 
   def set_window(self, window, aligned=True):
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -289,15 +294,18 @@ class CompiledRuntime(Executor):
   def _inlined(self, num_batches, M):
     """Whether an epoch of `num_batches` mini-batches of M micro-batches traces each task's
     body into its windows' graphs rather than a call of the stage's traced function: when
-    profiled (the timeline reads each op's task scope), else as `inline` says; "auto": with
-    micro-batches (M > 1) on small stages (`_small`). Calls trace and optimise each stage
-    function once, so start-up does not grow with W; each costs a function call per task
-    when it runs (tens of microseconds: felt by tiny stages, 2KM calls a mini-batch)."""
+    profiled (the timeline reads each op's task scope), else as `inline` says; "auto": on
+    small stages (`_small`) with micro-batches (M > 1), or with one batch per update where a
+    stage is not a logical CPU of this process (on TF servers each task call is a remote
+    call: `runtime_overhead.py`'s K=2 on servers 5.5 ms a mini-batch as calls against 1.3 ms
+    inlined). Calls trace and optimise each stage function once, so start-up does not grow
+    with W; each costs a function call per task when it runs (tens of microseconds: felt by
+    tiny stages, 2KM calls a mini-batch)."""
     if self.record:
       return True
     if self.inline != "auto":
       return self.inline
-    return M > 1 and self._small(num_batches, M)
+    return (M > 1 or not self._local_cpus) and self._small(num_batches, M)
 
   def _inlined_loop(self, M):
     """Whether a loop window (one mini-batch of M micro-batches, `loops`) traces its tasks'
