@@ -279,10 +279,10 @@ class CompiledRuntime(Executor):
 
   def _window_size(self, M, inlined, num_batches):
     """Mini-batches a window of an epoch of `num_batches` traces: `window` inlined, or as
-    calls of small stages with one batch per update (`INLINE_OPS`: the calls' cost is a
-    window's, spread over its mini-batches), else at most CALL_WINDOW (with micro-batches,
-    CALL_WINDOW_MICRO)."""
-    if inlined or (M == 1 and self._small(num_batches, M)):
+    calls of small stages with one batch per update on this process's CPUs (`INLINE_OPS`:
+    the calls' cost is a window's, spread over its mini-batches), else at most CALL_WINDOW
+    (with micro-batches, CALL_WINDOW_MICRO)."""
+    if inlined or (M == 1 and self._local_cpus and self._small(num_batches, M)):
       return self.window
     return min(self.window, self.CALL_WINDOW if M == 1 else self.CALL_WINDOW_MICRO)
 
