@@ -121,12 +121,12 @@ class CompiledRuntime(Executor):
     self._infer = compat.own_function(self._infer_window, autograph=False)
     self.traces = 0   # windows traced so far (a new window shape traces once)
     # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
-    self._gpu = any(tf.DeviceSpec.from_string(p.device).device_type == "GPU" for p in programs)
+    specs = [tf.DeviceSpec.from_string(p.device) for p in programs]
+    self._gpu = any(s.device_type == "GPU" for s in specs)
     # Every stage a logical CPU of this process: small stages with one batch per update call
-    # their functions (`_inlined`; measured there only).
-    self._local_cpus = all(tf.DeviceSpec.from_string(p.device).device_type == "CPU"
-                           and tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
-                           for p in programs)
+    # their functions (`_calls_small`; measured there only).
+    self._local_cpus = all(s.device_type == "CPU" and s.job in (None, "localhost")
+                           for s in specs)
 
   def set_window(self, window, aligned=True):
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -250,8 +250,8 @@ class CompiledRuntime(Executor):
     inlined = self._inlined(num_batches, M)
     if not inlined:
       return [0.0] * self.K
-    size = self._window_size(M, inlined, num_batches)
-    return windows_lib.crossing(windows_lib.plan(schedule, diffs, size, self.aligned), self.K)
+    return windows_lib.crossing(windows_lib.plan(schedule, diffs, self.window, self.aligned),
+                                self.K)
 
   def traced_copies(self, schedule, diffs, num_batches, loops=None):
     """Per stage, how many copies of its tasks an epoch of `schedule` (version differences
@@ -267,8 +267,7 @@ class CompiledRuntime(Executor):
     if not inlined:
       return [1] * self.K
     return windows_lib.traced_forwards(
-        windows_lib.plan(schedule, diffs, self._window_size(M, inlined, num_batches),
-                         self.aligned), self.K)
+        windows_lib.plan(schedule, diffs, self.window, self.aligned), self.K)
 
   def _loops(self, schedule, diffs, loops=None):
     """Whether an epoch of `schedule` runs as a loop window (`loops`: whether it would, if
@@ -282,7 +281,7 @@ class CompiledRuntime(Executor):
     calls of small stages with one batch per update on this process's CPUs (`INLINE_OPS`:
     the calls' cost is a window's, spread over its mini-batches), else at most CALL_WINDOW
     (with micro-batches, CALL_WINDOW_MICRO)."""
-    if inlined or (M == 1 and self._local_cpus and self._small(num_batches, M)):
+    if inlined or (self._calls_small(M) and self._small(num_batches, M)):
       return self.window
     return min(self.window, self.CALL_WINDOW if M == 1 else self.CALL_WINDOW_MICRO)
 
@@ -290,6 +289,11 @@ class CompiledRuntime(Executor):
     """Whether the stages are small: an inlined window of the epoch (W mini-batches, or the
     epoch's when it is shorter, of M micro-batches each) would hold at most `INLINE_OPS`."""
     return self._inlined_ops(min(self.window, num_batches) * M) <= self.INLINE_OPS
+
+  def _calls_small(self, M):
+    """Whether small stages call their functions (in whole windows) rather than inline their
+    tasks: with one batch per update, every stage a logical CPU of this process."""
+    return M == 1 and self._local_cpus
 
   def _inlined(self, num_batches, M):
     """Whether an epoch of `num_batches` mini-batches of M micro-batches traces each task's
@@ -305,7 +309,7 @@ class CompiledRuntime(Executor):
       return True
     if self.inline != "auto":
       return self.inline
-    return (M > 1 or not self._local_cpus) and self._small(num_batches, M)
+    return self._small(num_batches, M) and not self._calls_small(M)
 
   def _inlined_loop(self, M):
     """Whether a loop window (one mini-batch of M micro-batches, `loops`) traces its tasks'
