@@ -457,6 +457,38 @@ def test_auto_profiles_and_plays_out_only_candidates_that_could_beat_one_predict
     assert "at least" in choice.summary() and "to accuracy over 1 epoch than" in choice.summary()
 
 
+@pytest.mark.parametrize("grow", [3.0, 1.1])
+def test_a_way_not_traced_yet_is_traced_only_where_the_ms_compute_leaves_it_a_contender(
+    compiled_pipe, monkeypatch, grow):
+  # M=1 runs inlined, larger M as calls (as a transformer's windows may): each M's compute
+  # is first timed the way already traced (no trace). Growing 3x, M=2 is too small to keep
+  # a device busy and the calls are never traced; growing slowly over a long fit, they are.
+  import types
+  from tfpipe.training import auto as auto_training
+  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  monkeypatch.setattr(costs_lib, "shared_cores", lambda devices: None)
+  monkeypatch.setattr(auto_training, "_executed",
+                      lambda pipe, method, M, n: (M == 1, [1] * pipe.num_stages))
+  K, batch, profiled = 2, 64, []
+
+  def profile(pipe, features, labels, M, inline, method, n, traced):
+    profiled.append((M, inline))
+    for k in range(K):
+      traced[((k, "step" if k == K - 1 else "fb"), inline)] = types.SimpleNamespace(
+          trace_seconds=0.05, first_seconds=0.05)
+    scale = grow ** (M.bit_length() - 1)
+    return simulator.Costs([1e-3 * scale] * K, [2e-3 * scale] * K, [0.0], 0.0)
+  monkeypatch.setattr(auto_training, "_profile", profile)
+  x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=batch))
+  choice = auto_training.choose(compiled_pipe, x, y, batch, 8, epochs=10 ** 5)
+  if grow > auto.BUSY:
+    assert profiled == [(1, True), (2, True)]
+    assert all(r.candidate.micro_batches == 1 for r in choice.rows if r.seconds is not None)
+  else:
+    assert profiled[:3] == [(1, True), (2, True), (2, False)]
+    assert all(inline is False for M, inline in profiled[3:])   # traced for any batch size
+
+
 def test_auto_refuses_the_options_it_chooses():
   with pytest.raises(ValueError, match="method='auto' chooses micro_batches, nesterov"):
     tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="auto", micro_batches=4, nesterov=True)
