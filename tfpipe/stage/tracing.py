@@ -25,6 +25,10 @@ class TaskFunctions:
     self.inlinable = {name: compat.own_function(bodies[name], reduce_retracing=True,
                                                 autograph=False)
                       for name in inlinable}
+    # The forward, traced once per signature, that TensorFlow inlines into a window graph
+    # calling it (`StageProgram.residuals_inlined`).
+    self.inlined_forward = compat.own_function(bodies["forward_on"], reduce_retracing=True,
+                                               autograph=False)
     # Traced once per signature, called (not inlined) from the window graph.
     self.traced = {name: compat.own_function(body, reduce_retracing=True,
                                               jit_compile=jit_compile, autograph=False,
