@@ -478,8 +478,9 @@ class StageProgram:
     stage's tasks traces the forward and its gradient once, not M times. For the compiled
     executor's loop windows, where each forward's backward is in the same graph (not
     zero-bubble's split backward: its weight half, deferred within the mini-batch, ran 25%
-    slower so). Measured (12-layer Llama, K=4, first epoch / later epochs, s): 1f1b M=4
-    18.6 / 1.96 traced inline, 13.0 / 1.75 so; gpipe 18.8 / 1.79, 13.5 / 1.72."""
+    slower so). Measured (`bench/startup.py`, 12-layer Llama, K=4, M=4, first-epoch extra
+    / second epoch, s): 1f1b 16.7 / 1.67 traced inline, 11.3 / 1.67 so; gpipe 18.4 / 1.73,
+    11.3 / 1.68 (Keras's extra 9.4 s)."""
     before, self._inlined_residuals = self._inlined_residuals, on
     try:
       yield
