@@ -458,7 +458,7 @@ class StageProgram:
     if keeps == "weights":
       ys, _, state = self.task("forward_on", inline)(weights, xs)
       return ys, Kept(xs, state, weights)
-    residuals = not inline or (self._inlined_residuals and self.ops["B"].op != "backward_input")
+    residuals = not inline or self._inlined_residuals
     call = self._residual_call(weights, xs, inline) if residuals else None
     if call is not None:   # its outputs and what its gradient reads: no tape
       with tf.device(self.device):
@@ -476,11 +476,13 @@ class StageProgram:
     residuals, which TensorFlow inlines when the graph runs, and its backward a call of that
     forward's backward (`compat.ResidualCall`): a window graph that holds M copies of the
     stage's tasks traces the forward and its gradient once, not M times. For the compiled
-    executor's loop windows, where each forward's backward is in the same graph (not
-    zero-bubble's split backward: its weight half, deferred within the mini-batch, ran 25%
-    slower so). Measured (`bench/startup.py`, 12-layer Llama, K=4, M=4, first-epoch extra
-    / second epoch, s): 1f1b 16.7 / 1.67 traced inline, 11.3 / 1.67 so; gpipe 18.4 / 1.73,
-    11.3 / 1.68 (Keras's extra 9.4 s)."""
+    executor's loop windows, where each forward's backward is in the same graph (a
+    zero-bubble backward's input half takes both gradients from the residuals, as a
+    window of calls does). Measured (`bench/startup.py`, 12-layer Llama, K=4, M=4,
+    first-epoch extra / second epoch, s): 1f1b 16.7 / 1.67 traced inline, 11.3 / 1.67 so;
+    gpipe 18.4 / 1.73, 11.3 / 1.68 (Keras's extra 9.4 s); zb (first epoch, 6 epochs'
+    steady, alternating processes) 19.1, 19.3 / 1.64, 1.84, so 13.1, 12.9 / 1.85, 1.69
+    (each process runs at one of two steady speeds, either way)."""
     before, self._inlined_residuals = self._inlined_residuals, on
     try:
       yield
