@@ -493,10 +493,9 @@ def test_kept_forwards_cross_windows_of_calls_with_their_residuals_not_recompute
   """A forward whose backward reads its tape, called from a window of stage calls, outputs
   what its gradient reads (`compat.ResidualCall`): its backward, in that window or a later
   one, runs no recompute (the stages' recomputing backward is never traced) and gives the
-  weights of the inlined windows, whose kept forwards are calls of a forward TensorFlow
-  inlines and cross as their residuals too (dropout draws included: residuals hold them). A
-  kept forward crosses as its inputs, its state and one tensor packing its weights with its
-  residuals."""
+  weights of the inlined windows, which recompute the forwards crossing a window (dropout
+  draws included: a recompute replays them, residuals hold them). A kept forward crosses as
+  its inputs, its state and one tensor packing its weights with its residuals."""
   from tfpipe.runtime import grouped, groups
   carried, carry_values = [], grouped.Group.carry_values
 
@@ -525,13 +524,5 @@ def test_kept_forwards_cross_windows_of_calls_with_their_residuals_not_recompute
       assert kept and all(p._residual_calls for p in kept)
       assert sum(p.functions.traced["backward_on"].experimental_get_tracing_count()
                  for p in pipe.programs) == 0
-    else:   # inlined: each kept forward a call of one trace, crossing as its residuals
-      kept = [p for p in pipe.programs if p.ops["F"].keeps == "tape"]
-      assert all(p.functions.inlined_forward.experimental_get_tracing_count() == 1
-                 and p._residual_calls for p in kept)
-      schedule = policies.build_schedule(pipe.policy, 3, 12, 1)
-      diffs = policies.version_differences(pipe.policy, schedule,
-                                           pipe.options.version_difference)
-      assert pipe.runtime.crossing(schedule, diffs, 12) == [0.0] * 3   # none recomputed
   for a, b in zip(weights[False], weights[True]):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

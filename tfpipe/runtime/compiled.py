@@ -241,14 +241,14 @@ class CompiledRuntime(Executor):
     """Per stage, the share of its backwards that recompute their forward because it ran in
     an earlier window (`tfpipe.plan.windows.crossing`) in an epoch of `schedule` over
     `num_batches` mini-batches, cut as `train_epoch` cuts it: what the profile adds to a
-    backward that reads a kept tape (`tfpipe.instruments.costs`). Only inlined windows under
-    XLA recompute: every other window carries the forward's residuals instead
-    (`tfpipe.stage.program.Kept`, `StageProgram.residuals_inlined`)."""
+    backward that reads a kept tape (`tfpipe.instruments.costs`). Only inlined windows
+    recompute: a window of stage calls carries the forward's residuals instead
+    (`tfpipe.stage.program.Kept`)."""
     M = schedules.micro_batches(schedule)
     if self._loops(schedule, diffs):
       return [0.0] * self.K   # a loop window holds each mini-batch whole
     inlined = self._inlined(num_batches, M)
-    if not inlined or not any(p.jit_compile for p in self.programs):
+    if not inlined:
       return [0.0] * self.K
     return windows_lib.crossing(windows_lib.plan(schedule, diffs, self.window, self.aligned),
                                 self.K)
@@ -396,9 +396,7 @@ class CompiledRuntime(Executor):
     # across a call keeps constant exponents constant (`compat.constant_exponents`).
     marked = self._marked() if not inline else contextlib.nullcontext()
     with compat.optimised_calls(), compat.calls_inferred_once(), compat.constant_exponents(), \
-        marked, contextlib.ExitStack() as stack:
-      for program in self.programs:   # each kept forward traced once, its calls inlined
-        stack.enter_context(program.residuals_inlined(inline))
+        marked:
       return self._traced_tasks(key, inline, carry, inputs, labels, M)
 
   def _marked(self):
@@ -418,8 +416,8 @@ class CompiledRuntime(Executor):
     if any(stage.held or stage.losses or stage.halves for stage in stages):
       raise AssertionError("a window cut a last-stage step or a split backward apart")   # windows.plan prevents it
     # Forwards still waiting cross into the next window with the residuals their calls output
-    # (`StageProgram.carried`), or, under XLA, without their tapes: their backward then
-    # recomputes them on the kept inputs, weights and random state (the same values).
+    # (`StageProgram.carried`), or, inlined, without their tapes: their backward then recomputes them
+    # on the kept inputs, weights and random state (the same values).
     saved = {(stage.k,) + unit: (stage.program.carried(part.kept), part.share)
              for stage in stages for unit, part in stage.saved.items()}
     return ({"x": moves.outputs, "saved": saved, "g": moves.gradients},

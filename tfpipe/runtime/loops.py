@@ -2,6 +2,8 @@
 runs each window of W mini-batches as one call that loops over them, so its graph holds one
 mini-batch's tasks whatever W is."""
 
+import contextlib
+
 import tensorflow as tf
 
 from tfpipe import compat
@@ -81,7 +83,10 @@ class LoopWindows:
       inputs = {0: tf.nest.map_structure(at, xs)}
       labels = {0: (tf.nest.map_structure(at, y),
                     None if weights is None else tf.nest.map_structure(at, weights))}
-      _, results = self.runtime.trace_tasks(key, inline, empty, inputs, labels, M)
+      with contextlib.ExitStack() as stack:   # each forward traced once, its M calls inlined
+        for program in self.runtime.programs:
+          stack.enter_context(program.residuals_inlined(inline))
+        _, results = self.runtime.trace_tasks(key, inline, empty, inputs, labels, M)
       loss, batch_logs = results[0]
       return (i + 1, losses.write(i, tf.cast(loss, tf.float64)),
               [ta.write(i, tf.cast(batch_logs[name], tf.float64))

@@ -475,10 +475,10 @@ class StageProgram:
     the forward traced once per signature (`TaskFunctions.inlined_forward`) that outputs its
     residuals, which TensorFlow inlines when the graph runs, and its backward a call of that
     forward's backward (`compat.ResidualCall`): a window graph that holds M copies of the
-    stage's tasks traces the forward and its gradient once, not M times, and a forward whose
-    backward falls in a later window crosses as its residuals (`carried`), not recomputed.
-    For the compiled executor's inlined windows (a zero-bubble backward's input half takes
-    both gradients from the residuals, as a window of calls does). Measured (`bench/startup.py`, 12-layer Llama, K=4, M=4,
+    stage's tasks traces the forward and its gradient once, not M times. For the compiled
+    executor's loop windows, where each forward's backward is in the same graph (a
+    zero-bubble backward's input half takes both gradients from the residuals, as a
+    window of calls does). Measured (`bench/startup.py`, 12-layer Llama, K=4, M=4,
     first-epoch extra / second epoch, s): 1f1b 16.7 / 1.67 traced inline, 11.3 / 1.67 so;
     gpipe 18.4 / 1.73, 11.3 / 1.68 (Keras's extra 9.4 s); zb (first epoch, 6 epochs'
     steady, alternating processes) 19.1, 19.3 / 1.64, 1.84, so 13.1, 12.9 / 1.85, 1.69
@@ -518,7 +518,7 @@ class StageProgram:
       loss, dxs, logs = self.task("last_step", inline)(part.xs, y, sample_weight, s, scale,
                                                        accumulate)
       return Backward(dxs, loss, self.reports.completed(logs))
-    return Backward(self._backward(self._opened(parts, inline), dys, s, scale, accumulate, "both",
+    return Backward(self._backward(self._opened(parts), dys, s, scale, accumulate, "both",
                                    inline))
 
   def backward_input(self, parts, dys, s, scale, inline=False):
@@ -530,7 +530,7 @@ class StageProgram:
     weight gradients from (eagerly), or (in a window's graph) the weight gradients."""
     if self._steps:
       return self._step_input(parts, s, scale, inline)
-    parts = self._opened(parts, inline)
+    parts = self._opened(parts)
     if len(parts) == 1 and (inline and parts[0].tape is not None or
                             self._replays(parts[0], dys)):
       # One graph holds both halves: the input and weight gradients in one walk of the tape
@@ -562,7 +562,7 @@ class StageProgram:
           grads = [_scaled(g, scale) for g in grads]
         self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
       return
-    self._backward(self._opened(parts, inline), dys, s, scale, accumulate, "weights", inline)
+    self._backward(self._opened(parts), dys, s, scale, accumulate, "weights", inline)
 
   def update(self, inline=False):
     """Task U: one update with the accumulated gradients, which it clears."""
@@ -649,16 +649,16 @@ class StageProgram:
       weights = [None] * len(weights)
     return Kept(kept.xs, kept.state, weights, labels=kept.labels, residuals=residuals)
 
-  def _opened(self, parts, inline=False):
+  def _opened(self, parts):
     """`parts` with any residuals a window carried packed (`carried`) unpacked: the weights
-    the forward read and its residuals, as tensors again (of the forward called `inline`)."""
-    return [self._opened_one(kept, inline) for kept in parts]
+    the forward read and its residuals, as tensors again."""
+    return [self._opened_one(kept) for kept in parts]
 
-  def _opened_one(self, kept, inline):
+  def _opened_one(self, kept):
     if not isinstance(kept.residuals, tf.Tensor):
       return kept
     specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
-    call = self._residual_call(specs, kept.xs, inline)
+    call = self._residual_call(specs, kept.xs)
     with tf.device(self.device):
       values = tf.raw_ops.OptionalGetValue(
           optional=kept.residuals, output_types=[s.dtype for s in specs] + call.residual_types,
