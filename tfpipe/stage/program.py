@@ -458,8 +458,8 @@ class StageProgram:
     if keeps == "weights":
       ys, _, state = self.task("forward_on", inline)(weights, xs)
       return ys, Kept(xs, state, weights)
-    residuals = not inline or self._inlined_residuals
-    call = self._residual_call(weights, xs, inline) if residuals else None
+    called = not inline or self._inlined_residuals   # a call that outputs its residuals
+    call = self._residual_call(weights, xs, inline) if called else None
     if call is not None:   # its outputs and what its gradient reads: no tape
       with tf.device(self.device):
         (ys, reg, state), residuals = call.call((weights, xs))
