@@ -98,6 +98,19 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
   # the largest M profiled (a larger M's least, its compute only growing), and the
   # candidates left out by that bound.
   best, least, bounded = float("inf"), None, {}
+
+  def floors(cands, seconds):
+    """Each of `cands`' least seconds to accuracy at `seconds` a mini-batch, `NOISE` off."""
+    rate = batch_size / (seconds * (1 - auto_plan.NOISE))
+    return {c: auto_plan.seconds_to_accuracy(c, rate, factors, samples, starts[c])
+            for c in cands}
+
+  def timed(costs):
+    """Records M's compute per mini-batch from `costs`; whether M is too small."""
+    work = sum(costs.forward) + sum(costs.backward) + costs.update * K
+    compute[M] = min(compute.get(M, work), work)
+    return auto_plan.too_small(compute, M)
+
   for M, group in sorted(auto_plan.by_micro_batches(found).items()):
     if any(auto_plan.too_small(compute, m) for m in compute):
       continue   # smaller than micro-batches already too small: not profiled
@@ -111,9 +124,7 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
         ways.setdefault(inline, []).append(c)
         starts[c] = _start(traced, inline, K, copies[c])
     if least is not None:   # none profiled at M where none can beat the best at its least
-      rate = batch_size / (least * (1 - auto_plan.NOISE))
-      floor = {c: auto_plan.seconds_to_accuracy(c, rate, factors, samples, starts[c])
-               for c in copies}
+      floor = floors(copies, least)
       if all(s >= best for s in floor.values()):
         bounded.update(floor)
         continue
@@ -128,15 +139,10 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
         # too small or unable to win (its compute is the same either way).
         costs = _profile(pipe, features, labels, M, not inline, members[0].method, window,
                          traced)
-        work = sum(costs.forward) + sum(costs.backward) + costs.update * K
-        compute[M] = min(compute.get(M, work), work)
-        if auto_plan.too_small(compute, M):
+        if timed(costs):
           continue
-        at_m.append(auto_plan.least_batch_seconds(costs.forward, costs.backward, costs.update,
-                                                  cores))
-        rate = batch_size / (at_m[-1] * (1 - auto_plan.NOISE))
-        floor = {c: auto_plan.seconds_to_accuracy(c, rate, factors, samples, starts[c])
-                 for c in members}
+        at_m.append(_least(costs, cores))
+        floor = floors(members, at_m[-1])
         if all(s >= best for s in floor.values()):
           bounded.update(floor)
           continue
@@ -144,12 +150,9 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
       if M == 1:   # one batch per update: the update runs inside each backward
         costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
                                     update=0.0)
-      work = sum(costs.forward) + sum(costs.backward) + costs.update * K
-      compute[M] = min(compute.get(M, work), work)
-      if auto_plan.too_small(compute, M):
+      if timed(costs):
         continue   # too small to keep a device busy: not played out (up to 0.3 s each)
-      at_m.append(auto_plan.least_batch_seconds(costs.forward, costs.backward, costs.update,
-                                                cores))
+      at_m.append(_least(costs, cores))
       for c in members:   # the schedules that keep least first: a tie goes their way
         starts[c] = _start(traced, inline, K, copies[c])
         floor = auto_plan.seconds_to_accuracy(c, batch_size / at_m[-1], factors, samples,
@@ -166,6 +169,11 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
                         bounded=bounded)
   lines = auto_plan.report_lines(rows, batch_size, num_batches)
   return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start, epochs)
+
+
+def _least(costs, cores) -> float:
+  """The least seconds a mini-batch can take on `costs` (`plan.auto.least_batch_seconds`)."""
+  return auto_plan.least_batch_seconds(costs.forward, costs.backward, costs.update, cores)
 
 
 def _traced_way(traced: dict, inline: bool) -> bool:
