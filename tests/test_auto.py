@@ -1,6 +1,8 @@
 """method="auto": the candidates, their ranking by time to accuracy, the measured epochs table,
 the profile the simulator predicts from, and a Pipeline that chooses at its first fit."""
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -8,8 +10,9 @@ import tensorflow as tf
 
 import tfpipe
 from tfpipe.instruments import costs as costs_lib
-from tfpipe.plan import auto, simulator
+from tfpipe.plan import auto, policies, simulator
 from tfpipe.rules import epochs
+from tfpipe.stage import assemble
 from tests import helpers
 
 
@@ -115,15 +118,25 @@ def compiled_pipe():
   return pipe
 
 
-def test_the_profile_times_every_stage_and_leaves_the_weights_as_they_were(compiled_pipe):
+def test_the_profile_times_every_stage_and_leaves_the_weights_and_updates_as_they_were(
+    compiled_pipe):
   pipe = compiled_pipe
   x, y = helpers.as_arrays(helpers.batches(n=1, batch_size=64))
   before = [w.numpy() for w in pipe.model.weights]
+  for p in pipe.programs:   # a step count, momentum slots and accumulators of their own
+    p.updates.build_accumulators()
+    p.optimizer.iterations.assign(3)
+    for v in p.optimizer.variables[1:] + p.updates.accumulators:
+      v.assign(tf.fill(v.shape, tf.constant(0.25, v.dtype)))
+  state = [[v.numpy() for v in p.updates.state()] for p in pipe.programs]
   called = costs_lib.measure(pipe, x, y, inline=False, repeats=2, runs_per_call=2)
   traced = costs_lib.measure(pipe, x, y, inline=True, repeats=2, runs_per_call=2, quick=True,
                              update=0.5, cores=1.5)
   pipe._load_weights()
   helpers.assert_weights_close([w.numpy() for w in pipe.model.weights], before, 0, 0)
+  # The profile's updates stepped the optimizers and filled the accumulators: put back.
+  for p, values in zip(pipe.programs, state):
+    helpers.assert_weights_close([v.numpy() for v in p.updates.state()], values, 0, 0)
   assert len(called.forward) == len(called.backward) == 2 and len(called.transfer) == 1
   assert min(called.forward + called.backward) > 0 and called.update > 0
   assert called.per_task > 0 and called.ordered            # each task a call
@@ -564,6 +577,40 @@ def test_auto_trains_as_keras_when_it_chooses_a_synchronous_schedule(monkeypatch
   pipe.fit(x, y, batch_size=16, shuffle=False, epochs=2, verbose=0)
   assert pipe.chosen.kind == "synchronous"
   helpers.assert_weights_close(model.get_weights(), expected)
+
+
+def test_auto_trains_on_the_probes_stage_programs_and_traces_where_its_choice_runs_their_tasks(
+    monkeypatch):
+  # The probe's programs (1f1b) run every synchronous schedule's tasks at any M: the choice
+  # keeps them, and with them the forwards the profile traced (for a batch of any size).
+  from tfpipe.training import auto as auto_training
+  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  tfpipe.devices.ensure_logical_cpus(2)
+  pipe = tfpipe.Pipeline(helpers.mlp(width=32), num_stages=2, method="auto")
+  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  probe = list(pipe.programs)
+  x, y = helpers.as_arrays(helpers.batches(n=8, batch_size=32))
+  pipe.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  assert pipe.chosen.kind == "synchronous"
+  assert pipe.programs == probe and pipe.programs[0].policy == pipe.options.policy
+  forward = pipe.programs[0].functions.inlined_forward
+  assert pipe.runtime.loops_over(*policies.epoch(pipe.method, 2, 2, pipe.micro_batches))
+  assert forward.experimental_get_tracing_count() == 1   # the profile's trace, reused
+
+
+def test_stage_programs_take_another_policy_only_where_their_tasks_and_updates_stay():
+  tfpipe.devices.ensure_logical_cpus(2)
+  pipe = tfpipe.Pipeline(helpers.mlp(width=16), num_stages=2, method="1f1b", micro_batches=2)
+  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rules = [p.rule for p in pipe.programs]
+  gpipe = policies.policy_for("gpipe")
+  assert assemble.adopt(pipe.programs, gpipe, rules)
+  assert all(p.policy == gpipe for p in pipe.programs)
+  for method in ("spectrain", "2bw"):   # predicted weights; a second buffer
+    assert not assemble.adopt(pipe.programs, policies.policy_for(method), rules)
+    assert all(p.policy == gpipe for p in pipe.programs)   # nothing changed
+  delayed = [dataclasses.replace(r, delay=1) for r in rules]
+  assert not assemble.adopt(pipe.programs, policies.policy_for("1f1b"), delayed)
 
 
 @pytest.mark.parametrize("K", [2, 4, 8])

@@ -3,13 +3,15 @@
 `measure(pipe, x, y)` times each stage's tasks alone on its device at the method's
 micro-batch size (its forward, its backward, the last stage's step, an update, a transfer
 to the next device), traced the way the executor runs them (inline, optimised as an inlined
-window is, or as calls of the stage's functions, a kept forward's gradient taken across its
+window is, a loop window's kept forward as the call TensorFlow inlines that also outputs its
+residuals; or as calls of the stage's functions, a kept forward's gradient taken across its
 call), with the forwards a backward recomputes where its forward ran in an earlier window,
 the dispatch every task call pays whatever its size, and how many cores the stages' devices
 share, and returns them as `tfpipe.plan.simulator.Costs` (seconds per mini-batch). `tfpipe.plan.simulator.simulate_method` then plays any schedule
 out on them: `predict(costs, method, ...)` is the samples/s it predicts for a method on the
-same stages without running it. The profile takes a few seconds (a trace per task); the
-weights it changes are put back from the model.
+same stages without running it. The profile takes a few seconds (a trace per task); what
+its updates change is put back (the weights from the model, the optimizers' steps and slots,
+the accumulators), so a pipeline trains after it as before it.
 """
 
 import concurrent.futures
@@ -259,6 +261,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   compiled = hasattr(pipe.runtime, "inlines")
   if inline is None:
     inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)
+  residuals = compiled and inline and pipe.runtime.loops_over(schedule, diffs)
   crossing = (pipe.runtime.crossing(schedule, diffs, num_batches) if compiled
               else [0.0] * pipe.num_stages)
   if traced is not None and not quick:
@@ -273,6 +276,13 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
     less = 0.0
   timed = set(range(pipe.num_stages) if stages is None else stages)
+  for program in pipe.programs[:max(timed) + 1]:
+    # With accumulators (M > 1) a backward adds its gradients and an update applies them;
+    # without, the backward updates (and the update costs nothing apart).
+    if M > 1 or traced is not None:   # built at the first fit otherwise
+      program.updates.build_accumulators()
+  # What the profile's updates change, put back after it (with the weights, from the model).
+  before = [[v.numpy() for v in p.updates.state()] for p in pipe.programs]
   updated = timed
   if quick:   # an update timed on one stage: the timed stage of the median weights
     by_size = sorted(timed, key=lambda k: sum(int(np.prod(v.shape))
@@ -299,11 +309,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     return traced[key]
   try:
     for program in pipe.programs[:max(timed) + 1]:
-      # With accumulators (M > 1) a backward adds its gradients and an update applies them;
-      # without, the backward updates (and the update costs nothing apart). A prediction
-      # reads its stage's version difference under 1F1B (K-1-k).
-      if M > 1 or traced is not None:   # built at the first fit otherwise
-        program.updates.build_accumulators()
+      # A prediction reads its stage's version difference under 1F1B (K-1-k).
       accumulate = program.updates.accumulators is not None
       s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
       device = program.device
@@ -325,9 +331,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         ys = _outputs(program, xs, n, traced)
 
         def forward_backward(inputs, program=program, s=s):
-          outputs, kept = program.forward(inputs[:-1], s, inline=inline)
-          return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
-                                  accumulate, inline=inline).dxs
+          with program.residuals_inlined(residuals):
+            outputs, kept = program.forward(inputs[:-1], s, inline=inline)
+            return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
+                                    accumulate, inline=inline).dxs
         tasks["fb"] = start((program.index, "fb"), forward_backward, xs + [scale], device)
         works.append((forward_backward, xs + [scale], device))
         if not quick:
@@ -382,8 +389,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       alone = sum(t.get("step", t.get("fb")) for t in seconds)
       ratio = max(at_once, alone / _in_graph(works, repeats, runs_per_call, chained=False))
     cores = min(float(most), max(1.0, ratio))
-  for program in pipe.programs:   # undo the profile's updates
+  for program, values in zip(pipe.programs, before):   # undo the profile's updates
     program.load_from_model()
+    for v, value in zip(program.updates.state(), values):
+      v.assign(value)
   if update is None:
     update = float(np.median(updates)) if updates else 0.0
   return simulator.Costs(forward, backward, transfer, update,

@@ -101,6 +101,10 @@ class JointDecision:
       self.step_counter = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                       name="loss_scale_step_counter")
 
+  def state(self):
+    """The decision's variables (what an update changes)."""
+    return [self.decided_for, self.factor, self.finite, self.scale, self.step_counter] + self.sums
+
   def set_programs(self, programs):
     """The stages deciding together (their `tfpipe.stage.updates.Updates`); for each shared
     weight, a variable on its first stage's device that holds the sum of its copies'

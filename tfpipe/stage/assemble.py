@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfpipe import runtime
 from tfpipe.instruments import prediction_error as prediction_error_lib
+from tfpipe.plan import tasks as tasks_lib
 from tfpipe.rules import joint, mitigations
 from tfpipe.stage import keras_step as compile_utils, program as stage, tracing
 
@@ -75,6 +76,20 @@ def programs(pipe, options, rules, optimizer, step, scaling=None):
   if decision is not None:
     decision.set_programs([p.updates for p in result])
   return result
+
+
+def adopt(stage_programs, policy, rules):
+  """Gives `stage_programs` `policy` where their tasks and update rules stay as they are
+  (a synchronous schedule's programs at another M, or another schedule of the same table
+  rows): True; else False, and nothing changed."""
+  for p, rule in zip(stage_programs, rules):
+    if (tasks_lib.ops(policy, last=p.is_last) != p.ops or rule != p.rule
+        or policy.predicts != p.policy.predicts
+        or policy.keeps_previous != p.policy.keeps_previous):
+      return False
+  for p in stage_programs:
+    p.policy = policy
+  return True
 
 
 def executor(pipe, stage_programs, window):
