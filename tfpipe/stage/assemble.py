@@ -15,7 +15,7 @@ from tfpipe.plan import tasks as tasks_lib
 from tfpipe.rules import joint, mitigations
 from tfpipe.stage import keras_step as compile_utils, program as stage, tracing
 
-__all__ = ["check_compile_arguments", "programs", "executor"]
+__all__ = ["check_compile_arguments", "programs", "adopt", "executor"]
 
 
 def check_compile_arguments(model, loss_weights, run_eagerly, steps_per_execution, jit_compile,
