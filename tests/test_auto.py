@@ -579,10 +579,11 @@ def test_auto_trains_as_keras_when_it_chooses_a_synchronous_schedule(monkeypatch
   helpers.assert_weights_close(model.get_weights(), expected)
 
 
-def test_auto_trains_on_the_probes_stage_programs_and_traces_where_its_choice_runs_their_tasks(
+def test_auto_trains_on_the_probes_stage_programs_where_its_choice_runs_their_tasks(
     monkeypatch):
-  # The probe's programs (1f1b) run every synchronous schedule's tasks at any M: the choice
-  # keeps them, and with them the forwards the profile traced (for a batch of any size).
+  # The probe's programs (1f1b) run gpipe's and 1f1b's tasks at any M: the choice keeps them
+  # (no second compile; the update the profile traced), and trains as Keras from them
+  # (`test_auto_trains_as_keras_when_it_chooses_a_synchronous_schedule`).
   from tfpipe.training import auto as auto_training
   monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
   found = auto_training.auto_plan.candidates   # zb's halves are other tasks: left out here
@@ -590,21 +591,21 @@ def test_auto_trains_on_the_probes_stage_programs_and_traces_where_its_choice_ru
       c for c in found(*a) if c.method != "zb"])
   tfpipe.devices.ensure_logical_cpus(2)
   pipe = tfpipe.Pipeline(helpers.mlp(width=32), num_stages=2, method="auto")
-  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  pipe.compile(keras.optimizers.SGD(0.1),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   probe = list(pipe.programs)
   x, y = helpers.as_arrays(helpers.batches(n=8, batch_size=32))
   pipe.fit(x, y, batch_size=32, epochs=1, verbose=0)
   assert pipe.chosen.kind == "synchronous"
   assert pipe.programs == probe and pipe.programs[0].policy == pipe.options.policy
-  forward = pipe.programs[0].functions.inlined_forward
-  assert pipe.runtime.loops_over(*policies.epoch(pipe.method, 2, 2, pipe.micro_batches))
-  assert forward.experimental_get_tracing_count() == 1   # the profile's trace, reused
+  assert pipe.runtime.programs == probe
 
 
 def test_stage_programs_take_another_policy_only_where_their_tasks_and_updates_stay():
   tfpipe.devices.ensure_logical_cpus(2)
   pipe = tfpipe.Pipeline(helpers.mlp(width=16), num_stages=2, method="1f1b", micro_batches=2)
-  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  pipe.compile(keras.optimizers.SGD(0.1),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   rules = [p.rule for p in pipe.programs]
   gpipe = policies.policy_for("gpipe")
   assert assemble.adopt(pipe.programs, gpipe, rules)

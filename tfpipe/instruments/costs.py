@@ -3,8 +3,7 @@
 `measure(pipe, x, y)` times each stage's tasks alone on its device at the method's
 micro-batch size (its forward, its backward, the last stage's step, an update, a transfer
 to the next device), traced the way the executor runs them (inline, optimised as an inlined
-window is, a loop window's kept forward as the call TensorFlow inlines that also outputs its
-residuals; or as calls of the stage's functions, a kept forward's gradient taken across its
+window is, or as calls of the stage's functions, a kept forward's gradient taken across its
 call), with the forwards a backward recomputes where its forward ran in an earlier window,
 the dispatch every task call pays whatever its size, and how many cores the stages' devices
 share, and returns them as `tfpipe.plan.simulator.Costs` (seconds per mini-batch). `tfpipe.plan.simulator.simulate_method` then plays any schedule
@@ -261,7 +260,6 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   compiled = hasattr(pipe.runtime, "inlines")
   if inline is None:
     inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)
-  residuals = compiled and inline and pipe.runtime.loops_over(schedule, diffs)
   crossing = (pipe.runtime.crossing(schedule, diffs, num_batches) if compiled
               else [0.0] * pipe.num_stages)
   if traced is not None and not quick:
@@ -331,10 +329,9 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         ys = _outputs(program, xs, n, traced)
 
         def forward_backward(inputs, program=program, s=s):
-          with program.residuals_inlined(residuals):
-            outputs, kept = program.forward(inputs[:-1], s, inline=inline)
-            return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
-                                    accumulate, inline=inline).dxs
+          outputs, kept = program.forward(inputs[:-1], s, inline=inline)
+          return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
+                                  accumulate, inline=inline).dxs
         tasks["fb"] = start((program.index, "fb"), forward_backward, xs + [scale], device)
         works.append((forward_backward, xs + [scale], device))
         if not quick:

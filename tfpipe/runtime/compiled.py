@@ -269,10 +269,6 @@ class CompiledRuntime(Executor):
     return windows_lib.traced_forwards(
         windows_lib.plan(schedule, diffs, self.window, self.aligned), self.K)
 
-  def loops_over(self, schedule, diffs):
-    """Whether an epoch of `schedule` runs as loop windows, each mini-batch whole."""
-    return self._loops(schedule, diffs)
-
   def _loops(self, schedule, diffs, loops=None):
     """Whether an epoch of `schedule` runs as a loop window (`loops`: whether it would, if
     known): one that finishes each mini-batch before the next, unless recorded."""

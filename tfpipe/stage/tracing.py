@@ -69,8 +69,9 @@ def _forward_trace(program):
 
 # What a stage's traced forward shows (its ops, the tf.py_function ops in it), per stage model
 # and placement, kept for the model's life: a pipeline compiled again traces no forward to learn
-# them again (method="auto" compiles an asynchronous choice after the probe's; a Keras user compiles again
-# after unfreezing layers): 0.3 s of the 0.35-0.57 s compile of a 4-stage transformer.
+# them again (method="auto" compiles a choice that cannot keep the probe's programs; a Keras
+# user compiles again after unfreezing layers): 0.3 s of the 0.35-0.57 s compile of a
+# 4-stage transformer.
 _FORWARD_FACTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 

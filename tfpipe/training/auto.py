@@ -6,7 +6,7 @@ Until then the pipeline is built as "1f1b" with 2 micro-batches (its stages are 
 for every candidate: each is a method on K stages, one per device), which is what the
 profile times; `choose` measures each candidate micro-batch size once. A choice whose tasks
 are the probe's (the synchronous schedules at any M) then trains on the probe's stage
-programs, with the traces the profile made (`Pipeline._choose`).
+programs (`Pipeline._choose`).
 """
 
 import dataclasses

@@ -471,11 +471,14 @@ class Pipeline:
   def _choose(self, x, y, batch_size, steps, sample_weight, class_weight, verbose, epochs):
     """method="auto": profiles the first batch, chooses (`tfpipe.training.auto`), and runs the
     choice on the probe's stage programs where their tasks and updates are the choice's
-    (`assemble.adopt`: every synchronous schedule that keeps 1f1b's table rows, at any M),
-    so the forwards and gradients the profile traced are training's; else builds them again,
-    compiled as the user compiled. Measured (`bench/time_to_accuracy.py`'s 12-layer
-    transformer, "counting", K=4, three pairs of processes): the first epoch after the
-    profile 4.54-4.87 s compiled again, 3.87-4.21 s on the probe's programs."""
+    (`assemble.adopt`: every synchronous schedule that keeps 1f1b's table rows, at any M):
+    no second compile, and the accumulators and the update the profile traced are
+    training's; else builds them again, compiled as the user compiled. Measured
+    (`bench/time_to_accuracy.py`'s 12-layer transformer, "counting", K=4, pairs of
+    processes): the first epoch after the profile 4.54-4.87 s compiled again, 4.02-4.19 s
+    on the probe's programs. (Training's windows calling the forwards the profile traced,
+    for a batch of any size, started 0.2 s sooner still but ran their epochs 2-12% slower
+    than forwards traced for the micro-batch: not kept.)"""
     probe, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
                                           sample_weight=sample_weight,
                                           class_weight=class_weight)
