@@ -392,7 +392,11 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       v.assign(value)
   if update is None:
     update = float(np.median(updates)) if updates else 0.0
-  return simulator.Costs(forward, backward, transfer, update,
+  # A split backward's halves (zero-bubble B and W): traced into the compiled executor's
+  # windows (without XLA) B takes both gradients, from the tape or the residuals, and W
+  # applies them (`StageProgram.forward`'s `split`), so B holds the whole backward.
+  whole = compiled and not pipe.jit_compile
+  return simulator.Costs(forward, backward, transfer, update, input_share=1.0 if whole else 0.5,
                          per_task=per_task, cores=cores, ordered=not inline)
 
 
