@@ -181,6 +181,24 @@ def test_per_token_llama_global_clipnorm_same_as_keras(method, micro_batches, op
   conformance.assert_same(expected, _pipe_lm("clipped", method, micro_batches, options), 2e-5)
 
 
+@pytest.mark.parametrize("data", [
+    pytest.param("arrays", marks=pytest.mark.xdist_group("lm-sync")),
+    pytest.param("clipped", marks=pytest.mark.xdist_group("lm-clipped"))])
+def test_per_token_llama_same_as_keras_when_auto_chooses_a_synchronous_schedule(data,
+                                                                               monkeypatch):
+  # The profile's updates (embedding rows as slices, momentum, a global-norm decision) are put
+  # back, and the choice trains on the probe's programs (or compiled again for zb).
+  from tfpipe.training import auto as auto_training
+  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  expected = _keras_lm(data)
+  model = hub_lm()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
+  pipe.compile(**_lm_compile(data))
+  history, logs, predicted = _train_lm(pipe, data)
+  assert pipe.chosen.kind == "synchronous" and predicted.shape == (32, LENGTH, VOCAB)
+  conformance.assert_same(expected, (model.get_weights(), history, logs, predicted), 2e-5)
+
+
 def test_a_layer_called_on_two_stages_is_refused_on_asynchronous_methods():
   task = llama_causal_lm()
   with pytest.raises(ValueError, match=r"weight 'token_embedding/embeddings' of model "
