@@ -472,8 +472,8 @@ class Pipeline:
     """method="auto": profiles the first batch, chooses (`tfpipe.training.auto`), and runs the
     choice on the probe's stage programs where their tasks and updates are the choice's
     (`assemble.adopt`: every synchronous schedule that keeps 1f1b's table rows, at any M):
-    no second compile, and the accumulators and the update the profile traced are
-    training's; else builds them again, compiled as the user compiled. Measured
+    no second compile, and the accumulators and the update the profile traced (on one
+    stage) are training's; else builds them again, compiled as the user compiled. Measured
     (`bench/time_to_accuracy.py`'s 12-layer transformer, "counting", K=4, pairs of
     processes): the first epoch after the profile 4.54-4.87 s compiled again, 4.02-4.19 s
     on the probe's programs. (Training's windows calling the forwards the profile traced,
@@ -491,7 +491,7 @@ class Pipeline:
     self.options = options_lib.checked(self.asked, self.model, self.num_stages)
     options, _, rules = options_lib.resolved(self.options, self.asked, self.model,
                                              self.inner_optimizer, self.num_stages)
-    if assemble.adopt(self.programs, options.policy, rules):   # the profile's traces kept
+    if assemble.adopt(self.programs, options.policy, rules):   # the probe's programs kept
       self.options = options
       self.runtime = assemble.executor(self, self.programs, self.AUTO_WINDOW)
     else:
