@@ -280,7 +280,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
     if M > 1 or traced is not None:   # built at the first fit otherwise
       program.updates.build_accumulators()
   # What the profile's updates change, put back after it (with the weights, from the model).
-  before = [[v.numpy() for v in p.updates.state()] for p in pipe.programs]
+  before = [v.numpy() for v in _updated_state(pipe)]
   updated = timed
   if quick:   # an update timed on one stage: the timed stage of the median weights
     by_size = sorted(timed, key=lambda k: sum(int(np.prod(v.shape))
@@ -386,10 +386,10 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       alone = sum(t.get("step", t.get("fb")) for t in seconds)
       ratio = max(at_once, alone / _in_graph(works, repeats, runs_per_call, chained=False))
     cores = min(float(most), max(1.0, ratio))
-  for program, values in zip(pipe.programs, before):   # undo the profile's updates
+  for program in pipe.programs:   # undo the profile's updates
     program.load_from_model()
-    for v, value in zip(program.updates.state(), values):
-      v.assign(value)
+  for v, value in zip(_updated_state(pipe), before):
+    v.assign(value)
   if update is None:
     update = float(np.median(updates)) if updates else 0.0
   # A split backward's halves (zero-bubble B and W): traced into the compiled executor's
@@ -398,6 +398,14 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   whole = compiled and not pipe.jit_compile
   return simulator.Costs(forward, backward, transfer, update, input_share=1.0 if whole else 0.5,
                          per_task=per_task, cores=cores, ordered=not inline)
+
+
+def _updated_state(pipe):
+  """What updates change on `pipe`'s stages besides the weights (`Updates.state`), and the
+  whole-model decision they share, once."""
+  joint = pipe.programs[0].updates.joint
+  return ([v for p in pipe.programs for v in p.updates.state()]
+          + (joint.state() if joint is not None else []))
 
 
 def start_seconds(traced: dict, inline: bool, num_stages: int) -> List[float]:

@@ -53,15 +53,13 @@ class Updates:
                                        name=f"s{index}_joint_updates")
 
   def state(self):
-    """Every variable an update changes besides the weights: the optimizer's (its step
-    count, its slots), the accumulators and what they keep, the stage's derived weights,
-    and the whole-model decision's (`joint`), as of now."""
+    """Every variable of this stage an update changes besides the weights: the optimizer's
+    (its step count, its slots), the accumulators and what they keep, the stage's derived
+    weights, as of now (the whole-model decision's: `joint.state()`, shared)."""
     own = [] if self.accumulators is None else (
         self.accumulators + self.read_sums + [self.reads] + self.slice_squares
         + [self.joint_updates])
-    joint = [] if self.joint is None else self.joint.state()
-    return (list(self.optimizer.variables) + own + self.sources.deltas + self.sources.previous
-            + joint)
+    return list(self.optimizer.variables) + own + self.sources.deltas + self.sources.previous
 
   def read(self, weights):
     """The weights a gradient was taken at, where the update needs them (DC-ASGD), else None."""
