@@ -564,6 +564,7 @@ def test_auto_trains_as_keras_when_it_chooses_a_synchronous_schedule(monkeypatch
   # choice trains from the model's weights and fresh optimizers, as Keras does.
   from tfpipe.training import auto as auto_training
   monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  monkeypatch.setattr(auto_training, "trains_first", lambda *a: False)   # profiles first
   tfpipe.devices.ensure_logical_cpus(2)
   build = lambda: helpers.sequential_mlp(dtype="float64")
   loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
@@ -609,6 +610,7 @@ def test_auto_trains_on_the_probes_stage_programs_where_its_choice_runs_their_ta
   found = auto_training.auto_plan.candidates   # zb's halves are other tasks: left out here
   monkeypatch.setattr(auto_training.auto_plan, "candidates", lambda *a: [
       c for c in found(*a) if c.method != "zb"])
+  monkeypatch.setattr(auto_training, "trains_first", lambda *a: False)   # profiles first
   tfpipe.devices.ensure_logical_cpus(2)
   pipe = tfpipe.Pipeline(helpers.mlp(width=32), num_stages=2, method="auto")
   pipe.compile(keras.optimizers.SGD(0.1),
@@ -662,3 +664,136 @@ def test_whether_an_epoch_loops_over_one_mini_batch_shows_over_two_mini_batches(
       loops = [windows.flush_window(*policies.epoch(method, K, N, M)) is not None
                for N in (2, 2 * K, 32)]
       assert loops[0] == loops[1] == loops[2], (method, M)
+
+
+def _sgd_mlp_fit(pipe_or_model, x, y, **fit):
+  return pipe_or_model.fit(x, y, batch_size=16, shuffle=False, epochs=2, verbose=0, **fit)
+
+
+def test_auto_trains_its_probe_first_and_keeps_it_where_a_profile_would_not_pay(capsys,
+                                                                               monkeypatch):
+  # Momentum SGD: the epochs table rules out every asynchronous candidate, so the probe (1f1b,
+  # M=2, a synchronous schedule) trains from the first batch; a 2-epoch fit of tiny steps
+  # cannot pay for a profile (the probe's start-up) out of a tenth of its rest.
+  def no_profile(*args, **kwargs):
+    raise AssertionError("profiled")
+  monkeypatch.setattr(costs_lib, "measure", no_profile)
+  tfpipe.devices.ensure_logical_cpus(2)
+  build = lambda: helpers.sequential_mlp(dtype="float64")
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9)
+  x, y = helpers.as_arrays(helpers.batches(20))
+  expected = build()
+  expected.compile(optimizer(), loss())
+  keras_history = _sgd_mlp_fit(expected, x, y).history
+  model = build()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
+  pipe.compile(optimizer(), loss())
+  history = pipe.fit(x, y, batch_size=16, shuffle=False, epochs=2, verbose=2).history
+  printed = capsys.readouterr().out
+  assert "method='auto' trains its probe, 1f1b M=2 (micro-batches of 8)" in printed
+  assert "method='auto' kept its probe, 1f1b M=2" in printed and "rest of the fit" in printed
+  assert pipe.chosen.kept and pipe.chosen.seconds == 0.0 and pipe.method == "1f1b"
+  assert pipe.chosen.rows[0].samples_per_second > 0 and pipe.micro_batches == 2
+  lines = []
+  pipe.plan_report(lines.append)
+  assert lines[0].startswith("method='auto' kept its probe") and "kept, measured" in lines[2]
+  helpers.assert_weights_close(model.get_weights(), expected.get_weights())
+  np.testing.assert_allclose(history["loss"], keras_history["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("offered,window", [([("gpipe", 4), ("1f1b", 1)], 2),
+                                            ([("1f1b", 2)], 2), ([("1f1b", 4)], 1)])
+def test_auto_profiles_at_its_probes_verdict_and_hands_the_rest_to_its_choice_as_keras_would(
+    offered, window, monkeypatch):
+  # A profile that pays (PROFILE_SHARE forced up) runs where the probe's second window ends,
+  # mid-epoch; the choice takes over the rest of that epoch on the probe's stage programs
+  # (momentum and the running metrics as they were): the weights and History are Keras's.
+  from tfpipe.training import auto as auto_training
+  monkeypatch.setattr(auto_training, "PROFILE_SHARE", 1e9)
+  monkeypatch.setattr(auto_training.auto_plan, "candidates", lambda *a: [
+      auto.Candidate(m, M, "synchronous") for m, M in offered])
+  weighed = []
+  choose = auto_training.choose
+
+  def recorded(pipe, *args, **kwargs):
+    weighed.append(kwargs)
+    return choose(pipe, *args, **kwargs)
+  monkeypatch.setattr(auto_training, "choose", recorded)
+  tfpipe.devices.ensure_logical_cpus(2)
+  build = lambda: helpers.sequential_mlp(dtype="float64")
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9)
+  x, y = helpers.as_arrays(helpers.batches(20))
+  expected = build()
+  expected.compile(optimizer(), loss(), metrics=["accuracy"])
+  keras_history = _sgd_mlp_fit(expected, x, y).history
+  model = build()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
+  pipe.compile(optimizer(), loss(), metrics=["accuracy"], steps_per_execution=window)
+  history = _sgd_mlp_fit(pipe, x, y).history
+  # The verdict at the end of the probe's second window; the profile weighs the rest of the
+  # fit (40 mini-batches less those trained), the probe's start-up already paid.
+  assert len(weighed) == 1 and weighed[0]["trained"].name == "1f1b M=2"
+  chosen = pipe.chosen
+  assert not chosen.kept and chosen.seconds > 0 and chosen.after >= 2 * window
+  assert weighed[0]["samples"] == (40 - chosen.after) * 16
+  assert (pipe.method, pipe.micro_batches) == (chosen.candidate.method,
+                                               chosen.candidate.micro_batches)
+  assert (pipe.method, pipe.micro_batches) in offered
+  assert pipe.runtime.updates[-1] == 40   # every mini-batch updated once
+  helpers.assert_weights_close(model.get_weights(), expected.get_weights())
+  for name in ("loss", "accuracy"):
+    np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-6)
+
+
+def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits_rest(
+    monkeypatch):
+  from tfpipe.training import auto as auto_training
+  clock = [0.0]
+  monkeypatch.setattr(auto_training.time, "perf_counter", lambda: clock[0])
+
+  def run(first, later, rest, window=4, handed=None):
+    """A probe whose first window takes `first` s and its second `later` s: its verdict."""
+    probe = auto_training.Probe(None, None, 16, window)
+    probe.epoch_begins(100)
+    for b in range(2 * window):
+      if b == window - 1:
+        clock[0] += first
+      elif b == 2 * window - 1:
+        clock[0] += later
+      stop = probe.result(b, rest - b)
+      assert stop == (probe.verdict == "profile") or b < 2 * window - 1
+    return probe
+  # Steady 0.01 s a mini-batch: 1 s of start-up against the rest's 0.01 x rest.
+  probe = run(1.04, 0.04, rest=2000)   # 20 s left: 1 s <= 2 s
+  assert probe.verdict == "profile" and probe.batch_seconds == pytest.approx(0.01)
+  assert probe.start == pytest.approx(1.0) and probe.profile == pytest.approx(1.0)
+  assert run(1.04, 0.04, rest=500).verdict == "keep"   # 5 s left: 1 s > 0.5 s
+  kept = auto_training.kept(run(1.04, 0.04, rest=500), 2)
+  assert kept.rows[0].samples_per_second == pytest.approx(1600)
+  assert "over 10% of the rest of the fit (~4.9 s" in kept.summary()
+  # Windows handed on together (a window's end within a millisecond of the last): one span.
+  clock[0] = 0.0
+  probe = auto_training.Probe(None, None, 16, 2)
+  probe.epoch_begins(100)
+  for b, advance in enumerate([0, 1.0, 0, 0, 0, 0.04]):
+    clock[0] += advance
+    probe.result(b, 1000)
+  assert probe.spans == [(1.0, 2), (pytest.approx(0.04), 4)] and probe.verdict == "profile"
+
+
+def test_auto_trains_first_only_where_the_synchronous_schedules_alone_can_win():
+  tfpipe.devices.ensure_logical_cpus(4)
+  from tfpipe.training import auto as auto_training
+  for optimizer, first in ((keras.optimizers.SGD(0.1, momentum=0.9), True),
+                           (keras.optimizers.Adam(1e-3), False)):   # spectrain advised: 0.81
+    pipe = tfpipe.Pipeline(helpers.mlp(width=16), num_stages=4, method="auto")
+    pipe.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert auto_training.trains_first(pipe, 32) == first
+  pipe.compile(keras.optimizers.Adam(1e-3, global_clipnorm=1.0),   # synchronous only
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  assert auto_training.trains_first(pipe, 32)
+  assert not auto_training.trains_first(pipe, 33)   # the probe's M=2 does not divide it
+  assert not auto_training.trains_first(pipe, 32, last_batch=1)
+  assert auto_training.trains_first(pipe, 32, last_batch=3)

@@ -186,16 +186,21 @@ def test_per_token_llama_global_clipnorm_same_as_keras(method, micro_batches, op
     pytest.param("clipped", marks=pytest.mark.xdist_group("lm-clipped"))])
 def test_per_token_llama_same_as_keras_when_auto_chooses_a_synchronous_schedule(data,
                                                                                monkeypatch):
-  # The profile's updates (embedding rows as slices, momentum, a global-norm decision) are put
-  # back, and the choice trains on the probe's programs (or compiled again for zb).
+  # Momentum SGD: the probe trains first. Its profile, forced to pay, runs after its second
+  # mini-batch and puts back what its updates change (embedding rows as slices, momentum, a
+  # global-norm decision, the running metrics); gpipe at M=4 takes over the rest on the
+  # probe's programs.
   from tfpipe.training import auto as auto_training
-  monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
+  monkeypatch.setattr(auto_training, "PROFILE_SHARE", 1e9)
+  monkeypatch.setattr(auto_training.auto_plan, "candidates", lambda *a: [
+      auto_training.auto_plan.Candidate("gpipe", 4, "synchronous")])
   expected = _keras_lm(data)
   model = hub_lm()
   pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
-  pipe.compile(**_lm_compile(data))
+  pipe.compile(steps_per_execution=1, **_lm_compile(data))
   history, logs, predicted = _train_lm(pipe, data)
-  assert pipe.chosen.kind == "synchronous" and predicted.shape == (32, LENGTH, VOCAB)
+  assert pipe.chosen.name == "gpipe M=4" and pipe.chosen.after == 2
+  assert pipe.micro_batches == 4 and predicted.shape == (32, LENGTH, VOCAB)
   conformance.assert_same(expected, (model.get_weights(), history, logs, predicted), 2e-5)
 
 

@@ -401,11 +401,20 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
 
 
 def _updated_state(pipe):
-  """What updates change on `pipe`'s stages besides the weights (`Updates.state`), and the
-  whole-model decision they share, once."""
+  """What updates change on `pipe`'s stages besides the weights (`Updates.state`), the
+  whole-model decision they share, once, and the running loss and metrics (a profile in the
+  middle of an epoch, `method="auto"` taking over from its probe, leaves the epoch's logs as
+  they were)."""
   joint = pipe.programs[0].updates.joint
+  step = pipe.step
+  metrics = list(step.loss_tracker.variables) + [v for m in step.loss.metrics
+                                                 for v in m.variables]
+  if step.metrics is not None:
+    metrics += list(step.metrics.variables)
+  metrics += [v for p in pipe.programs if p.reg_tracker is not None
+              for v in p.reg_tracker.variables]
   return ([v for p in pipe.programs for v in p.updates.state()]
-          + (joint.state() if joint is not None else []))
+          + (joint.state() if joint is not None else []) + metrics)
 
 
 def start_seconds(traced: dict, inline: bool, num_stages: int) -> List[float]:

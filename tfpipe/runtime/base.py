@@ -31,6 +31,15 @@ class Executor:
     self.peak_saved = [0] * self.K       # most forward states kept (or held for a step) at once
     self.peak_versions = [0] * self.K    # most weight versions kept at once, per stage
 
+  def take_over(self, before):
+    """Continues the counts of `before`, the executor this one replaces in the middle of a fit
+    (`method="auto"` taking its choice): epochs, updates (the learning-rate link reads them),
+    records and peaks."""
+    self.epoch, self.updates = before.epoch, list(before.updates)
+    self.records = before.records
+    self.peak_saved = list(before.peak_saved)
+    self.peak_versions = list(before.peak_versions)
+
   @property
   def link_capacity(self):
     return 2 * self.maxsize + 1

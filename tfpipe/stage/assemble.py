@@ -15,7 +15,7 @@ from tfpipe.plan import tasks as tasks_lib
 from tfpipe.rules import joint, mitigations
 from tfpipe.stage import keras_step as compile_utils, program as stage, tracing
 
-__all__ = ["check_compile_arguments", "programs", "adopt", "executor"]
+__all__ = ["check_compile_arguments", "programs", "runs_tasks_of", "adopt", "executor"]
 
 
 def check_compile_arguments(model, loss_weights, run_eagerly, steps_per_execution, jit_compile,
@@ -78,15 +78,21 @@ def programs(pipe, options, rules, optimizer, step, scaling=None):
   return result
 
 
+def runs_tasks_of(stage_programs, policy):
+  """Whether `stage_programs` run `policy`'s tasks as they are: the same task-table rows, the
+  same predicted and kept weights (a synchronous schedule's programs at another M, or
+  another schedule of the same rows)."""
+  return all(tasks_lib.ops(policy, last=p.is_last) == p.ops
+             and policy.predicts == p.policy.predicts
+             and policy.keeps_previous == p.policy.keeps_previous for p in stage_programs)
+
+
 def adopt(stage_programs, policy, rules):
   """Gives `stage_programs` `policy` where their tasks and update rules stay as they are
-  (a synchronous schedule's programs at another M, or another schedule of the same table
-  rows): True; else False, and nothing changed."""
-  for p, rule in zip(stage_programs, rules):
-    if (tasks_lib.ops(policy, last=p.is_last) != p.ops or rule != p.rule
-        or policy.predicts != p.policy.predicts
-        or policy.keeps_previous != p.policy.keeps_previous):
-      return False
+  (`runs_tasks_of`, and the same rules): True; else False, and nothing changed."""
+  if not runs_tasks_of(stage_programs, policy) or any(
+      rule != p.rule for p, rule in zip(stage_programs, rules)):
+    return False
   for p in stage_programs:
     p.policy = policy
   return True

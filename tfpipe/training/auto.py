@@ -7,17 +7,26 @@ for every candidate: each is a method on K stages, one per device), which is wha
 profile times; `choose` measures each candidate micro-batch size once. A choice whose tasks
 are the probe's (the synchronous schedules at any M) then trains on the probe's stage
 programs (`Pipeline._choose`).
+
+Where only the synchronous schedules can win (the epochs table rules out every other
+candidate for this optimizer and K: momentum SGD), the probe, one of them, trains from the
+first batch (`trains_first`): each schedule equals Keras at any M, so the choice can take
+over between two mini-batches without changing what is computed. `Probe` times its first
+two windows (the first holds its start-up); a profile then runs only where the rest of the
+fit can pay for it (`PROFILE_SHARE`), and its choice takes over for the rest of the fit.
 """
 
 import dataclasses
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from tfpipe.instruments import costs as costs_lib
 from tfpipe.plan import auto as auto_plan, policies, windows as windows_lib
 from tfpipe.rules import advice, epochs as epochs_lib
+from tfpipe.stage import assemble
 
-__all__ = ["PROBE", "Choice", "choose", "asked_for", "refuse_chosen_options"]
+__all__ = ["PROBE", "PROFILE_SHARE", "PROFILE_PER_START", "Choice", "Probe", "choose", "kept",
+           "trains_first", "asked_for", "refuse_chosen_options"]
 
 PROBE = {"method": "1f1b", "micro_batches": 2}
 SIMULATED_BATCHES = 32   # micro-batches per stage the simulator plays out per candidate
@@ -29,6 +38,15 @@ SIMULATED_BATCHES = 32   # micro-batches per stage the simulator plays out per c
 # micro-batch more added 0.28 (MLP, K = 4), 0.39 (MLP, K = 8), 0.60-0.65 (transformer,
 # K = 4) and 0.45 (transformer, K = 8) of the profile's per-copy seconds to the first epoch.
 START_SHARE = 0.45
+# A probe training first is profiled only where the profile, predicted at PROFILE_PER_START
+# times the probe's own start-up (the profile traces and first runs each stage's tasks, as
+# the probe's first window did: measured 0.6-1.1x on `bench/time_to_accuracy.py`'s MLP and
+# transformer at K = 4), costs at most PROFILE_SHARE of the rest of the fit at the probe's
+# measured speed. There, on all ten rows (fits of 3-20 s), the probe (1f1b, M = 2) was
+# within 10% of the fastest candidate or faster than all (its time less the profile: 0.77-
+# 1.08x), while the profile took 11-24% of those runs.
+PROFILE_SHARE = 0.1
+PROFILE_PER_START = 1.0
 
 
 def simulated_batches(K: int, M: int) -> int:
@@ -43,12 +61,16 @@ def simulated_batches(K: int, M: int) -> int:
 @dataclasses.dataclass
 class Choice:
   """What `choose` chose: the candidate, the ranked rows (chosen first), the report lines,
-  the seconds the profile took, and the fit's epochs the choice was weighed over."""
+  the seconds the profile took, and the fit's epochs the choice was weighed over; `kept`:
+  why the probe, training first, was kept without a profile (`kept`), if it was; `after`:
+  the mini-batches the probe trained before a choice took over (0: from the first)."""
   candidate: auto_plan.Candidate
   rows: List[auto_plan.Row]
   lines: List[str]
   seconds: float
   epochs: int = 1
+  kept: str = ""
+  after: int = 0
 
   @property
   def kind(self) -> str:
@@ -61,6 +83,9 @@ class Choice:
   def summary(self) -> str:
     """One line: what was chosen and why."""
     chosen = self.rows[0]
+    if self.kept:
+      return (f"method='auto' kept its probe, {self.name}: {chosen.samples_per_second:.0f} "
+              f"samples/s measured; {self.kept}")
     # The next: the fastest other played out, or one whose least seconds are fewer still.
     others = [(r.seconds, "", r) for r in self.rows[1:] if r.seconds is not None]
     others += [(r.least, "at least ", r) for r in self.rows[1:] if r.least is not None]
@@ -71,20 +96,108 @@ class Choice:
              f"next, {r.candidate.name}")
     else:
       why = "the only contender"
+    after = (f", taking over after the probe's first {self.after} mini-batches"
+             if self.after else "")
     return (f"method='auto' chose {self.name}: {chosen.samples_per_second:.0f} samples/s "
             f"and {chosen.start:.1f} s of start-up predicted, {why} (profile "
-            f"{self.seconds:.1f} s; plan_report() lists {len(self.rows)} candidates)")
+            f"{self.seconds:.1f} s{after}; plan_report() lists {len(self.rows)} candidates)")
+
+
+def trains_first(pipe, batch_size: int, last_batch: int = 0) -> bool:
+  """Whether `method="auto"` trains its probe from the first batch (`Probe`): every candidate
+  besides the synchronous schedules is out by the epochs table for `pipe`'s optimizer at its
+  K (or by clipping or loss scaling), and the probe's M divides the batch (and a smaller
+  `last_batch`, if any, holds M samples at least)."""
+  M = PROBE["micro_batches"]
+  if batch_size % M or 0 < last_batch < M:
+    return False
+  if pipe.programs[0].updates.joint is not None:
+    return True
+  factors = epochs_lib.factor(advice.family(pipe.inner_optimizer), pipe.num_stages)
+  return all(c.kind == "synchronous" or auto_plan.epochs_out(c, factors)
+             for c in auto_plan.candidates(pipe.num_stages, batch_size, 1, {"advice": True}))
+
+
+class Probe:
+  """The probe training first: its windows of `window` mini-batches (the executor's, set by
+  the fit) timed as they end (the first holds its start-up; the mark restarts with each
+  epoch, so validation is not counted; windows handed on together time as one), and at the
+  end of its second the verdict, "profile" where the profile
+  (`PROFILE_PER_START` times the probe's start-up) costs at most `PROFILE_SHARE` of the rest
+  of the fit at the probe's speed, else "keep". `features`, `labels`: the first mini-batch,
+  for the profile; `last_batch`: the fit's smaller last batch (0: none), which a choice's
+  micro-batches must fit in."""
+
+  def __init__(self, features, labels, batch_size: int, window: int, last_batch: int = 0):
+    self.features, self.labels, self.last_batch = features, labels, last_batch
+    self.batch_size, self.window = batch_size, max(1, window)
+    self.spans: List[Tuple[float, int]] = []   # (seconds, mini-batches) per window ended
+    self.verdict = None
+    self.rest = 0   # mini-batches of the fit left after the verdict
+    self.batch_seconds = self.start = self.profile = 0.0
+    self._mark, self._count, self._num_batches = 0.0, 0, 0
+
+  def epoch_begins(self, num_batches: int):
+    self._mark, self._count, self._num_batches = time.perf_counter(), 0, num_batches
+
+  def result(self, b: int, rest: int) -> bool:
+    """Mini-batch b of the epoch finished, `rest` left in the fit after it: True where the
+    verdict, just reached, is to profile (stop the epoch here)."""
+    if self.verdict is not None:
+      return False
+    self._count += 1
+    if (b + 1) % self.window and b + 1 < self._num_batches:
+      return False
+    now = time.perf_counter()
+    if self.spans and now - self._mark < 1e-3:   # handed on with the last: one span with it
+      return False
+    self.spans.append((now - self._mark, self._count))
+    self._mark, self._count = now, 0
+    if len(self.spans) < 2:
+      return False
+    (first, n), (second, m) = self.spans[:2]
+    self.batch_seconds = second / m
+    self.start = max(first - n * self.batch_seconds, 0.0)
+    self.profile, self.rest = PROFILE_PER_START * self.start, rest
+    pays = self.profile <= PROFILE_SHARE * rest * self.batch_seconds
+    self.verdict = "profile" if pays else "keep"
+    return pays
+
+  def why_kept(self) -> str:
+    """Why the probe was kept without a profile."""
+    if self.verdict is None:
+      return "the fit ended before the probe had run two windows"
+    return (f"a profile (~{self.profile:.1f} s, as the probe's start-up) would cost over "
+            f"{PROFILE_SHARE:.0%} of the rest of the fit (~{self.rest * self.batch_seconds:.1f} "
+            "s at the probe's speed)")
+
+
+def kept(probe: Probe, epochs: int) -> Choice:
+  """The probe kept without a profile: one row, its measured samples/s and start-up."""
+  candidate = auto_plan.Candidate(PROBE["method"], PROBE["micro_batches"], "synchronous")
+  rate = probe.batch_size / probe.batch_seconds if probe.batch_seconds else 0.0
+  why = probe.why_kept()
+  row = auto_plan.Row(candidate, rate, 1.0, None, "", probe.start)
+  lines = [f"{'candidate':<46}{'samples/s':>10}{'start-up':>10}  note",
+           f"{candidate.name:<46}{rate:>10.0f}{probe.start:>8.1f} s  kept, measured "
+           "(the others not profiled)"]
+  return Choice(candidate, [row], lines, 0.0, epochs, kept=why)
 
 
 def choose(pipe, features, labels, batch_size: int, num_batches: int,
-           epochs: int = 1) -> Choice:
+           epochs: int = 1, samples: Optional[int] = None,
+           trained: Optional[auto_plan.Candidate] = None, last_batch: int = 0) -> Choice:
   """Profiles `pipe` (built as `PROBE`, compiled) on one mini-batch (`features`, `labels`)
   at each candidate's micro-batch size and ranks the candidates by predicted time to the
   accuracy `epochs` epochs of `num_batches` mini-batches of synchronous training reach, for
   `pipe`'s optimizer at its K. A way of running the tasks (inlined or as calls) is traced
   only for an M whose compute, timed first the way already traced, leaves a candidate that
   could win (12-layer Llama at K=4, a one-epoch fit: M=8's calls, too small, had been traced
-  for 4.8 s of a 10.4 s profile; now 1.2 s to time M=8 inlined, and 7.3 s in all)."""
+  for 4.8 s of a 10.4 s profile; now 1.2 s to time M=8 inlined, and 7.3 s in all).
+  With `trained` (the probe, training first): the choice takes over from it for the fit's
+  last `samples` samples, so it is weighed over those, the probe's start-up is paid (0), and
+  only the schedules the probe's stage programs run (`assemble.runs_tasks_of`) whose
+  micro-batches fit in the smaller `last_batch` (if any) compete."""
   start = time.perf_counter()
   K, optimizer = pipe.num_stages, pipe.inner_optimizer
   spectrain = policies.policy_for("spectrain")
@@ -93,8 +206,13 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
   found = auto_plan.candidates(K, batch_size, advised, {"advice": True})
   if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
     found = [c for c in found if c.kind == "synchronous"]
+  if trained is not None:   # taking over from the probe: on its stage programs
+    found = [c for c in found if c.kind == "synchronous" and assemble.runs_tasks_of(
+        pipe.programs, policies.policy_for(c.method))
+             and not 0 < last_batch < c.micro_batches]
   factors = epochs_lib.factor(advice.family(optimizer), K)
-  samples, cores = epochs * num_batches * batch_size, costs_lib.shared_cores(pipe.devices)
+  samples = epochs * num_batches * batch_size if samples is None else samples
+  cores = costs_lib.shared_cores(pipe.devices)
   speeds, compute, traced, starts = {c: 0.0 for c in found}, {}, {}, {}
   # The best predicted seconds to accuracy so far, the least seconds a mini-batch can take at
   # the largest M profiled (a larger M's least, its compute only growing), and the
@@ -123,6 +241,8 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
     for c in group:
       if not auto_plan.epochs_out(c, factors):
         inline, copies[c] = _executed(pipe, c.method, M, num_batches)
+        if c == trained:   # its windows are traced: no start-up left
+          copies[c] = [0] * K
         ways.setdefault(inline, []).append(c)
         starts[c] = _start(traced, inline, K, copies[c])
     if least is not None:   # none profiled at M where none can beat the best at its least

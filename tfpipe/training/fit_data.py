@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfpipe.training import data, input_checks
 
-__all__ = ["dataset", "validation", "check_fit_arguments", "batch_size_of"]
+__all__ = ["dataset", "last_batch", "validation", "check_fit_arguments", "batch_size_of"]
 
 
 def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
@@ -20,10 +20,10 @@ def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=No
   result, num_batches = data.as_dataset(
       x, y, batch_size, steps, shuffle, seed, labels=labels, sample_weight=sample_weight,
       class_weight=class_weight, names=names)
-  if micro_batches > 1 and not isinstance(x, tf.data.Dataset):
-    n, size = len(data.feature_arrays(x, names)[0]), batch_size or 32
-    last = n % size
-    if 0 < last < micro_batches and (steps is None or steps >= -(-n // size)):
+  if micro_batches > 1:
+    last = last_batch(pipe, x, batch_size, steps)
+    n, size = (len(data.feature_arrays(x, names)[0]), batch_size or 32) if last else (0, 0)
+    if 0 < last < micro_batches:
       raise ValueError(
           f"the last batch of {last} samples ({n} in batches of {size}) cannot be "
           f"split into micro_batches={micro_batches}: use a batch size that leaves no smaller "
@@ -39,6 +39,16 @@ def dataset(pipe, x, y=None, batch_size=None, steps=None, shuffle=False, seed=No
   if labels:
     pipe.step.build(result.element_spec[1])
   return result, num_batches
+
+
+def last_batch(pipe, x, batch_size=None, steps=None):
+  """The size of the smaller last batch arrays `x` make in batches of `batch_size` (Keras's
+  default 32) where the fit reaches it; 0 where there is none, or for a dataset."""
+  if isinstance(x, tf.data.Dataset):
+    return 0
+  n, size = len(data.feature_arrays(x, data.input_names(pipe.model))[0]), batch_size or 32
+  reached = steps is None or steps >= -(-n // size)
+  return n % size if reached else 0
 
 
 def validation(pipe, validation_data, batch_size, validation_batch_size, validation_steps):

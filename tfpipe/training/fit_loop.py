@@ -14,10 +14,11 @@ import numpy as np
 
 from tfpipe import runtime
 from tfpipe.instruments import breakdown as breakdown_lib, trace
+from tfpipe.plan import policies
 from tfpipe.runtime import iterators
 from tfpipe.training import checkpoint as checkpoint_lib
 
-__all__ = ["train", "evaluate", "predict", "choose_window", "restore", "reads_batches",
+__all__ = ["train", "epoch_plan", "evaluate", "predict", "choose_window", "restore", "reads_batches",
            "fit_records"]
 
 _BATCH_HOOKS = {"train": ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin",
@@ -49,11 +50,26 @@ def _should_validate(epoch, validation_freq):
   return epoch + 1 in validation_freq
 
 
-def train(pipe, dataset, num_batches, schedule, diffs, cbs, link, epochs, initial_epoch,
-          steps_per_epoch, validation, validation_freq):
-  """Trains epochs `initial_epoch` .. `epochs`-1 of `schedule` on `pipe`'s executor with the
-  hooks of `cbs` (the learning-rate `link` synced around them); returns the History."""
+def epoch_plan(pipe, num_batches):
+  """The schedule of `num_batches` mini-batches of `pipe`'s method and its version
+  differences."""
+  schedule = policies.build_schedule(pipe.policy, pipe.num_stages, num_batches,
+                                     pipe.micro_batches,
+                                     joint=pipe.programs[0].updates.joint is not None)
+  return schedule, policies.version_differences(pipe.policy, schedule,
+                                                pipe.options.version_difference)
+
+
+def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_per_epoch,
+          validation, validation_freq):
+  """Trains epochs `initial_epoch` .. `epochs`-1 of `pipe`'s method on its executor with the
+  hooks of `cbs` (the learning-rate `link` synced around them); returns the History.
+  With `method="auto"`'s probe training first (`pipe._probe`), the probe's windows are timed
+  and at its verdict `pipe._probe_verdict` may hand the rest of the fit to a choice: the
+  epoch stops there and its rest runs on the choice's schedule."""
   options = pipe.options
+  schedule, diffs = epoch_plan(pipe, num_batches)
+  probe = pipe._probe
 
   def hook(name, *args):
     link.sync()
@@ -67,6 +83,8 @@ def train(pipe, dataset, num_batches, schedule, diffs, cbs, link, epochs, initia
   linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger) for cb in batch_readers)
   # Window ends fall on multiples of the window only where a batch hook reads them.
   choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
+  if probe is not None:   # timed by the executor's windows
+    probe.window = max(1, getattr(pipe.runtime, "window", 1))
 
   def batch_hook(name, *args):
     if linked:
@@ -97,28 +115,47 @@ def train(pipe, dataset, num_batches, schedule, diffs, cbs, link, epochs, initia
       hook("on_epoch_begin", epoch)
       start = time.perf_counter()
       stopping = []
+      if probe is not None:
+        probe.epoch_begins(num_batches)
+      trained, now = 0, (schedule, diffs)   # this epoch's mini-batches so far; its schedule
 
-      def before(b):
-        if not stopping:
-          batch_hook("on_train_batch_begin", b)
+      while True:
+        def before(b, offset=trained):
+          if not stopping:
+            batch_hook("on_train_batch_begin", b + offset)
 
-      def on_result(b, loss, batch_logs, epoch=epoch):
-        if tracer:
-          tracer.on_step_end(epoch * num_batches + b)
-        if stopping:
-          return True   # drained after a stop: trained, no hooks
-        if batch_readers:
-          batch_hook("on_train_batch_end", b, {k: float(v) for k, v in batch_logs.items()})
-        if pipe.model.stop_training:
-          stopping.append(b)
-        return bool(stopping)
+        def on_result(b, loss, batch_logs, epoch=epoch, offset=trained):
+          b += offset
+          if tracer:
+            tracer.on_step_end(epoch * num_batches + b)
+          if stopping:
+            return True   # drained after a stop: trained, no hooks
+          if batch_readers:
+            batch_hook("on_train_batch_end", b, {k: float(v) for k, v in batch_logs.items()})
+          if pipe.model.stop_training:
+            stopping.append(b)
+          if probe is not None and probe.verdict is None:   # stops here to profile
+            return probe.result(b, (epochs - epoch) * num_batches - b - 1) or bool(stopping)
+          return bool(stopping)
 
-      try:
-        pipe.runtime.train_epoch(schedule, diffs, iterator, num_batches, on_result, before)
-      except runtime.OutOfData:
-        raise ValueError(
-            f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
-            "`steps_per_epoch` the data can fill, or repeat the dataset") from None
+        try:
+          trained += pipe.runtime.train_epoch(*now, iterator, num_batches - trained,
+                                              on_result, before)
+        except runtime.OutOfData:
+          raise ValueError(
+              f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
+              "`steps_per_epoch` the data can fill, or repeat the dataset") from None
+        if probe is None or probe.verdict is None:
+          break
+        verdict, probe = probe.verdict, None
+        done = (epoch - initial_epoch) * num_batches + trained
+        if pipe._probe_verdict(done, (epochs - epoch) * num_batches - trained, num_batches):
+          choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
+        schedule, diffs = epoch_plan(pipe, num_batches)
+        if verdict != "profile" or stopping or trained >= num_batches:
+          break
+        pipe.runtime.epoch -= 1   # the rest of this epoch
+        now = epoch_plan(pipe, num_batches - trained)
       seconds = time.perf_counter() - start
       logs = _metric_logs(pipe)
       samples = float(pipe.step.loss_tracker.count.numpy())

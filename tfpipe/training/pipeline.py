@@ -211,7 +211,9 @@ class Pipeline:
         lr_rescheduling=lr_rescheduling, discrepancy_decay=discrepancy_decay,
         batch_statistics=batch_statistics, virtual_stages=virtual_stages, nesterov=nesterov,
         delay_compensation=delay_compensation, advice=advice)
-    self.chosen, self._auto = None, None   # method="auto": the `auto.Choice`; the user's options
+    # method="auto": the `auto.Choice`; the user's options; the probe training first
+    self.chosen, self._auto, self._probe = None, None, None
+    self._verbose = 0   # the fit's verbosity (what `_probe_verdict` prints)
     if method == AUTO:
       chosen_here = auto_lib.refuse_chosen_options(asked)
       if chosen_here:
@@ -447,11 +449,8 @@ class Pipeline:
       validation, validation_hooks = fit_data.validation(
           self, validation_data, batch_size, validation_batch_size, validation_steps)
       data_hooks += validation_hooks
-    schedule = policies.build_schedule(self.policy, self.num_stages, num_batches,
-                                       self.micro_batches,
-                                       joint=self.programs[0].updates.joint is not None)
-    diffs = policies.version_differences(self.policy, schedule, self.options.version_difference)
     verbose = 1 if verbose == "auto" else verbose
+    self._verbose = verbose
     callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)
                  if isinstance(cb, keras.callbacks.BackupAndRestore) else cb
                  for cb in callbacks or []]
@@ -465,11 +464,16 @@ class Pipeline:
       link = learning_rate.LearningRateLink(self.optimizer, [p.optimizer for p in self.programs],
                                             lambda: self.runtime.updates[-1])
       with link, self._watched():
-        return fit_loop.train(self, dataset, num_batches, schedule, diffs, cbs, link, epochs,
-                              initial_epoch, steps_per_epoch, validation, validation_freq)
+        history = fit_loop.train(self, dataset, num_batches, cbs, link, epochs,
+                                 initial_epoch, steps_per_epoch, validation, validation_freq)
+    if self._probe is not None:   # no verdict within the fit: the probe kept
+      self._probe_verdict(0, 0, num_batches)
+    return history
 
   def _choose(self, x, y, batch_size, steps, sample_weight, class_weight, verbose, epochs):
-    """method="auto": profiles the first batch, chooses (`tfpipe.training.auto`), and runs the
+    """method="auto": where its probe trains first (`auto.trains_first`), sets up its timing
+    (`auto.Probe`; the fit loop calls `_probe_verdict`); else profiles the first batch,
+    chooses (`tfpipe.training.auto`), and runs the
     choice on the probe's stage programs where their tasks and updates are the choice's
     (`assemble.adopt`: every synchronous schedule that keeps 1f1b's table rows, at any M):
     no second compile, and the accumulators and the update the profile traced (on one
@@ -485,6 +489,15 @@ class Pipeline:
     first = next(iter(probe))
     features, labels = first[0], first[1]
     size = int(tf.nest.flatten(features)[0].shape[0])
+    last = fit_data.last_batch(self, x, batch_size, steps)
+    if auto_lib.trains_first(self, size, last):
+      self._probe = auto_lib.Probe(features, labels, size, self.AUTO_WINDOW, last)
+      if verbose != 0:
+        M = auto_lib.PROBE["micro_batches"]
+        print(f"method='auto' trains its probe, {auto_lib.PROBE['method']} M={M} (micro-"
+              f"batches of {size // M}), from the first batch and times it; it profiles the "
+              "candidates only where the rest of the fit can pay for it")
+      return
     self.chosen = auto_lib.choose(self, features, labels, size, num_batches or 16,
                                   max(epochs, 1))
     self.asked = auto_lib.asked_for(self._auto, self.chosen.candidate)
@@ -498,6 +511,41 @@ class Pipeline:
       self.compile(**self._compile_arguments)
     if verbose != 0:
       print(self.chosen.summary())
+
+  def _probe_verdict(self, trained, rest, num_batches=16):
+    """method="auto" training its probe first, once `auto.Probe` has its verdict (`trained`
+    mini-batches into the fit, `rest` left): keeps the probe, or profiles (`auto.choose`, the
+    rest of the fit weighed) and hands the rest to the choice on the probe's stage programs
+    (`assemble.adopt`: the same tasks, so the same updates as Keras's from here on, the
+    optimizers' state kept). Returns whether the executor changed."""
+    probe, before = self._probe, self.runtime
+    self._probe = None
+    if probe.verdict != "profile":
+      self.chosen = auto_lib.kept(probe, max(rest // max(num_batches, 1), 1))
+    else:
+      taken = auto_lib.auto_plan.Candidate(auto_lib.PROBE["method"],
+                                           auto_lib.PROBE["micro_batches"], "synchronous")
+      epochs = max(-(-rest // max(num_batches, 1)), 1)
+      for program in self.programs:   # the weights so far: what the profile puts back
+        program.write_to_model()
+      chosen = auto_lib.choose(self, probe.features, probe.labels, probe.batch_size,
+                               num_batches, epochs, samples=rest * probe.batch_size,
+                               trained=taken, last_batch=probe.last_batch)
+      self.chosen = dataclasses.replace(chosen, after=trained)
+    self.asked = auto_lib.asked_for(self._auto, self.chosen.candidate)
+    options = options_lib.checked(self.asked, self.model, self.num_stages)
+    options, _, rules = options_lib.resolved(options, self.asked, self.model,
+                                             self.inner_optimizer, self.num_stages)
+    if self._verbose != 0:
+      print(self.chosen.summary())
+    if options.policy == self.options.policy and options.micro_batches == self.micro_batches:
+      return False
+    if not assemble.adopt(self.programs, options.policy, rules):
+      raise AssertionError(f"{self.chosen.name} cannot take over the probe's stage programs")
+    self.options = options
+    self.runtime = assemble.executor(self, self.programs, self.AUTO_WINDOW)
+    self.runtime.take_over(before)
+    return True
 
   @contextlib.contextmanager
   def _watched(self):
