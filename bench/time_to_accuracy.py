@@ -193,7 +193,8 @@ def _time_one(task, name, K):
   return {"task": task, "candidate": name, "K": K, "first": first,
           "later": statistics.median(timer.seconds[1:]), "chosen": chosen,
           "chosen_name": trainer.chosen.name if method == "auto" else None,
-          "profile": trainer.chosen.seconds if method == "auto" else 0.0}
+          "profile": trainer.chosen.seconds if method == "auto" else 0.0,
+          "kept": bool(trainer.chosen.kept) if method == "auto" else False}
 
 
 def times_rows(runs, timed, tasks, stages, seeds, held_out):
@@ -226,7 +227,8 @@ def times_rows(runs, timed, tasks, stages, seeds, held_out):
       ratio = auto / best if auto is not None and best else None
       choice = ((auto - auto_run["profile"]) / best if auto is not None and best else None)
       if ratio is not None:
-        auto_ratios.append((task, K, ratio, choice, auto_run["profile"] / best))
+        auto_ratios.append((task, K, ratio, choice, auto_run["profile"] / best,
+                            bool(auto_run.get("kept"))))
       row = [task + (" (held out)" if task in held_out else ""), K]
       for name, _, _, _ in TIMED:
         mean, reached, t = cells.get(name, (None, 0, None))
@@ -236,7 +238,7 @@ def times_rows(runs, timed, tasks, stages, seeds, held_out):
           text = f"**{text}**"
         row.append(text)
       chosen = cells.get("auto", (None, 0, {}))[2] or {}
-      row.append(chosen.get("chosen_name") or "-")
+      row.append((chosen.get("chosen_name") or "-") + (" (kept)" if chosen.get("kept") else ""))
       row.append(f"{ratio:.2f}" if ratio is not None else "-")
       row.append(f"{choice:.2f}" if choice is not None else "-")
       rows.append(row)
@@ -284,20 +286,23 @@ def main(argv):
           with open(path, "a") as f:
             f.write(json.dumps(t) + "\n")
     rows, ratios = times_rows(runs, timed, tasks, stages, seeds, held_out)
-    within = sum(r <= 1.1 for _, _, r, _, _ in ratios)
-    chosen_within = sum(c <= 1.1 for _, _, _, c, _ in ratios)
-    shares = [p for *_, p in ratios]
+    within = sum(r <= 1.1 for _, _, r, _, _, _ in ratios)
+    chosen_within = sum(c <= 1.1 for _, _, _, c, _, _ in ratios)
+    shares = [p for *_, p, kept in ratios if not kept]
+    kept = sum(k for *_, k in ratios)
     bounded = sum(p > 0.1 for p in shares)
+    profiled = (f"Its profile, where it ran, took {min(shares):.0%}-{max(shares):.0%} of the "
+                f"fastest column's time (over 10% on {bounded} of {len(shares)})"
+                if shares else "It ran no profile")
     sections.append(
         f"## Seconds to the synchronous accuracy less {GOAL_PP} pp (momentum SGD, batch "
         f"{FLAGS.batch_size})\n\nMean over seeds {', '.join(FLAGS.seeds)}; the fastest "
         f"in bold; \"- (n/{len(seeds)})\": did not reach it on every seed within "
         f"{FLAGS.epochs} epochs. auto (its profile included) within 10% of the fastest: "
         f"{within} of {len(ratios)}; its choice alone (its time less the profile's): "
-        f"{chosen_within} of {len(ratios)}. Its profile alone took "
-        f"{min(shares):.0%}-{max(shares):.0%} of the fastest column's time (over 10% on "
-        f"{bounded} of {len(ratios)}: there only a choice faster than every column keeps "
-        "auto within 10%).\n\n"
+        f"{chosen_within} of {len(ratios)}. It kept its probe without a profile (\"(kept)\": "
+        f"a profile would have cost over a tenth of the rest of the fit) on {kept} of "
+        f"{len(ratios)}. {profiled}.\n\n"
         + results_io.markdown_table(["task", "K"] + [t[0] for t in TIMED]
                                     + ["auto chose", "auto / fastest",
                                        "less its profile"], rows))

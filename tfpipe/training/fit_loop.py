@@ -61,15 +61,15 @@ def epoch_plan(pipe, num_batches):
 
 
 def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_per_epoch,
-          validation, validation_freq):
+          validation, validation_freq, probe=None, on_verdict=None):
   """Trains epochs `initial_epoch` .. `epochs`-1 of `pipe`'s method on its executor with the
   hooks of `cbs` (the learning-rate `link` synced around them); returns the History.
-  With `method="auto"`'s probe training first (`pipe._probe`), the probe's windows are timed
-  and at its verdict `pipe._probe_verdict` may hand the rest of the fit to a choice: the
-  epoch stops there and its rest runs on the choice's schedule."""
+  `probe`: `method="auto"`'s probe training first (`tfpipe.training.auto.Probe`), whose
+  windows are timed; at its verdict `on_verdict(trained, rest, num_batches)` (mini-batches
+  trained in the fit, left in it) may hand the rest to a choice (True where the executor
+  changed): the epoch stops there to profile, and its rest runs on the choice's schedule."""
   options = pipe.options
   schedule, diffs = epoch_plan(pipe, num_batches)
-  probe = pipe._probe
 
   def hook(name, *args):
     link.sync()
@@ -149,7 +149,7 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
           break
         verdict, probe = probe.verdict, None
         done = (epoch - initial_epoch) * num_batches + trained
-        if pipe._probe_verdict(done, (epochs - epoch) * num_batches - trained, num_batches):
+        if on_verdict(done, (epochs - epoch) * num_batches - trained, num_batches):
           choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
         schedule, diffs = epoch_plan(pipe, num_batches)
         if verdict != "profile" or stopping or trained >= num_batches:

@@ -86,7 +86,11 @@ class Pipeline:
       gives each candidate's speed (the simulator) and start-up (the graphs it
       traces), `tfpipe.rules.epochs` the extra epochs an
       asynchronous method was measured to need; `fit` prints the choice in a
-      line, `plan_report()` lists the candidates. It chooses `micro_batches`,
+      line, `plan_report()` lists the candidates. Where only the synchronous
+      schedules can win (momentum SGD), its probe (1f1b, M=2) trains from the
+      first batch and the profile runs where the probe's second window ends,
+      only if it costs at most a tenth of the rest of the fit; its choice
+      takes over from there (each schedule equals Keras at any M). It chooses `micro_batches`,
       `virtual_stages`, `nesterov`, `version_difference` and `advice`, so those
       must be left unset.
       "spectrain" predicts with the step of the optimizer it is compiled
@@ -295,8 +299,8 @@ class Pipeline:
   def describe(self) -> str:
     """The summary's first line: the method, stages, devices and options in force."""
     if self.choosing:
-      return (f"method=auto (chosen at the first fit, from a profile of its first batch: the "
-              f"least predicted time to accuracy), {self.num_stages} stages")
+      return (f"method=auto (chosen at the first fit, from its probe's speed or a profile of "
+              f"its first batch: the least predicted time to accuracy), {self.num_stages} stages")
     line = self.options.describe(self.num_stages, self.num_devices, self.batch_size)
     return line + ("; chosen by method='auto'" if self.chosen is not None else "")
 
@@ -465,7 +469,8 @@ class Pipeline:
                                             lambda: self.runtime.updates[-1])
       with link, self._watched():
         history = fit_loop.train(self, dataset, num_batches, cbs, link, epochs,
-                                 initial_epoch, steps_per_epoch, validation, validation_freq)
+                                 initial_epoch, steps_per_epoch, validation, validation_freq,
+                                 probe=self._probe, on_verdict=self._probe_verdict)
     if self._probe is not None:   # no verdict within the fit: the probe kept
       self._probe_verdict(0, 0, num_batches)
     return history
