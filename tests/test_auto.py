@@ -770,7 +770,7 @@ def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits
   assert probe.verdict == "profile" and probe.batch_seconds == pytest.approx(0.01)
   assert probe.start == pytest.approx(1.0) and probe.profile == pytest.approx(1.0)
   assert run(1.04, 0.04, rest=500).verdict == "keep"   # 5 s left: 1 s > 0.5 s
-  kept = auto_training.kept(run(1.04, 0.04, rest=500), 2)
+  kept = auto_training.kept_probe(run(1.04, 0.04, rest=500), 2)
   assert kept.rows[0].samples_per_second == pytest.approx(1600)
   assert "over 10% of the rest of the fit (~4.9 s" in kept.summary()
   # Windows handed on together (a window's end within a millisecond of the last): one span.

@@ -270,7 +270,8 @@ def test_time_to_accuracy_counts_epochs_to_the_target_and_seconds_from_the_timed
   assert cells[16] == "1.58" and cells[17] == "1.18"   # 6.0 / 3.8; (6.0 - 1.5) / 3.8
   assert "auto (its profile included) within 10% of the fastest: 0 of 1" in out
   assert "It kept its probe without a profile" in out and "on 0 of 1" in out
-  assert "Its profile, where it ran, took 39%-39% of the fastest column's time (over 10% on 1 of 1" in out
+  assert ("Its profile, where it ran, took 39%-39% of the fastest column's time (over 10% on "
+          "1 of 1") in out
   # A probe kept without a profile: marked, and no profile share.
   timed[-3]["kept"], timed[-3]["profile"], timed[-3]["chosen_name"] = True, 0.0, "1f1b M=2"
   (tmp_path / "time_to_accuracy.jsonl").write_text(
@@ -279,4 +280,14 @@ def test_time_to_accuracy_counts_epochs_to_the_target_and_seconds_from_the_timed
                "--choose_on=classes", "--epochs=4", "--norun_missing",
                f"--results_dir={tmp_path}")
   assert "| 1f1b M=2 (kept) | 1.58 | 1.58 |" in out
-  assert "on 1 of 1. It ran no profile." in out
+  assert "on 1 of 1. It ran no profile." in out and "timings, one each)" in out
+  # Timings taken again: each candidate's seconds are their medians (1f1b M=1's later epoch
+  # 1.5, 0.5 and 0.6 s: 0.6, so 2 + 2 x 0.6).
+  timed += [dict(timed[-2], later=later) for later in (0.5, 0.6)]
+  (tmp_path / "time_to_accuracy.jsonl").write_text(
+      "".join(json.dumps(t) + "\n" for t in timed))
+  out = _bench("time_to_accuracy.py", "--tasks=classes", "--stages=4", "--seeds=0",
+               "--choose_on=classes", "--epochs=4", "--norun_missing",
+               f"--results_dir={tmp_path}")
+  row = next(line for line in out.splitlines() if line.startswith("| classes | 4 |"))
+  assert row.split("|")[3].strip() == "**3.2**" and "timings, 1-3 each)" in out

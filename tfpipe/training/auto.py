@@ -25,7 +25,7 @@ from tfpipe.plan import auto as auto_plan, policies, windows as windows_lib
 from tfpipe.rules import advice, epochs as epochs_lib
 from tfpipe.stage import assemble
 
-__all__ = ["PROBE", "PROFILE_SHARE", "PROFILE_PER_START", "Choice", "Probe", "choose", "kept",
+__all__ = ["PROBE", "PROFILE_SHARE", "PROFILE_PER_START", "Choice", "Probe", "choose", "kept_probe",
            "trains_first", "asked_for", "refuse_chosen_options"]
 
 PROBE = {"method": "1f1b", "micro_batches": 2}
@@ -62,7 +62,7 @@ def simulated_batches(K: int, M: int) -> int:
 class Choice:
   """What `choose` chose: the candidate, the ranked rows (chosen first), the report lines,
   the seconds the profile took, and the fit's epochs the choice was weighed over; `kept`:
-  why the probe, training first, was kept without a profile (`kept`), if it was; `after`:
+  why the probe, training first, was kept without a profile (`kept_probe`), if it was; `after`:
   the mini-batches the probe trained before a choice took over (0: from the first)."""
   candidate: auto_plan.Candidate
   rows: List[auto_plan.Row]
@@ -172,7 +172,7 @@ class Probe:
             "s at the probe's speed)")
 
 
-def kept(probe: Probe, epochs: int) -> Choice:
+def kept_probe(probe: Probe, epochs: int) -> Choice:
   """The probe kept without a profile: one row, its measured samples/s and start-up."""
   candidate = auto_plan.Candidate(PROBE["method"], PROBE["micro_batches"], "synchronous")
   rate = probe.batch_size / probe.batch_seconds if probe.batch_seconds else 0.0

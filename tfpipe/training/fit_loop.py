@@ -18,8 +18,8 @@ from tfpipe.plan import policies
 from tfpipe.runtime import iterators
 from tfpipe.training import checkpoint as checkpoint_lib
 
-__all__ = ["train", "epoch_plan", "evaluate", "predict", "choose_window", "restore", "reads_batches",
-           "fit_records"]
+__all__ = ["train", "epoch_plan", "evaluate", "predict", "choose_window", "restore",
+           "reads_batches", "fit_records"]
 
 _BATCH_HOOKS = {"train": ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin",
                            "on_batch_end"),

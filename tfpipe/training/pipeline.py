@@ -432,9 +432,9 @@ class Pipeline:
     self._check_compiled()
     fit_data.check_fit_arguments(self, epochs, initial_epoch, validation_freq, batch_size)
     if self.choosing and data.is_iterable_data(x):
-      raise ValueError(f"method='auto' profiles the first batch before training, which would "
-                       f"take it from the {type(x).__name__}: give the first fit arrays or a "
-                       "tf.data.Dataset, or name a method")
+      raise ValueError(f"method='auto' reads the first batch before training (to profile it), "
+                       f"which would take it from the {type(x).__name__}: give the first fit "
+                       "arrays or a tf.data.Dataset, or name a method")
     x, class_weight, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps_per_epoch,
                                                shuffle, class_weight)
     if validation_split and validation_data is None:
@@ -526,7 +526,7 @@ class Pipeline:
     probe, before = self._probe, self.runtime
     self._probe = None
     if probe.verdict != "profile":
-      self.chosen = auto_lib.kept(probe, max(rest // max(num_batches, 1), 1))
+      self.chosen = auto_lib.kept_probe(probe, max(rest // max(num_batches, 1), 1))
     else:
       taken = auto_lib.auto_plan.Candidate(auto_lib.PROBE["method"],
                                            auto_lib.PROBE["micro_batches"], "synchronous")
