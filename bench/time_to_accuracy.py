@@ -46,8 +46,12 @@ from bench import results_io, staleness  # noqa: E402   (its flags: tasks, stage
 flags.DEFINE_list("parts", ["epochs", "times"], "epochs (from the runs on file), times (trains)")
 flags.DEFINE_bool("run_missing", True, "run the staleness runs the tables need and lack")
 flags.DEFINE_integer("speed_epochs", 3, "epochs each candidate trains to time it")
-flags.DEFINE_integer("repeats", 1, "timings of each candidate, taken in turn across the "
-                     "candidates of a task and K; the table takes their medians")
+flags.DEFINE_integer("repeats", 1, "timings of each candidate of --repeated, taken in turn "
+                     "across the candidates of a task and K; the table takes their medians")
+flags.DEFINE_list("repeated", ["1f1b M=1", "1f1b M=K/2", "gpipe M=K", "gpipe M=2K",
+                               "1f1b M=K", "1f1b M=2K", "zb M=K", "zb M=2K", "auto"],
+                  "the candidates timed --repeats times (the others once: on these tasks "
+                  "they take 2-40x the fastest's time)")
 FLAGS = flags.FLAGS
 
 GOAL_PP = 0.5
@@ -302,7 +306,8 @@ def main(argv):
         # In turn: a drift of the machine's speed reaches every candidate alike.
         for repeat in range(FLAGS.repeats):
           for name, _, _, _ in TIMED:
-            if len(timings.get((task, name, K), [])) > repeat:
+            if (len(timings.get((task, name, K), [])) > repeat
+                or (repeat and name not in FLAGS.repeated)):
               continue
             print(f"timing {name} on {task}, K={K} ({repeat + 1}/{FLAGS.repeats})", flush=True)
             t = _time_one(task, name, K)

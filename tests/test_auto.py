@@ -765,11 +765,12 @@ def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits
       stop = probe.result(b, rest - b)
       assert stop == (probe.verdict == "profile") or b < 2 * window - 1
     return probe
-  # Steady 0.01 s a mini-batch: 1 s of start-up against the rest's 0.01 x rest.
-  probe = run(1.04, 0.04, rest=2000)   # 20 s left: 1 s <= 2 s
+  # Steady 0.01 s a mini-batch: 1 s of start-up, a profile of 1.5 s (PROFILE_PER_START),
+  # against a tenth of the rest's 0.01 s x rest.
+  probe = run(1.04, 0.04, rest=2000)   # 20 s left: 1.5 s <= 2 s
   assert probe.verdict == "profile" and probe.batch_seconds == pytest.approx(0.01)
-  assert probe.start == pytest.approx(1.0) and probe.profile == pytest.approx(1.0)
-  assert run(1.04, 0.04, rest=500).verdict == "keep"   # 5 s left: 1 s > 0.5 s
+  assert probe.start == pytest.approx(1.0) and probe.profile == pytest.approx(1.5)
+  assert run(1.04, 0.04, rest=1400).verdict == "keep"   # 14 s left: 1.5 s > 1.4 s
   kept = auto_training.kept_probe(run(1.04, 0.04, rest=500), 2)
   assert kept.rows[0].samples_per_second == pytest.approx(1600)
   assert "over 10% of the rest of the fit (~4.9 s" in kept.summary()
