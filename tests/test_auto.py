@@ -780,7 +780,7 @@ def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits
   probe.epoch_begins(100)
   for b, advance in enumerate([0, 1.0, 0, 0, 0, 0.04]):
     clock[0] += advance
-    probe.result(b, 1000)
+    probe.result(b, 2000)
   assert probe.spans == [(1.0, 2), (pytest.approx(0.04), 4)] and probe.verdict == "profile"
 
 
