@@ -666,8 +666,25 @@ def test_whether_an_epoch_loops_over_one_mini_batch_shows_over_two_mini_batches(
       assert loops[0] == loops[1] == loops[2], (method, M)
 
 
-def _sgd_mlp_fit(pipe_or_model, x, y, **fit):
-  return pipe_or_model.fit(x, y, batch_size=16, shuffle=False, epochs=2, verbose=0, **fit)
+def _sgd_mlp_fit(pipe_or_model, x, y, verbose=0):
+  return pipe_or_model.fit(x, y, batch_size=16, shuffle=False, epochs=2, verbose=verbose)
+
+
+def _auto_against_keras(metrics, **compile_options):
+  """An auto pipeline of a float64 MLP on 2 devices compiled with momentum SGD (and
+  `compile_options`), its model, the data, and Keras's weights and History on them."""
+  tfpipe.devices.ensure_logical_cpus(2)
+  build = lambda: helpers.sequential_mlp(dtype="float64")
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9)
+  x, y = helpers.as_arrays(helpers.batches(20))
+  expected = build()
+  expected.compile(optimizer(), loss(), metrics=metrics)
+  keras_history = _sgd_mlp_fit(expected, x, y).history
+  model = build()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
+  pipe.compile(optimizer(), loss(), metrics=metrics, **compile_options)
+  return pipe, model, (x, y), (expected.get_weights(), keras_history)
 
 
 def test_auto_trains_its_probe_first_and_keeps_it_where_a_profile_would_not_pay(capsys,
@@ -678,18 +695,8 @@ def test_auto_trains_its_probe_first_and_keeps_it_where_a_profile_would_not_pay(
   def no_profile(*args, **kwargs):
     raise AssertionError("profiled")
   monkeypatch.setattr(costs_lib, "measure", no_profile)
-  tfpipe.devices.ensure_logical_cpus(2)
-  build = lambda: helpers.sequential_mlp(dtype="float64")
-  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
-  optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9)
-  x, y = helpers.as_arrays(helpers.batches(20))
-  expected = build()
-  expected.compile(optimizer(), loss())
-  keras_history = _sgd_mlp_fit(expected, x, y).history
-  model = build()
-  pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
-  pipe.compile(optimizer(), loss())
-  history = pipe.fit(x, y, batch_size=16, shuffle=False, epochs=2, verbose=2).history
+  pipe, model, (x, y), (weights, keras_history) = _auto_against_keras(None)
+  history = _sgd_mlp_fit(pipe, x, y, verbose=2).history
   printed = capsys.readouterr().out
   assert "method='auto' trains its probe, 1f1b M=2 (micro-batches of 8)" in printed
   assert "method='auto' kept its probe, 1f1b M=2" in printed and "rest of the fit" in printed
@@ -698,7 +705,7 @@ def test_auto_trains_its_probe_first_and_keeps_it_where_a_profile_would_not_pay(
   lines = []
   pipe.plan_report(lines.append)
   assert lines[0].startswith("method='auto' kept its probe") and "kept, measured" in lines[2]
-  helpers.assert_weights_close(model.get_weights(), expected.get_weights())
+  helpers.assert_weights_close(model.get_weights(), weights)
   np.testing.assert_allclose(history["loss"], keras_history["loss"], rtol=1e-6)
 
 
@@ -720,17 +727,8 @@ def test_auto_profiles_at_its_probes_verdict_and_hands_the_rest_to_its_choice_as
     weighed.append(kwargs)
     return choose(pipe, *args, **kwargs)
   monkeypatch.setattr(auto_training, "choose", recorded)
-  tfpipe.devices.ensure_logical_cpus(2)
-  build = lambda: helpers.sequential_mlp(dtype="float64")
-  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
-  optimizer = lambda: keras.optimizers.SGD(0.1, momentum=0.9)
-  x, y = helpers.as_arrays(helpers.batches(20))
-  expected = build()
-  expected.compile(optimizer(), loss(), metrics=["accuracy"])
-  keras_history = _sgd_mlp_fit(expected, x, y).history
-  model = build()
-  pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")
-  pipe.compile(optimizer(), loss(), metrics=["accuracy"], steps_per_execution=window)
+  pipe, model, (x, y), (weights, keras_history) = _auto_against_keras(
+      ["accuracy"], steps_per_execution=window)
   history = _sgd_mlp_fit(pipe, x, y).history
   # The verdict at the end of the probe's second window; the profile weighs the rest of the
   # fit (40 mini-batches less those trained), the probe's start-up already paid.
@@ -742,7 +740,7 @@ def test_auto_profiles_at_its_probes_verdict_and_hands_the_rest_to_its_choice_as
                                                chosen.candidate.micro_batches)
   assert (pipe.method, pipe.micro_batches) in offered
   assert pipe.runtime.updates[-1] == 40   # every mini-batch updated once
-  helpers.assert_weights_close(model.get_weights(), expected.get_weights())
+  helpers.assert_weights_close(model.get_weights(), weights)
   for name in ("loss", "accuracy"):
     np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-6)
 

@@ -90,9 +90,9 @@ class Pipeline:
       schedules can win (momentum SGD), its probe (1f1b, M=2) trains from the
       first batch and the profile runs where the probe's second window ends,
       only if it costs at most a tenth of the rest of the fit; its choice
-      takes over from there (each schedule equals Keras at any M). It chooses `micro_batches`,
-      `virtual_stages`, `nesterov`, `version_difference` and `advice`, so those
-      must be left unset.
+      takes over from there (each schedule equals Keras at any M). It
+      chooses `micro_batches`, `virtual_stages`, `nesterov`,
+      `version_difference` and `advice`, so those must be left unset.
       "spectrain" predicts with the step of the optimizer it is compiled
       with (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW).
     partition: "uniform", "params", "profile", explicit cut positions
@@ -478,8 +478,8 @@ class Pipeline:
   def _choose(self, x, y, batch_size, steps, sample_weight, class_weight, verbose, epochs):
     """method="auto": where its probe trains first (`auto.trains_first`), sets up its timing
     (`auto.Probe`; the fit loop calls `_probe_verdict`); else profiles the first batch,
-    chooses (`tfpipe.training.auto`), and runs the
-    choice on the probe's stage programs where their tasks and updates are the choice's
+    chooses (`tfpipe.training.auto`), and runs the choice on the probe's stage programs
+    where their tasks and updates are the choice's
     (`assemble.adopt`: every synchronous schedule that keeps 1f1b's table rows, at any M):
     no second compile, and the accumulators and the update the profile traced (on one
     stage) are training's; else builds them again, compiled as the user compiled. Measured
