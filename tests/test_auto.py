@@ -753,8 +753,8 @@ def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits
 
   def run(first, later, rest, window=4, handed=None):
     """A probe whose first window takes `first` s and its second `later` s: its verdict."""
-    probe = auto_training.Probe(None, None, 16, window)
-    probe.epoch_begins(100)
+    probe = auto_training.Probe(None, None, 16)
+    probe.epoch_begins(100, window)
     for b in range(2 * window):
       if b == window - 1:
         clock[0] += first
@@ -774,8 +774,8 @@ def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits
   assert "over 10% of the rest of the fit (~4.9 s" in kept.summary()
   # Windows handed on together (a window's end within a millisecond of the last): one span.
   clock[0] = 0.0
-  probe = auto_training.Probe(None, None, 16, 2)
-  probe.epoch_begins(100)
+  probe = auto_training.Probe(None, None, 16)
+  probe.epoch_begins(100, 2)
   for b, advance in enumerate([0, 1.0, 0, 0, 0, 0.04]):
     clock[0] += advance
     probe.result(b, 2000)

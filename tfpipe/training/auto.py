@@ -25,7 +25,7 @@ from tfpipe.plan import auto as auto_plan, policies, windows as windows_lib
 from tfpipe.rules import advice, epochs as epochs_lib
 from tfpipe.stage import assemble
 
-__all__ = ["PROBE", "PROFILE_SHARE", "PROFILE_PER_START", "Choice", "Probe", "choose", "kept_probe",
+__all__ = ["PROBE", "PROFILE_SHARE", "PROFILE_PER_START", "Choice", "Probe", "choose", "kept_probe", "probe_candidate",
            "trains_first", "asked_for", "refuse_chosen_options"]
 
 PROBE = {"method": "1f1b", "micro_batches": 2}
@@ -121,8 +121,8 @@ def trains_first(pipe, batch_size: int, last_batch: int = 0) -> bool:
 
 
 class Probe:
-  """The probe training first: its windows of `window` mini-batches (the executor's, set by
-  the fit) timed as they end (the first holds its start-up; the mark restarts with each
+  """The probe training first: its windows (of the executor's window of mini-batches, given
+  at each epoch's start) timed as they end (the first holds its start-up; the mark restarts with each
   epoch, so validation is not counted; windows handed on together time as one), and at the
   end of its second the verdict, "profile" where the profile
   (`PROFILE_PER_START` times the probe's start-up) costs at most `PROFILE_SHARE` of the rest
@@ -130,17 +130,19 @@ class Probe:
   for the profile; `last_batch`: the fit's smaller last batch (0: none), which a choice's
   micro-batches must fit in."""
 
-  def __init__(self, features, labels, batch_size: int, window: int, last_batch: int = 0):
+  def __init__(self, features, labels, batch_size: int, last_batch: int = 0):
     self.features, self.labels, self.last_batch = features, labels, last_batch
-    self.batch_size, self.window = batch_size, max(1, window)
+    self.batch_size, self.window = batch_size, 1
     self.spans: List[Tuple[float, int]] = []   # (seconds, mini-batches) per window ended
     self.verdict = None
     self.rest = 0   # mini-batches of the fit left after the verdict
     self.batch_seconds = self.start = self.profile = 0.0
     self._mark, self._count, self._num_batches = 0.0, 0, 0
 
-  def epoch_begins(self, num_batches: int):
+  def epoch_begins(self, num_batches: int, window: int):
+    """An epoch of `num_batches` mini-batches starts, in windows of `window`."""
     self._mark, self._count, self._num_batches = time.perf_counter(), 0, num_batches
+    self.window = max(1, window)
 
   def result(self, b: int, rest: int) -> bool:
     """Mini-batch b of the epoch finished, `rest` left in the fit after it: True where the
@@ -174,9 +176,14 @@ class Probe:
             "s at the probe's speed)")
 
 
+def probe_candidate() -> auto_plan.Candidate:
+  """The probe as a candidate (a synchronous schedule)."""
+  return auto_plan.Candidate(PROBE["method"], PROBE["micro_batches"], "synchronous")
+
+
 def kept_probe(probe: Probe, epochs: int) -> Choice:
   """The probe kept without a profile: one row, its measured samples/s and start-up."""
-  candidate = auto_plan.Candidate(PROBE["method"], PROBE["micro_batches"], "synchronous")
+  candidate = probe_candidate()
   rate = probe.batch_size / probe.batch_seconds if probe.batch_seconds else 0.0
   why = probe.why_kept()
   row = auto_plan.Row(candidate, rate, 1.0, None, "", probe.start)

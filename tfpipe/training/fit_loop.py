@@ -83,8 +83,6 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
   linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger) for cb in batch_readers)
   # Window ends fall on multiples of the window only where a batch hook reads them.
   choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
-  if probe is not None:   # timed by the executor's windows
-    probe.window = max(1, getattr(pipe.runtime, "window", 1))
 
   def batch_hook(name, *args):
     if linked:
@@ -115,8 +113,8 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
       hook("on_epoch_begin", epoch)
       start = time.perf_counter()
       stopping = []
-      if probe is not None:
-        probe.epoch_begins(num_batches)
+      if probe is not None:   # timed by the executor's windows
+        probe.epoch_begins(num_batches, getattr(pipe.runtime, "window", 1))
       trained, now = 0, (schedule, diffs)   # this epoch's mini-batches so far; its schedule
 
       while True:

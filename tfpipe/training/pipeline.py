@@ -496,7 +496,7 @@ class Pipeline:
     size = int(tf.nest.flatten(features)[0].shape[0])
     last = fit_data.last_batch(self, x, batch_size, steps)
     if auto_lib.trains_first(self, size, last):
-      self._probe = auto_lib.Probe(features, labels, size, self.AUTO_WINDOW, last)
+      self._probe = auto_lib.Probe(features, labels, size, last)
       if verbose != 0:
         M = auto_lib.PROBE["micro_batches"]
         print(f"method='auto' trains its probe, {auto_lib.PROBE['method']} M={M} (micro-"
@@ -528,14 +528,13 @@ class Pipeline:
     if probe.verdict != "profile":
       self.chosen = auto_lib.kept_probe(probe, max(rest // max(num_batches, 1), 1))
     else:
-      taken = auto_lib.auto_plan.Candidate(auto_lib.PROBE["method"],
-                                           auto_lib.PROBE["micro_batches"], "synchronous")
       epochs = max(-(-rest // max(num_batches, 1)), 1)
       for program in self.programs:   # the weights so far: what the profile puts back
         program.write_to_model()
       chosen = auto_lib.choose(self, probe.features, probe.labels, probe.batch_size,
                                num_batches, epochs, samples=rest * probe.batch_size,
-                               trained=taken, last_batch=probe.last_batch)
+                               trained=auto_lib.probe_candidate(),
+                               last_batch=probe.last_batch)
       self.chosen = dataclasses.replace(chosen, after=trained)
     self.asked = auto_lib.asked_for(self._auto, self.chosen.candidate)
     options = options_lib.checked(self.asked, self.model, self.num_stages)
