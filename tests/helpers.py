@@ -47,10 +47,23 @@ def as_arrays(bs):
   return np.concatenate([b[0] for b in bs]), np.concatenate([b[1] for b in bs])
 
 
-def assert_weights_close(actual, expected, rtol=1e-5, atol=1e-6):
+def assert_close(actual, expected, rtol=1e-5, err_msg=""):
+  """`actual` equals `expected` (two computations of one value, arrays or nests of arrays)
+  within `rtol` of the largest magnitude compared: float32 kernels differ between CPUs
+  (AVX2, AVX-512) by a few ulps of the values' scale, so an element near zero is held to
+  the array's scale, not to its own."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=err_msg)
+
+
+def assert_weights_close(actual, expected, rtol=1e-5, atol=0.0):
+  """Each weight within `rtol` of its largest magnitude (`assert_close`), or `atol`."""
   assert len(actual) == len(expected)
   for a, e in zip(actual, expected):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+    a, e = np.asarray(a), np.asarray(e)
+    scale = float(np.max(np.abs(e))) if e.size else 0.0
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=max(atol, rtol * scale))
 
 
 def dropout_mlp(rate=0.3, seed=0, dtype=None):

@@ -58,11 +58,11 @@ def test_stopped_and_resumed_equals_uninterrupted(tmp_path, method, options):
   history = second.fit(x, y, callbacks=[resumer], **fit)
   assert resumer.restored_epoch == 2 and history.epoch == [2, 3]
   for a, b in zip(_weights(second), _weights(whole)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-6)
   # The optimizer's step counter and slots came back too.
   for p, q in zip(second.programs, whole.programs):
     for a, b in zip(p.optimizer.variables, q.optimizer.variables):
-      np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-6)
+      helpers.assert_close(a.numpy(), b.numpy(), rtol=1e-6)
 
 
 def test_resume_with_steps_per_epoch_advances_the_iterator(tmp_path):
@@ -78,7 +78,7 @@ def test_resume_with_steps_per_epoch_advances_the_iterator(tmp_path):
   second = _pipeline("pipedream", 7)
   second.fit(ds(), callbacks=[checkpoint.BackupAndRestore(str(tmp_path))], **fit)
   for a, b in zip(_weights(second), _weights(whole)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-6)
 
 
 def test_a_failed_write_never_replaces_the_last_good_checkpoint(tmp_path, monkeypatch):

@@ -221,7 +221,7 @@ def test_windows_leave_the_window_multiples_only_when_no_batch_hook_reads_them(i
   assert ends == list(range(24))
   np.testing.assert_allclose(history.history["loss"], free_history.history["loss"], rtol=1e-6)
   for a, b in zip(model.get_weights(), free_model.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method,options", [("pipedream", {}), ("vanilla", {}),
@@ -283,7 +283,7 @@ def test_a_window_of_stage_calls_runs_as_calls_of_at_most_call_window_batches(
   assert runs[False][0] == runs[True][0] == list(range(6))
   assert runs[False][1] == runs[True][1] == [updates] * 3   # the drain's updates too
   for a, b in zip(runs[False][2], runs[True][2]):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)
 
 
 def test_auto_window_gives_batch_hooks_every_batch():
@@ -307,7 +307,7 @@ def test_windowed_evaluate_and_predict_equal_the_threaded_executor():
                          pipe.predict(x, batch_size=16, verbose=0))
   (c_logs, c_out), (t_logs, t_out) = results["compiled"], results["threaded"]
   assert c_logs == pytest.approx(t_logs, rel=1e-6)
-  np.testing.assert_allclose(c_out, t_out, rtol=1e-6, atol=1e-7)
+  helpers.assert_close(c_out, t_out, rtol=1e-6)
   assert c_out.shape == (7 * 16, 3)
 
 
@@ -375,7 +375,7 @@ def test_small_stages_inline_windows_of_micro_batches_others_call_the_stage_func
   called = _fit_windows(model_b, False, 3, method)
   assert all(key[1] is False for key in called.runtime._keys)
   for a, b in zip(model_a.get_weights(), model_b.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["gpipe", "1f1b"])
@@ -397,7 +397,7 @@ def test_a_loop_window_inlines_its_one_mini_batch_by_its_own_size(method, monkey
   called, model_b, _ = _train("compiled", 4, method, n=12, micro_batches=2)
   assert not any(n.inline for n in called.runtime.numbered)
   for a, b in zip(model_a.get_weights(), model_b.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["1f1b", "gpipe", "zb", "interleaved", "zbv"])
@@ -525,4 +525,4 @@ def test_kept_forwards_cross_windows_of_calls_with_their_residuals_not_recompute
       assert sum(p.functions.traced["backward_on"].experimental_get_tracing_count()
                  for p in pipe.programs) == 0
   for a, b in zip(weights[False], weights[True]):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)

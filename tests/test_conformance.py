@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import tfpipe
 from tests import conformance_cases as cc
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXTRA_KEYS = {"samples_per_second"}
@@ -167,9 +168,8 @@ def test_trainable_changed_after_compile():
   reference.compile(**cc.compiled()())
   for m in (model, reference):
     m.layers[0].trainable = False
-  assert np.allclose(pipe.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-6)
-  assert np.allclose(pipe.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0),
-                     atol=1e-6)
+  helpers.assert_close(pipe.predict(x, verbose=0), reference.predict(x, verbose=0))
+  helpers.assert_close(pipe.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0))
   with pytest.raises(ValueError, match=r"layer '\w+' changed `trainable` since `compile`"):
     pipe.fit(x, y, batch_size=16, verbose=0)
   pipe.compile(**cc.compiled()())

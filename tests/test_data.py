@@ -77,9 +77,9 @@ def test_dict_inputs_in_a_dataset_by_name():
   _fit_both(helpers.two_input_model, data, epochs=1)
   model = helpers.two_input_model()
   pipe = _pipe(model)
-  np.testing.assert_allclose(pipe.predict({"a": a, "b": b}, batch_size=16, verbose=0),
+  helpers.assert_close(pipe.predict({"a": a, "b": b}, batch_size=16, verbose=0),
                              model.predict({"a": a, "b": b}, batch_size=16, verbose=0),
-                             rtol=1e-5, atol=1e-6)
+                             rtol=1e-5)
 
 
 def test_validation_split_takes_the_last_fraction_as_keras_does():
@@ -164,16 +164,16 @@ def test_py_dataset_trains_validates_and_evaluates_as_in_keras(workers, executor
                          executor=executor)
   (k_init, k_history, k_model), (p_init, p_history, pipe) = runs
   for key, values in k_history.items():
-    np.testing.assert_allclose(p_history[key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+    helpers.assert_close(p_history[key], values, rtol=1e-5, err_msg=key)
   for a, b in zip(k_model.get_weights(), pipe.model.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)
   data, k_data = _Batches(bs[4:]), _Batches(bs[4:])
-  np.testing.assert_allclose(pipe.evaluate(data, verbose=0), k_model.evaluate(k_data, verbose=0),
-                             rtol=1e-5, atol=1e-6)
+  helpers.assert_close(pipe.evaluate(data, verbose=0), k_model.evaluate(k_data, verbose=0),
+                             rtol=1e-5)
   assert data.begins == k_data.begins == 1   # one pass, as Keras's epoch iterator starts it
   inputs = _Batches([(x,) for x, _ in bs[4:]])
-  np.testing.assert_allclose(pipe.predict(inputs, verbose=0), k_model.predict(inputs, verbose=0),
-                             rtol=1e-5, atol=1e-6)
+  helpers.assert_close(pipe.predict(inputs, verbose=0), k_model.predict(inputs, verbose=0),
+                             rtol=1e-5)
 
 
 def test_generator_with_steps_per_epoch_trains_as_in_keras():
@@ -186,11 +186,11 @@ def test_generator_with_steps_per_epoch_trains_as_in_keras():
   runs = _keras_and_pipe(lambda t: t.fit(forever(), steps_per_epoch=3, epochs=2,
                                          verbose=0).history, method="1f1b")
   (_, k_history, k_model), (_, p_history, pipe) = runs
-  np.testing.assert_allclose(p_history["loss"], k_history["loss"], rtol=1e-5, atol=1e-6)
+  helpers.assert_close(p_history["loss"], k_history["loss"], rtol=1e-5)
   for a, b in zip(k_model.get_weights(), pipe.model.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(pipe.evaluate((b for b in bs), verbose=0),
-                             k_model.evaluate((b for b in bs), verbose=0), rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)
+  helpers.assert_close(pipe.evaluate((b for b in bs), verbose=0),
+                             k_model.evaluate((b for b in bs), verbose=0), rtol=1e-5)
   assert np.all(np.isfinite(pipe.evaluate((b for b in bs), steps=2, verbose=0)))
 
 
@@ -198,9 +198,9 @@ def test_a_finite_generator_without_steps_feeds_one_epoch():
   bs = helpers.batches(3)
   runs = _keras_and_pipe(lambda t: t.fit((b for b in bs), epochs=1, verbose=0).history)
   (_, k_history, k_model), (_, p_history, pipe) = runs
-  np.testing.assert_allclose(p_history["loss"], k_history["loss"], rtol=1e-5, atol=1e-6)
+  helpers.assert_close(p_history["loss"], k_history["loss"], rtol=1e-5)
   for a, b in zip(k_model.get_weights(), pipe.model.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-5)
   # Asked for more epochs, it stops after the one its batches fill, with Keras's warning
   # (Keras then feeds the two batches it peeked at again; README).
   with pytest.warns(UserWarning, match="ran out of data"):

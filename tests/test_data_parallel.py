@@ -64,8 +64,8 @@ def test_replicated_pipeline_predicts_and_evaluates_as_keras():
   x, y = helpers.as_arrays(helpers.batches(4))
   pipe = tfpipe.Pipeline(model, num_stages=2, method="1f1b", data_parallel=2)
   pipe.compile(keras.optimizers.SGD(LR), "sparse_categorical_crossentropy")
-  np.testing.assert_allclose(pipe.predict(x, batch_size=16, verbose=0),
-                             model.predict(x, batch_size=16, verbose=0), rtol=1e-5, atol=1e-6)
+  helpers.assert_close(pipe.predict(x, batch_size=16, verbose=0),
+                             model.predict(x, batch_size=16, verbose=0), rtol=1e-5)
   model.compile(keras.optimizers.SGD(LR), "sparse_categorical_crossentropy")
   assert pipe.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(
       model.evaluate(x, y, batch_size=16, verbose=0), rel=1e-5)

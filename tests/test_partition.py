@@ -23,7 +23,7 @@ def test_stages_compose_to_the_model(build, K):
   result = partition.partition(model, K)
   assert len(result.stages) == K
   x = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
-  np.testing.assert_allclose(_compose(result.stages, x), model(x), rtol=1e-6, atol=1e-6)
+  helpers.assert_close(_compose(result.stages, x), model(x), rtol=1e-6)
   names = [n for stage in result.layer_names for n in stage]
   assert len(names) == len(set(names)) == len(partition.graph_nodes(model)[2])
 

@@ -207,7 +207,7 @@ def test_methods_differ_from_each_other():
   for a, b in same:
     np.testing.assert_array_equal(finals[a], finals[b])
   for method in sync:
-    np.testing.assert_allclose(finals[method], finals["sequential"], rtol=1e-5, atol=1e-6)
+    helpers.assert_close(finals[method], finals["sequential"], rtol=1e-5)
 
 
 def test_exact_version_differences_equal_the_counts_observed_in_a_run():
@@ -282,8 +282,8 @@ def test_weights_land_in_the_user_model_and_evaluate_matches_keras():
   keras_loss, keras_acc = model.evaluate(x, y, batch_size=16, verbose=0)
   loss, acc = pipe.evaluate(x, y, batch_size=16)
   assert loss == pytest.approx(keras_loss, rel=1e-5) and acc == pytest.approx(keras_acc)
-  np.testing.assert_allclose(pipe.predict(x, batch_size=32), model.predict(x, verbose=0),
-                             rtol=1e-5, atol=1e-6)
+  helpers.assert_close(pipe.predict(x, batch_size=32), model.predict(x, verbose=0),
+                             rtol=1e-5)
   assert history.history["val_loss"][-1] == pytest.approx(keras_loss, rel=1e-5)
 
 

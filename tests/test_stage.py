@@ -80,9 +80,9 @@ def test_backward_halves_equal_the_whole_backward(method, inline):
   else:
     assert done.kept is None
   assert split.backward_weights([kept], dys, 1, one, False, inline=inline) is None
-  np.testing.assert_allclose(got[0].numpy(), expected[0].numpy(), rtol=1e-6, atol=1e-7)
+  helpers.assert_close(got[0].numpy(), expected[0].numpy(), rtol=1e-6)
   helpers.assert_weights_close([v.numpy() for v in split.trainable],
-                               [v.numpy() for v in whole.trainable], rtol=1e-6, atol=1e-7)
+                               [v.numpy() for v in whole.trainable], rtol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["pipedream", "spectrain"])
@@ -107,9 +107,9 @@ def test_backward_halves_of_a_call_in_a_window_run_its_backward_once(method):
   calls = [op.get_attr("f").name for op in graph.get_operations()
            if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
   assert sum("backward" in name for name in calls) == 1, calls
-  np.testing.assert_allclose(got[0].numpy(), expected[0].numpy(), rtol=1e-6, atol=1e-7)
+  helpers.assert_close(got[0].numpy(), expected[0].numpy(), rtol=1e-6)
   helpers.assert_weights_close([v.numpy() for v in split.trainable],
-                               [v.numpy() for v in whole.trainable], rtol=1e-6, atol=1e-7)
+                               [v.numpy() for v in whole.trainable], rtol=1e-6)
 
 
 def _ancestors(op):
@@ -198,7 +198,7 @@ def test_a_backward_of_several_parts_traces_the_stage_once_and_equals_the_parts_
   counts = [0 if wrt == "inputs" else len(weights), 0 if wrt == "weights" else 1]
   assert [len(g) for g in summed] == [len(g) for g in joined] == counts
   for got, expected in zip(summed[0] + summed[1], joined[0] + joined[1]):
-    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
+    helpers.assert_close(got.numpy(), expected.numpy(), rtol=1e-6)
 
 
 def test_a_pipeline_compiled_again_traces_no_forward_to_learn_its_stages_again():

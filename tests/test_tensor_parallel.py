@@ -27,7 +27,7 @@ def test_grid_equals_single_device_training(grid):
   history = _fit(trainer, x, y)
   assert "accuracy" in history.history and len(history.history["loss"]) == 2
   for a, b in zip(model.get_weights(), expected.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)   # 20 steps, weights back in `model`
+    helpers.assert_close(a, b, rtol=1e-5)   # 20 steps, weights back in `model`
 
 
 def test_shards_compute_on_their_grid_devices():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests import zygote
+from tests import helpers
 import tfpipe
 from trainers import config as config_lib, datasets, main
 from trainers import flags as trainer_flags
@@ -265,7 +266,7 @@ def test_trainer_stops_and_resumes_exactly(tmp_path, method):
   assert lines[0] == f"resumed after epoch 2 from {os.path.join(saved, 'ckpt-2')}"
   assert len(history["loss"]) == 1
   for a, b in zip(resumed.model.get_weights(), whole.model.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    helpers.assert_close(a, b, rtol=1e-6)
 
 
 def test_hybrid_from_the_command_line():
