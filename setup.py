@@ -22,6 +22,8 @@ setuptools.setup(
         "scikit-learn",
         "numpy",
         "matplotlib",  # prediction-error plots, learning curves
+        # Emulated hosts (tfpipe.cluster.emulation): network namespaces, links, over netlink.
+        "pyroute2>=0.7; sys_platform == 'linux'",
     ],
     extras_require={
         "cpu": ["tensorflow-cpu>=2.16"],

@@ -48,7 +48,8 @@ LAYERS = ["compat", "devices", "plan", "models", "rules", "runtime", "cluster", 
 PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_exit"}
 # Imported inside functions on purpose: matplotlib at module level would cost every
 # `import tfpipe` its import time and pick a plotting backend for the user's process.
-LAZY = {"matplotlib"}
+# pyroute2 is installed on Linux only (emulated hosts, `tfpipe.cluster.emulation`).
+LAZY = {"matplotlib", "pyroute2"}   # pyroute2: Linux only (emulated hosts)
 
 
 def _modules():

@@ -38,7 +38,7 @@ def _chief_spec(spec):
     raise ValueError(f"ASGD needs a cluster with 'worker' and 'ps' jobs. Received jobs: "
                      f"{sorted(spec)}")
   spec = {job: list(addresses) for job, addresses in spec.items()}
-  spec.setdefault("chief", [f"127.0.0.1:{cluster_lib.free_port()}"])
+  spec.setdefault("chief", [cluster_lib.client_address(spec)])   # where the tasks reach us
   return spec
 
 

@@ -3,12 +3,18 @@
   servers:  a cluster of TF servers (`LocalCluster`, `connect`, `from_tf_config`), its
             liveness watch and the errors that name a lost task;
   bind:     servers that listen only on the address their spec names;
-  liveness: an RPC-level probe of a server, and a watchdog.
+  liveness: an RPC-level probe of a server, and a watchdog;
+  emulated: TF servers on emulated hosts (`EmulatedCluster`), built by
+  emulation (network namespaces, shaped links: `links`) and cgroups (memory, CPUs).
 """
 
 from tfpipe.cluster.servers import (
     free_port, WorkerLost, ClusterUnreachable, LocalCluster, connect, connected_spec, note_connected,
+    client_address, route_address, CLIENT_JOB,
     from_tf_config, task_devices, check_devices, unreachable_tasks, describe_lost,
     describe_state, guard, watch, check_answering, set_liveness, LIVENESS, EXIT_LOST)
 
-__all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec", "note_connected", "from_tf_config", "task_devices", "check_devices", "unreachable_tasks", "describe_lost", "describe_state", "guard", "watch", "check_answering", "set_liveness", "LIVENESS", "EXIT_LOST"]
+from tfpipe.cluster.emulated import EmulatedCluster
+from tfpipe.cluster.emulation import EmulationUnavailable
+
+__all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec", "note_connected", "from_tf_config", "task_devices", "check_devices", "unreachable_tasks", "describe_lost", "describe_state", "guard", "watch", "check_answering", "set_liveness", "LIVENESS", "EXIT_LOST", "client_address", "route_address", "CLIENT_JOB", "EmulatedCluster", "EmulationUnavailable"]

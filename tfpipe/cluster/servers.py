@@ -34,10 +34,11 @@ import warnings
 
 import tensorflow as tf
 
-from tfpipe.cluster import bind, liveness
+from tfpipe.cluster import bind, emulation, liveness
 from tfpipe.runtime import iterators
 
 __all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec", "note_connected",
+           "client_address", "route_address", "CLIENT_JOB",
            "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
            "describe_lost", "describe_state", "guard", "watch", "check_answering",
            "set_liveness", "LIVENESS", "EXIT_LOST"]
@@ -74,17 +75,24 @@ class LocalCluster:
   ready when the constructor returns, or it raises within `timeout` seconds
   naming the server and showing its error output. The servers die with
   this process, even when it is killed (SIGKILL): each watches its parent.
+  `places` maps each (job, task) to an emulated host (`tfpipe.cluster.emulation.Host`):
+  its server runs there, at the host's address (`tfpipe.cluster.emulated`).
   """
 
-  def __init__(self, jobs, timeout=60.0, attempts=3):
+  PORT = 2222   # the port of a task on a host of its own (`places`)
+
+  def __init__(self, jobs, timeout=60.0, attempts=3, places=None):
     if not jobs or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
                        for n in jobs.values()):
       raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
       raise ValueError(f"`timeout` must be a number of seconds > 0. Received: {timeout!r}")
-    self.processes, self._errors = {}, {}
+    self.processes, self._errors, self._places = {}, {}, places
+    if places is not None:   # a host each (`tfpipe.cluster.emulated`): every port is free there
+      attempts = 1
     for attempt in range(attempts):
-      self.spec = {job: [f"127.0.0.1:{free_port()}" for _ in range(n)]
+      self.spec = {job: [f"{places[(job, t)].address}:{self.PORT}" if places else
+                         f"127.0.0.1:{free_port()}" for t in range(n)]
                    for job, n in jobs.items()}
       try:
         self._start(timeout)
@@ -102,8 +110,9 @@ class LocalCluster:
   def _start(self, timeout):
     """One launcher process imports TensorFlow once and forks a server per task (each import
     costs about 4 s of CPU: a cluster of N servers pays it once, not N times)."""
-    env, why = bind.server_env("127.0.0.1", dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                                                 CUDA_VISIBLE_DEVICES=""))
+    host = self.spec[next(iter(self.spec))][0].rpartition(":")[0]
+    env, why = bind.server_env(host, dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                                          CUDA_VISIBLE_DEVICES=""))
     if why:
       warnings.warn(f"the local TF servers listen on every interface, not 127.0.0.1 only: "
                     f"{why}", UserWarning, stacklevel=3)
@@ -115,7 +124,9 @@ class LocalCluster:
     self._launcher = subprocess.Popen(
         [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
          f"--tasks={','.join(f'{j}:{t}' for j, t in tasks)}", f"--parent={os.getpid()}",
-         f"--errors={json.dumps([self._errors[key].name for key in tasks])}"],
+         f"--errors={json.dumps([self._errors[key].name for key in tasks])}"]
+        + ([f"--places={json.dumps([_place(self._places[key]) for key in tasks])}"]
+           if self._places else []),
         stdout=subprocess.PIPE, stderr=self._errors[None], env=env, cwd=root)
     self._exits, self._buffer, self._reading = {}, b"", threading.RLock()
     deadline = time.monotonic() + timeout
@@ -229,6 +240,11 @@ class LocalCluster:
       _LOCAL.remove(self)
 
 
+def _place(host):
+  """What a server on emulated `host` needs to go there (`_launch`)."""
+  return {"netns": host.netns, "address": host.address, "procs": host.procs_files()}
+
+
 class _Server:
   """A server process of a LocalCluster (a child of its launcher): `pid`, and `poll`, `kill`
   and `wait` as a `subprocess.Popen`'s."""
@@ -301,16 +317,63 @@ def check_answering(spec, timeout=5.0):
         "(python -m tfpipe.cluster --spec=... --job=... --task=...)")
 
 
-def connect(spec, timeout=5.0):
+CLIENT_JOB = "localhost"   # the job this program joins as (TensorFlow's name for it)
+
+
+def _host_port(address, what):
+  host, _, port = str(address).rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"{what} must be \"host:port\" or a host. Received: {address!r}")
+  return host.strip("[]"), int(port)
+
+
+def route_address(spec):
+  """The address of this machine's interface that reaches the first task of `spec` (the
+  route's source; a UDP socket's connect sends nothing)."""
+  host, port = _host_port(_tasks(spec)[0][2], "a task's address")
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    try:
+      s.connect((host, port))
+    except OSError as e:
+      raise ClusterUnreachable(f"no route from this machine to {host}:{port} (the first task "
+                               f"of the cluster spec): {e}") from None
+    return s.getsockname()[0]
+
+
+def client_address(spec, address=None):
+  """"host:port" where this program listens as a member of the cluster `spec`, reachable from
+  its tasks: `address` ("host:port", or a host and a free port there), else the spec's
+  "localhost" job, else the route to the spec's first task and a free port there. TensorFlow
+  would register "localhost:PORT", which a task on another machine dials as itself."""
+  if address is None and CLIENT_JOB in spec:
+    address = spec[CLIENT_JOB][0]
+  if address is not None and ":" in str(address).strip("[]"):
+    _host_port(address, "the client's address")
+    return str(address)
+  host = str(address).strip("[]") if address is not None else route_address(
+      {j: a for j, a in spec.items() if j != CLIENT_JOB})
+  with socket.socket() as s:
+    try:
+      s.bind((host, 0))
+    except OSError as e:
+      raise ValueError(f"the client's address {host!r} is not one of this machine's: {e}") from None
+    return f"{host}:{s.getsockname()[1]}"
+
+
+def connect(spec, timeout=5.0, address=None):
   """Connects this program to the cluster `spec` (remote devices become usable), once every
-  task answers (`check_answering`, within `timeout` seconds)."""
-  check_answering(spec, timeout)
+  task answers (`check_answering`, within `timeout` seconds). This program joins the cluster
+  at `client_address(spec, address)`, where the tasks pull tensors from it."""
+  servers = {job: list(a) for job, a in spec.items() if job != CLIENT_JOB}
+  check_answering(servers, timeout)
+  client = client_address(spec, address)
   iterators.wait()   # no dataset iterator is deleted while the context is reset
   resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-      tf.train.ClusterSpec(spec), rpc_layer="grpc")
-  tf.config.experimental_connect_to_cluster(resolver, make_master_device_default=False)
-  note_connected(spec)
-  return task_devices(spec)
+      tf.train.ClusterSpec(dict(servers, **{CLIENT_JOB: [client]})), rpc_layer="grpc")
+  tf.config.experimental_connect_to_cluster(resolver, job_name=CLIENT_JOB,
+                                            make_master_device_default=False)
+  note_connected(servers)
+  return task_devices(servers)
 
 
 def note_connected(spec):
@@ -467,6 +530,8 @@ def serve(argv):
   parser.add_argument("--task", type=int)
   parser.add_argument("--tasks", help="job:task,... : fork a server for each (LocalCluster)")
   parser.add_argument("--errors", help="with --tasks: a JSON list, each server's stderr file")
+  parser.add_argument("--places", help="with --tasks: a JSON list, each server's emulated host "
+                                       "(network namespace, address, control group files)")
   parser.add_argument("--parent", type=int, default=None,
                       help="exit when the process with this PID exits")
   parser.add_argument("--every_interface", action="store_true",
@@ -480,7 +545,8 @@ def serve(argv):
   spec = json.loads(args.spec)
   if args.tasks is not None:
     _launch([(job, int(task)) for job, _, task in (t.partition(":") for t in args.tasks.split(","))],
-            spec, json.loads(args.errors), args.parent)
+            spec, json.loads(args.errors), args.parent,
+            json.loads(args.places) if args.places else None)
     return
   address = spec[args.job][args.task]
   if not args.every_interface and "TFPIPE_BIND_HOST" not in os.environ:
@@ -507,7 +573,17 @@ def _run_server(spec, job, task, ready):
   server.join()
 
 
-def _launch(tasks, spec, errors, parent):
+def _go_to(place):
+  """Moves this (single-threaded, just forked) server onto its emulated host: its network
+  namespace, its control groups, and its address for the bind shim."""
+  emulation.enter(place["netns"])
+  for path in place["procs"]:
+    with open(path, "w") as f:
+      f.write(str(os.getpid()))
+  os.environ["TFPIPE_BIND_HOST"] = place["address"]
+
+
+def _launch(tasks, spec, errors, parent, places=None):
   """LocalCluster's launcher: forks a server per task (TensorFlow imported, no op run yet) and
   reports on stdout, a line each: `started JOB TASK PID`, `ready JOB TASK`, `exit JOB TASK
   CODE`. Exits once every server has exited; they exit with it (parent-death signal).
@@ -525,7 +601,7 @@ def _launch(tasks, spec, errors, parent):
         os.kill(pid, signal.SIGKILL)
 
   signal.signal(signal.SIGTERM, stop)
-  for (job, task), path in zip(tasks, errors):
+  for index, ((job, task), path) in enumerate(zip(tasks, errors)):
     if stopping:
       break
     pid = os.fork()
@@ -536,6 +612,8 @@ def _launch(tasks, spec, errors, parent):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), 2)
         sys.stderr = os.fdopen(2, "w", buffering=1)
         _watch_parent(os.getppid())
+        if places:
+          _go_to(places[index])
         _run_server(spec, job, task, lambda j=job, t=task: say("ready", j, t))
       except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

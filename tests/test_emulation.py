@@ -1,0 +1,168 @@
+"""Emulated hosts: network namespaces, shaped links, memory caps, and stages across them.
+
+The cluster (two TF servers on hosts of their own, and a client host) is made
+once for the module; each scenario runs in a process of its own on the
+client's host (tests/emulation_scenarios.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+
+from tests import zygote
+from tfpipe.cluster import cgroups, emulation, links
+from tfpipe.cluster import servers as cluster
+import tfpipe
+
+pytestmark = pytest.mark.xdist_group("processes")
+
+
+def _unavailable():
+  try:
+    emulation.check_available()
+  except emulation.EmulationUnavailable as e:
+    return str(e)
+  return None
+
+
+needs_hosts = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+
+
+@pytest.mark.parametrize("text,rate,delay,loss", [
+    ("1gbit", 1e9, 0.0, 0.0), ("100mbit,2ms", 1e8, 2e-3, 0.0), ("10gbit,200us,1%", 1e10, 2e-4, 0.01),
+    ("2.5 Gbit", 2.5e9, 0.0, 0.0), ("512kbit,,0.5%", 512e3, 0.0, 0.005)])
+def test_links_are_read_as_tc_writes_them(text, rate, delay, loss):
+  link = links.parse(text)
+  assert (link.rate, link.delay, link.loss) == pytest.approx((rate, delay, loss))
+  assert links.parse(str(link)) == link
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "RATE"), ("fast", "'fast' is not a rate"), ("1gbyte", "'1gbyte' is not a rate"),
+    ("0mbit", "the rate must be > 0"), ("1gbit,2", "'2' is not a delay"),
+    ("1gbit,2ms,150%", "'150%' is not a loss"), ("1gbit,1ms,1%,x", "at most a rate")])
+def test_bad_links_are_refused_naming_the_value(text, message):
+  with pytest.raises(ValueError, match=message):
+    links.parse(text)
+
+
+def test_without_root_emulated_hosts_are_refused_in_one_line():
+  with mock.patch.object(os, "geteuid", return_value=1000):
+    with pytest.raises(emulation.EmulationUnavailable) as raised:
+      emulation.Network(1)
+  assert "need root" in str(raised.value) and "uid 1000" in str(raised.value)
+  assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("spec,address,expected", [
+    ({"worker": ["127.0.0.1:5"]}, "198.18.0.9:7000", "198.18.0.9:7000"),
+    ({"worker": ["127.0.0.1:5"], "localhost": ["198.18.0.7:7001"]}, None, "198.18.0.7:7001")])
+def test_the_client_joins_at_the_address_given_or_the_specs(spec, address, expected):
+  assert cluster.client_address(spec, address) == expected
+
+
+def test_the_client_joins_at_the_route_to_the_first_task_on_a_free_port():
+  host, port = cluster.client_address({"worker": ["127.0.0.1:5"]}).split(":")
+  assert host == "127.0.0.1" and 0 < int(port) < 65536
+
+
+def test_a_client_address_not_on_this_machine_is_refused():
+  with pytest.raises(ValueError, match="'198.19.255.254' is not one of this machine's"):
+    cluster.client_address({"worker": ["127.0.0.1:5"]}, "198.19.255.254")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+  with tfpipe.cluster.EmulatedCluster({"worker": 2}, link="1gbit") as emulated:
+    yield emulated
+
+
+def _scenario(emulated, name):
+  result = zygote.run(["-m", "tests.emulation_scenarios", name, emulated.client.netns,
+                       json.dumps(emulated.spec)], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@needs_hosts
+def test_stages_on_hosts_that_share_no_loopback_train_as_on_local_devices(hosts):
+  before = hosts.counters()
+  result = _scenario(hosts, "pipeline")
+  after = hosts.counters()
+  assert result["gap"] < 1e-6
+  assert "/job:worker/replica:0/task:1" in result["stage1_device"]
+  sent = {key: after[key][0] - before[key][0] for key in after}
+  # Host 0 sent at least the cut's float32 activations, host 1 their gradients; the client
+  # sent the inputs (8 floats a sample) to host 0 at least.
+  activations = result["samples"] * result["width"] * 4
+  assert sent[("worker", 0)] >= activations and sent[("worker", 1)] >= activations
+  assert sent["client"] >= result["samples"] * 8 * 4
+
+
+def _run_in(netns, *argv):
+  return subprocess.run(["ip", "-n", netns, *argv], capture_output=True, text=True, check=True).stdout
+
+
+@needs_hosts
+def test_hosts_have_their_own_link_only_and_nothing_routes_out(hosts):
+  for host in list(hosts.hosts.values()) + [hosts.client]:
+    assert host.address.startswith("198.18.")
+    routes = _run_in(host.netns, "-4", "route", "show").strip().splitlines()
+    assert routes == [f"198.18.0.0/24 dev eth0 proto kernel scope link src {host.address}"]
+  qdiscs = subprocess.run(["tc", "-n", hosts.network.hub, "qdisc", "show"], capture_output=True,
+                          text=True, check=True).stdout
+  assert qdiscs.count("rate 1Gbit") == 3   # each host's link, the client's included
+
+
+@needs_hosts
+def test_the_machines_own_interfaces_are_untouched_and_a_closed_network_leaves_nothing():
+  own = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+  with emulation.Network(1, link="100mbit") as network:
+    names = [network.hub, network.client.netns, network.hosts[0].netns]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert all(name in listed for name in names)
+  assert subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout == own
+  listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  assert not any(name in listed for name in names)
+
+
+@needs_hosts
+def test_what_a_killed_run_left_is_removed_at_the_next_start():
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  run = f"tfpipe-{dead.pid}-0"
+  subprocess.run(["ip", "netns", "add", f"{run}-hub"], check=True)
+  cgroups.Group(f"{run}-h0", memory=1 << 30)
+  with emulation.Network(1):
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{run}-hub" not in listed
+    assert f"{run}-h0" not in cgroups.names("tfpipe-")
+
+
+@needs_hosts
+def test_a_host_over_its_memory_cap_is_killed_and_its_peak_is_read():
+  allocate = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096])"
+  with emulation.Network(1, memory=96 << 20) as network:
+    host = network.hosts[0]
+    small = network.popen(host, [sys.executable, "-c", allocate, "32"])
+    assert small.wait(timeout=60) == 0
+    assert host.group.peak() >= 32 << 20
+    big = network.popen(host, [sys.executable, "-c", allocate, "256"])
+    assert big.wait(timeout=60) == -9   # the kernel's OOM killer, as on a host that ran out
+
+
+@needs_hosts
+def test_delay_and_loss_need_netem_and_say_so_where_the_kernel_lacks_it():
+  try:
+    network = emulation.Network(1, link="1gbit,1ms,1%")
+  except emulation.EmulationUnavailable as e:
+    assert "netem" in str(e) and "give a rate alone" in str(e)
+    return
+  with network:
+    qdiscs = subprocess.run(["tc", "-n", network.hub, "qdisc", "show"], capture_output=True,
+                            text=True, check=True).stdout
+    assert "netem" in qdiscs and "delay 1ms" in qdiscs and "loss 1%" in qdiscs

@@ -1,0 +1,79 @@
+"""A cluster of TF servers on emulated hosts: one server per host, links shaped.
+
+  with tfpipe.cluster.EmulatedCluster({"worker": 4}, link="100mbit") as cluster:
+    cluster.enter_client()     # this program on the client host, before TensorFlow's threads
+    devices = tfpipe.cluster.connect(cluster.spec)
+    ...
+    cluster.counters()         # bytes each host sent and received over its link
+
+Each task of `jobs` gets a host of its own (`tfpipe.cluster.emulation.Network`:
+a network namespace, a link of shape `link`, a memory cap and a CPU set), its
+server started there as `LocalCluster` starts them (one launcher, a fork per
+task), at the host's address, port 2222. The program that drives the run is
+the client, a host of its own too (`enter_client`, or `popen` for a program
+started there). Leaving the `with` block stops the servers and removes every
+namespace, link and control group.
+"""
+
+from tfpipe.cluster import emulation, servers
+
+__all__ = ["EmulatedCluster"]
+
+
+class EmulatedCluster:
+  """TF servers for `jobs` ({job: task count}) on hosts of their own joined by links of shape
+  `link` ("RATE[,DELAY[,LOSS%]]"); `memory` (bytes) and `cpus` (cpuset strings, one per task
+  in `jobs` order, or one for all) cap each host. `spec` is the cluster spec, `hosts` maps
+  (job, task) to its `emulation.Host`, `network` is the `emulation.Network`."""
+
+  def __init__(self, jobs, link="10gbit", client_link=None, memory=None, cpus=None,
+               timeout=60.0):
+    if not isinstance(jobs, dict) or not jobs or any(
+        isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in jobs.values()):
+      raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
+    self.network = emulation.Network(sum(jobs.values()), link=link, client_link=client_link,
+                                      memory=memory, cpus=cpus)
+    try:
+      hosts = iter(self.network.hosts)
+      self.hosts = {(job, task): next(hosts) for job, n in jobs.items() for task in range(n)}
+      self.servers = servers.LocalCluster(jobs, timeout=timeout, places=self.hosts)
+    except BaseException:
+      self.network.close()
+      raise
+    self.spec = self.servers.spec
+    self.processes = self.servers.processes
+
+  @property
+  def client(self):
+    return self.network.client
+
+  def enter_client(self):
+    """Moves this program onto the client host (see `emulation.enter`)."""
+    emulation.enter(self.network.client.netns)
+
+  def popen(self, argv, host=None, **kwargs):
+    """A program on `host` ((job, task), or None: the client), as `subprocess.Popen`."""
+    return self.network.popen(self.network.client if host is None else self.hosts[host], argv,
+                              **kwargs)
+
+  def counters(self):
+    """{(job, task) or "client": (bytes sent, bytes received)} over each host's link."""
+    raw = self.network.counters()
+    out = {key: raw[host.name] for key, host in self.hosts.items()}
+    out["client"] = raw["client"]
+    return out
+
+  def kill(self, job, task):
+    self.servers.kill(job, task)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def close(self):
+    try:
+      self.servers.stop()
+    finally:
+      self.network.close()

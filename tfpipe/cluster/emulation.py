@@ -1,0 +1,269 @@
+"""Hosts on one machine: Linux network namespaces joined by shaped links.
+
+`Network(hosts=N, link="1gbit")` makes, for its run (`tfpipe-PID-SEQ`):
+  ...-hub      a namespace holding only a bridge, `br0`;
+  ...-hN       host N: a namespace whose `eth0` (198.18.0.N+1/24) is one end
+               of a veth pair; the other end (`hN`) is a port of the bridge;
+  ...-client   the client, the program that drives a run (198.18.0.254).
+Each link's rate is capped in both directions by a token bucket (tc `tbf`)
+on both of its ends, its delay and loss set by `netem` where the kernel has
+it; each host may have a memory cap and a CPU set (a control group,
+`tfpipe.cluster.cgroups`). The namespaces have their loopback and their one
+link, no default route: nothing reaches past the emulation, whose addresses
+(198.18.0.0/15, reserved for network benchmarks) exist only on its own links.
+The machine's own interfaces and routes are never touched.
+
+Built on pyroute2 (netlink), as root. `close()` (or leaving the `with`
+block) removes everything; a run that was killed leaves namespaces and
+groups whose PID is gone, and the next `Network` removes them first.
+`counters()` reads the bytes each host sent and received, from its link.
+"""
+
+import contextlib
+import ctypes
+import dataclasses
+import itertools
+import os
+import re
+import signal
+import subprocess
+
+from tfpipe.cluster import cgroups, links
+
+__all__ = ["Network", "Host", "EmulationUnavailable", "enter", "remove_leftovers",
+           "SUBNET", "PREFIX"]
+
+PREFIX = "tfpipe-"
+SUBNET = "198.18.0"           # /24 inside 198.18.0.0/15; every run's namespaces are its own
+CLIENT = 254
+_NETNS_DIR = "/var/run/netns"
+_CLONE_NEWNET = 0x40000000
+_SEQUENCE = itertools.count()
+_NAME = re.compile(r"^tfpipe-(\d+)-(\d+)-")
+
+
+class EmulationUnavailable(RuntimeError):
+  """This machine or process cannot make emulated hosts (not root, no pyroute2, no netns)."""
+
+
+@dataclasses.dataclass
+class Host:
+  """An emulated host: its namespace, address, link and control group (or None)."""
+  name: str                  # "h0", ..., "client"
+  netns: str
+  address: str
+  port: str                  # its link's end on the bridge (in the hub namespace)
+  group: object = None       # a cgroups.Group, or None
+
+  def procs_files(self):
+    return self.group.procs_files() if self.group is not None else []
+
+
+def _pyroute2():
+  try:
+    import pyroute2
+    from pyroute2 import netns
+  except ImportError:
+    raise EmulationUnavailable("emulated hosts need pyroute2 (pip install pyroute2)") from None
+  return pyroute2, netns
+
+
+def check_available():
+  """Refuses, in one line, where namespaces cannot be made here."""
+  if not os.path.exists("/proc/self/ns/net"):
+    raise EmulationUnavailable("emulated hosts need Linux network namespaces, which this "
+                               "system does not have")
+  if os.geteuid() != 0:
+    raise EmulationUnavailable("emulated hosts need root (network namespaces, traffic control, "
+                               f"control groups): this process runs as uid {os.geteuid()}")
+  _pyroute2()
+
+
+def enter(netns):
+  """Moves the calling thread (and every thread it starts from now on) into namespace
+  `netns`; call it before TensorFlow starts its threads, so that its sockets are there."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  fd = os.open(os.path.join(_NETNS_DIR, netns), os.O_RDONLY)
+  try:
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+      error = ctypes.get_errno()
+      raise OSError(error, f"cannot enter network namespace {netns!r}: {os.strerror(error)}")
+  finally:
+    os.close(fd)
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_leftovers():
+  """Removes the namespaces and control groups of runs whose process is gone (a killed run);
+  returns their names."""
+  _, netns = _pyroute2()
+  removed = []
+  for name in sorted(netns.listnetns()):
+    match = _NAME.match(name)
+    if match and not _alive(int(match.group(1))):
+      netns.remove(name)
+      removed.append(name)
+  for name in cgroups.names(PREFIX):
+    match = _NAME.match(name)
+    if match and not _alive(int(match.group(1))):
+      cgroups.remove_named(name)
+      removed.append(name)
+  return removed
+
+
+class Network:
+  """`hosts` emulated hosts and a client joined by links of shape `link` ("RATE[,DELAY[,LOSS%]]",
+  `tfpipe.cluster.links`); `client_link` shapes the client's own (default: `link`). `memory`
+  caps each host (bytes, None: no cap), `cpus` gives each host a CPU set (a list, one cpuset
+  string per host, or one for all). A context manager: leaving it removes everything."""
+
+  def __init__(self, hosts, link="10gbit", client_link=None, memory=None, cpus=None):
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts < CLIENT - 1:
+      raise ValueError(f"`hosts` must be an integer from 1 to {CLIENT - 2}. Received: {hosts!r}")
+    self.link = links.parse(link)
+    self.client_link = self.link if client_link is None else links.parse(client_link)
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
+                               or memory <= 0):
+      raise ValueError(f"`memory` must be a number of bytes > 0, or None. Received: {memory!r}")
+    if cpus is not None and not isinstance(cpus, (str, list, tuple)):
+      raise ValueError(f"`cpus` must be a cpuset string (\"0-1\"), one per host, or None. "
+                       f"Received: {cpus!r}")
+    if isinstance(cpus, (list, tuple)) and len(cpus) != hosts:
+      raise ValueError(f"`cpus` gives {len(cpus)} CPU sets for {hosts} hosts")
+    check_available()
+    remove_leftovers()
+    self.run = f"{PREFIX}{os.getpid()}-{next(_SEQUENCE)}"
+    self.hub = f"{self.run}-hub"
+    self.hosts, self.client, self._made = [], None, []
+    try:
+      self._build(hosts, memory, cpus)
+    except BaseException:
+      self.close()
+      raise
+
+  def _ipr(self, netns):
+    from pyroute2 import IPRoute
+    return IPRoute(netns=netns)
+
+  def _build(self, count, memory, cpus):
+    _, netns = _pyroute2()
+    netns.create(self.hub)
+    self._made.append(self.hub)
+    with self._ipr(self.hub) as hub:
+      hub.link("add", ifname="br0", kind="bridge")
+      bridge = hub.link_lookup(ifname="br0")[0]
+      hub.link("set", index=bridge, state="up")
+      for i in list(range(count)) + [None]:
+        name = "client" if i is None else f"h{i}"
+        space = f"{self.run}-{name}"
+        netns.create(space)
+        self._made.append(space)
+        address = f"{SUBNET}.{CLIENT if i is None else i + 1}"
+        hub.link("add", ifname=name, kind="veth", peer={"ifname": "eth0", "net_ns_fd": space})
+        port = hub.link_lookup(ifname=name)[0]
+        hub.link("set", index=port, master=bridge, state="up")
+        link = self.client_link if i is None else self.link
+        _shape(hub, port, link)
+        with self._ipr(space) as ipr:
+          ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+          eth = ipr.link_lookup(ifname="eth0")[0]
+          ipr.addr("add", index=eth, address=address, prefixlen=24)
+          ipr.link("set", index=eth, state="up")
+          _shape(ipr, eth, link)
+        group = None
+        if i is not None and (memory is not None or cpus is not None):
+          group = cgroups.Group(space, memory=memory,
+                                cpus=cpus[i] if isinstance(cpus, (list, tuple)) else cpus)
+        host = Host(name, space, address, name, group)
+        if i is None:
+          self.client = host
+        else:
+          self.hosts.append(host)
+
+  def counters(self):
+    """{host name: (bytes it sent, bytes it received)} over its link since it was made, the
+    client's included; read from the bridge's end of each link."""
+    out = {}
+    with self._ipr(self.hub) as hub:
+      for host in self.hosts + [self.client]:
+        stats = hub.get_links(hub.link_lookup(ifname=host.port)[0])[0].get_attr("IFLA_STATS64")
+        out[host.name] = (int(stats["rx_bytes"]), int(stats["tx_bytes"]))
+    return out
+
+  def popen(self, host, argv, **kwargs):
+    """`subprocess.Popen(argv, **kwargs)` running on `host` (a Host): in its namespace and
+    control group."""
+    files = host.procs_files()
+
+    def place():
+      enter(host.netns)
+      for path in files:
+        with open(path, "w") as f:
+          f.write(str(os.getpid()))
+
+    return subprocess.Popen(argv, preexec_fn=place, **kwargs)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def close(self):
+    """Removes every namespace (their links go with them) and control group; kills what runs
+    in a host's control group first."""
+    _, netns = _pyroute2()
+    for host in self.hosts:
+      if host.group is not None:
+        with contextlib.suppress(OSError):
+          host.group.remove()
+    for space in reversed(self._made):
+      _kill_inside(space)
+      with contextlib.suppress(OSError, FileNotFoundError):
+        netns.remove(space)
+    self._made = []
+
+
+def _kill_inside(space):
+  """Kills the processes whose network namespace is `space` (a host's server, a client)."""
+  try:
+    target = os.stat(os.path.join(_NETNS_DIR, space)).st_ino
+  except OSError:
+    return
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit() or int(entry) == os.getpid():
+      continue
+    try:
+      if os.stat(f"/proc/{entry}/ns/net").st_ino == target:
+        os.kill(int(entry), signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+      pass
+
+
+def _shape(ipr, index, link):
+  """The rate (tbf), and the delay and loss (netem, where the kernel has it) of one end of a
+  link: what leaves through it."""
+  rate = link.rate / 8                         # bytes/s
+  burst = int(max(rate * 2e-3, 128 * 1024))    # 2 ms at the rate, at least two GSO packets
+  if link.delay or link.loss:
+    try:
+      ipr.tc("add", "netem", index, handle="1:", delay=int(link.delay * 1e6),
+             loss=link.loss * 100)
+    except Exception as e:   # noqa: BLE001 -- netlink's answer, named in the message
+      raise EmulationUnavailable(
+          f"link {link}: this kernel cannot add delay or loss (the netem queueing discipline, "
+          f"CONFIG_NET_SCH_NETEM: {e}); give a rate alone") from None
+    ipr.tc("add", "tbf", index, parent="1:", handle="2:", rate=f"{int(link.rate)}bit",
+           burst=burst, latency="50ms")
+  else:
+    ipr.tc("add", "tbf", index, handle="1:", rate=f"{int(link.rate)}bit", burst=burst,
+           latency="50ms")
