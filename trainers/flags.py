@@ -16,7 +16,10 @@ def define_flags():
   flags.DEFINE_list("devices", None, "device per stage; default: GPUs, else logical CPUs")
   flags.DEFINE_string("cluster", None,
                       "pipeline stages on TF servers: local:W starts W worker processes on "
-                      "127.0.0.1 (one stage each); tf_config connects to TF_CONFIG's cluster")
+                      "127.0.0.1 (one stage each); tf_config connects to TF_CONFIG's cluster; "
+                      "emulated:R,K,LINK runs R replicas of K stages (dataparallel: R workers; "
+                      "asgd: R workers, K parameter servers) on hosts emulated here, joined by "
+                      "links LINK (RATE[,DELAY[,LOSS%]], e.g. 100mbit; root only)")
   flags.DEFINE_float("cluster_timeout", 120.0,
                      "--method=dataparallel --cluster=tf_config: seconds to wait for every "
                      "worker to start (then the missing ones are named and this one stops)")

@@ -26,6 +26,7 @@ class Instruments:
       raise ValueError("--trace_steps needs --trace_dir or --logdir to write the trace to")
     self.pipeline = methods.kind(config.method).pipeline
     self.meter = None
+    self.traffic = None   # a tfpipe.instruments.traffic.LinkTraffic on emulated hosts
 
   @property
   def trace_dir(self):
@@ -91,4 +92,7 @@ class Instruments:
         recorder.write_summaries(logdir)
         path = recorder.plot(os.path.join(logdir, "prediction_error.png"))
         lines.append(f"prediction error plot: {path}")
+    if self.traffic is not None and self.traffic.end is not None:
+      from tfpipe.instruments import traffic
+      lines.append(traffic.describe(self.traffic))
     return lines

@@ -101,12 +101,20 @@ def run(config):
     tfpipe.multi_worker.make_strategy(timeout=config.cluster_timeout)
   else:
     setup_devices(config)
-  with _cluster(config) as placed:
+  with _cluster(config, tools) as placed:
     if kind.parameter_servers:
       return _train(config, tools, spec=placed)
     if placed:
       config = dataclasses.replace(config, devices=placed)
     return _train(config, tools)
+
+
+def _on_emulated_workers(config):
+  """--method=dataparallel --cluster=emulated:R,1,LINK: R worker programs on emulated hosts."""
+  import tfpipe
+  from trainers import emulated
+  return (tfpipe.methods.kind(config.method).across_processes
+          and (config.cluster or "").startswith(emulated.PREFIX))
 
 
 def _multi_worker(config):
@@ -117,11 +125,17 @@ def _multi_worker(config):
 
 
 @contextlib.contextmanager
-def _cluster(config):
+def _cluster(config, tools):
   """--cluster: starts or joins the TF servers; yields the stages' devices (None: local), or
   for asgd the cluster spec (its default cluster is local:2,1)."""
   import tfpipe
+  from trainers import emulated
   kind = tfpipe.methods.kind(config.method)
+  if (config.cluster or "").startswith(emulated.PREFIX) and (
+      kind.pipeline or kind.parameter_servers):
+    with emulated.cluster(config, tools) as placed:
+      yield placed
+    return
   if kind.parameter_servers:
     with _asgd_cluster(config) as spec:
       yield spec
@@ -228,6 +242,7 @@ def _train(config, tools, spec=None):
                         epochs=config.epochs, steps_per_epoch=config.steps,
                         validation_data=data.validation,
                         callbacks=[report.EpochReport(config)] + tools.callbacks() +
+                        ([tools.traffic] if tools.traffic is not None else []) +
                         [report.ResumeReport(config, saver)] + ([guard] if guard else []) +
                         ([saver] if saver else []),
                         verbose=1 if config.verbose == 1 else 0)
@@ -316,7 +331,7 @@ def main(argv):
   code = command(argv)
   values = trainer_flags.FLAGS
   if code == 0 and (_parameter_servers(values.method)
-                    or (values.cluster or "").startswith("local:")):
+                    or (values.cluster or "").startswith(("local:", "emulated:"))):
     # The servers this run started are gone; TensorFlow's teardown would try to reach them.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -337,8 +352,10 @@ def command(argv):
   if len(argv) > 1:
     _usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config = TrainConfig.from_flags(trainer_flags.FLAGS)
-  from trainers import datasets
+  from trainers import datasets, emulated
   try:
+    if _on_emulated_workers(config):
+      return emulated.run_workers(config, trainer_flags.FLAGS)
     history, trainer, lines = run(config)
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr, flush=True)

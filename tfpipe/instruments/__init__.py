@@ -4,9 +4,10 @@
   breakdown:        per stage, compute / transfer / idle shares of wall time;
   throughput:       samples/s between two steps (a Keras callback);
   prediction_error: SpecTrain's prediction error against the weights reached later;
-  memory:           per stage, bytes of weights, kept versions, activations and slots.
+  memory:           per stage, bytes of weights, kept versions, activations and slots;
+  traffic:          bytes each host sent and received over its link per step (a Keras callback).
 """
 
-from tfpipe.instruments import breakdown, memory, prediction_error, throughput, trace
+from tfpipe.instruments import breakdown, memory, prediction_error, throughput, trace, traffic
 
-__all__ = ["breakdown", "memory", "prediction_error", "throughput", "trace"]
+__all__ = ["breakdown", "memory", "prediction_error", "throughput", "trace", "traffic"]

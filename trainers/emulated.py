@@ -1,0 +1,117 @@
+"""--cluster=emulated:R,K,LINK: a run on hosts emulated on this machine.
+
+R x K hosts (R replicas of a K-stage pipeline; for asgd R workers and K
+parameter servers), each a network namespace with one TF server, joined by
+links of shape LINK ("RATE[,DELAY[,LOSS%]]", e.g. 100mbit), and this program
+on a client host of its own (`tfpipe.cluster.EmulatedCluster`; root only).
+The summary adds the bytes each host sent and received per step.
+"""
+
+import contextlib
+
+__all__ = ["parse", "cluster", "PREFIX"]
+
+PREFIX = "emulated:"
+
+
+def parse(text):
+  """(R, K, link) of "emulated:R,K,LINK"."""
+  from tfpipe.cluster import links
+  parts = text[len(PREFIX):].split(",")
+  usage = ("--cluster=emulated:R,K,LINK: R replicas of K stages (asgd: R workers, K parameter "
+           "servers) on hosts joined by links LINK (\"RATE[,DELAY[,LOSS%]]\"), e.g. "
+           f"emulated:1,2,100mbit. Received: {text!r}")
+  if len(parts) < 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts[:2]):
+    raise ValueError(usage)
+  link = ",".join(parts[2:])
+  try:
+    links.parse(link)
+  except ValueError as e:
+    raise ValueError(f"{e}. {usage}") from None
+  return int(parts[0]), int(parts[1]), link
+
+
+@contextlib.contextmanager
+def cluster(config, tools):
+  """Starts the emulated hosts and their servers and moves this program onto the client host;
+  yields the stages' devices (for asgd: the cluster spec). `tools.traffic` then counts the
+  bytes on the links."""
+  import tfpipe
+  from tfpipe.instruments import traffic
+  replicas, stages, link = parse(config.cluster)
+  kind = tfpipe.methods.kind(config.method)
+  if kind.parameter_servers:
+    jobs = {"worker": replicas, "ps": stages}
+  else:
+    if replicas != config.data_parallel:
+      raise ValueError(f"--cluster={config.cluster} places {replicas} replica(s), but "
+                       f"--data_parallel={config.data_parallel}")
+    if not config.devices and stages != config.num_stages:
+      raise ValueError(f"--cluster={config.cluster} places {stages} stage(s) per replica, but "
+                       f"--num_stages={config.num_stages}")
+    jobs = {"worker": replicas * stages}
+  with tfpipe.cluster.EmulatedCluster(jobs, link=link) as emulated:
+    emulated.enter_client()   # before TensorFlow's remote threads: its sockets are there
+    tools.traffic = traffic.LinkTraffic(emulated.counters)
+    if config.verbose:
+      print(f"started {sum(jobs.values())} emulated hosts joined by {link} links: "
+            f"{', '.join(a for addresses in emulated.spec.values() for a in addresses)}; "
+            f"this program at {emulated.client.address}", flush=True)
+    if kind.parameter_servers:
+      yield emulated.spec
+    else:
+      yield config.devices or tfpipe.cluster.connect(emulated.spec)
+
+
+def run_workers(config, flag_values):
+  """--method=dataparallel --cluster=emulated:R,1,LINK: R MultiWorkerMirroredStrategy workers,
+  each this trainer with --cluster=tf_config on a host of its own; worker 0's output is this
+  program's, followed by the bytes on the links per step. Returns worker 0's exit code (the
+  first non-zero one if another failed)."""
+  import json
+  import os
+  import subprocess
+  import sys
+  import tempfile
+  from tfpipe.cluster import emulation
+  from tfpipe.instruments import traffic
+  from trainers import datasets
+  replicas, stages, link = parse(config.cluster)
+  if stages != 1:
+    raise ValueError(f"--method={config.method} --cluster=emulated:R,1,LINK runs R workers of "
+                     f"the whole model. Received: {config.cluster!r}")
+  data = datasets.load(config)
+  steps = config.steps or int(data.train.cardinality())
+  lines = [line for line in flag_values.flags_into_string().splitlines()
+           if not line.startswith(("--cluster=", "--flagfile="))]
+  with emulation.Network(replicas, link=link) as network, \
+       tempfile.NamedTemporaryFile("w", suffix=".cfg") as flagfile:
+    flagfile.write("\n".join(lines + ["--cluster=tf_config"]) + "\n")
+    flagfile.flush()
+    addresses = [f"{host.address}:2222" for host in network.hosts]
+    if config.verbose:
+      print(f"started {replicas} emulated hosts joined by {link} links, a "
+            f"MultiWorkerMirroredStrategy worker each: {', '.join(addresses)}", flush=True)
+    counter = traffic.LinkTraffic(lambda: {("worker", int(k[1:])): v for k, v in
+                                           network.counters().items() if k != "client"})
+    counter.on_train_begin()
+    workers, errors = [], []
+    for index, host in enumerate(network.hosts):
+      env = dict(os.environ, TF_CONFIG=json.dumps(
+          {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
+      errors.append(tempfile.TemporaryFile("w+"))
+      workers.append(network.popen(host, [sys.executable, "-m", "trainers.main",
+                                          f"--flagfile={flagfile.name}"], env=env,
+                                   stdout=None if index == 0 else subprocess.DEVNULL,
+                                   stderr=None if index == 0 else errors[-1]))
+    codes = [w.wait() for w in workers]
+    counter.on_train_end()
+    counter.steps = steps * config.epochs
+    for index, code in enumerate(codes[1:], 1):
+      if code:
+        errors[index].seek(0)
+        print(f"worker {index} exited with code {code}: {errors[index].read()[-2000:]}",
+              file=sys.stderr)
+    if codes[0] == 0:
+      print(traffic.describe(counter), flush=True)
+    return codes[0] or next((c for c in codes if c), 0)
