@@ -7,6 +7,7 @@ client's host (tests/emulation_scenarios.py).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from unittest import mock
@@ -166,3 +167,37 @@ def test_delay_and_loss_need_netem_and_say_so_where_the_kernel_lacks_it():
     qdiscs = subprocess.run(["tc", "-n", network.hub, "qdisc", "show"], capture_output=True,
                             text=True, check=True).stdout
     assert "netem" in qdiscs and "delay 1ms" in qdiscs and "loss 1%" in qdiscs
+
+
+def _trainer(*args):
+  env = dict(os.environ, TFDS_DATA_DIR=os.path.join(zygote.ROOT, "tests", "no_such_data_dir"))
+  return zygote.run(["-m", "trainers.main", "--snn_width=16", "--snn_depth=3",
+                     "--batch_size=16", "--steps=3", "--logdir=", *args], env=env)
+
+
+@needs_hosts
+@pytest.mark.parametrize("method,cluster,started", [
+    ("1f1b", "emulated:1,2,1gbit", "started 2 emulated hosts joined by 1gbit links"),
+    ("dataparallel", "emulated:2,1,1gbit", "a MultiWorkerMirroredStrategy worker each")])
+def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
+    method, cluster, started):
+  result = _trainer(f"--method={method}", f"--cluster={cluster}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert started in result.stdout
+  line = next(l for l in result.stdout.splitlines() if l.startswith("bytes on the links"))
+  sent = [float(m) for m in re.findall(r"worker/\d ([\d.e+-]+)/", line)]
+  assert len(sent) == 2 and all(s > 0 for s in sent)
+  if method == "1f1b":
+    assert re.search(r"^1\s+/job:worker/replica:0/task:1/device:CPU:0\s", result.stdout, re.M)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--method=1f1b", "--cluster=emulated:1,x,1gbit"), "--cluster=emulated:R,K,LINK"),
+    (("--method=1f1b", "--cluster=emulated:1,2,fast"), "'fast' is not a rate"),
+    (("--method=1f1b", "--cluster=emulated:2,2,1gbit"), "places 2 replica(s), but --data_parallel=1"),
+    (("--method=1f1b", "--cluster=emulated:1,3,1gbit"), "places 3 stage(s) per replica, but --num_stages=2"),
+    (("--method=dataparallel", "--cluster=emulated:2,2,1gbit"), "runs R workers of the whole model")])
+def test_the_trainers_emulated_cluster_flag_is_checked_before_any_host_starts(args, message):
+  result = _trainer(*args)
+  assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
