@@ -9,9 +9,22 @@ The summary adds the bytes each host sent and received per step.
 
 import contextlib
 
-__all__ = ["parse", "cluster", "PREFIX"]
+__all__ = ["parse", "cluster", "run_workers", "counting", "PREFIX", "HUB_VARIABLE"]
 
 PREFIX = "emulated:"
+HUB_VARIABLE = "TFPIPE_EMULATED_HUB"   # worker 0 of run_workers: the links' namespace
+
+
+def counting(tools):
+  """In worker 0 of `run_workers`: `tools.traffic` counts the bytes on every worker's link."""
+  import os
+  from tfpipe.cluster import emulation
+  from tfpipe.instruments import traffic
+  hub = os.environ.get(HUB_VARIABLE)
+  if hub:
+    tools.traffic = traffic.LinkTraffic(lambda: {
+        ("worker", int(name[1:])): value for name, value in emulation.hub_counters(hub).items()
+        if name != "client"})
 
 
 def parse(text):
@@ -66,22 +79,18 @@ def cluster(config, tools):
 def run_workers(config, flag_values):
   """--method=dataparallel --cluster=emulated:R,1,LINK: R MultiWorkerMirroredStrategy workers,
   each this trainer with --cluster=tf_config on a host of its own; worker 0's output is this
-  program's, followed by the bytes on the links per step. Returns worker 0's exit code (the
-  first non-zero one if another failed)."""
+  program's, the bytes on every worker's link per step included (`counting`). Returns worker
+  0's exit code (the first non-zero one if another failed)."""
   import json
   import os
   import subprocess
   import sys
   import tempfile
   from tfpipe.cluster import emulation
-  from tfpipe.instruments import traffic
-  from trainers import datasets
   replicas, stages, link = parse(config.cluster)
   if stages != 1:
     raise ValueError(f"--method={config.method} --cluster=emulated:R,1,LINK runs R workers of "
                      f"the whole model. Received: {config.cluster!r}")
-  data = datasets.load(config)
-  steps = config.steps or int(data.train.cardinality())
   lines = [line for line in flag_values.flags_into_string().splitlines()
            if not line.startswith(("--cluster=", "--flagfile="))]
   with emulation.Network(replicas, link=link) as network, \
@@ -92,26 +101,21 @@ def run_workers(config, flag_values):
     if config.verbose:
       print(f"started {replicas} emulated hosts joined by {link} links, a "
             f"MultiWorkerMirroredStrategy worker each: {', '.join(addresses)}", flush=True)
-    counter = traffic.LinkTraffic(lambda: {("worker", int(k[1:])): v for k, v in
-                                           network.counters().items() if k != "client"})
-    counter.on_train_begin()
     workers, errors = [], []
     for index, host in enumerate(network.hosts):
       env = dict(os.environ, TF_CONFIG=json.dumps(
           {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
+      if index == 0:   # it counts the bytes on the links (`counting`)
+        env[HUB_VARIABLE] = network.hub
       errors.append(tempfile.TemporaryFile("w+"))
       workers.append(network.popen(host, [sys.executable, "-m", "trainers.main",
                                           f"--flagfile={flagfile.name}"], env=env,
                                    stdout=None if index == 0 else subprocess.DEVNULL,
                                    stderr=None if index == 0 else errors[-1]))
     codes = [w.wait() for w in workers]
-    counter.on_train_end()
-    counter.steps = steps * config.epochs
     for index, code in enumerate(codes[1:], 1):
       if code:
         errors[index].seek(0)
         print(f"worker {index} exited with code {code}: {errors[index].read()[-2000:]}",
               file=sys.stderr)
-    if codes[0] == 0:
-      print(traffic.describe(counter), flush=True)
     return codes[0] or next((c for c in codes if c), 0)

@@ -85,7 +85,7 @@ def run(config):
   """Trains `config`'s workload; returns (history dict, trainer, the instruments' report
   lines). Never reads FLAGS."""
   import tfpipe
-  from trainers import instruments
+  from trainers import emulated, instruments
 
   tools = instruments.Instruments(config)
   tfpipe.cluster.set_liveness(misses=config.liveness_misses)
@@ -99,6 +99,7 @@ def run(config):
   if _multi_worker(config):
     # Before any TensorFlow op; each worker has its CPU. Waits for every worker to start.
     tfpipe.multi_worker.make_strategy(timeout=config.cluster_timeout)
+    emulated.counting(tools)
   else:
     setup_devices(config)
   with _cluster(config, tools) as placed:

@@ -30,7 +30,7 @@ import subprocess
 
 from tfpipe.cluster import cgroups, links
 
-__all__ = ["Network", "Host", "EmulationUnavailable", "enter", "remove_leftovers",
+__all__ = ["Network", "Host", "EmulationUnavailable", "enter", "remove_leftovers", "hub_counters",
            "SUBNET", "PREFIX"]
 
 PREFIX = "tfpipe-"
@@ -192,12 +192,7 @@ class Network:
   def counters(self):
     """{host name: (bytes it sent, bytes it received)} over its link since it was made, the
     client's included; read from the bridge's end of each link."""
-    out = {}
-    with self._ipr(self.hub) as hub:
-      for host in self.hosts + [self.client]:
-        stats = hub.get_links(hub.link_lookup(ifname=host.port)[0])[0].get_attr("IFLA_STATS64")
-        out[host.name] = (int(stats["rx_bytes"]), int(stats["tx_bytes"]))
-    return out
+    return hub_counters(self.hub)
 
   def popen(self, host, argv, **kwargs):
     """`subprocess.Popen(argv, **kwargs)` running on `host` (a Host): in its namespace and
@@ -231,6 +226,20 @@ class Network:
       with contextlib.suppress(OSError, FileNotFoundError):
         netns.remove(space)
     self._made = []
+
+
+def hub_counters(hub):
+  """{host name: (bytes sent, bytes received)} of every link into the bridge of namespace `hub`
+  (a `Network`'s), from any process of this machine."""
+  from pyroute2 import IPRoute
+  out = {}
+  with IPRoute(netns=hub) as ipr:
+    for link in ipr.get_links():
+      name = link.get_attr("IFLA_IFNAME")
+      if link.get_attr("IFLA_MASTER") is not None:   # a port of the bridge: a host's link
+        stats = link.get_attr("IFLA_STATS64")
+        out[name] = (int(stats["rx_bytes"]), int(stats["tx_bytes"]))
+  return out
 
 
 def _kill_inside(space):

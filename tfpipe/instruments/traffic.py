@@ -3,8 +3,10 @@
 `LinkTraffic(counters)` is a Keras callback around a function that reads the
 links' byte counters ({host: (sent, received)}, e.g.
 `tfpipe.cluster.EmulatedCluster.counters`): it reads them when training
-begins and ends and counts the steps between, so `per_step()` is what one
-mini-batch moved, weights written back to the client's model included.
+begins and ends and at each step's end, so `per_step()` is what one
+mini-batch moved in the last epoch's steady state, and `totals()` what the
+whole `fit` moved (the weights sent out at its start and written back to the
+client's model at each epoch's end included).
 """
 
 import keras
@@ -13,26 +15,38 @@ __all__ = ["LinkTraffic", "describe"]
 
 
 class LinkTraffic(keras.callbacks.Callback):
-  """Each host's bytes sent and received per training step, over `fit`."""
+  """Each host's bytes sent and received over `fit` (`totals`), and per step of the last epoch
+  (`per_step`: the steady state, between its first and last step's ends, without what `fit`
+  moves at its start and at an epoch's end)."""
 
   def __init__(self, counters):
     super().__init__()
     self._counters = counters
     self.start = self.end = None
-    self.steps = 0
+    self.steps = 0              # steps over the whole fit
+    self.epoch_steps = 0        # steps counted in `per_step`
+    self._epoch = None          # (counters at the epoch's first step's end, its step)
+    self._last = None           # (counters at the last step's end, its step)
     self._in_epoch = 0
+    self._steady = None
 
   def on_train_begin(self, logs=None):
     self.start, self.steps = self._counters(), 0
 
   def on_epoch_begin(self, epoch, logs=None):
-    self._in_epoch = 0
+    self._in_epoch, self._epoch = 0, None
 
   def on_train_batch_end(self, batch, logs=None):
     self._in_epoch = max(self._in_epoch, batch + 1)   # windows of steps report their last
+    now = (self._counters(), batch + 1)
+    if self._epoch is None:
+      self._epoch = now
+    self._last = now
 
   def on_epoch_end(self, epoch, logs=None):
     self.steps += self._in_epoch
+    if self._epoch is not None and self._last[1] > self._epoch[1]:
+      self._steady = (self._epoch, self._last)
 
   def on_train_end(self, logs=None):
     self.end = self._counters()
@@ -43,10 +57,17 @@ class LinkTraffic(keras.callbacks.Callback):
                    self.end[host][1] - self.start[host][1]) for host in self.end}
 
   def per_step(self):
-    """{host: (bytes sent, bytes received)} per training step."""
-    steps = max(self.steps, 1)
-    return {host: (sent / steps, received / steps)
-            for host, (sent, received) in self.totals().items()}
+    """{host: (bytes sent, bytes received)} per training step: of the last epoch's steps after
+    its first (window), or, where it had one window only, of the whole fit."""
+    steady = self._steady
+    if steady is None:
+      steps = self.epoch_steps = max(self.steps, 1)
+      return {host: (sent / steps, received / steps)
+              for host, (sent, received) in self.totals().items()}
+    (first, a), (last, b) = steady
+    steps = self.epoch_steps = b - a
+    return {host: ((last[host][0] - first[host][0]) / steps,
+                   (last[host][1] - first[host][1]) / steps) for host in last}
 
 
 def _name(host):
@@ -60,5 +81,8 @@ def describe(traffic):
   each = ", ".join(f"{_name(h)} {per_step[h][0] / 1e6:.3g}/{per_step[h][1] / 1e6:.3g}"
                    for h in hosts)
   total = sum(sent for sent, _ in per_step.values())
-  return (f"bytes on the links per step ({traffic.steps} steps), MB sent/received: {each}; "
-          f"{total / 1e6:.3g} MB sent in all")
+  whole = sum(sent for sent, _ in traffic.totals().values())
+  return (f"bytes on the links per step (over {traffic.epoch_steps} steps of the last epoch), "
+          f"MB sent/received: {each}; {total / 1e6:.3g} MB sent in all; the whole fit "
+          f"({traffic.steps} steps, the weights moved at its start and epochs' ends included): "
+          f"{whole / 1e6:.3g} MB")

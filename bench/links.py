@@ -1,0 +1,126 @@
+"""Where pipelining pays: bytes on the wire and samples/s on emulated hosts with real links.
+
+Each run is the trainer as a user starts it (`python -m trainers.main` in a
+process of its own) with `--cluster=emulated:R,K,LINK`: every TF server on a
+host of its own (a network namespace), the hosts joined by veth links whose
+rate the kernel's traffic control caps (tfpipe.cluster.emulation; root only).
+For each workload, link rate and host count it runs data parallelism across
+hosts (MultiWorkerMirroredStrategy, collective all-reduce), asynchronous SGD on
+parameter servers (one parameter server, the other hosts workers), and the
+1f1b and spectrain pipelines (one stage per host), and reads from the links'
+counters the bytes the hosts sent per mini-batch (the same global batch for
+each), and samples/s of the second epoch. The table's first column is the
+link, so the crossover (where the pipeline overtakes data parallelism) reads
+down a column; the ratio column is data parallel / pipeline (1f1b) bytes, to
+set beside the SpecTrain paper's 13.4x (its figure 3).
+
+  python bench/links.py [--workloads=fcn,vgg16,transformer,residual_lstm --hosts=2,4
+                         --links=10gbit,1gbit,100mbit --steps=8]
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from bench import results_io  # noqa: E402
+
+# The paper's workloads that fit this machine, on offline data of their shapes.
+WORKLOADS = {
+    "fcn": ["--flagfile=configs/snn_spectrain.cfg", "--snn_depth=6", "--dataset=synthetic",
+            "--synthetic_shape=28,28,1", "--batch_size=256"],
+    "vgg16": ["--flagfile=configs/vgg16_spectrain.cfg", "--dataset=synthetic",
+              "--synthetic_shape=32,32,3"],
+    "transformer": ["--flagfile=configs/transformer_spectrain.cfg", "--dataset=synthetic_text"],
+    "residual_lstm": ["--flagfile=configs/residual_lstm_spectrain.cfg",
+                      "--dataset=synthetic_text"],
+}
+METHODS = ("dataparallel", "asgd", "1f1b", "spectrain")
+
+flags.DEFINE_list("workloads", ["fcn"], f"of {', '.join(WORKLOADS)}")
+flags.DEFINE_list("hosts", ["2"], "host counts")
+flags.DEFINE_list("links", ["10gbit", "1gbit", "100mbit"], "link shapes, RATE[,DELAY[,LOSS%]]")
+flags.DEFINE_list("methods", list(METHODS), f"of {', '.join(METHODS)}")
+flags.DEFINE_integer("steps", 8, "mini-batches per epoch (two epochs: the second is timed)")
+flags.DEFINE_integer("timeout", 900, "seconds one run may take")
+flags.DEFINE_string("results_dir", results_io.RESULTS, "where links.md goes")
+FLAGS = flags.FLAGS
+
+
+def cluster_flags(method, hosts, link):
+  """The trainer's flags that place `method` on `hosts` emulated hosts."""
+  if method == "dataparallel":
+    return [f"--cluster=emulated:{hosts},1,{link}"]
+  if method == "asgd":
+    return [f"--cluster=emulated:{hosts - 1},1,{link}"]
+  return [f"--cluster=emulated:1,{hosts},{link}", f"--num_stages={hosts}",
+          "--partition=uniform"]
+
+
+def run(workload, method, hosts, link):
+  """{"samples/s", "sent" (MB per step, all hosts), "max_host" (MB per step, the busiest)} of
+  one trainer run, or {"error": ...}."""
+  argv = [sys.executable, "-m", "trainers.main", *WORKLOADS[workload], f"--method={method}",
+          "--epochs=2", f"--steps={FLAGS.steps}", "--logdir=", "--verbose=2",
+          *cluster_flags(method, hosts, link)]
+  start = time.monotonic()
+  result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = result.stdout
+  if result.returncode != 0:
+    return {"error": (result.stderr.strip().splitlines() or ["?"])[-1][:200]}
+  speed = re.search(r"^samples/s, whole last epoch\s+([\d.]+)", out, re.M)
+  line = re.search(r"^bytes on the links per step.*$", out, re.M)
+  hosts_sent = [float(m) for m in re.findall(r"(?:worker|ps)/\d+ ([\d.e+-]+)/", line.group(0))]
+  return {"samples/s": float(speed.group(1)) if speed else None,
+          "sent": sum(hosts_sent), "max_host": max(hosts_sent),
+          "seconds": time.monotonic() - start}
+
+
+def main(argv):
+  del argv
+  rows = []
+  for workload in FLAGS.workloads:
+    for hosts in (int(h) for h in FLAGS.hosts):
+      for link in FLAGS.links:
+        got = {}
+        for method in FLAGS.methods:
+          got[method] = run(workload, method, hosts, link)
+          print(f"{workload} {hosts} hosts {link} {method}: {got[method]}", flush=True)
+        cells = []
+        for method in FLAGS.methods:
+          r = got[method]
+          cells.append("error: " + r["error"] if "error" in r else
+                       f"{r['samples/s']:.0f} /s, {r['sent']:.3g} MB")
+        dp, pp = got.get("dataparallel", {}), got.get("1f1b", {})
+        ratio = (f"{dp['sent'] / pp['sent']:.1f}x" if "sent" in dp and "sent" in pp
+                 and pp["sent"] else "")
+        faster = (f"{pp['samples/s'] / dp['samples/s']:.2f}" if dp.get("samples/s")
+                  and pp.get("samples/s") else "")
+        rows.append([link, workload, hosts] + cells + [ratio, faster])
+  head = (["link", "workload", "hosts"] + [f"{m}: samples/s, MB sent per step" for m in
+                                           FLAGS.methods]
+          + ["bytes dataparallel / 1f1b", "samples/s 1f1b / dataparallel"])
+  command = "python bench/links.py " + " ".join(
+      f"--{name}={','.join(getattr(FLAGS, name))}" for name in ("workloads", "hosts", "links",
+                                                                "methods")) + f" --steps={FLAGS.steps}"
+  title = ("# Bytes on the wire and samples/s on emulated hosts\n\n"
+           f"`{command}` (each run the trainer with `--cluster=emulated:...`; MB sent per "
+           "mini-batch by all hosts together, read from the links' counters, the client's "
+           "own link not counted; samples/s of the second epoch)")
+  rows.sort(key=lambda r: (r[1], r[2], -_rate(r[0])))
+  results_io.report(FLAGS.results_dir, "links.md", title, results_io.markdown_table(head, rows))
+
+
+def _rate(link):
+  from tfpipe.cluster import links
+  return links.parse(link).rate
+
+
+if __name__ == "__main__":
+  app.run(main)
