@@ -79,6 +79,7 @@ def run(workload, method, hosts, link):
   hosts_sent = [float(m) for m in re.findall(r"(?:worker|ps)/\d+ ([\d.e+-]+)/", line.group(0))]
   return {"samples/s": float(speed.group(1)) if speed else None,
           "sent": sum(hosts_sent), "max_host": max(hosts_sent),
+          "whole_fit": "over the whole fit" in line.group(0),
           "seconds": time.monotonic() - start}
 
 
@@ -96,7 +97,8 @@ def main(argv):
         for method in FLAGS.methods:
           r = got[method]
           cells.append("error: " + r["error"] if "error" in r else
-                       f"{r['samples/s']:.0f} /s, {r['sent']:.3g} MB")
+                       f"{r['samples/s']:.0f} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"]
+                                                                          else ""))
         dp, pp = got.get("dataparallel", {}), got.get("1f1b", {})
         ratio = (f"{dp['sent'] / pp['sent']:.1f}x" if "sent" in dp and "sent" in pp
                  and pp["sent"] else "")
@@ -112,7 +114,9 @@ def main(argv):
   title = ("# Bytes on the wire and samples/s on emulated hosts\n\n"
            f"`{command}` (each run the trainer with `--cluster=emulated:...`; MB sent per "
            "mini-batch by all hosts together, read from the links' counters, the client's "
-           "own link not counted; samples/s of the second epoch)")
+           "own link not counted; samples/s of the second epoch). * the run's epochs were one "
+           "window of steps each, so its bytes are the whole fit's per step: the weights sent "
+           "out at the start and written back to the client at each epoch's end included")
   rows.sort(key=lambda r: (r[1], r[2], -_rate(r[0])))
   results_io.report(FLAGS.results_dir, "links.md", title, results_io.markdown_table(head, rows))
 

@@ -51,6 +51,11 @@ class LinkTraffic(keras.callbacks.Callback):
   def on_train_end(self, logs=None):
     self.end = self._counters()
 
+  @property
+  def steady(self):
+    """Whether `per_step` is the last epoch's steady state (it had more than one window)."""
+    return self._steady is not None
+
   def totals(self):
     """{host: (bytes sent, bytes received)} over the whole `fit`."""
     return {host: (self.end[host][0] - self.start[host][0],
@@ -82,7 +87,9 @@ def describe(traffic):
                    for h in hosts)
   total = sum(sent for sent, _ in per_step.values())
   whole = sum(sent for sent, _ in traffic.totals().values())
-  return (f"bytes on the links per step (over {traffic.epoch_steps} steps of the last epoch), "
+  over = (f"over {traffic.epoch_steps} steps of the last epoch" if traffic.steady else
+          "over the whole fit: its epochs ran as one window of steps each")
+  return (f"bytes on the links per step ({over}), "
           f"MB sent/received: {each}; {total / 1e6:.3g} MB sent in all; the whole fit "
           f"({traffic.steps} steps, the weights moved at its start and epochs' ends included): "
           f"{whole / 1e6:.3g} MB")
