@@ -13,7 +13,7 @@ from tests import helpers
 from tests.conftest import DEVICES
 from tests.test_pipeline import _assert_equals_keras, _stage_weights, LR, MOMENTUM
 from tfpipe.rules import optimizers
-from tfpipe.stage import reduction
+from tfpipe.stage import mirrors as mirrors_lib, reduction
 import tfpipe
 
 
@@ -152,7 +152,43 @@ def test_cross_device_ops_default_to_mirrored_strategys_choice_and_refuse_bad_va
   assert isinstance(reduction.choose(["/gpu:0", "/gpu:1"]), tf.distribute.NcclAllReduce)
   assert isinstance(reduction.choose(["/job:worker/task:0/gpu:0", "/job:worker/task:1/gpu:0"]),
                     tf.distribute.ReductionToOneDevice)
-  for bad, message in (("ring", "unknown `cross_device_ops` 'ring'"), (3, "Received: 3")):
+  for bad, message in (("rings", "unknown `cross_device_ops` 'rings'"), (3, "Received: 3")):
     with pytest.raises(ValueError, match=message):
       tfpipe.Pipeline(helpers.sequential_mlp(), num_stages=2, method="1f1b", data_parallel=2,
                       cross_device_ops=bad)
+
+
+@pytest.mark.parametrize("method,runtime", helpers.on_one_worker("keras-fit", [
+    ("gpipe", _COMPILED), ("1f1b", _COMPILED), ("zb", _COMPILED), ("interleaved", _COMPILED),
+    ("zbv", _COMPILED), ("1f1b", _THREADED), ("sequential", _COMPILED)], key=lambda _: "ring"),
+    ids=["gpipe", "1f1b", "zb", "interleaved", "zbv", "1f1b-threaded", "sequential"])
+def test_replicas_with_their_own_weights_and_a_ring_all_reduce_equal_keras(method, runtime):
+  """cross_device_ops="ring": each replica updates its own copy of its stage's weights with
+  the ring's sum; the copies stay equal to the stage's (which equal Keras)."""
+  pipe = _assert_equals_keras(functools.partial(helpers.skip_model, dtype="float64"), 2, method,
+                              loss_dtype="float64",
+                              micro_batches=None if method == "sequential" else 2,
+                              batch_size=18, runtime=runtime, data_parallel=2,
+                              cross_device_ops="ring")
+  assert all(p.mirrors is not None for p in pipe.programs)
+  for p in pipe.programs:
+    for copy in p.mirrors.weights:
+      for own, mirror in zip(p.trainable, copy):
+        np.testing.assert_array_equal(mirror.numpy(), own.numpy())
+        where = tf.DeviceSpec.from_string(mirror.value.device)
+        wanted = tf.DeviceSpec.from_string(p.replica_devices[1])
+        # on the second replica's device, not the first's
+        assert (where.device_type, where.device_index) == (wanted.device_type, wanted.device_index)
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_the_ring_all_reduce_sums_every_replicas_tensors_on_every_replica(replicas):
+  devices = [DEVICES[r % len(DEVICES)] for r in range(replicas)]
+  rng = np.random.default_rng(replicas)
+  values = [[rng.standard_normal(shape) for shape in ((3, 5), (7,), ())] for _ in devices]
+  sums = mirrors_lib.ring_all_reduce(
+      [[tf.constant(v) for v in vs] for vs in values], devices)
+  for r in range(replicas):
+    for j in range(3):
+      np.testing.assert_allclose(sums[r][j].numpy(), sum(vs[j] for vs in values), rtol=1e-12)
+      np.testing.assert_array_equal(sums[r][j].numpy(), sums[0][j].numpy())   # one sum, copied

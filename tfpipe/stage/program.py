@@ -13,10 +13,10 @@ import keras
 import tensorflow as tf
 
 from tfpipe import compat
-from tfpipe.plan import tasks
+from tfpipe.plan import policies, tasks
 from tfpipe.rules import mitigations, prediction
 from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reduction, tracing
-from tfpipe.stage import updates as updates_lib, weights as weights_lib
+from tfpipe.stage import mirrors as mirrors_lib, updates as updates_lib, weights as weights_lib
 
 __all__ = ["StageProgram", "Kept", "Backward"]
 
@@ -123,8 +123,16 @@ class StageProgram:
                cross_device_ops=None, output_structure=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
-    self.cross_device_ops = (reduction.choose(self.replica_devices, cross_device_ops)
-                             if len(self.replica_devices) > 1 else None)
+    synchronous = policy.method in policies.SYNCHRONOUS_METHODS
+    if cross_device_ops is None and synchronous and reduction.across_hosts(self.replica_devices):
+      cross_device_ops = reduction.RING   # no host carries another replica's weights
+    if cross_device_ops == reduction.RING and not synchronous:
+      raise ValueError(f"cross_device_ops='ring' keeps each replica's weights equal through "
+                       f"its update, which needs a synchronous schedule; {policy.method!r} is "
+                       "not one")
+    ring = cross_device_ops == reduction.RING and len(self.replica_devices) > 1
+    self.cross_device_ops = (None if len(self.replica_devices) == 1 or ring else
+                             reduction.choose(self.replica_devices, cross_device_ops))
     if self.replica_devices[0] != device:
       raise ValueError(f"the first replica device must be the stage's device {device!r}. "
                        f"Received: {self.replica_devices}")
@@ -168,6 +176,11 @@ class StageProgram:
       self.sources = weights_lib.WeightSources(index, self.trainable, optimizer, policy,
                                                self.ops)
     self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources)
+    self.mirrors = (mirrors_lib.Mirrors(index, self.trainable, optimizer, self.rule,
+                                        self.replica_devices[1:], optimizer_source,
+                                        self._pairs[:len(self.trainable)]) if ring else None)
+    if ring:
+      self.cross_device_ops = self.updates.mirrors = self.mirrors
     self.jit_compile = jit_compile
     self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile)
     self._residual_calls = {}   # concrete forward's name -> its `compat.ResidualCall`
@@ -375,7 +388,8 @@ class StageProgram:
         total = loss + tf.cast(reg, loss.dtype)
         same = total.dtype == ys[0].dtype
         scaled = self._loss_scaled(total * tf.cast(scale, total.dtype) if same else total)
-      grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
+      with self._replicas_scaled(None if same else scale):
+        grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
       if not same:
         # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
         # scales its gradients in float64, not rounded to float32 (1e-8 relative).
@@ -398,6 +412,12 @@ class StageProgram:
                                  else total)
       self.reports.update(y_true, y_pred, total, sample_weight)
       return target, total, self.reports.results(in_task=True)
+
+  def _replicas_scaled(self, scale):
+    """The replicas' own gradients (`mirrors`) scaled as this stage's are after the tape."""
+    if self.mirrors is None or scale is None:
+      return contextlib.nullcontext()
+    return self.mirrors.scaled(scale)
 
   def _loss_scaled(self, loss):
     """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.rules.joint`), if any."""
@@ -557,7 +577,8 @@ class StageProgram:
     if self._steps:
       (kept,) = parts
       with tf.device(self.device):
-        grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
+        with self._replicas_scaled(None if self._step_scales_loss else scale):
+          grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
         if not self._step_scales_loss:
           grads = [_scaled(g, scale) for g in grads]
         self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
@@ -588,8 +609,9 @@ class StageProgram:
                                                         scale)
     with tf.device(self.device):
       # In one graph with the weight half: both gradients in one walk of the tape.
-      grads = tape.gradient(target, (weights if together else []) + float_xs,
-                            unconnected_gradients=_ZERO)
+      with self._replicas_scaled(None if self._step_scales_loss else scale):
+        grads = tape.gradient(target, (weights if together else []) + float_xs,
+                              unconnected_gradients=_ZERO)
       if not self._step_scales_loss:
         grads = [_scaled(g, scale) for g in grads]
     n = len(weights) if together else 0
@@ -700,6 +722,13 @@ class StageProgram:
     for src, own in self._pairs:
       own.assign(src.numpy())
     self.sources.keep_previous()   # 2BW: no update yet, so the 2nd buffer holds the same weights
+    self.sync_replicas()
+
+  def sync_replicas(self):
+    """The other replicas' own copies (`cross_device_ops="ring"`) := this stage's weights and
+    optimizer state (after they were loaded or restored)."""
+    if self.mirrors is not None:
+      self.mirrors.sync()
 
   def write_to_model(self):
     for dst, own in self._pairs:

@@ -13,8 +13,13 @@ all-reduce when every replica is a GPU of this process, else a reduction to one 
 import tensorflow as tf
 
 from tfpipe import compat
+from tfpipe.stage import mirrors as mirrors_lib
 
-__all__ = ["replicated_call", "check", "choose", "replicate", "NAMES"]
+__all__ = ["replicated_call", "check", "choose", "replicate", "across_hosts", "NAMES", "RING"]
+
+# Each replica keeps its own copy of the weights; a ring all-reduce sums the gradients
+# (`tfpipe.stage.mirrors`). Synchronous schedules only; the default across a cluster's tasks.
+RING = "ring"
 
 # --cross_device_ops names: the classes MirroredStrategy users pass.
 NAMES = {
@@ -25,13 +30,21 @@ NAMES = {
 
 
 def check(ops):
-  """Refuses a `cross_device_ops` value that is not an instance, a name of NAMES or None."""
-  if isinstance(ops, str) and ops not in NAMES:
-    raise ValueError(f"unknown `cross_device_ops` {ops!r}; choose from "
+  """Refuses a `cross_device_ops` value that is not an instance, RING, a name of NAMES or
+  None."""
+  if isinstance(ops, str) and ops not in NAMES and ops != RING:
+    raise ValueError(f"unknown `cross_device_ops` {ops!r}; choose from {RING}, "
                      f"{', '.join(NAMES)} or pass a tf.distribute.CrossDeviceOps")
   if not isinstance(ops, (str, tf.distribute.CrossDeviceOps, type(None))):
-    raise ValueError("`cross_device_ops` must be a tf.distribute.CrossDeviceOps, one of "
-                     f"{', '.join(NAMES)}, or None. Received: {ops!r}")
+    raise ValueError(f"`cross_device_ops` must be a tf.distribute.CrossDeviceOps, {RING}, one "
+                     f"of {', '.join(NAMES)}, or None. Received: {ops!r}")
+
+
+def across_hosts(devices):
+  """Whether `devices` are on more than one task of a cluster (other hosts)."""
+  specs = [tf.DeviceSpec.from_string(d) for d in devices]
+  tasks = {(s.job, s.task or 0) for s in specs}
+  return len(tasks) > 1 and any(s.job not in (None, "localhost") for s in specs)
 
 
 def choose(devices, ops=None):
@@ -51,10 +64,14 @@ def choose(devices, ops=None):
 
 def replicate(weights, devices, ops):
   """[copies of `weights` on each of `devices`]; the gradient sums the copies' gradients with
-  `ops` onto `devices[0]` (a copy a replica did not use counts as zeros)."""
+  `ops` onto `devices[0]` (a copy a replica did not use counts as zeros). `ops` a
+  `mirrors.Mirrors`: replica r >= 1 reads its own copy, and a ring all-reduce sums the
+  gradients on every replica (`mirrored`)."""
   weights = list(weights)
   if not weights:
     return [[] for _ in devices]
+  if isinstance(ops, mirrors_lib.Mirrors):
+    return mirrored(weights, devices, ops)
   compat.drop_reduction_notices()
 
   @tf.custom_gradient
@@ -81,6 +98,38 @@ def replicate(weights, devices, ops):
   flat = copies(*weights)
   n = len(weights)
   return [list(flat[r * n:(r + 1) * n]) for r in range(len(devices))]
+
+
+def mirrored(weights, devices, mirrors):
+  """[`weights` for replica 0, each other replica's own copy (`mirrors`)]; the gradient is
+  the replicas' sum by a ring all-reduce: replica 0's is returned (the stage's update),
+  each other replica's goes to its accumulator (`mirrors.accumulate`)."""
+  n, R = len(weights), len(devices)
+  weights = [tf.convert_to_tensor(w) for w in weights]   # read here: what the copies follow
+
+  @tf.custom_gradient
+  def copies(*tensors):
+    out = []
+    for r, device in enumerate(devices):
+      with tf.device(device):
+        out += [tf.identity(t) for t in tensors[r * n:(r + 1) * n]]
+
+    def grad(*upstream):
+      per_replica = []
+      for r, device in enumerate(devices):
+        with tf.device(device):
+          per_replica.append([tf.zeros_like(out[r * n + i]) if g is None
+                              else tf.convert_to_tensor(g)
+                              for i, g in enumerate(upstream[r * n:(r + 1) * n])])
+      sums = mirrors_lib.ring_all_reduce(per_replica, devices)
+      with tf.control_dependencies(mirrors.accumulate(sums[1:])), tf.device(devices[0]):
+        own = [tf.identity(g) for g in sums[0]]
+      return own + [None] * (n * (R - 1))
+
+    return out, grad
+
+  flat = copies(*weights, *[t for values in mirrors.values(after=weights) for t in values])
+  return [list(flat[r * n:(r + 1) * n]) for r in range(R)]
 
 
 def replicated_call(model, weights, state, xs, training, devices, ops, groups_in=1,

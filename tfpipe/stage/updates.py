@@ -25,6 +25,7 @@ class Updates:
     self.sources, self.trainable = sources, sources.trainable
     self.accumulators = None
     self.joint = None   # a `tfpipe.rules.joint.JointDecision` the stages share, or None
+    self.mirrors = None   # the other replicas' copies (`tfpipe.stage.mirrors`), or None
     # The optimizer step, traced once per signature wherever an update is traced. Not marked
     # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
     # holds one call op per update rather than a Python trace of the optimizer each time
@@ -59,7 +60,9 @@ class Updates:
     own = [] if self.accumulators is None else (
         self.accumulators + self.read_sums + [self.reads] + self.slice_squares
         + [self.joint_updates])
-    return list(self.optimizer.variables) + own + self.sources.deltas + self.sources.previous
+    mirrored = self.mirrors.state() if self.mirrors is not None else []
+    return (list(self.optimizer.variables) + own + self.sources.deltas + self.sources.previous
+            + mirrored)
 
   def read(self, weights):
     """The weights a gradient was taken at, where the update needs them (DC-ASGD), else None."""
@@ -105,7 +108,8 @@ class Updates:
         for r in self.read_sums:
           r.assign(tf.zeros_like(r))
         self.reads.assign(0.0)
-      self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
+      with tf.control_dependencies(self._mirrors_applied()):
+        self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
       self._clear()
 
   def squared_norms(self, scale):
@@ -131,8 +135,18 @@ class Updates:
       self.joint_updates.assign_add(1)
       # A weight other stages hold too steps with the sum of every copy's gradient.
       shared = [self.joint.shared_gradient(self.index, j) for j in range(len(grads))]
+      if self.mirrors is not None and any(s is not None for s in shared):
+        raise ValueError(f"stage {self.index} shares weights with another stage (tied): its "
+                         "replicas' own copies (cross_device_ops='ring') cannot take the other "
+                         "stage's gradient; pass cross_device_ops='reduce_to_one_device'")
       grads = [g if s is None else s for g, s in zip(grads, shared)]
     grads = [g * tf.cast(factor, g.dtype) for g in grads]
+    applied = self._mirrors_applied(factor, None if self.joint.scaling is None else finite)
+    with tf.control_dependencies(applied):
+      self._apply_joint_step(grads, finite)
+    self._clear()
+
+  def _apply_joint_step(self, grads, finite):
     if self.joint.scaling is None:
       self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
     else:
@@ -140,7 +154,11 @@ class Updates:
         self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
         return tf.constant(True)
       tf.cond(finite, step, lambda: tf.constant(False))
-    self._clear()
+
+  def _mirrors_applied(self, factor=None, finite=None):
+    """The other replicas' update (`tfpipe.stage.mirrors`) first: what the stage's own update
+    then waits for ([] without replicas of their own)."""
+    return [] if self.mirrors is None else self.mirrors.apply(factor, finite)
 
   def _add_slice_squares(self, grads):
     """For the global norm: the squares of an embedding's gradient rows as Keras sums them,
@@ -154,8 +172,9 @@ class Updates:
   def _step(self, grads, read):
     """The optimizer's step (with the stage's rule) on gradients taken at `read`."""
     self.sources.keep_previous()
-    self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable,
-                    self.sources.deltas)
+    with tf.control_dependencies(self._mirrors_applied()):   # theirs in their accumulators
+      self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable,
+                      self.sources.deltas)
 
   def _compensated(self, grads, read):
     """DC-ASGD: weight gradients taken at `read`, moved to the current weights; as they are

@@ -189,6 +189,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       self._write_state(intact[intact.index(path):])
       self.manager = tf.train.CheckpointManager(self._checkpoint, self.directory,
                                                 max_to_keep=self.max_to_keep)
+    for program in self.pipeline.programs:   # replicas' own copies follow the restored weights
+      program.sync_replicas()
     self.restored_path = path
     self.restored_epoch = int(self._epochs.numpy())
     self.restored_rate = float(self._rate.numpy()) if float(self._rate.numpy()) >= 0 else None

@@ -1,0 +1,170 @@
+"""A replicated stage's own copies of its weights: one per replica, kept equal by the update.
+
+With `cross_device_ops="ring"` (the default for a stage whose replicas are
+tasks of a cluster, a synchronous schedule's), replica r >= 1 of a stage
+holds its weights on its own device, with an optimizer of its own (a clone of
+the stage's, its slots there too) and a gradient accumulator. The replicas'
+weight gradients are summed by a ring all-reduce (`ring_all_reduce`: every
+replica sends 2 (R-1)/R of the gradients, to its neighbour only); replica 0's
+sum updates the stage's variables as before (the primary copy), each other
+replica's sum is added to its accumulator and applied with its optimizer at
+the stage's update, with the same whole-model factor (clipping, loss scale).
+The sums are the same on every replica (each chunk is reduced once and copied
+round the ring), the update the same operations on the same values, so the
+copies stay equal with no weights sent. `sync` copies the primary weights and
+optimizer state to every replica (at `fit`'s start, after a restore).
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from tfpipe import compat
+
+__all__ = ["Mirrors", "ring_all_reduce"]
+
+
+def _chunks(flat, parts):
+  n = flat.shape[0]
+  sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+  return tf.split(flat, sizes)
+
+
+def ring_all_reduce(per_replica, devices):
+  """The sum over replicas of each tensor, on every replica's device: `per_replica[r]` is
+  replica r's list of tensors (on `devices[r]`); returns [the sums, on devices[r]] per r.
+  A reduce-scatter then an all-gather round the ring r -> r+1, each R-1 steps of one chunk
+  (1/R of the tensors, flattened per dtype) per replica."""
+  R = len(devices)
+  shapes = [t.shape for t in per_replica[0]]
+  dtypes = sorted({t.dtype for t in per_replica[0]}, key=lambda d: d.name)
+  sums = [[None] * len(shapes) for _ in range(R)]
+  for dtype in dtypes:
+    members = [j for j, t in enumerate(per_replica[0]) if t.dtype == dtype]
+    held = []
+    for r, device in enumerate(devices):
+      with tf.device(device):
+        flat = tf.concat([tf.reshape(per_replica[r][j], [-1]) for j in members], 0)
+        held.append(list(_chunks(flat, R)))
+    for step in range(R - 1):   # reduce-scatter: r adds its chunk (r - step) into r + 1's
+      sent = [(r, (r - step) % R, held[r][(r - step) % R]) for r in range(R)]
+      for r, c, value in sent:
+        with tf.device(devices[(r + 1) % R]):
+          held[(r + 1) % R][c] = held[(r + 1) % R][c] + value
+    for step in range(R - 1):   # all-gather: r passes its whole chunk (r + 1 - step) on
+      sent = [(r, (r + 1 - step) % R, held[r][(r + 1 - step) % R]) for r in range(R)]
+      for r, c, value in sent:
+        with tf.device(devices[(r + 1) % R]):
+          held[(r + 1) % R][c] = tf.identity(value)
+    sizes = [shapes[j].num_elements() for j in members]
+    for r, device in enumerate(devices):
+      with tf.device(device):
+        pieces = tf.split(tf.concat(held[r], 0), sizes)
+        for j, piece in zip(members, pieces):
+          sums[r][j] = tf.reshape(piece, shapes[j])
+  return sums
+
+
+class Mirrors:
+  """Replicas 1..R-1's copies of stage `index`'s `trainable` on `devices` (the replicas' after
+  the first), each with a clone of `optimizer` and an accumulator; `rule` applies the update.
+  `pairs` [(model variable, stage variable)] carry weight-decay exclusions from
+  `optimizer_source` (see `tfpipe.compat.copy_weight_decay_exclusions`)."""
+
+  def __init__(self, index, trainable, optimizer, rule, devices, optimizer_source=None,
+               pairs=()):
+    self.devices, self.rule, self.primary = list(devices), rule, (list(trainable), optimizer)
+    self.weights, self.optimizers, self.accumulators = [], [], []
+    self._scale = None
+    for r, device in enumerate(self.devices, 1):
+      with tf.device(device):
+        weights = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_r{r}_{v.name}")
+                   for v in trainable]
+        clone = optimizer.__class__.from_config(optimizer.get_config())
+        if optimizer_source is not None:
+          by_stage = {id(own): src for src, own in pairs}
+          compat.copy_weight_decay_exclusions(
+              optimizer_source, clone, [(by_stage[id(v)], w) for v, w in zip(trainable, weights)
+                                        if id(v) in by_stage])
+        clone.build(weights)
+        self.accumulators.append([tf.Variable(tf.zeros_like(v.value), trainable=False,
+                                              name=f"s{index}_r{r}_accumulator{j}")
+                                  for j, v in enumerate(weights)])
+      self.weights.append(weights)
+      self.optimizers.append(clone)
+
+  def values(self, after=()):
+    """[replica r's weights as tensors, read on its device] for r = 1..R-1, read only once
+    `after` (the stage's own weights, read by the task: the executor orders that read after
+    the update, which updates the replicas first) are computed."""
+    out = []
+    with tf.control_dependencies(list(after)):
+      for device, weights in zip(self.devices, self.weights):
+        with tf.device(device):
+          out.append([tf.identity(tf.convert_to_tensor(w)) for w in weights])
+    return out
+
+  def accumulate(self, sums):
+    """Adds `sums[r-1]` (replica r's all-reduced gradients, on its device) to its
+    accumulator; returns the additions (what the stage's own gradient must wait for: a task
+    whose graph is pruned to its outputs keeps them so)."""
+    added = []
+    for device, accumulators, grads in zip(self.devices, self.accumulators, sums):
+      with tf.device(device):
+        for a, g in zip(accumulators, grads):
+          g = g if self._scale is None else g * tf.cast(self._scale, g.dtype)
+          added.append(a.assign_add(tf.cast(g, a.dtype)))
+    return added
+
+  @contextlib.contextmanager
+  def scaled(self, scale):
+    """While a tape's gradient is taken (traced): the replicas' gradients times `scale` (None:
+    as they are), as the stage scales its own after the tape (a loss of another dtype)."""
+    self._scale = scale
+    try:
+      yield
+    finally:
+      self._scale = None
+
+  def apply(self, factor=None, finite=None):
+    """Each replica's update with its accumulated gradients (times `factor`; none where
+    `finite` is False), which it clears: the primary's update, on the same values. Returns
+    the updated weights read back: the stage's own update runs after them (`Updates`), so a
+    task that reads the stage's new weights reads the replicas' new ones after them."""
+    done = []
+    for device, weights, optimizer, accumulators in zip(self.devices, self.weights,
+                                                        self.optimizers, self.accumulators):
+      with tf.device(device):
+        grads = [tf.convert_to_tensor(a) for a in accumulators]
+        if factor is not None:
+          grads = [g * tf.cast(factor, g.dtype) for g in grads]
+        if finite is None:
+          self.rule.apply(optimizer, grads, weights, [])
+        else:
+          def step(optimizer=optimizer, grads=grads, weights=weights):
+            self.rule.apply(optimizer, grads, weights, [])
+            return tf.constant(True)
+          tf.cond(finite, step, lambda: tf.constant(False))
+        with tf.control_dependencies([tf.convert_to_tensor(w) for w in weights]):
+          for a in accumulators:
+            a.assign(tf.zeros_like(a))
+        done += [tf.identity(tf.convert_to_tensor(w)) for w in weights]
+    return done
+
+  def sync(self):
+    """Every replica's weights and optimizer state := the primary's (the stage's)."""
+    trainable, optimizer = self.primary
+    for weights, clone, accumulators in zip(self.weights, self.optimizers, self.accumulators):
+      for w, v in zip(weights, trainable):
+        w.assign(v.numpy())
+      for mine, theirs in zip(clone.variables, optimizer.variables):
+        mine.assign(theirs.numpy())
+      for a in accumulators:
+        a.assign(tf.zeros_like(a))
+
+  def state(self):
+    """The replicas' variables an update changes (weights, optimizer state, accumulators)."""
+    return [v for weights, clone, accumulators in
+            zip(self.weights, self.optimizers, self.accumulators)
+            for v in list(weights) + list(clone.variables) + list(accumulators)]
