@@ -34,12 +34,48 @@ def pipeline(devices):
           "stage1_device": stage1, "samples": len(x), "width": 16}
 
 
-def main(name, netns, spec):
+def replicas(devices, hub):
+  """3 replicas of a 2-stage 1F1B pipeline, one stage per host: Keras's weights at the global
+  batch (float64), and each host's bytes sent per step with the gradients summed by a ring
+  (each replica its own weights) and by a reduction to replica 0 (weights sent out)."""
+  import keras
+  import numpy as np
+  import tfpipe
+  from tests import helpers
+  from tfpipe.instruments import traffic
+  x, y = helpers.as_arrays(helpers.batches(9, batch_size=12, inputs=64))
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  make = lambda: helpers.sequential_mlp(width=256, depth=2, inputs=64, dtype="float64")
+  expected = make()
+  expected.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss())
+  expected.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+  result = {}
+  for ops in ("ring", "reduce_to_one_device"):
+    pipe = tfpipe.Pipeline(make(), devices=devices, method="1f1b", micro_batches=2,
+                           data_parallel=3, cross_device_ops=ops)
+    pipe.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss(), steps_per_execution=1)
+    counter = traffic.LinkTraffic(lambda: emulation.hub_counters(hub))
+    pipe.fit(x, y, batch_size=12, shuffle=False, verbose=0, callbacks=[counter])
+    result[ops] = {
+        "gap": max(float(np.max(np.abs(a - b)))
+                   for a, b in zip(pipe.model.get_weights(), expected.get_weights())),
+        "sent": {name: sent for name, (sent, _) in counter.per_step().items()},
+        "steps": counter.epoch_steps,
+        "mirrored": [p.mirrors is not None for p in pipe.programs],
+        "mirror_devices": [[w[0].value.device for w in p.mirrors.weights] if p.mirrors else []
+                           for p in pipe.programs],
+        "stage_bytes": [sum(int(np.prod(v.shape)) * 8 for v in p.trainable)
+                        for p in pipe.programs],
+        "stage_devices": pipe.stage_devices}
+  return result
+
+
+def main(name, netns, spec, *args):
   emulation.enter(netns)   # this process is single-threaded here (a fork, or a fresh start)
   import tfpipe
   tfpipe.create_logical_cpus(2)
   devices = tfpipe.cluster.connect(json.loads(spec))
-  print(json.dumps(globals()[name](devices)), flush=True)
+  print(json.dumps(globals()[name](devices, *args)), flush=True)
   os._exit(0)  # skip TensorFlow's teardown
 
 

@@ -82,9 +82,9 @@ def hosts():
     yield emulated
 
 
-def _scenario(emulated, name):
+def _scenario(emulated, name, *args):
   result = zygote.run(["-m", "tests.emulation_scenarios", name, emulated.client.netns,
-                       json.dumps(emulated.spec)], timeout=300)
+                       json.dumps(emulated.spec), *args], timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -102,6 +102,21 @@ def test_stages_on_hosts_that_share_no_loopback_train_as_on_local_devices(hosts)
   activations = result["samples"] * result["width"] * 4
   assert sent[("worker", 0)] >= activations and sent[("worker", 1)] >= activations
   assert sent["client"] >= result["samples"] * 8 * 4
+
+
+@needs_hosts
+def test_data_parallel_replicas_across_hosts_with_their_own_weights_equal_keras():
+  with tfpipe.cluster.EmulatedCluster({"worker": 6}, link="10gbit") as six:
+    result = _scenario(six, "replicas", six.network.hub)
+  ring, central = result["ring"], result["reduce_to_one_device"]
+  assert ring["mirrored"] == [True, True] and central["mirrored"] == [False, False]
+  assert ring["gap"] < 1e-5 and central["gap"] < 1e-5   # Keras at the global batch
+  # Replica r's copy of stage k lives on replica r's own host (task 2r + k).
+  for k, devices in enumerate(ring["mirror_devices"]):
+    assert [d.split("/")[3] for d in devices] == [f"task:{2 * r + k}" for r in (1, 2)]
+  # Each host's bytes were counted over its link, every step.
+  assert ring["steps"] == central["steps"] == 8
+  assert all(ring["sent"][f"h{t}"] > 0 for t in range(6))
 
 
 def _run_in(netns, *argv):

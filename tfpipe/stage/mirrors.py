@@ -1,14 +1,15 @@
 """A replicated stage's own copies of its weights: one per replica, kept equal by the update.
 
-With `cross_device_ops="ring"` (the default for a stage whose replicas are
-tasks of a cluster, a synchronous schedule's), replica r >= 1 of a stage
-holds its weights on its own device, with an optimizer of its own (a clone of
-the stage's, its slots there too) and a gradient accumulator. The replicas'
-weight gradients are summed by a ring all-reduce (`ring_all_reduce`: every
-replica sends 2 (R-1)/R of the gradients, to its neighbour only); replica 0's
-sum updates the stage's variables as before (the primary copy), each other
-replica's sum is added to its accumulator and applied with its optimizer at
-the stage's update, with the same whole-model factor (clipping, loss scale).
+With `cross_device_ops="ring"` (synchronous schedules), replica r >= 1 of a
+stage holds its weights on its own device, with an optimizer of its own (a
+clone of the stage's, its slots there too) and a gradient accumulator. Each
+replica keeps its own part of the mini-batch's gradient; the update sums the
+parts once by a ring all-reduce (`ring_all_reduce`: every replica sends
+2 (R-1)/R of the gradients, to its neighbour only) and every replica applies
+the sum to its own copy (replica 0's is the stage's variables). Where a
+whole-model decision (global-norm clipping, loss scaling) reads the gradients'
+norm first, each backward sums them instead (`summing`), and every replica
+applies the same factor.
 The sums are the same on every replica (each chunk is reduced once and copied
 round the ring), the update the same operations on the same values, so the
 copies stay equal with no weights sent. `sync` copies the primary weights and
@@ -73,10 +74,13 @@ class Mirrors:
   `optimizer_source` (see `tfpipe.compat.copy_weight_decay_exclusions`)."""
 
   def __init__(self, index, trainable, optimizer, rule, devices, optimizer_source=None,
-               pairs=()):
+               pairs=(), summing=lambda: False, first_device=None):
+    self.first_device = first_device   # replica 0's: the stage's own
     self.devices, self.rule, self.primary = list(devices), rule, (list(trainable), optimizer)
     self.weights, self.optimizers, self.accumulators = [], [], []
     self._scale = None
+    self.summing = summing   # whether each backward sums over replicas (else: the update)
+    self._pending = {}
     for r, device in enumerate(self.devices, 1):
       with tf.device(device):
         weights = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_r{r}_{v.name}")
@@ -105,12 +109,44 @@ class Mirrors:
           out.append([tf.identity(tf.convert_to_tensor(w)) for w in weights])
     return out
 
-  def accumulate(self, sums):
+  def gradients(self, r, grads):
+    """What replica r's copy returns for the gradient `grads` of its weights, as (gradient of
+    its inputs, what its anchor's gradient waits for). Replica 0's runs last. `summing()`
+    (a whole-model decision reads the gradients' norms before any update): replica 0 sums
+    every replica's by a ring, the others' sums go to their accumulators, its own to the
+    stage (its accumulator or update). Else each replica keeps its own part; the update sums
+    them once per mini-batch (`reduce`)."""
+    if r > 0:
+      if self.summing():
+        self._pending[r] = grads
+        return [None] * len(grads), []
+      return [None] * len(grads), self.accumulate([grads], replicas=[r])
+    if not self.summing():
+      return grads, []
+    per_replica = [grads] + [self._pending.pop(k) for k in range(1, len(self.devices) + 1)]
+    sums = ring_all_reduce(per_replica, [self.first_device] + self.devices)
+    with tf.control_dependencies(self.accumulate(sums[1:])):
+      return [tf.identity(g) for g in sums[0]], []
+
+  def reduce(self, grads):
+    """Replica 0's gradients `grads` (its own part: its accumulator, or one backward's) and
+    every other replica's accumulated part summed by a ring: (replica 0's sum, [replica r's
+    sum] for r = 1..R-1). The replicas' accumulators are cleared after."""
+    per_replica = [list(grads)]
+    for device, accumulators in zip(self.devices, self.accumulators):
+      with tf.device(device):
+        per_replica.append([tf.convert_to_tensor(a) for a in accumulators])
+    sums = ring_all_reduce(per_replica, [self.first_device] + self.devices)
+    return sums[0], sums[1:]
+
+  def accumulate(self, sums, replicas=None):
     """Adds `sums[r-1]` (replica r's all-reduced gradients, on its device) to its
     accumulator; returns the additions (what the stage's own gradient must wait for: a task
     whose graph is pruned to its outputs keeps them so)."""
     added = []
-    for device, accumulators, grads in zip(self.devices, self.accumulators, sums):
+    replicas = range(1, len(self.devices) + 1) if replicas is None else replicas
+    for r, grads in zip(replicas, sums):
+      device, accumulators = self.devices[r - 1], self.accumulators[r - 1]
       with tf.device(device):
         for a, g in zip(accumulators, grads):
           g = g if self._scale is None else g * tf.cast(self._scale, g.dtype)
@@ -127,16 +163,18 @@ class Mirrors:
     finally:
       self._scale = None
 
-  def apply(self, factor=None, finite=None):
-    """Each replica's update with its accumulated gradients (times `factor`; none where
-    `finite` is False), which it clears: the primary's update, on the same values. Returns
-    the updated weights read back: the stage's own update runs after them (`Updates`), so a
-    task that reads the stage's new weights reads the replicas' new ones after them."""
+  def apply(self, factor=None, finite=None, sums=None):
+    """Each replica's update with its accumulated gradients (or `sums`, one list per replica:
+    `reduce`'s) times `factor` (none where `finite` is False), its accumulator cleared: the
+    primary's update, on the same values. Returns the updated weights read back: the stage's
+    own update runs after them (`Updates`), so a task that reads the stage's new weights
+    reads the replicas' new ones after them."""
     done = []
-    for device, weights, optimizer, accumulators in zip(self.devices, self.weights,
-                                                        self.optimizers, self.accumulators):
+    for r, (device, weights, optimizer, accumulators) in enumerate(zip(
+        self.devices, self.weights, self.optimizers, self.accumulators)):
       with tf.device(device):
-        grads = [tf.convert_to_tensor(a) for a in accumulators]
+        grads = ([tf.convert_to_tensor(a) for a in accumulators] if sums is None
+                 else list(sums[r]))
         if factor is not None:
           grads = [g * tf.cast(factor, g.dtype) for g in grads]
         if finite is None:

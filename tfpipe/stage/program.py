@@ -124,8 +124,6 @@ class StageProgram:
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
     synchronous = policy.method in policies.SYNCHRONOUS_METHODS
-    if cross_device_ops is None and synchronous and reduction.across_hosts(self.replica_devices):
-      cross_device_ops = reduction.RING   # no host carries another replica's weights
     if cross_device_ops == reduction.RING and not synchronous:
       raise ValueError(f"cross_device_ops='ring' keeps each replica's weights equal through "
                        f"its update, which needs a synchronous schedule; {policy.method!r} is "
@@ -178,7 +176,10 @@ class StageProgram:
     self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources)
     self.mirrors = (mirrors_lib.Mirrors(index, self.trainable, optimizer, self.rule,
                                         self.replica_devices[1:], optimizer_source,
-                                        self._pairs[:len(self.trainable)]) if ring else None)
+                                        self._pairs[:len(self.trainable)],
+                                        summing=lambda: self.updates.joint is not None,
+                                        first_device=device)
+                    if ring else None)
     if ring:
       self.cross_device_ops = self.updates.mirrors = self.mirrors
     self.jit_compile = jit_compile

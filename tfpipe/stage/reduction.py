@@ -101,35 +101,47 @@ def replicate(weights, devices, ops):
 
 
 def mirrored(weights, devices, mirrors):
-  """[`weights` for replica 0, each other replica's own copy (`mirrors`)]; the gradient is
-  the replicas' sum by a ring all-reduce: replica 0's is returned (the stage's update),
-  each other replica's goes to its accumulator (`mirrors.accumulate`)."""
-  n, R = len(weights), len(devices)
+  """[`weights` for replica 0, each other replica's own copy (`mirrors`)]; the gradient each
+  replica's copy gets goes to its own update (`mirrors.Mirrors.gradients`): no weight, and no
+  gradient outside the ring, crosses between replicas.
+
+  Each replica's copy passes through an identity of its own (on its device), replica r >= 1's
+  anchored to replica 0's by a zero-sized slice, so that replica 0's gradient function runs
+  after every other replica's: it holds them all, where a sum over replicas is taken."""
+  R = len(devices)
   weights = [tf.convert_to_tensor(w) for w in weights]   # read here: what the copies follow
+  with tf.device(devices[0]):
+    first = _tap(weights, lambda grads: mirrors.gradients(0, grads))
+    anchor = tf.reduce_sum(tf.reshape(first[0], [-1])[:0])   # no bytes, an edge
+  copies = [first]
+  for r, values in enumerate(mirrors.values(after=weights), 1):
+    with tf.device(devices[r]):
+      copies.append(_tap(values, lambda grads, r=r: mirrors.gradients(r, grads),
+                         anchor=anchor))
+  return copies
+
+
+def _tap(tensors, on_gradient, anchor=None):
+  """Identities of `tensors`; their gradient goes through `on_gradient` (what it returns is
+  the gradient of `tensors`), an `anchor`'s is zero."""
+  n = len(tensors)
 
   @tf.custom_gradient
-  def copies(*tensors):
-    out = []
-    for r, device in enumerate(devices):
-      with tf.device(device):
-        out += [tf.identity(t) for t in tensors[r * n:(r + 1) * n]]
+  def identities(*inputs):
+    out = [tf.identity(t) for t in inputs[:n]]
 
     def grad(*upstream):
-      per_replica = []
-      for r, device in enumerate(devices):
-        with tf.device(device):
-          per_replica.append([tf.zeros_like(out[r * n + i]) if g is None
-                              else tf.convert_to_tensor(g)
-                              for i, g in enumerate(upstream[r * n:(r + 1) * n])])
-      sums = mirrors_lib.ring_all_reduce(per_replica, devices)
-      with tf.control_dependencies(mirrors.accumulate(sums[1:])), tf.device(devices[0]):
-        own = [tf.identity(g) for g in sums[0]]
-      return own + [None] * (n * (R - 1))
+      upstream = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+                  for o, g in zip(out, upstream)]
+      returned, waits = on_gradient(upstream)
+      if anchor is None:
+        return list(returned)
+      with tf.control_dependencies(waits):   # the anchor's zero carries them to replica 0
+        return list(returned) + [tf.zeros_like(anchor)]
 
     return out, grad
 
-  flat = copies(*weights, *[t for values in mirrors.values(after=weights) for t in values])
-  return [list(flat[r * n:(r + 1) * n]) for r in range(R)]
+  return list(identities(*tensors, *([anchor] if anchor is not None else [])))
 
 
 def replicated_call(model, weights, state, xs, training, devices, ops, groups_in=1,

@@ -108,7 +108,8 @@ class Updates:
         for r in self.read_sums:
           r.assign(tf.zeros_like(r))
         self.reads.assign(0.0)
-      with tf.control_dependencies(self._mirrors_applied()):
+      grads, applied = self._replicas_reduced(grads)
+      with tf.control_dependencies(applied):
         self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
       self._clear()
 
@@ -155,6 +156,17 @@ class Updates:
         return tf.constant(True)
       tf.cond(finite, step, lambda: tf.constant(False))
 
+  def _replicas_reduced(self, grads):
+    """(this stage's gradients summed over its replicas, what its update waits for): the
+    replicas' own updates (`tfpipe.stage.mirrors`) first, with the ring's sums where each
+    replica kept its own part; `grads` and [] without replicas of their own."""
+    if self.mirrors is None:
+      return list(grads), []
+    if self.mirrors.summing():   # each backward summed them already
+      return list(grads), self.mirrors.apply()
+    grads, sums = self.mirrors.reduce(grads)
+    return grads, self.mirrors.apply(sums=sums)
+
   def _mirrors_applied(self, factor=None, finite=None):
     """The other replicas' update (`tfpipe.stage.mirrors`) first: what the stage's own update
     then waits for ([] without replicas of their own)."""
@@ -172,7 +184,8 @@ class Updates:
   def _step(self, grads, read):
     """The optimizer's step (with the stage's rule) on gradients taken at `read`."""
     self.sources.keep_previous()
-    with tf.control_dependencies(self._mirrors_applied()):   # theirs in their accumulators
+    grads, applied = self._replicas_reduced(grads)
+    with tf.control_dependencies(applied):
       self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable,
                       self.sources.deltas)
 

@@ -55,10 +55,8 @@ class Pipeline:
       of the stage's weights and optimizer state; a ring all-reduce sums the
       gradients, 2 (R-1)/R of them sent per replica; synchronous schedules),
       a tf.distribute.CrossDeviceOps, or one of "reduce_to_one_device",
-      "hierarchical_copy", "nccl"; None picks "ring" for a synchronous stage
-      whose replicas are tasks of a cluster (other hosts), else
-      MirroredStrategy's choice (NCCL on local GPUs, else a reduction to the
-      variables' device).
+      "hierarchical_copy", "nccl"; None picks MirroredStrategy's choice (NCCL
+      on local GPUs, else a reduction to the variables' device).
     virtual_stages: V for "interleaved" (default 2; "zbv": 2 only): the
       model is cut into V x K stages (interleaved: stage s on device s mod K,
       micro_batches a multiple of K); `num_stages` and `devices` count devices.
