@@ -40,7 +40,10 @@ WORKLOADS = {
     "residual_lstm": ["--flagfile=configs/residual_lstm_spectrain.cfg",
                       "--dataset=synthetic_text"],
 }
-METHODS = ("dataparallel", "asgd", "1f1b", "spectrain")
+METHODS = ("dataparallel", "asgd", "1f1b", "spectrain", "1f1b_x2_ring", "1f1b_x2_reduce")
+# Data parallel x pipeline: 2 replicas of hosts/2 stages; the replicas' gradients summed by a
+# ring (each replica its own weights) or at replica 0 (its host sends the weights out).
+REPLICATED = {"1f1b_x2_ring": "ring", "1f1b_x2_reduce": "reduce_to_one_device"}
 
 flags.DEFINE_list("workloads", ["fcn"], f"of {', '.join(WORKLOADS)}")
 flags.DEFINE_list("hosts", ["2"], "host counts")
@@ -48,12 +51,17 @@ flags.DEFINE_list("links", ["10gbit", "1gbit", "100mbit"], "link shapes, RATE[,D
 flags.DEFINE_list("methods", list(METHODS), f"of {', '.join(METHODS)}")
 flags.DEFINE_integer("steps", 8, "mini-batches per epoch (two epochs: the second is timed)")
 flags.DEFINE_integer("timeout", 900, "seconds one run may take")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where links.md goes")
+flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
+flags.DEFINE_string("output", "links.md", "the table's file name in --results_dir")
 FLAGS = flags.FLAGS
 
 
 def cluster_flags(method, hosts, link):
   """The trainer's flags that place `method` on `hosts` emulated hosts."""
+  if method in REPLICATED:
+    return [f"--cluster=emulated:2,{hosts // 2},{link}", f"--num_stages={hosts // 2}",
+            "--data_parallel=2", f"--cross_device_ops={REPLICATED[method]}",
+            "--partition=uniform", "--method=1f1b"]
   if method == "dataparallel":
     return [f"--cluster=emulated:{hosts},1,{link}"]
   if method == "asgd":
@@ -65,9 +73,10 @@ def cluster_flags(method, hosts, link):
 def run(workload, method, hosts, link):
   """{"samples/s", "sent" (MB per step, all hosts), "max_host" (MB per step, the busiest)} of
   one trainer run, or {"error": ...}."""
-  argv = [sys.executable, "-m", "trainers.main", *WORKLOADS[workload], f"--method={method}",
+  argv = [sys.executable, "-m", "trainers.main", *WORKLOADS[workload],
+          f"--method={'1f1b' if method in REPLICATED else method}",
           "--epochs=2", f"--steps={FLAGS.steps}", "--logdir=", "--verbose=2",
-          *cluster_flags(method, hosts, link)]
+          *[f for f in cluster_flags(method, hosts, link) if not f.startswith("--method=")]]
   start = time.monotonic()
   result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -110,7 +119,8 @@ def main(argv):
           + ["bytes dataparallel / 1f1b", "samples/s 1f1b / dataparallel"])
   command = "python bench/links.py " + " ".join(
       f"--{name}={','.join(getattr(FLAGS, name))}" for name in ("workloads", "hosts", "links",
-                                                                "methods")) + f" --steps={FLAGS.steps}"
+                                                                "methods")) + f" --steps={FLAGS.steps}" + (
+      f" --output={FLAGS.output}" if FLAGS.output != "links.md" else "")
   title = ("# Bytes on the wire and samples/s on emulated hosts\n\n"
            f"`{command}` (each run the trainer with `--cluster=emulated:...`; MB sent per "
            "mini-batch by all hosts together, read from the links' counters, the client's "
@@ -118,7 +128,7 @@ def main(argv):
            "window of steps each, so its bytes are the whole fit's per step: the weights sent "
            "out at the start and written back to the client at each epoch's end included")
   rows.sort(key=lambda r: (r[1], r[2], -_rate(r[0])))
-  results_io.report(FLAGS.results_dir, "links.md", title, results_io.markdown_table(head, rows))
+  results_io.report(FLAGS.results_dir, FLAGS.output, title, results_io.markdown_table(head, rows))
 
 
 def _rate(link):

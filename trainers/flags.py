@@ -32,9 +32,10 @@ def define_flags():
   flags.DEFINE_integer("data_parallel", 1,
                        "pipelines: R replicas of the whole pipeline on R x num_stages devices, "
                        "each taking 1/R of every batch (data parallel x pipeline)")
-  flags.DEFINE_enum("cross_device_ops", None, ["reduce_to_one_device", "hierarchical_copy", "nccl"],
+  flags.DEFINE_enum("cross_device_ops", None, ["ring", "reduce_to_one_device", "hierarchical_copy", "nccl"],
                     "how a replicated stage (--data_parallel, --stage_replicas) sums its "
-                    "replicas' gradients (tf.distribute cross-device ops; default: "
+                    "replicas' gradients (ring: each replica keeps its own weights, a ring "
+                    "all-reduce sums the gradients; else tf.distribute cross-device ops; default: "
                     "MirroredStrategy's choice, NCCL on local GPUs, else reduce_to_one_device)")
   flags.DEFINE_integer("virtual_stages", None,
                        "--method=interleaved: model chunks per device (default 2); the model "
