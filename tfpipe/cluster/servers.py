@@ -364,6 +364,7 @@ def connect(spec, timeout=5.0, address=None):
   """Connects this program to the cluster `spec` (remote devices become usable), once every
   task answers (`check_answering`, within `timeout` seconds). This program joins the cluster
   at `client_address(spec, address)`, where the tasks pull tensors from it."""
+  _tasks(spec)   # a malformed spec is refused as it is
   servers = {job: list(a) for job, a in spec.items() if job != CLIENT_JOB}
   check_answering(servers, timeout)
   client = client_address(spec, address)

@@ -13,5 +13,6 @@
   assemble:      a Pipeline's stage programs and executor, built at `compile`;
   placement:     each stage's devices, checked against the method and the cluster;
   reduction:     a replicated stage: its call on each replica, its gradients summed;
+  mirrors:       replicas' own copies of a stage's weights, kept equal by a ring all-reduce;
   layer_profile: each layer's measured forward and backward time.
 """
