@@ -192,3 +192,33 @@ def test_the_ring_all_reduce_sums_every_replicas_tensors_on_every_replica(replic
     for j in range(3):
       np.testing.assert_allclose(sums[r][j].numpy(), sum(vs[j] for vs in values), rtol=1e-12)
       np.testing.assert_array_equal(sums[r][j].numpy(), sums[0][j].numpy())   # one sum, copied
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b"])
+def test_ring_replicas_with_global_norm_clipping_equal_keras(method):
+  """A whole-model decision (global_clipnorm) reads the summed gradients' norm: each backward
+  sums over the replicas, and every replica applies the same clipped step."""
+  bs = helpers.batches(8, batch_size=18)
+  x, y = helpers.as_arrays(bs)
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
+  optimizer = lambda: keras.optimizers.SGD(LR, momentum=MOMENTUM, global_clipnorm=0.05)
+  build = functools.partial(helpers.skip_model, dtype="float64")
+  expected = helpers.keras_fit_weights(build(), optimizer(), loss(), x, y, batch_size=18,
+                                       shuffle=False, verbose=0)
+  model = build()
+  pipe = tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=2, data_parallel=2,
+                         cross_device_ops="ring")
+  pipe.compile(optimizer(), loss())
+  pipe.fit(x, y, batch_size=18, shuffle=False, verbose=0)
+  assert all(p.mirrors is not None and p.mirrors.summing() for p in pipe.programs)
+  helpers.assert_weights_close(model.get_weights(), expected)
+  for p in pipe.programs:
+    for own, mirror in zip(p.trainable, p.mirrors.weights[0]):
+      np.testing.assert_array_equal(mirror.numpy(), own.numpy())
+
+
+def test_ring_is_refused_for_an_asynchronous_method_by_name():
+  with pytest.raises(ValueError, match="needs a synchronous schedule; 'pipedream' is not one"):
+    pipe = tfpipe.Pipeline(helpers.sequential_mlp(), num_stages=2, method="pipedream",
+                           data_parallel=2, cross_device_ops="ring")
+    pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
