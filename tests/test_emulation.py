@@ -216,3 +216,25 @@ def test_the_trainers_emulated_cluster_flag_is_checked_before_any_host_starts(ar
   result = _trainer(*args)
   assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
   assert "Traceback" not in result.stderr
+
+
+@needs_hosts
+def test_the_trainer_joins_a_tf_config_cluster_on_other_hosts_at_the_address_given(hosts):
+  """--cluster=tf_config from the client's host, --client_address: it joins there, where the
+  servers reach it (without the flag: the route's address, as `connect` above)."""
+  address = hosts.client.address
+  env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": hosts.spec}),
+             TFDS_DATA_DIR=os.path.join(zygote.ROOT, "tests", "no_such_data_dir"))
+  argv = [sys.executable, "-m", "trainers.main", "--method=1f1b", "--cluster=tf_config",
+          "--snn_width=16", "--snn_depth=3", "--batch_size=16", "--steps=3", "--logdir=",
+          f"--client_address={address}"]
+  trainer = hosts.popen(argv, cwd=zygote.ROOT, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+  out, err = trainer.communicate(timeout=300)
+  assert trainer.returncode == 0, err[-3000:]
+  assert re.search(r"^1\s+/job:worker/replica:0/task:1/device:CPU:0\s", out, re.M)
+  # The flag is what it joins at: an address that is not the client's is refused by name.
+  bad = hosts.popen(argv[:-1] + ["--client_address=198.19.255.254"], cwd=zygote.ROOT, env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  _, err = bad.communicate(timeout=300)
+  assert bad.returncode == 2 and "'198.19.255.254' is not one of this machine's" in err, err

@@ -13,6 +13,7 @@ class TrainConfig:
   devices: Optional[Sequence[str]] = None
   cluster: Optional[str] = None
   cluster_timeout: float = 120.0
+  client_address: Optional[str] = None
   liveness_misses: int = 2
   grid: str = "2x2"
   stage_replicas: Sequence[str] = ()

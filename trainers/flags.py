@@ -20,6 +20,11 @@ def define_flags():
                       "emulated:R,K,LINK runs R replicas of K stages (dataparallel: R workers; "
                       "asgd: R workers, K parameter servers) on hosts emulated here, joined by "
                       "links LINK (RATE[,DELAY[,LOSS%]], e.g. 100mbit; root only)")
+  flags.DEFINE_string("client_address", None,
+                      "--cluster=tf_config: the address (host or host:port) at which this "
+                      "program joins the cluster, reachable from its servers; default: the "
+                      "spec's localhost job, else this machine's address on the route to the "
+                      "first server")
   flags.DEFINE_float("cluster_timeout", 120.0,
                      "--method=dataparallel --cluster=tf_config: seconds to wait for every "
                      "worker to start (then the missing ones are named and this one stops)")

@@ -152,7 +152,7 @@ def _cluster(config, tools):
                      "(dataparallel runs across processes with --cluster=tf_config)")
   if config.cluster == "tf_config":
     spec = tfpipe.cluster.from_tf_config()
-    devices = tfpipe.cluster.connect(spec)
+    devices = tfpipe.cluster.connect(spec, address=config.client_address)
     if not config.devices and len(devices) < config.num_stages:
       raise ValueError(f"TF_CONFIG's cluster has {len(devices)} workers, fewer than "
                        f"--num_stages={config.num_stages} (one stage per worker)")
