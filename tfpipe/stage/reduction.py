@@ -15,10 +15,10 @@ import tensorflow as tf
 from tfpipe import compat
 from tfpipe.stage import mirrors as mirrors_lib
 
-__all__ = ["replicated_call", "check", "choose", "replicate", "across_hosts", "NAMES", "RING"]
+__all__ = ["replicated_call", "check", "choose", "replicate", "NAMES", "RING"]
 
 # Each replica keeps its own copy of the weights; a ring all-reduce sums the gradients
-# (`tfpipe.stage.mirrors`). Synchronous schedules only; the default across a cluster's tasks.
+# (`tfpipe.stage.mirrors`). Synchronous schedules only; opt-in.
 RING = "ring"
 
 # --cross_device_ops names: the classes MirroredStrategy users pass.
@@ -39,12 +39,6 @@ def check(ops):
     raise ValueError(f"`cross_device_ops` must be a tf.distribute.CrossDeviceOps, {RING}, one "
                      f"of {', '.join(NAMES)}, or None. Received: {ops!r}")
 
-
-def across_hosts(devices):
-  """Whether `devices` are on more than one task of a cluster (other hosts)."""
-  specs = [tf.DeviceSpec.from_string(d) for d in devices]
-  tasks = {(s.job, s.task or 0) for s in specs}
-  return len(tasks) > 1 and any(s.job not in (None, "localhost") for s in specs)
 
 
 def choose(devices, ops=None):
