@@ -19,6 +19,7 @@ from tfpipe.methods import BASELINE_METHODS, CLUSTER_METHODS, METHODS, create
 from tfpipe.plan.policies import PIPELINE_METHODS, SYNCHRONOUS_METHODS
 from tfpipe.rules import optimizers
 from tfpipe.training import checkpoint
+from tfpipe.training.layouts import choose_layout
 from tfpipe.training.pipeline import Pipeline
 
 # The public modules keep their import paths from before the layers had folders:
@@ -28,7 +29,7 @@ for _name, _module in (("optimizers", optimizers), ("checkpoint", checkpoint), (
   sys.modules.setdefault(f"{__name__}.{_name}", _module)
 del _name, _module
 
-__all__ = ["Pipeline", "Single", "DataParallel", "create", "create_logical_cpus",
+__all__ = ["Pipeline", "choose_layout", "Single", "DataParallel", "create", "create_logical_cpus",
            "default_devices", "devices", "optimizers", "asgd", "checkpoint", "cluster",
            "multi_worker", "tensor_parallel", "METHODS", "BASELINE_METHODS", "CLUSTER_METHODS",
            "PIPELINE_METHODS", "SYNCHRONOUS_METHODS"]

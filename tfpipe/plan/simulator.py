@@ -38,6 +38,11 @@ class Costs:
   the part of a backward that a split backward's B takes (the stage input's gradient), the
   rest being its W (the weight gradient); about half for matrix products.
 
+  On hosts joined by links (`tfpipe.plan.network`): reduce[k], seconds per mini-batch stage
+  k's replicas take to sum their gradients (data parallel), during which its device waits
+  after its update's compute; feed, seconds per mini-batch to bring the first stage its
+  input from the client over a link of its own (sent ahead: only its rate binds).
+
   What the executor pays besides (`tfpipe.instruments.costs` measures both): per_task,
   seconds every compute task costs whatever its size (a call's dispatch); cores, how many
   devices' worth of compute run at once when the devices share the machine's cores
@@ -56,9 +61,17 @@ class Costs:
   per_task: float = 0.0
   cores: Optional[float] = None
   ordered: bool = True
+  reduce: Optional[List[float]] = None
+  feed: float = 0.0
 
   def __post_init__(self) -> None:
     K = len(self.forward)
+    self.reduce = [0.0] * K if self.reduce is None else list(self.reduce)
+    if len(self.reduce) != K:
+      raise ValueError(f"need one reduce time per stage ({K}). Received: {self.reduce}")
+    if min(self.reduce + [self.feed]) < 0:
+      raise ValueError(f"reduce and feed times must be >= 0. Received: reduce={self.reduce}, "
+                       f"feed={self.feed}")
     if len(self.backward) != K:
       raise ValueError(f"need one backward time per stage: {K} forward times, "
                        f"{len(self.backward)} backward times")
@@ -177,6 +190,8 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
   tasks: List[Tuple[int, schedules.Task, float, float]] = []
   transfers: List[Tuple[int, str, schedules.Unit, float, float]] = []
   transfer = costs.transfer or []
+  reduce = costs.reduce or [0.0] * K
+  feed_link = [0.0]
 
   def send(link: List[float], k: int, ready: float, seconds: float, sender: int, kind: str,
            unit: schedules.Unit) -> float:
@@ -196,6 +211,9 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
     if task.kind == "F":
       if k > 0:
         start = max(start, arrived_fwd.pop((k - 1, unit)))
+      elif costs.feed:   # the input, sent ahead from the client one unit after another
+        feed_link[0] += costs.feed * _share([unit], M)
+        start = max(start, feed_link[0])
       if k < K - 1:
         seconds = costs.forward[k] * _share([unit], M)
     elif task.kind == "R":
@@ -221,6 +239,8 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
       if shared:   # the task computes once a core is free for as long as it takes
         start = _take_core(cores, start, seconds)
     end = start + seconds
+    if task.kind == "U":   # the device waits for its replicas' gradient sum (no compute)
+      end += reduce[k]
     free[device[k]], busy[k] = max(free[device[k]], end), busy[k] + seconds
     ended[(k, task)] = end
     done[(k, task.kind, unit)] = end

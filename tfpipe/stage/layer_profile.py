@@ -5,10 +5,10 @@ import tensorflow as tf
 
 from tfpipe.instruments.costs import median_seconds
 
-__all__ = ["profile_nodes", "Profiler"]
+__all__ = ["profile_nodes", "Profiler", "example"]
 
 
-def _example(tensor, batch_size, rng):
+def example(tensor, batch_size, rng):
   shape = (batch_size,) + tuple(d if d is not None else 1 for d in tensor.shape[1:])
   dtype = tf.as_dtype(tensor.dtype)
   if dtype.is_floating:
@@ -19,16 +19,22 @@ def _example(tensor, batch_size, rng):
 def profile_nodes(nodes, batch_size, device, repeats=5, seed=0):
   """Measures every node's forward and backward seconds at `batch_size` on `device`.
 
-  The layer's input is random data of the shape the layer sees in the model.
+  The layer's input is random data of the shape the layer sees in the model. On a TF
+  server's device each call returns the sum of its outputs (what a run reads back stays
+  there).
   Returns (forward_times, backward_times), backward = (forward+backward) - forward.
   """
   rng = np.random.default_rng(seed)
   forward_times, backward_times = [], []
+  # On a TF server, the outputs are summed there: read back whole, they would cross the link.
+  remote = tf.DeviceSpec.from_string(device).job not in (None, "localhost")
+  out = (lambda ts: [tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in ts])]
+         if remote and ts else ts)
   for node in nodes:
     layer = node.operation
     inputs = list(node.input_tensors)
     with tf.device(device):
-      values = [_example(t, batch_size, rng) for t in inputs]
+      values = [example(t, batch_size, rng) for t in inputs]
 
     def call(*xs, node=node, inputs=inputs):
       args, kwargs = node.arguments.fill_in({id(t): x for t, x in zip(inputs, xs)})
@@ -37,7 +43,7 @@ def profile_nodes(nodes, batch_size, device, repeats=5, seed=0):
     @tf.function(autograph=False)   # as the executor traces the stages
     def forward(*xs, call=call):
       with tf.device(device):
-        return call(*xs)
+        return out(call(*xs))
 
     @tf.function(autograph=False)   # as the executor traces the stages
     def forward_backward(*xs, call=call, layer=layer):
@@ -49,7 +55,7 @@ def profile_nodes(nodes, batch_size, device, repeats=5, seed=0):
           total = tf.add_n([tf.reduce_sum(y) for y in ys]) if ys else tf.constant(0.0)
         grads = tape.gradient(total, list(layer.trainable_variables) + floats,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return grads + [total]
+        return out(grads + [total])
 
     f = median_seconds(lambda: forward(*values), repeats)
     fb = median_seconds(lambda: forward_backward(*values), repeats)

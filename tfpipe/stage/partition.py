@@ -19,7 +19,7 @@ import keras
 from tfpipe import compat
 from tfpipe.plan import balance, names
 
-__all__ = ["Partition", "graph_nodes", "partition", "split", "STRATEGIES", "cuttable",
+__all__ = ["Partition", "graph_nodes", "partition", "split", "STRATEGIES", "cuttable", "live",
            "shared_weights", "check_shared"]
 
 STRATEGIES = ("uniform", "params", "profile")
@@ -79,7 +79,7 @@ def shared_weights(stages):
   return tuple(tuple(p) for p in places.values() if len(p) > 1)
 
 
-def _live(inputs, outputs, nodes, cut):
+def live(inputs, outputs, nodes, cut):
   """Tensors made before position `cut` (or model inputs) needed at or after it."""
   made_before = [t for t in inputs]
   for node in nodes[:cut]:
@@ -97,8 +97,8 @@ def split(model, cuts):
     raise ValueError(f"cuts must rise strictly from 0 to {n} (the layer count). Received: {cuts}")
   stages = []
   for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
-    live_in = _live(inputs, outputs, nodes, a)
-    live_out = _live(inputs, outputs, nodes, b) if b < n else outputs
+    live_in = live(inputs, outputs, nodes, a)
+    live_out = live(inputs, outputs, nodes, b) if b < n else outputs
     tensor_map = {}
     stage_inputs = []
     for i, t in enumerate(live_in):

@@ -138,6 +138,46 @@ def _tap(tensors, on_gradient, anchor=None):
   return list(identities(*tensors, *([anchor] if anchor is not None else [])))
 
 
+def _backward_here(device, call, weights, xs, state):
+  """`call(weights, xs, state)` -> (ys, new_state, losses), its gradient taken on `device`.
+
+  A tape's gradient ops go where the code taking the gradient places them (the stage's
+  first device), not where their forward ran: replica r's backward would read its
+  activations and weights from its host and send its gradients back. Here each replica's
+  backward is its own (a tape of its own, its gradient taken under its device)."""
+  weights, xs, state = list(weights), list(xs), list(state)
+  n_w, n_x = len(weights), len(xs)
+  structure = []
+
+  @tf.custom_gradient
+  def placed(*flat):
+    w, x, st = list(flat[:n_w]), list(flat[n_w:n_w + n_x]), list(flat[n_w + n_x:])
+    watched = [t for t in w + x if t.dtype.is_floating]
+    # Persistent: a split backward (zb) takes the gradient twice, B's and W's.
+    with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+      tape.watch(watched)
+      ys, new_state, losses = call(w, x, st)
+    ys, losses = tf.nest.flatten(ys), list(losses)
+    structure.append((len(ys), len(new_state)))
+    out = ys + list(new_state) + losses
+
+    def grad(*upstream):
+      pairs = [(o, g) for o, g in zip(out, upstream)
+               if g is not None and o.dtype.is_floating]
+      with tf.device(device):
+        found = tape.gradient([o for o, _ in pairs], watched,
+                              output_gradients=[g for _, g in pairs],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = iter(found)
+      return [next(grads) if t.dtype.is_floating else None for t in w + x] + [None] * len(st)
+
+    return out, grad
+
+  out = placed(*weights, *xs, *state)
+  n_y, n_s = structure[-1]
+  return list(out[:n_y]), list(out[n_y:n_y + n_s]), list(out[n_y + n_s:])
+
+
 def replicated_call(model, weights, state, xs, training, devices, ops, groups_in=1,
                     groups_out=1):
   """`model` (a stage) on each of `devices`: each replica on its share of the batch `xs` (the
@@ -158,11 +198,14 @@ def replicated_call(model, weights, state, xs, training, devices, ops, groups_in
   outputs, states, first_losses = [], [], None
   copies = replicate(weights, devices, ops)
   for r, device in enumerate(devices):
+    inputs = replica_inputs[r]
+    call = lambda w, x, r_state: model.stateless_call(
+        w, r_state, x[0] if len(x) == 1 else x, training=training, return_losses=True)
     with tf.device(device):
-      inputs = replica_inputs[r]
-      ys, new_state, losses = model.stateless_call(
-          copies[r], state, inputs[0] if len(inputs) == 1 else inputs, training=training,
-          return_losses=True)
+      if r == 0:
+        ys, new_state, losses = call(copies[r], inputs, state)
+      else:
+        ys, new_state, losses = _backward_here(device, call, copies[r], inputs, state)
     outputs.append(tf.nest.flatten(ys))
     states.append(new_state)
     first_losses = losses if first_losses is None else first_losses

@@ -7,5 +7,6 @@
   data:          Keras's input forms as batched datasets;
   input_checks:  bad input refused before any work, in one line;
   checkpoint:    `BackupAndRestore` for a pipeline;
-  learning_rate: one learning rate that drives every stage's optimizer.
+  learning_rate: one learning rate that drives every stage's optimizer;
+  layouts:       data parallel, pipeline or both on H hosts, chosen by the links.
 """

@@ -1,0 +1,90 @@
+"""Each link's rate and latency, measured with a few timed transfers between TF servers.
+
+  devices = tfpipe.cluster.connect(spec)
+  links = tfpipe.cluster.probe.ring_links(devices)   # devices[i] -> devices[i + 1]
+
+A transfer is one `tf.function` call that sums, on the target device, a tensor that lives on
+the source device, so TensorFlow moves it between the two servers directly (as a pipeline's
+activations move). The same call with the tensor already on the target times everything but
+the move (the call, the sum); the difference is the move. The latency is a 4-byte move's;
+the rate is a large move's bytes over its seconds less the latency, the size grown until a
+move takes `seconds` (or reaches `max_bytes`). Each time is the median of `repeats`.
+"""
+
+import statistics
+import time
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from tfpipe.plan import network
+
+__all__ = ["probe", "ring_links", "client_links", "CLIENT_DEVICE"]
+
+CLIENT_DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
+START_BYTES = 1 << 20
+
+
+def _median_seconds(call, repeats: int) -> float:
+  call()   # traced and warmed
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _timer(target: str):
+  @tf.function(autograph=False, reduce_retracing=True)
+  def total(x):
+    with tf.device(target):
+      return tf.reduce_sum(x)
+  return total
+
+
+def _on(device: str, nbytes: int):
+  with tf.device(device):
+    return tf.ones([max(1, nbytes // 4)], tf.float32)
+
+
+def _move_seconds(total, source: str, target: str, nbytes: int, repeats: int) -> float:
+  there, here = _on(source, nbytes), _on(target, nbytes)
+  moved = _median_seconds(lambda: total(there).numpy(), repeats)
+  local = _median_seconds(lambda: total(here).numpy(), repeats)
+  return max(moved - local, 0.0)
+
+
+def probe(source: str, target: str, seconds: float = 0.05, max_bytes: int = 64 << 20,
+          repeats: int = 3) -> network.Link:
+  """The link from `source` to `target` (device strings), measured."""
+  if source == target:
+    raise ValueError(f"a link needs two devices; both are {source!r}")
+  if not seconds > 0 or max_bytes < START_BYTES:
+    raise ValueError(f"need seconds > 0 and max_bytes >= {START_BYTES}. Received: "
+                     f"seconds={seconds!r}, max_bytes={max_bytes!r}")
+  total = _timer(target)
+  latency = _move_seconds(total, source, target, 4, repeats)
+  nbytes = START_BYTES
+  while True:
+    took = _move_seconds(total, source, target, nbytes, repeats)
+    if took >= seconds or nbytes >= max_bytes:
+      break
+    nbytes = min(max_bytes, nbytes * 4)
+  moving = took - latency
+  # A move too fast to time beside its call: the largest move's bytes in its whole time.
+  rate = nbytes / moving if moving > 0 else nbytes / max(took, 1e-9)
+  return network.Link(rate, latency)
+
+
+def ring_links(devices: Sequence[str], **kwargs) -> List[network.Link]:
+  """The links devices[i] -> devices[(i + 1) % n] (a ring's, and adjacent stages')."""
+  if len(devices) < 2:
+    raise ValueError(f"need 2 devices or more to probe links between. Received: {list(devices)}")
+  return [probe(d, devices[(i + 1) % len(devices)], **kwargs) for i, d in enumerate(devices)]
+
+
+def client_links(devices: Sequence[str], client: Optional[str] = None,
+                 **kwargs) -> List[network.Link]:
+  """The links from this program (`client`: its device) to each of `devices`."""
+  return [probe(client or CLIENT_DEVICE, d, **kwargs) for d in devices]

@@ -1,0 +1,80 @@
+"""Links between hosts, as the simulator prices them (pure Python).
+
+R: replicas (data parallel), K: stages. A `Link` is what a probe measured between two hosts
+(`tfpipe.cluster.probe`): bytes per second one way and the seconds a transfer costs whatever
+its size. A transfer of n bytes takes `latency + n / rate`. Gradient sums:
+
+- a ring all-reduce of n bytes over R hosts (each replica keeps its own weights) sends
+  2 (R-1) chunks of n / R per host, each a transfer of its own, every host at once;
+- a reduction to one device (the variables on replica 0's host) sends the weights out to
+  the R - 1 other replicas before their forward and takes their R - 1 gradients in after
+  their backward, all over replica 0's link: 2 (R-1) n bytes through one host, one way at a
+  time (the gradients cannot leave before the weights arrived).
+"""
+
+import dataclasses
+from typing import Sequence
+
+__all__ = ["Link", "slowest", "transfer_seconds", "ring_seconds", "reduce_to_one_seconds",
+           "reduction_seconds", "RING", "REDUCE_TO_ONE"]
+
+RING = "ring"
+REDUCE_TO_ONE = "reduce_to_one_device"
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """rate: bytes per second one way; latency: seconds a transfer costs whatever its size."""
+  rate: float
+  latency: float = 0.0
+
+  def __post_init__(self) -> None:
+    if not self.rate > 0:
+      raise ValueError(f"a link's rate must be > 0 bytes/s. Received: {self.rate!r}")
+    if not self.latency >= 0:
+      raise ValueError(f"a link's latency must be >= 0 s. Received: {self.latency!r}")
+
+  def describe(self) -> str:
+    return f"{self.rate * 8 / 1e6:.0f} Mbit/s, {self.latency * 1e3:.2f} ms"
+
+
+def slowest(links: Sequence[Link]) -> Link:
+  """One link standing for `links`: the least rate and the largest latency among them."""
+  if not links:
+    raise ValueError("no links to take the slowest of")
+  return Link(min(l.rate for l in links), max(l.latency for l in links))
+
+
+def transfer_seconds(nbytes: float, link: Link) -> float:
+  """Seconds `nbytes` take over `link` (0 bytes: no transfer, 0 s)."""
+  if nbytes < 0:
+    raise ValueError(f"bytes must be >= 0. Received: {nbytes}")
+  return link.latency + nbytes / link.rate if nbytes else 0.0
+
+
+def ring_seconds(nbytes: float, replicas: int, link: Link) -> float:
+  """Seconds a ring all-reduce of `nbytes` takes over `replicas` hosts joined by `link`."""
+  R = _replicas(replicas)
+  return 2 * (R - 1) * transfer_seconds(nbytes / R, link) if R > 1 else 0.0
+
+
+def reduce_to_one_seconds(nbytes: float, replicas: int, link: Link) -> float:
+  """Seconds replica 0's host takes to send `nbytes` of weights to each other replica and take
+  their gradients of `nbytes` back (one transfer per replica each way, one at a time)."""
+  R = _replicas(replicas)
+  return 2 * (R - 1) * transfer_seconds(nbytes, link)
+
+
+def reduction_seconds(nbytes: float, replicas: int, link: Link, how: str) -> float:
+  """`ring_seconds` or `reduce_to_one_seconds`, by `how`."""
+  if how == RING:
+    return ring_seconds(nbytes, replicas, link)
+  if how == REDUCE_TO_ONE:
+    return reduce_to_one_seconds(nbytes, replicas, link)
+  raise ValueError(f"unknown gradient sum {how!r}: {RING!r} or {REDUCE_TO_ONE!r}")
+
+
+def _replicas(replicas: int) -> int:
+  if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+    raise ValueError(f"replicas must be an integer >= 1. Received: {replicas!r}")
+  return replicas
