@@ -207,12 +207,28 @@ def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
     assert re.search(r"^1\s+/job:worker/replica:0/task:1/device:CPU:0\s", result.stdout, re.M)
 
 
+@needs_hosts
+def test_the_trainer_chooses_the_layout_on_emulated_hosts_and_trains_it():
+  result = _trainer("--method=1f1b", "--layout=auto", "--cluster=emulated:1,2,1gbit",
+                    "--partition=uniform")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "layouts over 2 hosts, links" in result.stdout
+  chosen = re.search(r"^--layout=auto chose (.+): \d+ samples/s predicted$", result.stdout, re.M)
+  assert chosen and chosen.group(1) in ("1f1b K=2 M=4", "data parallel R=2")
+  assert "bytes on the links" in result.stdout
+
+
 @pytest.mark.parametrize("args,message", [
     (("--method=1f1b", "--cluster=emulated:1,x,1gbit"), "--cluster=emulated:R,K,LINK"),
     (("--method=1f1b", "--cluster=emulated:1,2,fast"), "'fast' is not a rate"),
     (("--method=1f1b", "--cluster=emulated:2,2,1gbit"), "places 2 replica(s), but --data_parallel=1"),
     (("--method=1f1b", "--cluster=emulated:1,3,1gbit"), "places 3 stage(s) per replica, but --num_stages=2"),
-    (("--method=dataparallel", "--cluster=emulated:2,2,1gbit"), "runs R workers of the whole model")])
+    (("--method=dataparallel", "--cluster=emulated:2,2,1gbit"), "runs R workers of the whole model"),
+    (("--method=spectrain", "--layout=auto", "--cluster=emulated:1,2,1gbit"),
+     "lays out a synchronous schedule"),
+    (("--method=1f1b", "--layout=auto"), "chooses among the hosts of a --cluster; none was given"),
+    (("--method=1f1b", "--layout=auto", "--cluster=local:2", "--micro_batches=2",
+      "--partition=params"), "leave --micro_batches=2, --partition=params unset")])
 def test_the_trainers_emulated_cluster_flag_is_checked_before_any_host_starts(args, message):
   result = _trainer(*args)
   assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]

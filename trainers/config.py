@@ -18,6 +18,7 @@ class TrainConfig:
   grid: str = "2x2"
   stage_replicas: Sequence[str] = ()
   data_parallel: int = 1
+  layout: str = "fixed"
   cross_device_ops: Optional[str] = None
   virtual_stages: Optional[int] = None
   partition: str = "uniform"

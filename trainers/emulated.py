@@ -56,10 +56,12 @@ def cluster(config, tools):
   if kind.parameter_servers:
     jobs = {"worker": replicas, "ps": stages}
   else:
-    if replicas != config.data_parallel:
+    if config.layout == "auto":
+      pass   # the layout is chosen on these R x K hosts
+    elif replicas != config.data_parallel:
       raise ValueError(f"--cluster={config.cluster} places {replicas} replica(s), but "
                        f"--data_parallel={config.data_parallel}")
-    if not config.devices and stages != config.num_stages:
+    elif not config.devices and stages != config.num_stages:
       raise ValueError(f"--cluster={config.cluster} places {stages} stage(s) per replica, but "
                        f"--num_stages={config.num_stages}")
     jobs = {"worker": replicas * stages}

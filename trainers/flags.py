@@ -37,6 +37,12 @@ def define_flags():
   flags.DEFINE_integer("data_parallel", 1,
                        "pipelines: R replicas of the whole pipeline on R x num_stages devices, "
                        "each taking 1/R of every batch (data parallel x pipeline)")
+  flags.DEFINE_enum("layout", "fixed", ["fixed", "auto"],
+                    "fixed: --num_stages and --data_parallel as given; auto: on the --cluster's "
+                    "H hosts, R replicas of a K-stage pipeline (R x K = H: data parallel, "
+                    "pipeline or both) chosen by the samples/s the simulator predicts from the "
+                    "probed links and a profile of the stages (tfpipe.choose_layout); "
+                    "--method=gpipe, 1f1b or zb, --partition=uniform")
   flags.DEFINE_enum("cross_device_ops", None, ["ring", "reduce_to_one_device", "hierarchical_copy", "nccl"],
                     "how a replicated stage (--data_parallel, --stage_replicas) sums its "
                     "replicas' gradients (ring: each replica keeps its own weights, a ring "

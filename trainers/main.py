@@ -87,6 +87,7 @@ def run(config):
   import tfpipe
   from trainers import emulated, instruments
 
+  _check_layout(config)
   tools = instruments.Instruments(config)
   tfpipe.cluster.set_liveness(misses=config.liveness_misses)
   kind = tfpipe.methods.kind(config.method)
@@ -153,6 +154,9 @@ def _cluster(config, tools):
   if config.cluster == "tf_config":
     spec = tfpipe.cluster.from_tf_config()
     devices = tfpipe.cluster.connect(spec, address=config.client_address)
+    if config.layout == "auto":   # the layout is chosen over every worker
+      yield devices
+      return
     if not config.devices and len(devices) < config.num_stages:
       raise ValueError(f"TF_CONFIG's cluster has {len(devices)} workers, fewer than "
                        f"--num_stages={config.num_stages} (one stage per worker)")
@@ -162,7 +166,7 @@ def _cluster(config, tools):
   if kind != "local" or not count.isdigit() or int(count) < 1:
     raise ValueError(f"--cluster is local:W (W worker processes here) or tf_config. "
                      f"Received: {config.cluster!r}")
-  if not config.devices and int(count) != config.num_stages:
+  if not config.devices and int(count) != config.num_stages and config.layout != "auto":
     raise ValueError(f"--cluster={config.cluster} starts {count} servers, one per stage, but "
                      f"--num_stages={config.num_stages}")
   with tfpipe.cluster.LocalCluster({"worker": int(count)}) as local:
@@ -219,6 +223,8 @@ def _train(config, tools, spec=None):
                        "dataparallel (MultiWorkerMirroredStrategy) yet")
     trainer = tfpipe.multi_worker.MultiWorkerDataParallel(model)
   else:
+    if config.layout == "auto":
+      config = _chosen_layout(config, model)
     trainer = tfpipe.create(model, config.method, devices=config.devices,
                             num_stages=None if config.devices else _num_stages(config),
                             **_method_options(config, tools))
@@ -257,6 +263,42 @@ def _train(config, tools, spec=None):
   if getattr(saver, "restored_epoch", None):
     lines.insert(0, f"resumed after epoch {saver.restored_epoch} from {saver.restored_path}")
   return history.history, trainer, lines
+
+
+def _check_layout(config):
+  """--layout=auto: refuses, before any host starts, what it would have to override."""
+  if config.layout != "auto":
+    return
+  if config.method not in ("gpipe", "1f1b", "zb"):
+    raise ValueError(f"--layout=auto lays out a synchronous schedule (--method=gpipe, 1f1b or "
+                     f"zb). Received: --method={config.method}")
+  if not config.cluster:
+    raise ValueError("--layout=auto chooses among the hosts of a --cluster; none was given")
+  given = [f"--{name}={getattr(config, name)}" for name, default in
+           (("data_parallel", 1), ("micro_batches", None), ("stage_replicas", ()),
+            ("devices", None)) if getattr(config, name) not in (default, [], None)]
+  if config.partition != "uniform":
+    given.append(f"--partition={config.partition}")
+  if given:
+    raise ValueError(f"--layout=auto chooses the replicas, stages and micro-batches over "
+                     f"uniform cuts; leave {', '.join(given)} unset (or use --layout=fixed)")
+
+
+def _chosen_layout(config, model):
+  """--layout=auto: `config` with the layout `tfpipe.choose_layout` ranks first on its hosts."""
+  import tfpipe
+  choice = tfpipe.choose_layout(
+      model, config.devices, config.batch_size, method=config.method,
+      cross_device_ops=config.cross_device_ops or "ring",
+      print_fn=(lambda line: print(line, flush=True)) if config.verbose else None)
+  layout = choice.layout
+  if config.verbose:
+    print(f"--layout=auto chose {layout.name}: {choice.rows[0].samples_per_second:.0f} "
+          f"samples/s predicted", flush=True)
+  return dataclasses.replace(
+      config, devices=choice.devices[:layout.hosts], data_parallel=layout.data_parallel,
+      num_stages=layout.num_stages, micro_batches=layout.micro_batches,
+      cross_device_ops=choice.cross_device_ops if layout.data_parallel > 1 else None)
 
 
 class Diverged(RuntimeError):

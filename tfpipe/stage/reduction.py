@@ -10,6 +10,8 @@ stage's update, as `tf.distribute.MirroredStrategy` sums its replicas' gradients
 all-reduce when every replica is a GPU of this process, else a reduction to one device.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tfpipe import compat
@@ -105,19 +107,21 @@ def mirrored(weights, devices, mirrors):
   R = len(devices)
   weights = [tf.convert_to_tensor(w) for w in weights]   # read here: what the copies follow
   with tf.device(devices[0]):
-    first = _tap(weights, lambda grads: mirrors.gradients(0, grads))
+    first = _tap(weights, lambda grads: mirrors.gradients(0, grads), device=devices[0])
     anchor = tf.reduce_sum(tf.reshape(first[0], [-1])[:0])   # no bytes, an edge
   copies = [first]
   for r, values in enumerate(mirrors.values(after=weights), 1):
     with tf.device(devices[r]):
       copies.append(_tap(values, lambda grads, r=r: mirrors.gradients(r, grads),
-                         anchor=anchor))
+                         anchor=anchor, device=devices[r]))
   return copies
 
 
-def _tap(tensors, on_gradient, anchor=None):
+def _tap(tensors, on_gradient, anchor=None, device=None):
   """Identities of `tensors`; their gradient goes through `on_gradient` (what it returns is
-  the gradient of `tensors`), an `anchor`'s is zero."""
+  the gradient of `tensors`), an `anchor`'s is zero. `device`: where a sparse gradient (an
+  embedding's rows) is made dense, the replica's own (not the device the gradient is taken
+  under, which would send the dense matrix across)."""
   n = len(tensors)
 
   @tf.custom_gradient
@@ -125,8 +129,9 @@ def _tap(tensors, on_gradient, anchor=None):
     out = [tf.identity(t) for t in inputs[:n]]
 
     def grad(*upstream):
-      upstream = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
-                  for o, g in zip(out, upstream)]
+      with tf.device(device) if device else contextlib.nullcontext():
+        upstream = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+                    for o, g in zip(out, upstream)]
       returned, waits = on_gradient(upstream)
       if anchor is None:
         return list(returned)
