@@ -118,6 +118,13 @@ def test_data_parallel_replicas_across_hosts_with_their_own_weights_equal_keras(
   # Each host's bytes were counted over its link, every step.
   assert ring["steps"] == central["steps"] == 8
   assert all(ring["sent"][f"h{t}"] > 0 for t in range(6))
+  # With the ring no host sends more than its stage's ring bound, 2 (R-1)/R of the stage's
+  # weights, besides its activations (a few kB a step here) and the protocol's overhead;
+  # replica 0's host under the reduction sends the weights to the others, over that bound.
+  bound = lambda k: 2 * 2 / 3 * ring["stage_bytes"][k] * 1.15 + 100e3
+  for t in range(6):
+    assert ring["sent"][f"h{t}"] <= bound(t % 2), (t, ring["sent"])
+  assert central["sent"]["h0"] > bound(0)
 
 
 def _run_in(netns, *argv):
