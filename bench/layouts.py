@@ -77,13 +77,7 @@ def measure(workload, spec, hub, steps, per_window):
   rows = []
   for row in choice.rows:
     layout = row.layout
-    pipe_options = dict(choice.pipeline_options(), data_parallel=layout.data_parallel,
-                        micro_batches=layout.micro_batches, devices=devices[:layout.hosts])
-    if layout.data_parallel == 1:
-      pipe_options.pop("cross_device_ops", None)
-    else:
-      pipe_options["cross_device_ops"] = choice.cross_device_ops
-    pipe = tfpipe.Pipeline(make(), **pipe_options)
+    pipe = tfpipe.Pipeline(make(), **choice.pipeline_options(layout))
     pipe.compile(keras.optimizers.SGD(0.01, momentum=0.9),
                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                  steps_per_execution=per_window)

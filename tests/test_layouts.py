@@ -142,6 +142,9 @@ def test_choose_layout_profiles_the_model_and_its_choice_trains(two_devices):
   assert choice.lines[0].startswith("layouts over 2 hosts")
   options = choice.pipeline_options()
   assert options["devices"] == two_devices and options["data_parallel"] == 1
+  assert "cross_device_ops" not in options
+  data_parallel = choice.pipeline_options(choice.rows[1].layout)
+  assert (data_parallel["data_parallel"], data_parallel["cross_device_ops"]) == (2, "ring")
   pipe = tfpipe.Pipeline(model, **options)
   pipe.compile(keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy())
   x, y = helpers.as_arrays(helpers.batches(2, batch_size=32, inputs=16))

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Sequence
 
 __all__ = ["Link", "slowest", "transfer_seconds", "ring_seconds", "reduce_to_one_seconds",
-           "reduction_seconds", "RING", "REDUCE_TO_ONE"]
+           "reduction_seconds", "check_how", "RING", "REDUCE_TO_ONE"]
 
 RING = "ring"
 REDUCE_TO_ONE = "reduce_to_one_device"
@@ -65,13 +65,18 @@ def reduce_to_one_seconds(nbytes: float, replicas: int, link: Link) -> float:
   return 2 * (R - 1) * transfer_seconds(nbytes, link)
 
 
+def check_how(how: str) -> str:
+  """Refuses a gradient sum other than `RING` or `REDUCE_TO_ONE`."""
+  if how not in (RING, REDUCE_TO_ONE):
+    raise ValueError(f"unknown gradient sum {how!r}: {RING!r} or {REDUCE_TO_ONE!r}")
+  return how
+
+
 def reduction_seconds(nbytes: float, replicas: int, link: Link, how: str) -> float:
   """`ring_seconds` or `reduce_to_one_seconds`, by `how`."""
-  if how == RING:
+  if check_how(how) == RING:
     return ring_seconds(nbytes, replicas, link)
-  if how == REDUCE_TO_ONE:
-    return reduce_to_one_seconds(nbytes, replicas, link)
-  raise ValueError(f"unknown gradient sum {how!r}: {RING!r} or {REDUCE_TO_ONE!r}")
+  return reduce_to_one_seconds(nbytes, replicas, link)
 
 
 def _replicas(replicas: int) -> int:

@@ -191,7 +191,7 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
   transfers: List[Tuple[int, str, schedules.Unit, float, float]] = []
   transfer = costs.transfer or []
   reduce = costs.reduce or [0.0] * K
-  feed_link = [0.0]
+  feed_done = 0.0   # when the client's feed link is next free
 
   def send(link: List[float], k: int, ready: float, seconds: float, sender: int, kind: str,
            unit: schedules.Unit) -> float:
@@ -212,8 +212,8 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
       if k > 0:
         start = max(start, arrived_fwd.pop((k - 1, unit)))
       elif costs.feed:   # the input, sent ahead from the client one unit after another
-        feed_link[0] += costs.feed * _share([unit], M)
-        start = max(start, feed_link[0])
+        feed_done += costs.feed * _share([unit], M)
+        start = max(start, feed_done)
       if k < K - 1:
         seconds = costs.forward[k] * _share([unit], M)
     elif task.kind == "R":

@@ -142,9 +142,10 @@ class LayoutChoice:
   def layout(self) -> plan.Layout:
     return self.rows[0].layout
 
-  def pipeline_options(self) -> Dict[str, object]:
-    """The `tfpipe.Pipeline` arguments (besides the model) that train the chosen layout."""
-    L = self.layout
+  def pipeline_options(self, layout: Optional[plan.Layout] = None) -> Dict[str, object]:
+    """The `tfpipe.Pipeline` arguments (besides the model) that train `layout` (None: the
+    chosen one)."""
+    L = layout or self.layout
     options: Dict[str, object] = {"devices": self.devices[:L.hosts],
                                   "data_parallel": L.data_parallel, "method": L.method,
                                   "micro_batches": L.micro_batches}
@@ -173,7 +174,7 @@ def choose_layout(model: keras.Model, devices: Sequence[str], batch_size: int,
   if method not in ("1f1b", "gpipe", "zb"):
     raise ValueError(f"layouts run a synchronous schedule, 'gpipe', '1f1b' or 'zb'. "
                      f"Received: {method!r}")
-  network.reduction_seconds(0.0, 1, network.Link(1.0), cross_device_ops)   # a known sum
+  network.check_how(cross_device_ops)
   H = len(devices)
   nodes = partition.graph_nodes(partition.cuttable(model, H))[2]
   found = plan.layouts(H, batch_size, len(nodes), method)
