@@ -3,8 +3,10 @@ against `MirroredStrategy` over the same 4 logical CPUs.
 
 Trains one MLP (default 8 x 512 SELU on synthetic data, batch 256) with
   Pipeline(method, num_stages=2, data_parallel=2)   devices r*2+k: replica r, stage k
-  the same with cross_device_ops="hierarchical_copy" (the default sums the replicas'
-  gradients with ReductionToOneDevice, as MirroredStrategy does on CPUs)
+  the same with cross_device_ops="hierarchical_copy" (the default in one process sums the
+  replicas' gradients with ReductionToOneDevice, as MirroredStrategy does on CPUs)
+  the same with cross_device_ops="ring" (each replica its own weights; the default across
+  hosts), to see whether it would pay in one process too
   Pipeline(method, num_stages=4)
   MirroredStrategy over the 4 devices (`tfpipe.DataParallel`)
 and prints the median samples/s of each over epochs after the first (the first traces),
@@ -54,6 +56,8 @@ def main(argv):
       "R=2 x K=2 hier. copy": lambda m: tfpipe.Pipeline(
           m, devices=devices[:4], data_parallel=2, cross_device_ops="hierarchical_copy",
           **pipeline),
+      "R=2 x K=2 ring": lambda m: tfpipe.Pipeline(
+          m, devices=devices[:4], data_parallel=2, cross_device_ops="ring", **pipeline),
       "R=1 x K=4": lambda m: tfpipe.Pipeline(m, devices=devices[:4], **pipeline),
       "MirroredStrategy x 4": lambda m: tfpipe.DataParallel(m, devices=devices[:4]),
   }

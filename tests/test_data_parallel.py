@@ -20,6 +20,29 @@ import tfpipe
 _COMPILED, _THREADED = helpers.RUNTIMES[1], helpers.RUNTIMES[0]
 
 
+_HOSTS = ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"]
+
+
+@pytest.mark.parametrize("devices,synchronous,tied,expected", [
+    (_HOSTS, True, False, "ring"),                    # across hosts: each replica its own copy
+    (_HOSTS, False, False, None),                     # asynchronous: the weights stay on one
+    (_HOSTS, True, True, None),                       # a tied weight: summed with its twin
+    (["/job:worker/task:0/cpu:0", "/job:worker/task:0/cpu:1"], True, False, None),  # one host
+    (DEVICES[:2], True, False, None),                 # one process
+    ([DEVICES[0], _HOSTS[1]], True, False, None)])    # the client's device and a host
+def test_replicas_on_different_hosts_sum_by_a_ring_by_default(devices, synchronous, tied,
+                                                                expected):
+  assert reduction.default(devices, synchronous, tied) == expected
+
+
+def test_replicas_in_one_process_keep_one_copy_of_the_weights_by_default():
+  pipe = tfpipe.Pipeline(helpers.sequential_mlp(), devices=DEVICES[:2], method="1f1b",
+                         micro_batches=2, data_parallel=2)
+  pipe.compile(keras.optimizers.SGD(LR), "sparse_categorical_crossentropy")
+  assert [p.mirrors for p in pipe.programs] == [None]
+  assert isinstance(pipe.programs[0].cross_device_ops, tf.distribute.ReductionToOneDevice)
+
+
 @pytest.mark.parametrize("method,runtime", helpers.on_one_worker("keras-fit", [
     ("gpipe", _COMPILED), ("1f1b", _COMPILED), ("zb", _COMPILED), ("interleaved", _COMPILED),
     ("zbv", _COMPILED), ("zb", _THREADED), ("zbv", _THREADED)], key=lambda _: "global-batch"),

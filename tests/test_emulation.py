@@ -106,10 +106,10 @@ def test_stages_on_hosts_that_share_no_loopback_train_as_on_local_devices(hosts)
 
 
 @needs_hosts
-def test_data_parallel_replicas_across_hosts_with_their_own_weights_equal_keras():
+def test_data_parallel_replicas_across_hosts_keep_their_own_weights_by_default_and_equal_keras():
   with tfpipe.cluster.EmulatedCluster({"worker": 6}, link="10gbit") as six:
     result = _scenario(six, "replicas", six.network.hub)
-  ring, central = result["ring"], result["reduce_to_one_device"]
+  ring, central = result["default"], result["reduce_to_one_device"]
   assert ring["mirrored"] == [True, True] and central["mirrored"] == [False, False]
   assert ring["gap"] < 1e-5 and central["gap"] < 1e-5   # Keras at the global batch
   # Replica r's copy of stage k lives on replica r's own host (task 2r + k).

@@ -46,7 +46,8 @@ def define_flags():
   flags.DEFINE_enum("cross_device_ops", None, ["ring", "reduce_to_one_device", "hierarchical_copy", "nccl"],
                     "how a replicated stage (--data_parallel, --stage_replicas) sums its "
                     "replicas' gradients (ring: each replica keeps its own weights, a ring "
-                    "all-reduce sums the gradients; else tf.distribute cross-device ops; default: "
+                    "all-reduce sums the gradients; else tf.distribute cross-device ops; default: ring "
+                    "where a synchronous stage's replicas are on different hosts, else "
                     "MirroredStrategy's choice, NCCL on local GPUs, else reduce_to_one_device)")
   flags.DEFINE_integer("virtual_stages", None,
                        "--method=interleaved: model chunks per device (default 2); the model "

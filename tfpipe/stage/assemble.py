@@ -11,9 +11,9 @@ import tensorflow as tf
 
 from tfpipe import runtime
 from tfpipe.instruments import prediction_error as prediction_error_lib
-from tfpipe.plan import tasks as tasks_lib
+from tfpipe.plan import policies, tasks as tasks_lib
 from tfpipe.rules import joint, mitigations
-from tfpipe.stage import keras_step as compile_utils, program as stage, tracing
+from tfpipe.stage import keras_step as compile_utils, program as stage, reduction, tracing
 
 __all__ = ["check_compile_arguments", "programs", "runs_tasks_of", "adopt", "executor"]
 
@@ -68,7 +68,10 @@ def programs(pipe, options, rules, optimizer, step, scaling=None):
         replica_devices=pipe.stage_devices[k], rule=rules[k],
         reg_trackers=[p.reg_tracker for p in result if p.reg_tracker] if last else None,
         optimizer_source=optimizer, grouped=pipe.data_parallel > 1,
-        cross_device_ops=pipe.cross_device_ops,
+        cross_device_ops=(pipe.cross_device_ops if pipe.cross_device_ops is not None else
+                          reduction.default(pipe.stage_devices[k], options.policy.method in
+                                            policies.SYNCHRONOUS_METHODS,
+                                            any(s == k for place in shared for s, _ in place))),
         output_structure=pipe.model.output if last and len(pipe.model.outputs) > 1 else None))
   for p in result:
     tracing.check_kept_tapes(p)

@@ -17,10 +17,10 @@ import tensorflow as tf
 from tfpipe import compat
 from tfpipe.stage import mirrors as mirrors_lib
 
-__all__ = ["replicated_call", "check", "choose", "replicate", "NAMES", "RING"]
+__all__ = ["replicated_call", "check", "choose", "default", "replicate", "NAMES", "RING"]
 
 # Each replica keeps its own copy of the weights; a ring all-reduce sums the gradients
-# (`tfpipe.stage.mirrors`). Synchronous schedules only; opt-in.
+# (`tfpipe.stage.mirrors`). Synchronous schedules only; the default across hosts (`default`).
 RING = "ring"
 
 # --cross_device_ops names: the classes MirroredStrategy users pass.
@@ -41,6 +41,22 @@ def check(ops):
     raise ValueError(f"`cross_device_ops` must be a tf.distribute.CrossDeviceOps, {RING}, one "
                      f"of {', '.join(NAMES)}, or None. Received: {ops!r}")
 
+
+
+def _host(device):
+  spec = tf.DeviceSpec.from_string(device)
+  return None if spec.job in (None, "localhost") else (spec.job, spec.replica or 0, spec.task or 0)
+
+
+def default(devices, synchronous, tied):
+  """What `cross_device_ops=None` means for one stage's replicas on `devices`: RING where they
+  are on different hosts (TF server tasks), the schedule is `synchronous` and the stage holds
+  no weight `tied` to another stage's, so that no host carries another replica's weights;
+  otherwise None (MirroredStrategy's choice, `choose`). In one process a reduction to one
+  device costs no link and keeps one copy of the weights."""
+  hosts = {_host(d) for d in devices}
+  across = len(hosts) > 1 and None not in hosts
+  return RING if across and synchronous and not tied else None
 
 
 def choose(devices, ops=None):

@@ -55,8 +55,10 @@ class Pipeline:
       of the stage's weights and optimizer state; a ring all-reduce sums the
       gradients, 2 (R-1)/R of them sent per replica; synchronous schedules),
       a tf.distribute.CrossDeviceOps, or one of "reduce_to_one_device",
-      "hierarchical_copy", "nccl"; None picks MirroredStrategy's choice (NCCL
-      on local GPUs, else a reduction to the variables' device).
+      "hierarchical_copy", "nccl". None: "ring" where a synchronous stage's
+      replicas are on different hosts (TF server tasks) and hold no weight tied
+      to another stage's, else MirroredStrategy's choice (NCCL on local GPUs,
+      else a reduction to the variables' device).
     virtual_stages: V for "interleaved" (default 2; "zbv": 2 only): the
       model is cut into V x K stages (interleaved: stage s on device s mod K,
       micro_batches a multiple of K); `num_stages` and `devices` count devices.
@@ -65,9 +67,9 @@ class Pipeline:
       replica by replica: each replica takes 1/R of every (micro-)batch, its
       activations and gradients flow between its own stages, and each stage's
       gradients are summed over its replicas by `cross_device_ops` before the
-      stage's one update (with "ring" each replica updates its own copy;
-      otherwise the variables live on replica 0's device, which sends the
-      weights to the others). Equals the method at the global
+      stage's one update (with "ring", the default across hosts, each replica
+      updates its own copy; otherwise the variables live on replica 0's device,
+      which sends the weights to the others). Equals the method at the global
       batch; not with stage_replicas, nor with "timeprest" and
       "i_timeprest" (a step that joins several forwards).
     method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
