@@ -386,16 +386,19 @@ SPECIAL = [
      "`fit` refused until `compile` is called again, then same as Keras"),
     ("gpipe with M > 1 and `BatchNormalization`", "statistics per micro-batch, as GPipe "
      "computes them: a warning by default; `batch_statistics=\"refuse\"` refuses"),
-    ("gpipe with an `Embedding` and Adam", "sequential same as Keras; gpipe applies the "
-     "accumulated dense gradient where Keras applies the sparse one, which Adam's second "
-     "moment treats differently for repeated ids (measured: 7.2e-2 after 8 steps of "
-     "Adam(0.01) on the test's model)"),
+    ("an `Embedding` with Adam, AdamW, Adagrad, RMSprop, Adamax, Nadam, Lion, Adafactor, Ftrl "
+     "at any M", "same as Keras: the micro-batches' gradient rows are kept and handed to the "
+     "optimizer together, as Keras hands it the batch's (a token read twice counts twice in "
+     "Adam's second moment); summed dense they differed by 5e-2. Across hosts without "
+     "`global_clipnorm` such a stage takes the reduction to one replica, not the ring"),
+    ("a weight the loss does not read (a backbone's unused reverse embedding)", "same as "
+     "Keras: no step, no weight decay, its slots untouched"),
     ("KerasHub `LlamaBackbone`, `BertBackbone` (from config) with a classifier head",
      "same as Keras"),
     ("a per-token language model (KerasHub Llama, outputs (batch, sequence, vocabulary); "
-     "`tests/test_language_models.py`)", "same as Keras on every synchronous schedule, "
-     "`data_parallel=2` and both executors, with `global_clipnorm` too; the asynchronous "
-     "methods follow their rules"),
+     "`tests/test_language_models.py`)", "same as Keras with AdamW on every synchronous "
+     "schedule, `data_parallel=2` and both executors, with `global_clipnorm` too; the "
+     "asynchronous methods follow their rules"),
     ("batches of different sequence lengths (bucketed text)", "same as Keras"),
     ("a `keras.utils.PyDataset` (`x`, `validation_data`, `evaluate`, `predict`; "
      "`tests/test_data.py`)", "same as Keras (its epoch hooks run per pass)"),

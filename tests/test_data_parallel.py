@@ -23,16 +23,17 @@ _COMPILED, _THREADED = helpers.RUNTIMES[1], helpers.RUNTIMES[0]
 _HOSTS = ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"]
 
 
-@pytest.mark.parametrize("devices,synchronous,tied,expected", [
-    (_HOSTS, True, False, "ring"),                    # across hosts: each replica its own copy
-    (_HOSTS, False, False, None),                     # asynchronous: the weights stay on one
-    (_HOSTS, True, True, None),                       # a tied weight: summed with its twin
-    (["/job:worker/task:0/cpu:0", "/job:worker/task:0/cpu:1"], True, False, None),  # one host
-    (DEVICES[:2], True, False, None),                 # one process
-    ([DEVICES[0], _HOSTS[1]], True, False, None)])    # the client's device and a host
-def test_replicas_on_different_hosts_sum_by_a_ring_by_default(devices, synchronous, tied,
+@pytest.mark.parametrize("devices,synchronous,tied,rows,expected", [
+    (_HOSTS, True, False, False, "ring"),           # across hosts: each replica its own copy
+    (_HOSTS, False, False, False, None),            # asynchronous: the weights stay on one
+    (_HOSTS, True, True, False, None),              # a tied weight: summed with its twin
+    (_HOSTS, True, False, True, None),              # an embedding's rows: kept by the reduction
+    (["/job:worker/task:0/cpu:0", "/job:worker/task:0/cpu:1"], True, False, False, None),
+    (DEVICES[:2], True, False, False, None),        # one process
+    ([DEVICES[0], _HOSTS[1]], True, False, False, None)])   # the client's device and a host
+def test_replicas_on_different_hosts_sum_by_a_ring_by_default(devices, synchronous, tied, rows,
                                                                 expected):
-  assert reduction.default(devices, synchronous, tied) == expected
+  assert reduction.default(devices, synchronous, tied, rows) == expected
 
 
 def test_replicas_in_one_process_keep_one_copy_of_the_weights_by_default():

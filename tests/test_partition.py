@@ -108,5 +108,38 @@ def test_errors():
   # A layer called twice: on one stage nothing is shared; across two its weights are held by
   # both (trained as one weight on the synchronous schedules, tfpipe.rules.joint).
   model = keras.Model(x, keras.layers.Dense(2, name="head")(shared(shared(x))))
-  assert partition.partition(model, 2, [0, 2, 3]).shared == ()
-  assert partition.partition(model, 2, [0, 1, 3]).shared == (((0, 0), (1, 0)), ((0, 1), (1, 1)))
+  assert partition.partition(model, 2, ["head"]).shared == ()
+  assert partition.partition(model, 2, ["shared"]).shared == (((0, 0), (1, 0)),
+                                                               ((0, 1), (1, 1)))
+  # Integer cuts count layer calls: the layer called twice twice.
+  assert partition.partition(model, 2, [0, 1, 3]).cuts == [0, 1, 3]
+  with pytest.raises(ValueError, match=r"rise strictly from 0 to 3 \(the layer count"):
+    partition.partition(model, 2, [0, 2, 4])
+
+
+def _masked(mask_zero):
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([keras.Input((6,), dtype="int32"),
+                           keras.layers.Embedding(5, 8, mask_zero=mask_zero),
+                           keras.layers.LSTM(4), keras.layers.Dense(8), keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("cuts,first", [([0, 1, 4], ["embedding"]),
+                                        ([0, 2, 4], ["embedding", "lstm"]),
+                                        ([0, 1, 3, 4], ["embedding"])])
+def test_integer_cuts_count_the_layers_the_user_wrote_whatever_masks_keras_adds(cuts, first):
+  # Keras's names aside (embedding_3, ...), and its mask op (not_equal) aside.
+  strip = lambda stages: [[n.rstrip("0123456789").rstrip("_") for n in stage
+                           if not n.startswith("not_equal")] for stage in stages]
+  names = {}
+  for mask_zero in (False, True):
+    model = _masked(mask_zero)
+    got = partition.partition(model, len(cuts) - 1, cuts)
+    names[mask_zero] = strip(got.layer_names)
+    assert names[mask_zero][0] == first
+    x = np.random.default_rng(0).integers(0, 5, (4, 6)).astype("int32")
+    y = x
+    for stage in got.stages:   # the stages compose to the model, the mask crossing the cut
+      y = stage(y)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(model(x)), rtol=1e-5, atol=1e-6)
+  assert names[False] == names[True]   # the same layers on each stage, mask or not

@@ -160,9 +160,16 @@ class StageRule:
       return momentum, 1.0
     return None
 
-  def apply(self, optimizer, grads, variables, deltas):
-    """One update of `variables` with `grads` (inside a tf.function)."""
-    grads = list(grads)
+  def apply(self, optimizer, grads, variables, deltas, unused=()):
+    """One update of `variables` with `grads` (inside a tf.function). `unused`: the indices of
+    variables the loss does not depend on (no gradient), which Keras's optimizer leaves
+    alone (no step, no weight decay, their slots untouched): so do we."""
+    if unused:
+      pairs = [(g, v) for j, (g, v) in enumerate(zip(grads, variables)) if j not in unused]
+      grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+      if deltas:
+        deltas = [d for j, d in enumerate(deltas) if j not in unused]
+    grads, variables = list(grads), list(variables)
     if self.lr_rescheduling and self.delay > 1:
       t = tf.cast(optimizer.iterations, tf.float64)
       p = tf.maximum(tf.constant(0.0, tf.float64), 1.0 - t / float(self.lr_rescheduling))

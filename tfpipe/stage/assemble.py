@@ -71,7 +71,8 @@ def programs(pipe, options, rules, optimizer, step, scaling=None):
         cross_device_ops=(pipe.cross_device_ops if pipe.cross_device_ops is not None else
                           reduction.default(pipe.stage_devices[k], options.policy.method in
                                             policies.SYNCHRONOUS_METHODS,
-                                            any(s == k for place in shared for s, _ in place))),
+                                            any(s == k for place in shared for s, _ in place),
+                                            decision is None and stage.embeds(sub))),
         output_structure=pipe.model.output if last and len(pipe.model.outputs) > 1 else None))
   for p in result:
     tracing.check_kept_tapes(p)

@@ -80,7 +80,10 @@ class Mirrors:
     self.weights, self.optimizers, self.accumulators = [], [], []
     self._scale = None
     self.summing = summing   # whether each backward sums over replicas (else: the update)
+    self.unused = set()   # the stage's weights with no gradient (`Updates.unused`)
     self._pending = {}
+    # The stage's `Updates`: summing, the replicas' rows' squares go to its slice squares.
+    self.updates = None
     for r, device in enumerate(self.devices, 1):
       with tf.device(device):
         weights = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_r{r}_{v.name}")
@@ -109,23 +112,36 @@ class Mirrors:
           out.append([tf.identity(tf.convert_to_tensor(w)) for w in weights])
     return out
 
-  def gradients(self, r, grads):
+  def gradients(self, r, grads, squares=None):
     """What replica r's copy returns for the gradient `grads` of its weights, as (gradient of
     its inputs, what its anchor's gradient waits for). Replica 0's runs last. `summing()`
     (a whole-model decision reads the gradients' norms before any update): replica 0 sums
     every replica's by a ring, the others' sums go to their accumulators, its own to the
     stage (its accumulator or update). Else each replica keeps its own part; the update sums
-    them once per mini-batch (`reduce`)."""
+    them once per mini-batch (`reduce`). `squares`: per sparse gradient its rows' sum of
+    squares (else None); summing, their sum over replicas is added to the stage's
+    (`Updates.slice_squares`: Keras's global norm counts an embedding's rows apart, and the
+    sums the stage gets are dense)."""
+    squares = list(squares or [None] * len(grads))
     if r > 0:
       if self.summing():
-        self._pending[r] = grads
+        self._pending[r] = (grads, squares)
         return [None] * len(grads), []
       return [None] * len(grads), self.accumulate([grads], replicas=[r])
     if not self.summing():
       return grads, []
-    per_replica = [grads] + [self._pending.pop(k) for k in range(1, len(self.devices) + 1)]
+    pending = [self._pending.pop(k) for k in range(1, len(self.devices) + 1)]
+    factor = 1.0 if self._scale is None else tf.square(tf.cast(self._scale, tf.float32))
+    added = []
+    for j, own in enumerate(squares):
+      if own is not None:
+        with tf.device(self.first_device):
+          self.updates.sliced.add(j)
+          added.append(self.updates.slice_squares[j].assign_add(
+              tf.add_n([own] + [q[j] for _, q in pending]) * factor))
+    per_replica = [grads] + [g for g, _ in pending]
     sums = ring_all_reduce(per_replica, [self.first_device] + self.devices)
-    with tf.control_dependencies(self.accumulate(sums[1:])):
+    with tf.control_dependencies(self.accumulate(sums[1:]) + added):
       return [tf.identity(g) for g in sums[0]], []
 
   def reduce(self, grads):
@@ -178,10 +194,10 @@ class Mirrors:
         if factor is not None:
           grads = [g * tf.cast(factor, g.dtype) for g in grads]
         if finite is None:
-          self.rule.apply(optimizer, grads, weights, [])
+          self.rule.apply(optimizer, grads, weights, [], self.unused)
         else:
           def step(optimizer=optimizer, grads=grads, weights=weights):
-            self.rule.apply(optimizer, grads, weights, [])
+            self.rule.apply(optimizer, grads, weights, [], self.unused)
             return tf.constant(True)
           tf.cond(finite, step, lambda: tf.constant(False))
         with tf.control_dependencies([tf.convert_to_tensor(w) for w in weights]):

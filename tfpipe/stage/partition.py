@@ -139,8 +139,12 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
     strategy: "uniform" (equal layer counts), "params" (balance parameter
       counts), "profile" (balance measured forward+backward time with
       PipeDream's dynamic program), or the cut positions themselves: K+1
-      layer counts rising from 0 to the number of layers (e.g. [0, 1, 5, 9]
-      puts the first layer, such as an embedding, alone on stage 0), or the
+      layer counts rising from 0 to the number of layer calls, in the order
+      the model runs them (a Sequential model's `model.layers`; e.g.
+      [0, 1, 5, 9] puts the first layer, such as an embedding, alone on
+      stage 0; what Keras adds to the graph, such as an
+      `Embedding(mask_zero=True)`'s mask, is not counted and goes with the
+      layer before it), or the
       names of the K-1 layers that start stages 1..K-1 (e.g.
       ["transformer_layer_2", "transformer_layer_4", "token_embedding"]: names
       inside a nested backbone count).
@@ -167,11 +171,10 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
         f"layer{'s' if n != 1 else ''} ({', '.join(node.operation.name for node in nodes)})")
   if explicit and strategy and all(isinstance(c, str) for c in strategy):
     strategy = _named_cuts(model, nodes, strategy)
+  elif explicit:
+    strategy = _layer_cuts(model, nodes, list(strategy), num_stages)
   if explicit:
     cuts = list(strategy)
-    if len(cuts) != num_stages + 1:
-      raise ValueError(f"explicit cuts for {num_stages} stages need {num_stages + 1} positions "
-                       f"(0, ..., {n}). Received: {cuts}")
     costs = [1.0] * n
   elif strategy == "uniform":
     costs = [1.0] * n
@@ -191,6 +194,23 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
   stages = split(model, cuts)
   layer_names = [[node.operation.name for node in nodes[a:b]] for a, b in zip(cuts[:-1], cuts[1:])]
   return Partition(stages, cuts, layer_names, costs, shared_weights(stages))
+
+
+def _layer_cuts(model, nodes, cuts, num_stages):
+  """Cut positions among `nodes` from positions among the model's layer calls in the order
+  it runs them (a Sequential model's: `model.layers`): cut c starts a stage at layer call c.
+  Nodes that are no layer (an operation Keras adds, such as an `Embedding(mask_zero=True)`'s
+  mask) are not counted and stay with the layer before them."""
+  starts = [i for i, node in enumerate(nodes) if isinstance(node.operation, keras.layers.Layer)]
+  n = len(starts)
+  if len(cuts) != num_stages + 1:
+    raise ValueError(f"explicit cuts for {num_stages} stages need {num_stages + 1} positions "
+                     f"(0, ..., {n}: the layers of model {model.name!r}). Received: {cuts}")
+  if (any(not isinstance(c, int) or isinstance(c, bool) for c in cuts) or cuts[0] != 0
+      or cuts[-1] != n or any(a >= b for a, b in zip(cuts[:-1], cuts[1:]))):
+    raise ValueError(f"cuts must rise strictly from 0 to {n} (the layer count of model "
+                     f"{model.name!r}, masks Keras adds not counted). Received: {cuts}")
+  return [0] + [starts[c] for c in cuts[1:-1]] + [len(nodes)]
 
 
 def _named_cuts(model, nodes, first_layers):

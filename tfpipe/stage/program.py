@@ -18,9 +18,9 @@ from tfpipe.rules import mitigations, prediction
 from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reduction, tracing
 from tfpipe.stage import mirrors as mirrors_lib, updates as updates_lib, weights as weights_lib
 
-__all__ = ["StageProgram", "Kept", "Backward"]
+__all__ = ["StageProgram", "Kept", "Backward", "embeds"]
 
-_ZERO = tf.UnconnectedGradients.ZERO
+_NONE = tf.UnconnectedGradients.NONE
 # The traced task functions (`StageProgram.task`).
 Kept = collections.namedtuple(
     "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels", "grads", "residuals"],
@@ -67,6 +67,17 @@ def _summed(grads):
 
 def _is_float(t):
   return tf.as_dtype(t.dtype).is_floating
+
+
+def _embeddings(model):
+  """The trainable `Embedding` layers of `model`, nested ones too."""
+  return [layer for layer in model._flatten_layers()  # noqa: SLF001
+          if isinstance(layer, keras.layers.Embedding) and layer.trainable]
+
+
+def embeds(model):
+  """Whether `model` (a stage) has a trainable embedding, whose gradient comes as rows."""
+  return bool(_embeddings(model))
 
 
 class StageProgram:
@@ -173,7 +184,8 @@ class StageProgram:
                           if not self.is_last and self._has_losses() else None)
       self.sources = weights_lib.WeightSources(index, self.trainable, optimizer, policy,
                                                self.ops)
-    self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources)
+    self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources,
+                                       rows=self._row_weights(synchronous, jit_compile))
     self.mirrors = (mirrors_lib.Mirrors(index, self.trainable, optimizer, self.rule,
                                         self.replica_devices[1:], optimizer_source,
                                         self._pairs[:len(self.trainable)],
@@ -182,10 +194,21 @@ class StageProgram:
                     if ring else None)
     if ring:
       self.cross_device_ops = self.updates.mirrors = self.mirrors
+      self.mirrors.unused, self.mirrors.updates = self.updates.unused, self.updates
     self.jit_compile = jit_compile
     self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile)
     self._residual_calls = {}   # concrete forward's name -> its `compat.ResidualCall`
     self._inlined_residuals = False   # `residuals_inlined`
+
+  def _row_weights(self, synchronous, jit_compile):
+    """The indices of this stage's weights an `Embedding` reads by rows: with a synchronous
+    schedule their micro-batch gradients are kept as rows (`tfpipe.stage.updates`). The
+    asynchronous methods' rules are written for dense gradients; XLA wants static shapes."""
+    if not synchronous or jit_compile:
+      return ()
+    embedded = {id(layer.embeddings) for layer in _embeddings(self.model)}
+    return tuple(j for j, (src, _) in enumerate(self._pairs[:len(self.trainable)])
+                 if id(src) in embedded)
 
   def _has_losses(self):
     """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
@@ -272,6 +295,27 @@ class StageProgram:
   def _float_inputs(self, xs):
     return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
 
+  def _gradient(self, tape, targets, sources, n_weights, output_gradients=None):
+    """`tape.gradient(targets, sources)`, where the first `n_weights` sources are the stage's
+    weights (`_connected`)."""
+    grads = tape.gradient(targets, sources, output_gradients=output_gradients,
+                          unconnected_gradients=_NONE)
+    return self._connected(grads, sources, n_weights)
+
+  def _connected(self, grads, sources, n_weights):
+    """`grads` of `sources` with zeros where a source is unconnected; a weight among the
+    first `n_weights` that the loss does not depend on is noted (`Updates.unused`): Keras's
+    optimizer gives it no step, not a step with a zero gradient (which moves it under Adam's
+    momentum or AdamW's decay)."""
+    out = []
+    for j, (g, t) in enumerate(zip(grads, sources)):
+      if g is None:
+        if j < n_weights:
+          self.updates.unused.add(j)
+        g = tf.zeros_like(t)
+      out.append(g)
+    return out
+
   def _input_grads(self, grads):
     """Gradients for every stage input (None for integer inputs); none for stage 0."""
     if self.is_first:
@@ -344,9 +388,8 @@ class StageProgram:
       targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
     sources = ((list(weights) if wrt != "inputs" else []) +
                (float_xs if wrt != "weights" else []))
-    grads = tape.gradient(targets, sources, output_gradients=out_grads,
-                          unconnected_gradients=_ZERO)
     n_weights = len(weights) if wrt != "inputs" else 0
+    grads = self._gradient(tape, targets, sources, n_weights, out_grads)
     if wrt == "weights":
       return grads, []
     n = len(float_xs) // len(parts)
@@ -390,7 +433,7 @@ class StageProgram:
         same = total.dtype == ys[0].dtype
         scaled = self._loss_scaled(total * tf.cast(scale, total.dtype) if same else total)
       with self._replicas_scaled(None if same else scale):
-        grads = tape.gradient(scaled, weights + float_xs, unconnected_gradients=_ZERO)
+        grads = self._gradient(tape, scaled, weights + float_xs, len(weights))
       if not same:
         # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
         # scales its gradients in float64, not rounded to float32 (1e-8 relative).
@@ -561,7 +604,7 @@ class StageProgram:
       kept = parts[0]
       with tf.device(self.device):
         float_xs = self._float_inputs(kept.xs)
-        grads = self._walk(kept, dys, scale, kept.weights + float_xs, inline)
+        grads = self._walk(kept, dys, scale, kept.weights + float_xs, len(kept.weights), inline)
       n = len(kept.weights)
       return Backward(self._shaped_input_grads(grads[n:], float_xs),
                       kept=kept._replace(tape=None, grads=grads[:n], residuals=None))
@@ -579,7 +622,7 @@ class StageProgram:
       (kept,) = parts
       with tf.device(self.device):
         with self._replicas_scaled(None if self._step_scales_loss else scale):
-          grads = kept.tape.gradient(kept.ys[0], kept.weights, unconnected_gradients=_ZERO)
+          grads = self._gradient(kept.tape, kept.ys[0], kept.weights, len(kept.weights))
         if not self._step_scales_loss:
           grads = [_scaled(g, scale) for g in grads]
         self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
@@ -611,8 +654,8 @@ class StageProgram:
     with tf.device(self.device):
       # In one graph with the weight half: both gradients in one walk of the tape.
       with self._replicas_scaled(None if self._step_scales_loss else scale):
-        grads = tape.gradient(target, (weights if together else []) + float_xs,
-                              unconnected_gradients=_ZERO)
+        grads = self._gradient(tape, target, (weights if together else []) + float_xs,
+                               len(weights) if together else 0)
       if not self._step_scales_loss:
         grads = [_scaled(g, scale) for g in grads]
     n = len(weights) if together else 0
@@ -638,7 +681,7 @@ class StageProgram:
       float_xs = self._float_inputs(kept.xs)
       weights = kept.weights if wrt != "inputs" else []
       grads = self._walk(kept, dys, scale, weights + (float_xs if wrt != "weights" else []),
-                         inline)
+                         len(weights), inline)
       if wrt != "inputs":   # after the input gradients, as `_update_after` says
         with tf.control_dependencies([g for g in grads[len(weights):] if g is not None]):
           self.task("update", inline)(grads[:len(weights)], accumulate,
@@ -647,15 +690,14 @@ class StageProgram:
         return []
       return self._shaped_input_grads(grads[len(weights):], float_xs)
 
-  def _walk(self, kept, dys, scale, sources, inline=False):
+  def _walk(self, kept, dys, scale, sources, n_weights, inline=False):
     """The gradients of `sources` through a kept forward's tape, given its outputs' `dys`
     (or from its residuals: the same functions TensorFlow's gradient of the call runs; those
     of a forward called `inline`, `residuals_inlined`)."""
     if kept.tape is None:
-      return self._from_residuals(kept, dys, scale, sources, inline)
+      return self._from_residuals(kept, dys, scale, sources, n_weights, inline)
     targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
-    return kept.tape.gradient(targets, sources, output_gradients=out_grads,
-                              unconnected_gradients=_ZERO)
+    return self._gradient(kept.tape, targets, sources, n_weights, out_grads)
 
   def carried(self, kept):
     """`kept` as a compiled window carries it into the next: without its tape, and its
@@ -695,7 +737,7 @@ class StageProgram:
     return kept.residuals is not None and all(
         dy is not None for dy, f in zip(dys, self._float_out) if f)
 
-  def _from_residuals(self, kept, dys, scale, sources, inline=False):
+  def _from_residuals(self, kept, dys, scale, sources, n_weights, inline=False):
     """`_walk` for a forward that kept its residuals (`Kept.residuals`), not a tape."""
     call = self._residual_call(kept.weights, kept.xs, inline)
     residuals = kept.residuals
@@ -706,7 +748,7 @@ class StageProgram:
     out_grads = [dy if f else None for dy, f in zip(dys, self._float_out)]
     grads = call.gradients(residuals, (out_grads, reg_grad, zeros))
     by_id = {id(t): g for t, g in zip(list(kept.weights) + list(kept.xs), grads)}
-    return [by_id[id(t)] if by_id[id(t)] is not None else tf.zeros_like(t) for t in sources]
+    return self._connected([by_id[id(t)] for t in sources], sources, n_weights)
 
   def _shaped_input_grads(self, grads, float_xs):
     """The input gradients `grads` of `float_xs`, each given its input's shape: through a

@@ -48,15 +48,18 @@ def _host(device):
   return None if spec.job in (None, "localhost") else (spec.job, spec.replica or 0, spec.task or 0)
 
 
-def default(devices, synchronous, tied):
+def default(devices, synchronous, tied, rows=False):
   """What `cross_device_ops=None` means for one stage's replicas on `devices`: RING where they
   are on different hosts (TF server tasks), the schedule is `synchronous` and the stage holds
   no weight `tied` to another stage's, so that no host carries another replica's weights;
   otherwise None (MirroredStrategy's choice, `choose`). In one process a reduction to one
-  device costs no link and keeps one copy of the weights."""
+  device costs no link and keeps one copy of the weights. `rows`: the stage's embedding
+  gradients reach the optimizer as rows (no global-norm clipping or loss scaling makes them
+  dense): the ring sums dense chunks, which Adam's per-row moments would tell from Keras's,
+  so the reduction, which keeps the rows, is taken."""
   hosts = {_host(d) for d in devices}
   across = len(hosts) > 1 and None not in hosts
-  return RING if across and synchronous and not tied else None
+  return RING if across and synchronous and not tied and not rows else None
 
 
 def choose(devices, ops=None):
@@ -74,16 +77,19 @@ def choose(devices, ops=None):
   return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
 
 
-def replicate(weights, devices, ops):
+def replicate(weights, devices, ops, unused=frozenset()):
   """[copies of `weights` on each of `devices`]; the gradient sums the copies' gradients with
   `ops` onto `devices[0]` (a copy a replica did not use counts as zeros). `ops` a
   `mirrors.Mirrors`: replica r >= 1 reads its own copy, and a ring all-reduce sums the
-  gradients on every replica (`mirrored`)."""
+  gradients on every replica (`mirrored`). `unused`: the indices of weights the replicas'
+  backwards found unconnected (filled before the gradient here runs): their gradient is
+  None, as the tape gives a weight the loss does not depend on (a graph's gradient fills
+  an unconnected output of a multi-output op with zeros, which would hide it)."""
   weights = list(weights)
   if not weights:
     return [[] for _ in devices]
   if isinstance(ops, mirrors_lib.Mirrors):
-    return mirrored(weights, devices, ops)
+    return mirrored(weights, devices, ops, unused)
   compat.drop_reduction_notices()
 
   @tf.custom_gradient
@@ -95,15 +101,19 @@ def replicate(weights, devices, ops):
 
     def grad(*upstream):
       n = len(tensors)
-      per_weight = []
+      per_weight, connected = [], []
       for i, t in enumerate(tensors):
+        if i in unused or all(upstream[r * n + i] is None for r in range(len(devices))):
+          continue   # a weight the loss does not depend on: no gradient, as in Keras
         parts = []
         for r, device in enumerate(devices):
           g = upstream[r * n + i]
           with tf.device(device):
             parts.append(tf.zeros_like(out[r * n + i]) if g is None else g)
         per_weight.append((compat.per_replica(parts), devices[0]))
-      return list(ops.batch_reduce(tf.distribute.ReduceOp.SUM, per_weight))
+        connected.append(i)
+      sums = iter(ops.batch_reduce(tf.distribute.ReduceOp.SUM, per_weight) if per_weight else [])
+      return [next(sums) if i in connected else None for i in range(n)]
 
     return out, grad
 
@@ -112,43 +122,53 @@ def replicate(weights, devices, ops):
   return [list(flat[r * n:(r + 1) * n]) for r in range(len(devices))]
 
 
-def mirrored(weights, devices, mirrors):
+def mirrored(weights, devices, mirrors, unused=frozenset()):
   """[`weights` for replica 0, each other replica's own copy (`mirrors`)]; the gradient each
   replica's copy gets goes to its own update (`mirrors.Mirrors.gradients`): no weight, and no
   gradient outside the ring, crosses between replicas.
 
   Each replica's copy passes through an identity of its own (on its device), replica r >= 1's
-  anchored to replica 0's by a zero-sized slice, so that replica 0's gradient function runs
-  after every other replica's: it holds them all, where a sum over replicas is taken."""
-  R = len(devices)
+  anchored to replica 0's by a zero scalar replica 0's identities also output, so that
+  replica 0's gradient function runs after every other replica's: it holds them all, where
+  a sum over replicas is taken. (An anchor read from a weight would add a dense zero to
+  its gradient, and an embedding's rows would arrive dense.)"""
   weights = [tf.convert_to_tensor(w) for w in weights]   # read here: what the copies follow
   with tf.device(devices[0]):
-    first = _tap(weights, lambda grads: mirrors.gradients(0, grads), device=devices[0])
-    anchor = tf.reduce_sum(tf.reshape(first[0], [-1])[:0])   # no bytes, an edge
+    *first, anchor = _tap(weights, lambda grads, squares: mirrors.gradients(0, grads, squares),
+                          device=devices[0], unused=unused, marker=True)
   copies = [first]
   for r, values in enumerate(mirrors.values(after=weights), 1):
     with tf.device(devices[r]):
-      copies.append(_tap(values, lambda grads, r=r: mirrors.gradients(r, grads),
-                         anchor=anchor, device=devices[r]))
+      copies.append(_tap(values, lambda grads, squares, r=r: mirrors.gradients(r, grads, squares),
+                         anchor=anchor, device=devices[r], unused=unused))
   return copies
 
 
-def _tap(tensors, on_gradient, anchor=None, device=None):
-  """Identities of `tensors`; their gradient goes through `on_gradient` (what it returns is
-  the gradient of `tensors`), an `anchor`'s is zero. `device`: where a sparse gradient (an
-  embedding's rows) is made dense, the replica's own (not the device the gradient is taken
-  under, which would send the dense matrix across)."""
+def _tap(tensors, on_gradient, anchor=None, device=None, unused=frozenset(), marker=False):
+  """Identities of `tensors`; their gradient goes through `on_gradient(gradients, squares)`
+  (what it returns is the gradient of `tensors`; `squares`: per sparse gradient the sum of
+  its rows' squares, as Keras's global norm counts them, else None), an `anchor`'s is zero.
+  `device`: where a sparse gradient (an embedding's rows) is made dense, the replica's own
+  (not the device the gradient is taken under, which would send the dense matrix across).
+  `unused`: as `replicate`'s. `marker`: a zero scalar follows the identities, an anchor
+  for others."""
   n = len(tensors)
 
   @tf.custom_gradient
   def identities(*inputs):
     out = [tf.identity(t) for t in inputs[:n]]
+    if marker:
+      out.append(tf.zeros([], tf.float32))
 
     def grad(*upstream):
+      missing = [g is None or i in unused for i, g in enumerate(upstream[:n])]
       with tf.device(device) if device else contextlib.nullcontext():
+        squares = [tf.reduce_sum(tf.square(tf.cast(g.values, tf.float32)))
+                   if isinstance(g, tf.IndexedSlices) else None for g in upstream[:n]]
         upstream = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
-                    for o, g in zip(out, upstream)]
-      returned, waits = on_gradient(upstream)
+                    for o, g in zip(out[:n], upstream)]
+      returned, waits = on_gradient(upstream, squares)
+      returned = [None if m else g for g, m in zip(returned, missing)]
       if anchor is None:
         return list(returned)
       with tf.control_dependencies(waits):   # the anchor's zero carries them to replica 0
@@ -159,13 +179,14 @@ def _tap(tensors, on_gradient, anchor=None, device=None):
   return list(identities(*tensors, *([anchor] if anchor is not None else [])))
 
 
-def _backward_here(device, call, weights, xs, state):
+def _backward_here(device, call, weights, xs, state, unused=None):
   """`call(weights, xs, state)` -> (ys, new_state, losses), its gradient taken on `device`.
 
   A tape's gradient ops go where the code taking the gradient places them (the stage's
   first device), not where their forward ran: replica r's backward would read its
   activations and weights from its host and send its gradients back. Here each replica's
-  backward is its own (a tape of its own, its gradient taken under its device)."""
+  backward is its own (a tape of its own, its gradient taken under its device). The indices
+  of `weights` the loss does not depend on are added to `unused` (a set) where given."""
   weights, xs, state = list(weights), list(xs), list(state)
   n_w, n_x = len(weights), len(xs)
   structure = []
@@ -188,7 +209,9 @@ def _backward_here(device, call, weights, xs, state):
       with tf.device(device):
         found = tape.gradient([o for o, _ in pairs], watched,
                               output_gradients=[g for _, g in pairs],
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                              unconnected_gradients=tf.UnconnectedGradients.NONE)
+      if unused is not None:
+        unused.update(i for i, g in enumerate(found[:len(w)]) if g is None)
       grads = iter(found)
       return [next(grads) if t.dtype.is_floating else None for t in w + x] + [None] * len(st)
 
@@ -217,7 +240,8 @@ def replicated_call(model, weights, state, xs, training, devices, ops, groups_in
     parts = [tf.split(x, sizes, num=R) for x in xs]
     replica_inputs = [[p[r] for p in parts] for r in range(R)]
   outputs, states, first_losses = [], [], None
-  copies = replicate(weights, devices, ops)
+  unused = set()   # the weights the replicas' backwards find unconnected
+  copies = replicate(weights, devices, ops, unused)
   for r, device in enumerate(devices):
     inputs = replica_inputs[r]
     call = lambda w, x, r_state: model.stateless_call(
@@ -226,7 +250,7 @@ def replicated_call(model, weights, state, xs, training, devices, ops, groups_in
       if r == 0:
         ys, new_state, losses = call(copies[r], inputs, state)
       else:
-        ys, new_state, losses = _backward_here(device, call, copies[r], inputs, state)
+        ys, new_state, losses = _backward_here(device, call, copies[r], inputs, state, unused)
     outputs.append(tf.nest.flatten(ys))
     states.append(new_state)
     first_losses = losses if first_losses is None else first_losses

@@ -6,6 +6,16 @@ on gradients DC-ASGD first moves from the weights they were taken at to the curr
 Or, with micro-batches, added into accumulators and applied once (`apply_accumulated`),
 through a whole-model decision (`tfpipe.rules.joint`: global-norm clipping, loss scaling,
 weights shared across stages) where one is set (`joint`).
+
+An embedding's gradient comes as rows (IndexedSlices: one row per token read, a token read
+twice twice). Keras's optimizer takes the whole batch's rows: Adam squares each row before
+summing a token's, and SGD subtracts only the rows. Summed into a dense accumulator, a
+token's rows would be squared once, summed: Adam's second moment, and with it the update,
+differs from Keras's. So for a synchronous schedule an embedding's accumulator keeps the
+micro-batches' rows (`rows`) and the update hands the optimizer all of them, as Keras
+would see the batch. Where Keras makes the gradient dense itself (global-norm clipping and
+loss scaling multiply it by a tensor), or the replicas keep their own copies (the ring sums
+dense chunks), it stays dense.
 """
 
 import tensorflow as tf
@@ -20,12 +30,16 @@ class Updates:
   """Stage `index`'s updates of the variables of `sources` (`tfpipe.stage.weights`) on
   `device` with `optimizer` and `rule`."""
 
-  def __init__(self, index, device, optimizer, rule, sources):
+  def __init__(self, index, device, optimizer, rule, sources, rows=()):
     self.index, self.device, self.optimizer, self.rule = index, device, optimizer, rule
     self.sources, self.trainable = sources, sources.trainable
     self.accumulators = None
+    self.row_weights = tuple(rows)   # indices of weights whose gradient may come as rows
     self.joint = None   # a `tfpipe.rules.joint.JointDecision` the stages share, or None
     self.mirrors = None   # the other replicas' copies (`tfpipe.stage.mirrors`), or None
+    # The weights the loss does not depend on (their gradient unconnected, noted while the
+    # backward traces: `StageProgram`): Keras's optimizer steps only the others.
+    self.unused = set()
     # The optimizer step, traced once per signature wherever an update is traced. Not marked
     # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
     # holds one call op per update rather than a Python trace of the optimizer each time
@@ -52,6 +66,15 @@ class Updates:
       self.sliced = set()   # the variables whose gradients came as IndexedSlices
       self.joint_updates = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                        name=f"s{index}_joint_updates")
+      # The rows (values, indices) of an embedding's micro-batch gradients, empty between
+      # updates; and which weights' gradients were seen as rows, which dense (traces).
+      self.rows = {j: (tf.Variable(tf.zeros([0] + values[j].shape[1:], values[j].dtype),
+                                   shape=tf.TensorShape([None] + values[j].shape[1:]),
+                                   trainable=False, name=f"s{index}_rows{j}"),
+                       tf.Variable(tf.zeros([0], tf.int64), shape=tf.TensorShape([None]),
+                                   trainable=False, name=f"s{index}_row_indices{j}"))
+                   for j in self.row_weights}
+      self.seen_rows, self.seen_dense = set(), set()
 
   def state(self):
     """Every variable of this stage an update changes besides the weights: the optimizer's
@@ -59,7 +82,7 @@ class Updates:
     weights, as of now (the whole-model decision's: `joint.state()`, shared)."""
     own = [] if self.accumulators is None else (
         self.accumulators + self.read_sums + [self.reads] + self.slice_squares
-        + [self.joint_updates])
+        + [self.joint_updates] + [v for pair in self.rows.values() for v in pair])
     mirrored = self.mirrors.state() if self.mirrors is not None else []
     return (list(self.optimizer.variables) + own + self.sources.deltas + self.sources.previous
             + mirrored)
@@ -76,7 +99,14 @@ class Updates:
       if not accumulate:
         self._apply_step(list(grads), read)
         return
-      for a, g in zip(self.accumulators, grads):
+      for j, (a, g) in enumerate(zip(self.accumulators, grads)):
+        if self._keeps_rows(j, g):
+          values, indices = self.rows[j]
+          values.assign(tf.concat([values, tf.cast(g.values, values.dtype)], 0))
+          indices.assign(tf.concat([indices, tf.cast(g.indices, tf.int64)], 0))
+          continue
+        if j in self.rows:
+          self.seen_dense.add(j)
         a.assign_add(tf.cast(g, a.dtype))
       if self.joint is not None:
         self._add_slice_squares(grads)
@@ -108,9 +138,11 @@ class Updates:
         for r in self.read_sums:
           r.assign(tf.zeros_like(r))
         self.reads.assign(0.0)
+      grads = self._with_rows(grads)
       grads, applied = self._replicas_reduced(grads)
       with tf.control_dependencies(applied):
-        self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
+        self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas,
+                        self.unused)
       self._clear()
 
   def squared_norms(self, scale):
@@ -121,9 +153,40 @@ class Updates:
             else tf.reduce_sum(tf.square(tf.cast(a, tf.float32) / scale))
             for j, a in enumerate(self.accumulators)]
 
+  def _keeps_rows(self, j, g):
+    """Whether weight j's gradient `g` joins its rows (`rows`): an embedding's rows, with no
+    whole-model decision and no replicas' own copies."""
+    keep = (isinstance(g, tf.IndexedSlices) and j in self.rows and self.joint is None
+            and self.mirrors is None)
+    if keep:
+      self.seen_rows.add(j)
+    return keep
+
+  def _with_rows(self, grads):
+    """`grads` (the dense accumulators read) with each embedding's rows as IndexedSlices: its
+    rows alone where only rows were traced; followed by the dense accumulator's, one row per
+    vocabulary entry, where a dense gradient was seen too or none was traced yet (a zero row
+    adds nothing to any optimizer's sums of squares, signs or rows)."""
+    grads = list(grads)
+    for j, (values, indices) in self.rows.items():
+      if j in self.seen_dense and j not in self.seen_rows:
+        continue
+      rows = tf.IndexedSlices(tf.convert_to_tensor(values), tf.convert_to_tensor(indices),
+                              tf.shape(grads[j], out_type=tf.int64))
+      if j in self.seen_dense or j not in self.seen_rows:
+        dense = grads[j]
+        n = tf.shape(dense, out_type=tf.int64)[0]
+        rows = tf.IndexedSlices(tf.concat([rows.values, dense], 0),
+                                tf.concat([rows.indices, tf.range(n)], 0), rows.dense_shape)
+      grads[j] = rows
+    return grads
+
   def _clear(self):
     for a in self.accumulators:
       a.assign(tf.zeros_like(a))
+    for values, indices in self.rows.values():
+      values.assign(values[:0])
+      indices.assign(indices[:0])
     for j in self.sliced:
       self.slice_squares[j].assign(0.0)
 
@@ -142,17 +205,19 @@ class Updates:
                          "stage's gradient; pass cross_device_ops='reduce_to_one_device'")
       grads = [g if s is None else s for g, s in zip(grads, shared)]
     grads = [g * tf.cast(factor, g.dtype) for g in grads]
+    # A shared weight this stage does not read still steps with its other copies' sum.
+    unused = {j for j in self.unused if shared[j] is None}
     applied = self._mirrors_applied(factor, None if self.joint.scaling is None else finite)
     with tf.control_dependencies(applied):
-      self._apply_joint_step(grads, finite)
+      self._apply_joint_step(grads, finite, unused)
     self._clear()
 
-  def _apply_joint_step(self, grads, finite):
+  def _apply_joint_step(self, grads, finite, unused):
     if self.joint.scaling is None:
-      self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
+      self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas, unused)
     else:
       def step():
-        self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas)
+        self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas, unused)
         return tf.constant(True)
       tf.cond(finite, step, lambda: tf.constant(False))
 
@@ -175,7 +240,9 @@ class Updates:
   def _add_slice_squares(self, grads):
     """For the global norm: the squares of an embedding's gradient rows as Keras sums them,
     each row of its IndexedSlices apart (a token seen twice counts twice; the dense sum of
-    those rows, which the accumulator holds, would count it once, squared)."""
+    those rows, which the accumulator holds, would count it once, squared). Replicas with
+    their own copies sum their gradients dense: they add the rows' squares themselves
+    (`Mirrors.gradients`)."""
     for j, g in enumerate(grads):
       if isinstance(g, tf.IndexedSlices):
         self.sliced.add(j)
@@ -187,7 +254,7 @@ class Updates:
     grads, applied = self._replicas_reduced(grads)
     with tf.control_dependencies(applied):
       self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable,
-                      self.sources.deltas)
+                      self.sources.deltas, self.unused)
 
   def _compensated(self, grads, read):
     """DC-ASGD: weight gradients taken at `read`, moved to the current weights; as they are

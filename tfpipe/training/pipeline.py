@@ -101,7 +101,8 @@ class Pipeline:
       "spectrain" predicts with the step of the optimizer it is compiled
       with (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW).
     partition: "uniform", "params", "profile", explicit cut positions
-      [0, ..., number of layers], or the names of the layers that start stages
+      [0, ..., number of layers] (the layer calls in the order the model runs
+      them; a mask Keras adds is not counted), or the names of the layers that start stages
       1..K-1 (layers of a nested backbone count; see `tfpipe.stage.partition.partition`).
       A nested functional model (a KerasHub task's backbone) is cut through; a
       layer called on several stages (a tied embedding) trains as one weight on
