@@ -108,6 +108,13 @@ def test_help_lists_the_trainer_flags():
     (["--method=spectrian"], "did you mean 'spectrain'"),
     (["--steps_per_execution=0"], "--steps_per_execution must be 'auto' or a positive integer"),
     (["--executor=fast"], "value should be one of <auto|compiled|threaded>"),
+    (["--global_clipnorm=0"], "--global_clipnorm must be > 0"),
+    (["--precision=half"], "value should be one of <float32|mixed_bfloat16|mixed_float16>"),
+    (["--model=llama", "--dataset=digits"], "--model=llama predicts the next token and "
+                                            "--dataset=digits is labelled examples"),
+    (["--model=snn", "--dataset=grammar_text"], "pair the language models (llama, gemma)"),
+    (["--flagfile=configs/llama_spectrain.cfg", "--global_clipnorm=1"],
+     "global_clipnorm=1.0 needs every stage's gradient of a mini-batch"),
 ])
 def test_every_usage_error_exits_with_the_same_code(args, message):
   result = _command(*args, "--steps=1", "--snn_depth=2", "--snn_width=8")
@@ -234,9 +241,10 @@ def test_every_config_names_known_flags_and_every_workload_has_the_papers_method
     assert values["method"] in tfpipe.METHODS, name
     if name != "quickstart.cfg":
       assert name == f"{values['model']}_{values['method']}.cfg"
-  for model in models.MODELS:
+  for model in tfpipe.models.MODELS:   # the papers' workloads
     for method in ("single", "dataparallel", "vanilla", "pipedream", "spectrain"):
       assert f"{model}_{method}.cfg" in configs
+  assert {"llama_1f1b.cfg", "llama_spectrain.cfg"} <= set(configs)   # a language model
 
 
 def test_offline_workload_configs_run_a_few_steps():
@@ -251,6 +259,39 @@ def test_offline_workload_configs_run_a_few_steps():
   assert trainer.partition.layer_names[0][0] == "embedding_tokens" and history["loss"][0] > 0
   with pytest.raises(ValueError, match="reads token ids; use a text dataset"):
     main.run(config_lib.TrainConfig(model="bert", dataset="digits", verbose=0, steps=1))
+
+
+def _table(stdout):
+  return dict(re.findall(r"^(\S[^\n]*?)\s{2,}(\S+)$", stdout, re.M))
+
+
+def test_the_language_model_configs_train_and_report_perplexity_and_tokens_per_second():
+  # A KerasHub Llama on text made offline, with AdamW and global-norm clipping: 1f1b is
+  # Keras's training (the single-device run's loss), the summary adds perplexity and tokens/s.
+  short = ("--epochs=1", "--steps=3", "--logdir=")
+  runs = {method: _command("--flagfile=configs/llama_1f1b.cfg", f"--method={method}", *short)
+          for method in ("1f1b", "single")}
+  for result in runs.values():
+    assert result.returncode == 0, result.stderr[-3000:]
+  table, keras_table = _table(runs["1f1b"].stdout), _table(runs["single"].stdout)
+  assert float(table["loss"]) == pytest.approx(float(keras_table["loss"]), abs=2e-4)
+  assert float(table["perplexity"]) == pytest.approx(np.exp(float(table["loss"])), rel=1e-3)
+  assert float(table["tokens/s, whole last epoch"]) == pytest.approx(
+      64 * float(table["samples/s, whole last epoch"]), abs=64 * 0.05 + 0.05)   # printed .1f
+  # The asynchronous config, with the other KerasHub family and a mixed precision policy.
+  result = _command("--flagfile=configs/llama_spectrain.cfg", "--model=gemma",
+                    "--precision=mixed_bfloat16", "--epochs=1", "--steps=2", "--logdir=")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert np.isfinite(float(_table(result.stdout)["val_perplexity"]))
+
+
+def test_the_grammar_text_is_fixed_and_its_verbs_agree():
+  from trainers import text
+  corpus = text.grammar(5000)
+  assert corpus == text.grammar(5000) and len(corpus) == 5000
+  assert "The cats sees" not in corpus and "The cat sees" in text.grammar()
+  windows = text.windows(np.arange(10), 3)
+  assert windows.tolist() == [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
 
 
 @pytest.mark.parametrize("method", ["sequential", "spectrain"])

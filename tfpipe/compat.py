@@ -150,6 +150,11 @@ def _operations(graph):
   return [node.operation for node in call_nodes(graph)]
 
 
+def all_layers(model):
+  """Every layer of `model`, those of nested layers and models too (Keras's own walk)."""
+  return list(model._flatten_layers(include_self=False))  # noqa: SLF001
+
+
 def nested_models(model):
   """The functional (or Sequential) models `model`'s graph calls as layers: a KerasHub task's
   backbone, say."""

@@ -38,6 +38,8 @@ class TrainConfig:
   discrepancy_decay: Optional[float] = None
   optimizer: str = "spectrain"
   weight_decay: Optional[float] = None
+  global_clipnorm: Optional[float] = None
+  precision: str = "float32"
   batch_size: int = 64
   learning_rate: float = 0.01
   momentum: float = 0.9

@@ -10,11 +10,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe.plan import names
+from trainers import text
 
 __all__ = ["DATASETS", "DataUnavailableError", "Data", "load"]
 
 DATASETS = ("digits", "synthetic", "synthetic_text", "classes", "teacher", "regions", "shapes",
-            "counting", "cifar10", "mnist", "imdb_reviews")
+            "counting", "cifar10", "mnist", "imdb_reviews") + text.TEXT_DATASETS
 TASK_SIZES = (8000, 2000)   # the generated tasks: training and validation examples
 COUNTING_VOCAB, COUNTING_LENGTH, COUNTING_KEYS = 16, 20, 10
 SYNTHETIC_VOCAB = 1000
@@ -154,12 +155,8 @@ def _tfds(config, name):
     splits, info = tfds.load(name, split=["train", "test"], data_dir=data_dir, download=False,
                              as_supervised=True, with_info=True)
   except Exception as e:  # tfds raises assertion or not-found errors of several kinds
-    where = data_dir or "the default tfds directory (~/tensorflow_datasets)"
     del e   # tfds's own message names its internals, not what to do
-    raise DataUnavailableError(
-        f"dataset {name!r} is not in {where} and cannot be downloaded here: run "
-        f"tfds.load('{name}', data_dir='DIR') on a machine with internet access, copy DIR "
-        "here and pass --data_dir=DIR (or set TFDS_DATA_DIR=DIR)") from None
+    raise DataUnavailableError(_unavailable(name, data_dir)) from None
   train, val = splits
   classes = info.features["label"].num_classes
   if name == "imdb_reviews":
@@ -182,10 +179,45 @@ def _tfds(config, name):
   return Data(train, val.batch(config.batch_size).prefetch(4), shape, classes, size, vocab)
 
 
+def _grammar_text(config):
+  """Sentences of a small English grammar, made here (`text.grammar`): 90% to train on."""
+  corpus = text.grammar()
+  split = int(0.9 * len(corpus))
+  return _text(corpus[:split], corpus[split:], config)
+
+
+def _tiny_shakespeare(config):
+  """TensorFlow Datasets' tiny_shakespeare (one text per split)."""
+  import tensorflow_datasets as tfds
+  data_dir = config.data_dir or os.environ.get("TFDS_DATA_DIR")
+  try:
+    splits = tfds.load("tiny_shakespeare", split=["train", "validation"], data_dir=data_dir,
+                       download=False)
+  except Exception as e:  # tfds raises assertion or not-found errors of several kinds
+    del e
+    raise DataUnavailableError(_unavailable("tiny_shakespeare", data_dir)) from None
+  train, val = [next(iter(s))["text"].numpy().decode("utf-8") for s in splits]
+  return _text(train, val, config)
+
+
+def _text(train_text, validation_text, config):
+  train, val, vocab, size = text.from_text(train_text, validation_text, config.sequence_length,
+                                          config.batch_size, config.seed)
+  return Data(train, val, (config.sequence_length,), vocab, size, vocab)
+
+
+def _unavailable(name, data_dir):
+  where = data_dir or "the default tfds directory (~/tensorflow_datasets)"
+  return (f"dataset {name!r} is not in {where} and cannot be downloaded here: run "
+          f"tfds.load('{name}', data_dir='DIR') on a machine with internet access, copy DIR "
+          "here and pass --data_dir=DIR (or set TFDS_DATA_DIR=DIR)")
+
+
 def load(config):
   """The training and validation data of `config.dataset`, batched by `config.batch_size`."""
   name = names.lookup("dataset", config.dataset, DATASETS)
   offline = {"digits": _digits, "synthetic": _synthetic, "synthetic_text": _synthetic_text,
              "classes": _classes, "teacher": _teacher, "regions": _regions, "shapes": _shapes,
-             "counting": _counting}
+             "counting": _counting, "grammar_text": _grammar_text,
+             "tiny_shakespeare": _tiny_shakespeare}
   return offline[name](config) if name in offline else _tfds(config, name)

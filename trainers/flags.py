@@ -103,6 +103,11 @@ def define_flags():
                     "spectrain: v = g*v + (1-g)*grad, w -= lr*v; sgd: Keras momentum SGD; adam, "
                     "adamw: Keras's (spectrain's prediction follows each one's own step)")
   flags.DEFINE_float("weight_decay", None, "adamw: decoupled weight decay (default Keras's 0.004)")
+  flags.DEFINE_float("global_clipnorm", None,
+                     "clip the gradients of the whole model to this global norm, as Keras's "
+                     "optimizers do (default: no clipping)")
+  flags.DEFINE_enum("precision", "float32", ["float32", "mixed_bfloat16", "mixed_float16"],
+                    "Keras's dtype policy for the model (mixed_float16 scales the loss)")
   flags.DEFINE_integer("batch_size", 64, "global batch size")
   flags.DEFINE_float("learning_rate", 0.01, "learning rate eta")
   flags.DEFINE_float("momentum", 0.9, "momentum / smoothing factor gamma")
@@ -120,7 +125,8 @@ def define_flags():
   flags.DEFINE_integer("synthetic_samples", 2048, "synthetic: training samples")
   flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "synthetic: input shape")
   flags.DEFINE_integer("sequence_length", 20,
-                       "imdb_reviews, synthetic_text: words (token ids) per example")
+                       "imdb_reviews, synthetic_text: words (token ids) per example; "
+                       "grammar_text, tiny_shakespeare: characters a language model reads")
   flags.DEFINE_string("trace_steps", None,
                       "FIRST,LAST: trace these steps (TensorBoard profile, and for pipelines "
                       "tfpipe_trace.json for Perfetto) into --trace_dir")
@@ -158,6 +164,9 @@ def define_flags():
   flags.register_validator("checkpoint_every", lambda v: v >= 1, "--checkpoint_every must be >= 1")
   flags.register_validator("steps", lambda v: v is None or v >= 1, "--steps must be >= 1")
   flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")
+  flags.register_validator("global_clipnorm", lambda v: v is None or v > 0,
+                           "--global_clipnorm must be > 0")
+  flags.register_validator("sequence_length", lambda v: v >= 1, "--sequence_length must be >= 1")
   flags.register_validator("momentum", lambda v: 0 <= v < 1, "--momentum must be in [0, 1)")
   flags.register_validator("lr_rescheduling", lambda v: v is None or v >= 0,
                            "--lr_rescheduling must be >= 0")

@@ -209,6 +209,7 @@ def _train(config, tools, spec=None):
   from trainers import datasets, models, report
   keras.utils.set_random_seed(config.seed)
   data = datasets.load(config)
+  keras.mixed_precision.set_global_policy(config.precision)   # before the model is built
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
   kind = tfpipe.methods.kind(config.method)
   if kind.parameter_servers:
@@ -306,10 +307,13 @@ class Diverged(RuntimeError):
 
 
 def make_optimizer(config):
-  """--optimizer with --learning_rate, --momentum (spectrain, sgd) and --weight_decay."""
+  """--optimizer with --learning_rate, --momentum (spectrain, sgd), --weight_decay and
+  --global_clipnorm."""
   import keras
   import tfpipe
   decay = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
+  if config.global_clipnorm is not None:
+    decay["global_clipnorm"] = config.global_clipnorm
   if config.optimizer == "spectrain":
     return tfpipe.optimizers.SpecTrain(config.learning_rate, config.momentum, **decay)
   if config.optimizer == "sgd":
@@ -395,7 +399,7 @@ def command(argv):
   if len(argv) > 1:
     _usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
   config = TrainConfig.from_flags(trainer_flags.FLAGS)
-  from trainers import datasets, emulated
+  from trainers import datasets, emulated, models
   try:
     if _on_emulated_workers(config):
       return emulated.run_workers(config, trainer_flags.FLAGS)
@@ -416,7 +420,7 @@ def command(argv):
     print(f"error: {e}", file=sys.stderr)
     return LOST
   from trainers import report
-  print(report.format_table(config, history, trainer))
+  print(report.format_table(config, history, trainer, models.is_language_model(config.model)))
   for line in lines:
     print(line)
   return 0

@@ -1,12 +1,19 @@
-"""The trainer's models: `tfpipe.models` built from the flags."""
+"""The trainer's models: `tfpipe.models` and KerasHub language models (`hub_models`) built
+from the flags."""
 
 import keras
 
 from tfpipe import models
+from trainers import hub_models, text
 
-__all__ = ["MODELS", "build_model"]
+__all__ = ["MODELS", "build_model", "is_language_model"]
 
-MODELS = tuple(models.MODELS)
+MODELS = tuple(models.MODELS) + hub_models.LANGUAGE_MODELS
+
+
+def is_language_model(name):
+  """Whether model `name` predicts each next token (a KerasHub language model)."""
+  return name in hub_models.LANGUAGE_MODELS
 
 
 def build_model(config, input_shape, num_classes, vocab_size=None):
@@ -18,6 +25,16 @@ def build_model(config, input_shape, num_classes, vocab_size=None):
   """
   keras.utils.set_random_seed(config.seed)
   name = config.model
+  language = config.dataset in text.TEXT_DATASETS
+  if is_language_model(name) != language:
+    raise ValueError(
+        f"--model={name} {'predicts the next token' if is_language_model(name) else 'classifies'}"
+        f" and --dataset={config.dataset} "
+        f"{'is text to predict' if language else 'is labelled examples'}: pair the language "
+        f"models ({', '.join(hub_models.LANGUAGE_MODELS)}) with "
+        f"{' or '.join(text.TEXT_DATASETS)}")
+  if language:
+    return hub_models.build(name, vocab_size, config.model_scale)
   options = {}
   if name in models.INPUTS and models.INPUTS[name] == "tokens":
     if vocab_size is None:

@@ -67,9 +67,11 @@ class ResumeReport(keras.callbacks.Callback):
             "use a new --checkpoint_dir to start over with yours)", flush=True)
 
 
-def format_table(config, history, trainer=None):
+def format_table(config, history, trainer=None, language_model=False):
   """The last epoch's numbers as a two-column table. Its stages are the trainer's, as its
-  summary counts them ("interleaved" and "zbv" place several on each device)."""
+  summary counts them ("interleaved" and "zbv" place several on each device). A
+  `language_model`'s loss is per token: its perplexity (exp of the loss) and tokens/s
+  (samples/s times --sequence_length) follow."""
   stages, devices = (getattr(trainer, "num_stages", config.num_stages),
                      getattr(trainer, "num_devices", None))
   where = f" on {devices} devices" if devices not in (None, stages) else ""
@@ -78,8 +80,15 @@ def format_table(config, history, trainer=None):
   for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
     if key in history:
       rows.append((key, f"{history[key][-1]:.4f}"))
+  if language_model:
+    for key, name in (("loss", "perplexity"), ("val_loss", "val_perplexity")):
+      if key in history:
+        rows.append((name, f"{math.exp(min(history[key][-1], 700.0)):.3f}"))
   if "samples_per_second" in history:
     rows.append(("samples/s, whole last epoch",
                  f"{history['samples_per_second'][-1]:.1f}"))
+    if language_model:
+      rows.append(("tokens/s, whole last epoch",
+                   f"{history['samples_per_second'][-1] * config.sequence_length:.1f}"))
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -71,7 +71,7 @@ def _is_float(t):
 
 def _embeddings(model):
   """The trainable `Embedding` layers of `model`, nested ones too."""
-  return [layer for layer in model._flatten_layers()  # noqa: SLF001
+  return [layer for layer in compat.all_layers(model)
           if isinstance(layer, keras.layers.Embedding) and layer.trainable]
 
 
