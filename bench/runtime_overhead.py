@@ -162,9 +162,10 @@ def _graph_ops_per_batch(runner):
     if not hasattr(runner.runtime, "_train"):
       return None
     # pylint: disable=protected-access
-    concretes = [(c, runner.runtime.window)
-                 for c in runner.runtime._train._list_all_concrete_functions()]
-    concretes += [(c, 1) for c in runner.runtime.loops.function._list_all_concrete_functions()]
+    concretes = [(c, runner.runtime.window) for f in runner.runtime._train.functions.values()
+                 for c in f._list_all_concrete_functions()]
+    concretes += [(c, 1) for f in runner.runtime.loops.functions.functions.values()
+                  for c in f._list_all_concrete_functions()]
   else:   # Keras's train step, traced on its own
     specs = (tf.TensorSpec([FLAGS.batch_size, FLAGS.input_dim], tf.float32),
              tf.TensorSpec([FLAGS.batch_size], tf.int64))

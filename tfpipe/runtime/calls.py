@@ -1,5 +1,5 @@
-"""What the compiled executor's calls share: the feed of mini-batches, their shapes, and the
-clearer error when a stage fails inside a call."""
+"""What the compiled executor's calls share: the feed of mini-batches, their shapes, the
+window functions per batch size, and the clearer error when a stage fails inside a call."""
 
 import keras
 import tensorflow as tf
@@ -7,11 +7,34 @@ import tensorflow as tf
 from tfpipe import compat
 from tfpipe.runtime.links import OutOfData
 
-__all__ = ["StageFailed", "Feed", "shapes", "same_shapes", "raise_clearer"]
+__all__ = ["StageFailed", "Feed", "Relaxed", "shapes", "same_shapes", "raise_clearer"]
 
 
 class StageFailed(RuntimeError):
   """A stage's task failed in a compiled window; TensorFlow reported only what followed."""
+
+
+class Relaxed:
+  """`fn` traced as one `tf.function` per shape of its data up to the batch axis: inside one,
+  a length that varies between calls (bucketed sequences) is traced once more at most, then
+  relaxed to any length (TensorFlow's `reduce_retracing`), while the batch size, which a
+  window splits into micro-batches by its static value, stays fixed (a smaller last batch
+  has a function of its own)."""
+
+  def __init__(self, fn):
+    self.fn, self.functions = fn, {}
+
+  def get(self, data, batch_axis):
+    """The function for `data` (tensors, nested) whose batch is axis `batch_axis`."""
+    key = tuple(tuple(t.shape[:batch_axis + 1]) for t in tf.nest.flatten(data)
+                if isinstance(t, tf.Tensor))
+    if key not in self.functions:
+      self.functions[key] = compat.own_function(self.fn, autograph=False, reduce_retracing=True)
+    return self.functions[key]
+
+  def tracing_count(self):
+    """Traces of every function so far."""
+    return sum(f.experimental_get_tracing_count() for f in self.functions.values())
 
 
 class Feed:

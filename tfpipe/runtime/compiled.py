@@ -115,10 +115,10 @@ class CompiledRuntime(Executor):
     # flush window or None.
     self._plans = base.Recent()
     self._plan = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
-    self._train = compat.own_function(self._train_window, autograph=False)
+    self._train = calls.Relaxed(self._train_window)   # per batch size; any sequence length
     self.grouped = grouped.GroupedWindows(self)   # a plan's windows as one function's branches
     self.loops = loops.LoopWindows(self)   # windows that loop over their mini-batches
-    self._infer = compat.own_function(self._infer_window, autograph=False)
+    self._infer = calls.Relaxed(self._infer_window)
     self.traces = 0   # windows traced so far (a new window shape traces once)
     # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
     specs = [tf.DeviceSpec.from_string(p.device) for p in programs]
@@ -347,13 +347,13 @@ class CompiledRuntime(Executor):
           window, self.updates, [p.ops["B"].reads == "kept" for p in self.programs],
           self._profiled, self._forwards)
       context = self._session.window(n)
-    traced = self._train.experimental_get_tracing_count()
+    traced = self._train.tracing_count()
     with context:
       try:
-        out, results = self.call(self._train, number, carry, inputs, labels, M)
+        out, results = self.call(self._train.get(inputs, 0), number, carry, inputs, labels, M)
       except tf.errors.OpError as error:
         calls.raise_clearer(error)
-    self.traces += self._train.experimental_get_tracing_count() - traced
+    self.traces += self._train.tracing_count() - traced
     self.finished(window, feed)
     return groups.rebase(out, window.last + 1 - window.first), results
 
@@ -437,8 +437,9 @@ class CompiledRuntime(Executor):
       count = min(self.window, num_batches - first)
       items = [feed.get(b) for b in range(first, first + count)]
       feed.drop_before(first + count)
-      results = self._infer([xs for xs, _, _ in items],
-                            [(y, w) for _, y, w in items] if with_labels else None)
+      inputs = [xs for xs, _, _ in items]
+      results = self._infer.get(inputs, 0)(
+          inputs, [(y, w) for _, y, w in items] if with_labels else None)
       for i, result in enumerate(results):
         if before is not None:
           before(first + i)

@@ -18,7 +18,7 @@ class LoopWindows:
 
   def __init__(self, runtime):
     self.runtime = runtime
-    self.function = compat.own_function(self._traced, autograph=False)
+    self.functions = calls.Relaxed(self._traced)   # per batch size; any sequence length
 
   def train(self, flush, number, batches, num_batches, M, on_result, before):
     """Runs a schedule whose mini-batches finish one by one (`windows.flush_window`): each
@@ -60,12 +60,12 @@ class LoopWindows:
     weights = (None if items[0][2] is None else
                tf.nest.map_structure(stack, *[w for _, _, w in items]))
     n = tf.constant(count, tf.int32)
-    traced = self.function.experimental_get_tracing_count()
+    traced = self.functions.tracing_count()
     try:
-      losses, logs = self.runtime.call(self.function, number, n, xs, y, weights, M)
+      losses, logs = self.runtime.call(self.functions.get(xs, 1), number, n, xs, y, weights, M)
     except tf.errors.OpError as error:
       calls.raise_clearer(error)
-    self.runtime.traces += self.function.experimental_get_tracing_count() - traced
+    self.runtime.traces += self.functions.tracing_count() - traced
     losses = losses.numpy()
     logs = {name: values.numpy() for name, values in logs.items()}
     return [(losses[i], {name: values[i] for name, values in logs.items()})

@@ -1,0 +1,107 @@
+"""A KerasHub task with its preprocessor attached trains from strings, as `task.fit` does.
+
+The tokenizer's assets are made here: a SentencePiece model trained on sentences of the
+trainer's grammar (`trainers.text`). On every synchronous schedule the pipeline's weights
+equal the Keras-trained task's, and so does `generate` afterwards.
+"""
+
+import io
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests import helpers
+
+keras_hub = pytest.importorskip("keras_hub")
+spm = pytest.importorskip("sentencepiece")
+
+SEQUENCE = 16
+_KERAS = {}
+
+
+@pytest.fixture(scope="module")
+def proto():
+  from trainers import text
+  lines = text.grammar(40_000).split(". ")
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(lines), model_writer=model, vocab_size=96, model_type="unigram",
+      pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>",
+      bos_piece="<s>", eos_piece="</s>", minloglevel=2)
+  return model.getvalue()
+
+
+def _texts():
+  from trainers import text
+  return [s + "." for s in text.grammar(6_000, seed=7).split(". ")[:48]]
+
+
+def _task(proto, seed=0):
+  keras.utils.set_random_seed(seed)
+  tokenizer = keras_hub.models.LlamaTokenizer(proto=proto)
+  backbone = keras_hub.models.LlamaBackbone(
+      vocabulary_size=tokenizer.vocabulary_size(), num_layers=2, num_query_heads=2,
+      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+  preprocessor = keras_hub.models.LlamaCausalLMPreprocessor(tokenizer, sequence_length=SEQUENCE)
+  return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=preprocessor)
+
+
+def _optimizer():
+  return keras.optimizers.AdamW(0.01, weight_decay=0.05, global_clipnorm=1.0)
+
+
+def _generated(task):
+  task.compile(sampler="greedy")   # the trained weights stay; generate is deterministic
+  return task.generate(["The cat", "Two dogs"], max_length=SEQUENCE)
+
+
+def _keras(proto):
+  if "run" not in _KERAS:
+    task = _task(proto)
+    task.compile(optimizer=_optimizer())
+    history = task.fit(tf.data.Dataset.from_tensor_slices(_texts()).batch(8), epochs=2,
+                       verbose=0)
+    _KERAS["run"] = (task.get_weights(), history.history["loss"], _generated(task))
+  return _KERAS["run"]
+
+
+@pytest.mark.parametrize("method,options", [
+    pytest.param(m, o, id=m + "".join(f"-{k}={v}" for k, v in o.items()),
+                 marks=pytest.mark.xdist_group("text-in"))
+    for m, o in [("sequential", {}), ("gpipe", {}), ("1f1b", {}), ("interleaved", {}),
+                 ("zb", {}), ("zbv", {}), ("1f1b", {"data_parallel": 2}),
+                 ("1f1b", {"as_list": True})]])
+def test_a_task_with_its_preprocessor_trains_from_strings_as_keras_does(proto, method, options):
+  options = dict(options)
+  as_list = options.pop("as_list", False)
+  weights, losses, generated = _keras(proto)
+  task = _task(proto)
+  stages = 2 if method in ("interleaved", "zbv") else 4 // options.get("data_parallel", 2)
+  pipe = tfpipe.Pipeline(task, num_stages=stages, method=method,
+                         micro_batches=1 if method == "sequential" else 2, **options)
+  pipe.compile(optimizer=_optimizer())
+  data = _texts() if as_list else tf.data.Dataset.from_tensor_slices(_texts()).batch(8)
+  history = pipe.fit(data, batch_size=8 if as_list else None, epochs=2, shuffle=False, verbose=0)
+  np.testing.assert_allclose(history.history["loss"], losses, rtol=1e-5)
+  helpers.assert_weights_close(task.get_weights(), weights, rtol=1e-5, atol=1e-5)
+  assert list(_generated(task)) == list(generated)
+
+
+def test_evaluate_and_predict_take_strings_too(proto):
+  texts = _texts()[:16]
+  expected = _task(proto)
+  expected.compile(optimizer=_optimizer())
+  loss = expected.evaluate(texts, batch_size=8, verbose=0, return_dict=True)["loss"]
+  outputs = expected.predict(texts, batch_size=8, verbose=0)
+  task = _task(proto)
+  pipe = tfpipe.Pipeline(task, num_stages=2, method="1f1b", micro_batches=2)
+  pipe.compile(optimizer=_optimizer())
+  logs = pipe.evaluate(texts, batch_size=8, verbose=0, return_dict=True)
+  assert logs["loss"] == pytest.approx(loss, rel=1e-5)
+  got = pipe.predict(texts, batch_size=8, verbose=0)
+  np.testing.assert_allclose(got, outputs, rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="not one string"):
+    pipe.fit("The cat sees the moon.", epochs=1, verbose=0)
