@@ -266,15 +266,11 @@ def _table(stdout):
 
 
 def test_the_language_model_configs_train_and_report_perplexity_and_tokens_per_second():
-  # A KerasHub Llama on text made offline, with AdamW and global-norm clipping: 1f1b is
-  # Keras's training (the single-device run's loss), the summary adds perplexity and tokens/s.
-  short = ("--epochs=1", "--steps=3", "--logdir=")
-  runs = {method: _command("--flagfile=configs/llama_1f1b.cfg", f"--method={method}", *short)
-          for method in ("1f1b", "single")}
-  for result in runs.values():
-    assert result.returncode == 0, result.stderr[-3000:]
-  table, keras_table = _table(runs["1f1b"].stdout), _table(runs["single"].stdout)
-  assert float(table["loss"]) == pytest.approx(float(keras_table["loss"]), abs=2e-4)
+  # A KerasHub Llama on text made offline, with AdamW and global-norm clipping (its equality
+  # with Keras: tests/test_language_models.py); the summary adds perplexity and tokens/s.
+  result = _command("--flagfile=configs/llama_1f1b.cfg", "--epochs=1", "--steps=3", "--logdir=")
+  assert result.returncode == 0, result.stderr[-3000:]
+  table = _table(result.stdout)
   assert float(table["perplexity"]) == pytest.approx(np.exp(float(table["loss"])), rel=1e-3)
   assert float(table["tokens/s, whole last epoch"]) == pytest.approx(
       64 * float(table["samples/s, whole last epoch"]), abs=64 * 0.05 + 0.05)   # printed .1f
