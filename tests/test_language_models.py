@@ -175,8 +175,7 @@ def test_bucketed_sequence_lengths_same_as_keras(method, micro_batches, options)
   conformance.assert_same(expected[:3] + (None,), got[:3] + (None,), 2e-5)   # no predict
 
 
-@pytest.mark.parametrize("executor", ["compiled", "threaded"])
-def test_a_new_sequence_length_does_not_trace_the_windows_again(executor, caplog):
+def test_a_new_sequence_length_does_not_trace_the_windows_again(caplog):
   # Six lengths: the first traces at its own shape, the second at a shape relaxed to any
   # length (TensorFlow's reduce_retracing), the rest run that trace; no retracing warning.
   lengths = (4, 6, 8, 10, 12, 14)
@@ -185,14 +184,12 @@ def test_a_new_sequence_length_does_not_trace_the_windows_again(executor, caplog
     x, y = token_batches(n=1, length=length, seed=i)[0]
     part = tf.data.Dataset.from_tensors((x, y))
     data = part if data is None else data.concatenate(part)
-  pipe = tfpipe.Pipeline(token_lm(), num_stages=2, method="1f1b", micro_batches=2,
-                         executor=executor)
+  pipe = tfpipe.Pipeline(token_lm(), num_stages=2, method="1f1b", micro_batches=2)
   pipe.compile(keras.optimizers.SGD(0.1), _loss())
   with caplog.at_level("WARNING", logger="tensorflow"):
     history = pipe.fit(data, epochs=2, shuffle=False, verbose=0)
   assert np.all(np.isfinite(history.history["loss"]))
-  if executor == "compiled":
-    assert pipe.runtime.traces <= 2, pipe.runtime.traces
+  assert pipe.runtime.traces <= 2, pipe.runtime.traces
   assert not [r for r in caplog.records if "retracing" in r.getMessage()]
 
 

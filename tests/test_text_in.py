@@ -105,5 +105,10 @@ def test_evaluate_and_predict_take_strings_too(proto):
   assert logs["loss"] == pytest.approx(loss, rel=1e-5)
   got = pipe.predict(texts, batch_size=8, verbose=0)
   np.testing.assert_allclose(got, outputs, rtol=1e-4, atol=1e-5)
+  # Validation text is preprocessed too; what is made already (token ids) passes as given.
+  history = pipe.fit(texts, batch_size=8, validation_data=(texts[:8],), epochs=1, verbose=0)
+  x, y, weights = task.preprocessor(tf.constant(texts[:8]))
+  again = pipe.fit(texts, batch_size=8, validation_data=(x, y, weights), epochs=1, verbose=0)
+  assert history.history["val_loss"][0] > 0 and again.history["val_loss"][0] > 0
   with pytest.raises(ValueError, match="not one string"):
     pipe.fit("The cat sees the moon.", epochs=1, verbose=0)

@@ -80,9 +80,9 @@ class Mirrors:
     self.weights, self.optimizers, self.accumulators = [], [], []
     self._scale = None
     self.summing = summing   # whether each backward sums over replicas (else: the update)
-    self.unused = set()   # the stage's weights with no gradient (`Updates.unused`)
     self._pending = {}
-    # The stage's `Updates`: summing, the replicas' rows' squares go to its slice squares.
+    # The stage's `Updates`: its weights with no gradient (`unused`), and summing, where the
+    # replicas' rows' squares go (its slice squares).
     self.updates = None
     for r, device in enumerate(self.devices, 1):
       with tf.device(device):
@@ -194,10 +194,10 @@ class Mirrors:
         if factor is not None:
           grads = [g * tf.cast(factor, g.dtype) for g in grads]
         if finite is None:
-          self.rule.apply(optimizer, grads, weights, [], self.unused)
+          self.rule.apply(optimizer, grads, weights, [], self.updates.unused)
         else:
           def step(optimizer=optimizer, grads=grads, weights=weights):
-            self.rule.apply(optimizer, grads, weights, [], self.unused)
+            self.rule.apply(optimizer, grads, weights, [], self.updates.unused)
             return tf.constant(True)
           tf.cond(finite, step, lambda: tf.constant(False))
         with tf.control_dependencies([tf.convert_to_tensor(w) for w in weights]):

@@ -194,7 +194,7 @@ class StageProgram:
                     if ring else None)
     if ring:
       self.cross_device_ops = self.updates.mirrors = self.mirrors
-      self.mirrors.unused, self.mirrors.updates = self.updates.unused, self.updates
+      self.mirrors.updates = self.updates
     self.jit_compile = jit_compile
     self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile)
     self._residual_calls = {}   # concrete forward's name -> its `compat.ResidualCall`

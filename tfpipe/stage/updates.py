@@ -153,11 +153,15 @@ class Updates:
             else tf.reduce_sum(tf.square(tf.cast(a, tf.float32) / scale))
             for j, a in enumerate(self.accumulators)]
 
+  def _rows_kept(self):
+    """Whether embeddings' rows are kept: no whole-model decision and no replicas' own
+    copies (either makes the gradient dense)."""
+    return self.joint is None and self.mirrors is None
+
   def _keeps_rows(self, j, g):
-    """Whether weight j's gradient `g` joins its rows (`rows`): an embedding's rows, with no
-    whole-model decision and no replicas' own copies."""
-    keep = (isinstance(g, tf.IndexedSlices) and j in self.rows and self.joint is None
-            and self.mirrors is None)
+    """Whether weight j's gradient `g` joins its rows (`rows`): an embedding's rows, where
+    `_rows_kept`."""
+    keep = isinstance(g, tf.IndexedSlices) and j in self.rows and self._rows_kept()
     if keep:
       self.seen_rows.add(j)
     return keep
@@ -168,6 +172,8 @@ class Updates:
     vocabulary entry, where a dense gradient was seen too or none was traced yet (a zero row
     adds nothing to any optimizer's sums of squares, signs or rows)."""
     grads = list(grads)
+    if not self._rows_kept():
+      return grads
     for j, (values, indices) in self.rows.items():
       if j in self.seen_dense and j not in self.seen_rows:
         continue

@@ -437,16 +437,11 @@ class Pipeline:
     pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
     """
     self._check_compiled()
-    if preprocessing.attached(self.model):   # a KerasHub task's: strings in, as task.fit
-      x, y, sample_weight = preprocessing.preprocessed(self.model, x, y, sample_weight,
-                                                       batch_size)
-      if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-        validation_data = preprocessing.preprocessed(
-            self.model, *keras.utils.unpack_x_y_sample_weight(validation_data),
-            validation_batch_size or batch_size)[0]
-      elif validation_data is not None:
-        validation_data = preprocessing.preprocessed(self.model, validation_data)[0]
-      batch_size = None if isinstance(x, tf.data.Dataset) else batch_size
+    # A KerasHub task's preprocessor: strings in, as task.fit takes them.
+    validation_data = preprocessing.validation(self.model, validation_data,
+                                               validation_batch_size or batch_size)
+    x, y, sample_weight, batch_size = preprocessing.preprocessed(self.model, x, y,
+                                                                 sample_weight, batch_size)
     fit_data.check_fit_arguments(self, epochs, initial_epoch, validation_freq, batch_size)
     if self.choosing and data.is_iterable_data(x):
       raise ValueError(f"method='auto' reads the first batch before training (to profile it), "
@@ -589,10 +584,8 @@ class Pipeline:
     """Loss and metrics over the data with the current weights, pipelined forward only
     (`keras.Model.evaluate`'s arguments and return value)."""
     self._check_compiled()
-    if preprocessing.attached(self.model):
-      x, y, sample_weight = preprocessing.preprocessed(self.model, x, y, sample_weight,
-                                                       batch_size)
-      batch_size = None if isinstance(x, tf.data.Dataset) else batch_size
+    x, y, sample_weight, batch_size = preprocessing.preprocessed(self.model, x, y,
+                                                                 sample_weight, batch_size)
     x, _, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps, use="test")
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
                                             sample_weight=sample_weight)
@@ -606,9 +599,7 @@ class Pipeline:
     """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array, with the
     `on_predict_*` hooks (`keras.Model.predict`'s arguments)."""
     self._check_compiled()
-    if preprocessing.attached(self.model):
-      x = preprocessing.preprocessed(self.model, x, batch_size=batch_size)[0]
-      batch_size = None if isinstance(x, tf.data.Dataset) else batch_size
+    x, _, _, batch_size = preprocessing.preprocessed(self.model, x, batch_size=batch_size)
     x, _, data_hooks = data.adapted(x, batch_size=batch_size, steps=steps, use="predict")
     if isinstance(x, tf.data.Dataset) and isinstance(x.element_spec, tuple):
       x = x.map(lambda *element: element[0])   # Keras: a tuple element is (x, y, sample_weight)

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["attached", "preprocessed"]
+__all__ = ["attached", "preprocessed", "validation"]
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -39,12 +39,13 @@ def _raw(value: Any) -> bool:
 
 
 def preprocessed(model: keras.Model, x: Any, y: Any = None, sample_weight: Any = None,
-                 batch_size: Optional[int] = None) -> Tuple[Any, Any, Any]:
-  """(x, y, sample_weight) as the pipeline takes them: where `model` has a preprocessor and
-  `x` is text, a dataset of `model.preprocess_samples`'s batches (and None, None); else as
-  given (inputs already made, e.g. token ids, pass as they are)."""
+                 batch_size: Optional[int] = None) -> Tuple[Any, Any, Any, Optional[int]]:
+  """(x, y, sample_weight, batch_size) as the pipeline takes them: where `model` has a
+  preprocessor and `x` is text, a dataset of `model.preprocess_samples`'s batches (and None,
+  None, None: the batches are made); else as given (inputs already made, e.g. token ids,
+  pass as they are)."""
   if not attached(model) or x is None or not _raw(x):
-    return x, y, sample_weight
+    return x, y, sample_weight, batch_size
   if isinstance(x, tf.data.Dataset):
     if y is not None or sample_weight is not None:
       raise ValueError("`y` and `sample_weight` go inside a tf.data.Dataset, not beside it")
@@ -53,10 +54,21 @@ def preprocessed(model: keras.Model, x: Any, y: Any = None, sample_weight: Any =
     if isinstance(x, str):
       raise ValueError(f"text to preprocess comes as a list, an array or a tf.data.Dataset of "
                        f"strings, not one string. Received: {x[:40]!r}")
+    arrays = lambda v: np.asarray(v) if isinstance(v, (list, tuple)) else v
+    parts = (x, y, sample_weight) if sample_weight is not None else (x, y) if y is not None \
+        else (x,)
     data = tf.data.Dataset.from_tensor_slices(keras.utils.pack_x_y_sample_weight(
-        *[np.asarray(v) if isinstance(v, (list, tuple)) else v
-          for v in (x, y, sample_weight) if v is not None]))
-    data = data.batch(batch_size or DEFAULT_BATCH_SIZE)
+        *[arrays(v) for v in parts])).batch(batch_size or DEFAULT_BATCH_SIZE)
   unpacked = lambda *element: model.preprocess_samples(*element)
-  return data.map(unpacked, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE), \
-      None, None
+  made = data.map(unpacked, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+  return made, None, None, None
+
+
+def validation(model: keras.Model, data: Any, batch_size: Optional[int]) -> Any:
+  """`fit`'s `validation_data` as the pipeline takes it: text (a dataset, or an (x, y,
+  sample_weight) tuple) preprocessed as `preprocessed` does; anything else as given."""
+  if data is None:
+    return None
+  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  made = preprocessed(model, x, y, sample_weight, batch_size)
+  return data if made[0] is x else made[0]
