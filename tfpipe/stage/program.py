@@ -767,6 +767,12 @@ class StageProgram:
     self.sources.keep_previous()   # 2BW: no update yet, so the 2nd buffer holds the same weights
     self.sync_replicas()
 
+  @property
+  def model_pairs(self):
+    """[(the user's model variable, this stage's own copy)]: the trainable ones first, in the
+    order the stage's optimizer was built over them."""
+    return list(self._pairs)
+
   def sync_replicas(self):
     """The other replicas' own copies (`cross_device_ops="ring"`) := this stage's weights and
     optimizer state (after they were loaded or restored)."""

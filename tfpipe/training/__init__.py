@@ -6,7 +6,8 @@
   fit_data:      `fit`'s arguments checked and made into datasets;
   data:          Keras's input forms as batched datasets;
   input_checks:  bad input refused before any work, in one line;
-  checkpoint:    `BackupAndRestore` for a pipeline;
+  checkpoint:    `BackupAndRestore` for a pipeline, `restore_keras` for the Keras model;
+  layout_state:  training state keyed by the model (a checkpoint resumes in any layout);
   learning_rate: one learning rate that drives every stage's optimizer;
   layouts:       data parallel, pipeline or both on H hosts, chosen by the links.
 """

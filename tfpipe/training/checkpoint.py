@@ -16,6 +16,13 @@ persistent iterator (`steps_per_epoch`) is advanced past the batches
 already trained. A run stopped and resumed therefore equals an
 uninterrupted one, for every method.
 
+A checkpoint names its values after the user's model (`layout_state`): each
+weight by its variable's path, each optimizer slot by its weight's path and
+the slot's name. So it resumes under another number of stages, another
+method, data parallelism or none, and in the plain Keras model compiled with
+the same optimizer (`restore_keras`): for the synchronous methods the
+resumed run equals the uninterrupted one.
+
 TensorFlow writes a checkpoint's files first and records it as the latest
 only once they are complete: a write that fails or is cut short leaves the
 previous checkpoint as the one `restore` reads, and its temporary directory
@@ -35,9 +42,9 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfpipe.training import learning_rate
+from tfpipe.training import layout_state, learning_rate
 
-__all__ = ["BackupAndRestore", "CheckpointError", "intact_checkpoints"]
+__all__ = ["BackupAndRestore", "CheckpointError", "intact_checkpoints", "restore_keras"]
 
 _STATE = "checkpoint"   # TensorFlow's state file: the latest checkpoint and the ones kept
 
@@ -117,16 +124,10 @@ class BackupAndRestore(keras.callbacks.Callback):
       # The rate `model.optimizer` holds (a callback may have just set it, before the stages
       # take it at the end of the hook): restored into it, so a reduced rate stays reduced.
       self._rate = tf.Variable(-1.0, dtype=tf.float64, trainable=False, name="learning_rate")
-    stages = {}
-    for k, program in enumerate(pipeline.programs):
-      # deltas: PipeMare's average weight change; previous: 2BW's second weight buffer
-      # (empty for other methods).
-      stages[f"stage{k}"] = tf.train.Checkpoint(
-          weights=list(program.trainable), state=list(program.non_trainable),
-          optimizer=list(program.optimizer.variables), deltas=list(program.sources.deltas),
-          previous=list(program.sources.previous))
-    self._checkpoint = tf.train.Checkpoint(epochs_done=self._epochs, learning_rate=self._rate,
-                                           **stages)
+    # Keyed by the model, not the layout (`layout_state`): another K, another method or the
+    # Keras model itself restores it.
+    self._state = layout_state.StageState(pipeline.model, pipeline.programs)
+    self._checkpoint = tf.train.Checkpoint(**self._required(), method=self._state.method)
     self._remove_temporaries()
     self._state_problem = None
     intact = intact_checkpoints(self.directory)
@@ -172,7 +173,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     damaged = []
     for path in order:
       try:
-        self._checkpoint.restore(path).assert_existing_objects_matched()
+        _restore(path, self._required(), self._state.method)
         break
       except Exception as e:  # pylint: disable=broad-except  (a damaged file fails in many ways)
         damaged.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
@@ -189,6 +190,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       self._write_state(intact[intact.index(path):])
       self.manager = tf.train.CheckpointManager(self._checkpoint, self.directory,
                                                 max_to_keep=self.max_to_keep)
+    self._state.fill_copies()   # other stages' copies of a tied weight
     for program in self.pipeline.programs:   # replicas' own copies follow the restored weights
       program.sync_replicas()
     self.restored_path = path
@@ -197,6 +199,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     if self.restored_rate is not None and not self._schedule():
       self.pipeline.optimizer.learning_rate = self.restored_rate
     return self.restored_epoch
+
+  def _required(self):
+    """What every layout has: the data position, the rate, weights, slots and counters."""
+    return dict(epochs_done=self._epochs, learning_rate=self._rate,
+                weights=self._state.weights, slots=self._state.slots,
+                optimizer=self._state.optimizer)
 
   def save(self, epochs_done):
     """Writes a checkpoint after `epochs_done` epochs; returns its path. A save that fails
@@ -243,3 +251,35 @@ class BackupAndRestore(keras.callbacks.Callback):
   def latest(self):
     """Path of the latest complete checkpoint, or None."""
     return tf.train.latest_checkpoint(self.directory) if os.path.isdir(self.directory) else None
+
+
+def _restore(path, required, method):
+  """Restores `required` (each must be in the checkpoint: a weight or slot it lacks is another
+  model or optimizer) and what of `method` the checkpoint holds (state only some methods
+  keep, such as PipeMare's average weight change, starts from zero under another method)."""
+  tf.train.Checkpoint(**required).restore(path).assert_existing_objects_matched()
+  if method:
+    tf.train.Checkpoint(method=method).restore(path).expect_partial()
+
+
+def restore_keras(model, directory):
+  """Restores the newest intact checkpoint a pipeline wrote in `directory` into the plain
+  Keras `model`, compiled with the optimizer the pipeline was: its weights, the optimizer's
+  slots and step. Returns the epochs done (pass them to `model.fit(initial_epoch=...)`)."""
+  intact = intact_checkpoints(directory)
+  if not intact:
+    raise CheckpointError(f"no checkpoint in {directory!r}")
+  weights, slots, own = layout_state.keras_state(model)
+  with tf.device("/cpu:0"):
+    epochs = tf.Variable(0, dtype=tf.int64, trainable=False)
+    rate = tf.Variable(-1.0, dtype=tf.float64, trainable=False)
+  try:
+    _restore(intact[0], dict(epochs_done=epochs, learning_rate=rate, weights=weights,
+                             slots=slots, optimizer=own), {})
+  except AssertionError as e:
+    raise CheckpointError(
+        f"{intact[0]} does not match model {model.name!r} compiled with "
+        f"{type(model.optimizer).__name__}: {str(e).splitlines()[0][:300]}") from None
+  if float(rate.numpy()) >= 0 and not learning_rate.is_schedule(model.optimizer):
+    model.optimizer.learning_rate = float(rate.numpy())
+  return int(epochs.numpy())
