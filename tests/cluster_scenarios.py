@@ -133,6 +133,50 @@ def hung(local):
   return {"error": error, "seconds": time.time() - stopper.when}
 
 
+class _Faults(keras.callbacks.Callback):
+  """Injects each of `faults` [(epoch, batch, "kill" | "stop")] once into worker 1: kill -9,
+  or SIGSTOP (its process hangs; the watchdog kills it, as this process started it)."""
+
+  def __init__(self, local, faults):
+    super().__init__()
+    self.local, self.faults, self.epoch, self.when = local, list(faults), 0, []
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self.epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    for fault in list(self.faults):
+      if fault[:2] == (self.epoch, batch):
+        self.faults.remove(fault)
+        pid = self.local.processes[("worker", 1)].pid
+        os.kill(pid, signal.SIGKILL if fault[2] == "kill" else signal.SIGSTOP)
+        self.when.append(time.time())
+
+
+def restarts(local, directory):
+  """A 1f1b pipeline on two servers, worker 1 killed in epoch 1 and frozen in epoch 2, with
+  max_restarts=2, against the same training uninterrupted on this process's devices."""
+  x, y = helpers.as_arrays(helpers.batches(12))
+  fit = dict(batch_size=16, epochs=3, shuffle=True, seed=1, verbose=0)
+
+  def trained(devices, **extra):
+    keras.utils.set_random_seed(0)
+    pipe = tfpipe.Pipeline(helpers.mlp(), devices=devices, method="1f1b", micro_batches=2)
+    pipe.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy())
+    return pipe, pipe.fit(x, y, **fit, **extra)
+
+  here, expected = trained(tfpipe.default_devices()[:2])
+  faults = _Faults(local, [(1, 5, "kill"), (2, 3, "stop")])
+  remote, history = trained(cluster.task_devices(local.spec), max_restarts=2,
+                            callbacks=[checkpoint.BackupAndRestore(directory), faults])
+  scale = max(float(np.max(np.abs(w))) for w in here.model.get_weights())
+  gap = max(float(np.max(np.abs(a - b)))
+            for a, b in zip(remote.model.get_weights(), here.model.get_weights()))
+  return {"relative_gap": gap / scale, "epochs": history.epoch, "restarts": history.restarts,
+          "losses": history.history["loss"], "expected": expected.history["loss"],
+          "faults_left": len(faults.faults)}
+
+
 class _OutlivePeer(keras.callbacks.Callback):
   """Ends training only after the peer at `address` has exited, and 3 s more (the watchdog's
   interval + misses * timeout): a worker slower than its peer after the last step."""

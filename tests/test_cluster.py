@@ -10,9 +10,10 @@ import signal
 import socket
 import time
 
+import numpy as np
 import pytest
 
-from tests import zygote
+from tests import helpers, zygote
 from tfpipe.cluster import servers as cluster
 import tfpipe
 
@@ -69,6 +70,32 @@ def test_a_hung_worker_is_named_within_seconds_and_training_stops():
   assert result["error"] and result["error"].startswith("lost /job:worker/task:1 (127.0.0.1:")
   assert "stopped answering (hung or stopped) and was killed" in result["error"]
   assert result["seconds"] < 10
+
+
+def test_lost_workers_are_restarted_and_training_ends_as_if_uninterrupted(tmp_path):
+  # Worker 1 killed (kill -9) in epoch 1, frozen (SIGSTOP) in epoch 2; max_restarts=2.
+  result = _scenario("restarts", str(tmp_path))
+  assert result["faults_left"] == 0
+  assert [line.split(";")[0] for line in result["restarts"]] == [
+      "restart 1 of 2: lost /job:worker/task:1", "restart 2 of 2: lost /job:worker/task:1"]
+  assert all("/job:worker/task:1 started again" in line for line in result["restarts"])
+  assert result["epochs"] == [0, 1, 2]
+  np.testing.assert_allclose(result["losses"], result["expected"], rtol=1e-6)
+  assert result["relative_gap"] < 1e-6
+
+
+def test_restarts_need_a_checkpoint_and_replayable_data():
+  from tfpipe.training import restarts
+  with pytest.raises(ValueError, match="max_restarts=2 resumes from the newest checkpoint"):
+    restarts.check(2, 60.0, [], np.zeros((4, 8)))
+  saver = [tfpipe.checkpoint.BackupAndRestore("unused")]
+  with pytest.raises(ValueError, match="which a generator cannot give twice"):
+    restarts.check(1, 60.0, saver, (b for b in helpers.batches(2)))
+  with pytest.raises(ValueError, match="`max_restarts` must be an integer >= 0. Received: -1"):
+    restarts.check(-1, 60.0, saver, None)
+  with pytest.raises(ValueError, match="`restart_timeout` must be a positive number"):
+    restarts.check(1, 0, saver, None)
+  restarts.check(0, 60.0, [], None)   # no restarts: nothing asked
 
 
 def _listening(port):

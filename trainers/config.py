@@ -63,6 +63,7 @@ class TrainConfig:
   prediction_error: bool = False
   checkpoint_dir: Optional[str] = None
   checkpoint_every: int = 1
+  max_restarts: int = 0
   stop_on_nan: bool = True
   intra_op_threads: int = 1
   verbose: int = 2

@@ -143,6 +143,11 @@ def define_flags():
                       "save every --checkpoint_every epochs here, and resume from the latest "
                       "checkpoint found here")
   flags.DEFINE_integer("checkpoint_every", 1, "epochs between checkpoints")
+  flags.DEFINE_integer("max_restarts", 0,
+                       "pipelines on TF servers: bring a lost task back (its server started "
+                       "again when this trainer started it, else waited for up to "
+                       "--cluster_timeout s) up to this many times and resume from the newest "
+                       "checkpoint in --checkpoint_dir")
   flags.DEFINE_bool("stop_on_nan", True,
                     "stop (exit code 4) when an epoch's loss is not finite, before saving it; "
                     "--nostop_on_nan trains on (a non-finite epoch is still never saved)")
@@ -162,6 +167,7 @@ def define_flags():
   flags.register_validator("steps_per_execution", lambda v: v == "auto" or (v.isdigit() and int(v) >= 1),
                            "--steps_per_execution must be 'auto' or a positive integer")
   flags.register_validator("checkpoint_every", lambda v: v >= 1, "--checkpoint_every must be >= 1")
+  flags.register_validator("max_restarts", lambda v: v >= 0, "--max_restarts must be >= 0")
   flags.register_validator("steps", lambda v: v is None or v >= 1, "--steps must be >= 1")
   flags.register_validator("learning_rate", lambda v: v >= 0, "--learning_rate must be >= 0")
   flags.register_validator("global_clipnorm", lambda v: v is None or v > 0,

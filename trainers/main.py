@@ -229,6 +229,11 @@ def _train(config, tools, spec=None):
     trainer = tfpipe.create(model, config.method, devices=config.devices,
                             num_stages=None if config.devices else _num_stages(config),
                             **_method_options(config, tools))
+  if config.max_restarts and not isinstance(trainer, tfpipe.Pipeline):
+    raise ValueError(f"--max_restarts brings back a pipeline's lost stage host; "
+                     f"--method={config.method} is not a pipeline")
+  if config.max_restarts and not config.checkpoint_dir:
+    raise ValueError("--max_restarts resumes from the newest checkpoint: give --checkpoint_dir")
   window = {}
   if isinstance(trainer, tfpipe.Pipeline):
     window = dict(steps_per_execution=config.steps_per_execution if
@@ -244,6 +249,8 @@ def _train(config, tools, spec=None):
     train, fit_options = data.train, dict(batch_size=config.batch_size, seed=config.seed)
   else:
     train, fit_options = (data.train.repeat() if config.steps else data.train), {}
+  if config.max_restarts:
+    fit_options.update(max_restarts=config.max_restarts, restart_timeout=config.cluster_timeout)
   saver = checkpoint_callback(config)
   guard = report.StopOnNonFinite() if config.stop_on_nan else None
   history = trainer.fit(*(train if isinstance(train, tuple) else (train,)), **fit_options,
@@ -263,6 +270,10 @@ def _train(config, tools, spec=None):
   lines = tools.finish(trainer)
   if getattr(saver, "restored_epoch", None):
     lines.insert(0, f"resumed after epoch {saver.restored_epoch} from {saver.restored_path}")
+  if config.max_restarts:
+    restarts = getattr(history, "restarts", [])
+    lines.append(f"restarts: {len(restarts)} of at most {config.max_restarts}"
+                 + "".join(f"\n  {line}" for line in restarts))
   return history.history, trainer, lines
 
 

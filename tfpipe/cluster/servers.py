@@ -41,16 +41,21 @@ __all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "con
            "client_address", "route_address", "CLIENT_JOB",
            "from_tf_config", "task_devices", "check_devices", "unreachable_tasks",
            "describe_lost", "describe_state", "guard", "watch", "check_answering",
-           "set_liveness", "LIVENESS", "EXIT_LOST"]
+           "set_liveness", "LIVENESS", "EXIT_LOST", "reconnect", "owner"]
 
-_CONNECTED = {"spec": None}
+_CONNECTED = {"spec": None, "client": None}
 _LOCAL = []          # the LocalClusters of this process that are running
 _VERDICTS = {}       # (job, task) -> what the watchdog saw ("silent": hung or stopped)
 EXIT_LOST = 3        # the exit status of a process stopped for a lost task (`guard`)
 
 
 class WorkerLost(RuntimeError):
-  """A task of the cluster stopped answering during training."""
+  """A task of the cluster stopped answering during training; `tasks` lists the lost ones as
+  (job, task, address)."""
+
+  def __init__(self, message, tasks=()):
+    super().__init__(message)
+    self.tasks = list(tasks)
 
 
 class ClusterUnreachable(WorkerLost):
@@ -127,7 +132,8 @@ class LocalCluster:
          f"--errors={json.dumps([self._errors[key].name for key in tasks])}"]
         + ([f"--places={json.dumps([_place(self._places[key]) for key in tasks])}"]
            if self._places else []),
-        stdout=subprocess.PIPE, stderr=self._errors[None], env=env, cwd=root)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors[None], env=env,
+        cwd=root)
     self._exits, self._buffer, self._reading = {}, b"", threading.RLock()
     deadline = time.monotonic() + timeout
     pending = set(tasks)
@@ -212,6 +218,35 @@ class LocalCluster:
     self.processes[(job, task)].kill()
     self.processes[(job, task)].wait()
 
+  def restart(self, job, task, timeout=60.0):
+    """Starts the server of (job, task) again, at its address, after its process exited (a
+    lost task: killed, or hung and killed by the watchdog); returns once it is ready, or
+    raises naming it within `timeout` seconds."""
+    key = (job, task)
+    if key not in self.processes:
+      raise ValueError(f"/job:{job}/task:{task} is not a server of this cluster")
+    old = self.processes[key]
+    if old.poll() is None:
+      old.kill()
+    self.exit_code(key, wait=True)   # its exit reported, so the launcher may fork it again
+    self._exits.pop(key, None)
+    self._launcher.stdin.write(f"start {job} {task}\n".encode())
+    self._launcher.stdin.flush()
+    deadline = time.monotonic() + timeout
+    while True:
+      event = self._event(deadline)
+      if event is None:
+        error = self._error_output(job, task)
+        raise RuntimeError(f"the server of /job:{job}/task:{task} at {self.spec[job][task]} "
+                           f"did not start again within {timeout:g} s"
+                           + (f": {error}" if error else ""))
+      if event[:3] == ("ready", job, task):
+        return
+      if event[:3] == ("exit", job, task) and self.processes[key] is not old:
+        raise RuntimeError(f"the server of /job:{job}/task:{task} at {self.spec[job][task]} "
+                           f"exited as it started again (exit code {event[3]}): "
+                           f"{self._error_output(job, task)}")
+
   def owns(self, job, task, address):
     """The process of task (job, task) at `address` when this cluster started it, else None."""
     if self.spec.get(job, [None] * (task + 1))[task:task + 1] == [address]:
@@ -225,6 +260,7 @@ class LocalCluster:
         pass
       for process in self.processes.values():
         process.kill()
+      launcher.stdin.close()
       launcher.terminate()   # it kills any server it has started since, reaps them, exits
       try:
         launcher.wait(timeout=10)
@@ -373,18 +409,41 @@ def connect(spec, timeout=5.0, address=None):
       tf.train.ClusterSpec(dict(servers, **{CLIENT_JOB: [client]})), rpc_layer="grpc")
   tf.config.experimental_connect_to_cluster(resolver, job_name=CLIENT_JOB,
                                             make_master_device_default=False)
-  note_connected(servers)
+  note_connected(servers, client)
   return task_devices(servers)
 
 
-def note_connected(spec):
-  """Records that this program is connected to the cluster `spec` (`connected_spec`)."""
+def note_connected(spec, client=None):
+  """Records that this program is connected to the cluster `spec` (`connected_spec`), as a
+  member at `client` ("host:port")."""
   _CONNECTED["spec"] = {job: list(addresses) for job, addresses in spec.items()}
+  _CONNECTED["client"] = client
 
 
 def connected_spec():
   """The cluster spec this program last connected to, or None."""
   return _CONNECTED["spec"]
+
+
+def reconnect(timeout=5.0):
+  """Connects again to the cluster this program last connected to, after a lost task's server
+  started again: at the same client address, so TensorFlow updates the connection in place
+  (a new one would reset this program's context, and a variable made before it, such as the
+  Keras model's, would then silently ignore every assignment). What lived on the lost task is
+  gone; what lives here and on the other tasks stays."""
+  spec = connected_spec()
+  if spec is None:
+    raise RuntimeError("reconnect() needs an earlier connect()")
+  return connect(spec, timeout, address=_CONNECTED["client"])
+
+
+def owner(job, task, address):
+  """The running `LocalCluster` of this process that started task (job, task) at `address`,
+  or None (a cluster someone else started)."""
+  for local in _LOCAL:
+    if local.owns(job, task, address) is not None:
+      return local
+  return None
 
 
 def task_devices(spec, job="worker"):
@@ -445,7 +504,8 @@ def describe_lost(error, devices):
   how = (f"{', '.join(hung)} stopped answering (hung or stopped) and was killed; "
          if hung else "")
   return WorkerLost(f"lost {names}: {how}its server stopped answering during training "
-                    f"({type(error).__name__}: {str(error).splitlines()[0]})")
+                    f"({type(error).__name__}: {str(error).splitlines()[0]})",
+                    [(j, t, a) for j, t, a, _ in lost])
 
 
 # The watchdog's probes during training (`guard`): every `interval` s, each waiting `timeout`
@@ -587,7 +647,8 @@ def _go_to(place):
 def _launch(tasks, spec, errors, parent, places=None):
   """LocalCluster's launcher: forks a server per task (TensorFlow imported, no op run yet) and
   reports on stdout, a line each: `started JOB TASK PID`, `ready JOB TASK`, `exit JOB TASK
-  CODE`. Exits once every server has exited; they exit with it (parent-death signal).
+  CODE`; `start JOB TASK` on stdin forks a task's exited server again. Exits once every
+  server has exited and stdin is closed; they exit with it (parent-death signal).
   SIGTERM: it kills its servers (and starts no more), reaps them and exits."""
 
   def say(*words):
@@ -601,16 +662,14 @@ def _launch(tasks, spec, errors, parent, places=None):
       with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
 
-  signal.signal(signal.SIGTERM, stop)
-  for index, ((job, task), path) in enumerate(zip(tasks, errors)):
-    if stopping:
-      break
+  def fork(index):
+    job, task = tasks[index]
     pid = os.fork()
     if pid == 0:   # the server
       signal.signal(signal.SIGTERM, signal.SIG_DFL)
       code = 1
       try:
-        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), 2)
+        os.dup2(os.open(errors[index], os.O_WRONLY | os.O_APPEND), 2)
         sys.stderr = os.fdopen(2, "w", buffering=1)
         _watch_parent(os.getppid())
         if places:
@@ -626,11 +685,34 @@ def _launch(tasks, spec, errors, parent, places=None):
     say("started", job, task, pid)
     if stopping:   # SIGTERM came between the fork and the line above
       stop()
+
+  signal.signal(signal.SIGTERM, stop)
+  for index in range(len(tasks)):
+    if stopping:
+      break
+    fork(index)
   if parent is not None:   # only now: no other thread ran at the forks
     _watch_parent(parent)
-  while children:
-    pid, status = os.wait()
-    job, task = children.pop(pid, (None, None))
-    if job is not None:
-      say("exit", job, task, os.waitstatus_to_exitcode(status))
+  # Until its servers have exited and its input is closed: `start JOB TASK` on stdin forks
+  # that task's server again (`LocalCluster.restart`).
+  commands, listening = b"", True
+  while children or (listening and not stopping):
+    if listening and select.select([0], [], [], 0.2)[0]:
+      chunk = os.read(0, 4096)
+      listening, commands = bool(chunk), commands + chunk
+      while b"\n" in commands:
+        line, commands = commands.split(b"\n", 1)
+        words = line.decode().split()
+        key = (words[1], int(words[2])) if len(words) == 3 and words[0] == "start" else None
+        if key in tasks and key not in children.values() and not stopping:
+          fork(tasks.index(key))
+    elif not listening:
+      time.sleep(0.2)
+    while children:
+      pid, status = os.waitpid(-1, os.WNOHANG)
+      if pid == 0:
+        break
+      job, task = children.pop(pid, (None, None))
+      if job is not None:
+        say("exit", job, task, os.waitstatus_to_exitcode(status))
 

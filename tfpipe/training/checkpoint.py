@@ -112,13 +112,15 @@ class BackupAndRestore(keras.callbacks.Callback):
       raise ValueError(f"`every_epochs` must be a positive integer. Received: {every_epochs!r}")
     self.directory, self.every_epochs, self.max_to_keep = directory, every_epochs, max_to_keep
     self.pipeline = self.manager = None
+    self._programs = []
     self.restored_epoch = self.restored_path = self.restored_rate = None
 
   def attach(self, pipeline):
     """Binds the callback to the pipeline whose state it saves (called by `Pipeline.fit`)."""
-    if self.pipeline is pipeline:
+    if self.pipeline is pipeline and self._programs == [id(p) for p in pipeline.programs]:
       return
-    self.pipeline = pipeline
+    # A pipeline compiled again (after a restart: new stage variables) is bound again.
+    self.pipeline, self._programs = pipeline, [id(p) for p in pipeline.programs]
     with tf.device("/cpu:0"):
       self._epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="epochs_done")
       # The rate `model.optimizer` holds (a callback may have just set it, before the stages

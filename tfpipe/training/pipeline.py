@@ -24,6 +24,7 @@ from tfpipe.rules import joint
 from tfpipe.stage import assemble, keras_step as compile_utils, layer_profile
 from tfpipe.stage import partition as partition_lib, placement, reduction
 from tfpipe.training import checkpoint as checkpoint_lib, data, fit_data, fit_loop, learning_rate
+from tfpipe.training import restarts
 from tfpipe.training import preprocessing
 from tfpipe.training import auto as auto_lib, options as options_lib, summary as summary_lib
 
@@ -416,7 +417,8 @@ class Pipeline:
           class_weight: Optional[Mapping[int, float]] = None, sample_weight: Any = None,
           initial_epoch: int = 0, steps_per_epoch: Optional[int] = None,
           validation_steps: Optional[int] = None, validation_batch_size: Optional[int] = None,
-          validation_freq: int = 1, seed: Optional[int] = None) -> keras.callbacks.History:
+          validation_freq: int = 1, seed: Optional[int] = None, max_restarts: int = 0,
+          restart_timeout: float = 120.0) -> keras.callbacks.History:
     """Trains epochs `initial_epoch` .. `epochs`-1; returns a `keras.callbacks.History`.
 
     Takes `keras.Model.fit`'s arguments with their meaning (plus `seed`, the
@@ -435,8 +437,28 @@ class Pipeline:
     epoch's metrics and get no batch hooks).
     A `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the
     pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
+    `max_restarts`: with stages on TF servers, a lost task (`cluster.WorkerLost`)
+    is brought back up to this many times (`tfpipe.training.restarts`): a server
+    this process started starts again, another is waited for up to
+    `restart_timeout` seconds; the stages are built again and `fit` resumes from
+    the newest checkpoint. Each restart is logged in one line and listed in the
+    History's `restarts`.
     """
     self._check_compiled()
+    restarts.check(max_restarts, restart_timeout, callbacks, x)
+    return restarts.fit(self, lambda: self._fit_once(
+        x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data,
+        shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
+        validation_batch_size, validation_freq, seed), max_restarts, restart_timeout)
+
+  def recompile(self) -> None:
+    """Builds the stages again as last compiled (new variables on their devices: after a lost
+    task's server started again), the user's model's weights loaded at the next fit."""
+    self.compile(**self._compile_arguments)
+
+  def _fit_once(self, x, y, batch_size, epochs, verbose, callbacks, validation_split,
+                validation_data, shuffle, class_weight, sample_weight, initial_epoch,
+                steps_per_epoch, validation_steps, validation_batch_size, validation_freq, seed):
     # A KerasHub task's preprocessor: strings in, as task.fit takes them.
     validation_data = preprocessing.validation(self.model, validation_data,
                                                validation_batch_size or batch_size)

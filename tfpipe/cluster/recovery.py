@@ -1,0 +1,48 @@
+"""Lost tasks brought back: a server this process started starts again, another is waited for.
+
+`recover(lost, timeout)` takes a `WorkerLost` (its `tasks`): a task of a
+`LocalCluster` (or `EmulatedCluster`) this process runs is forked again by its
+launcher at its address (milliseconds: TensorFlow is already imported there);
+a task of a cluster someone else runs (`--cluster=tf_config`) is probed until it
+answers again, for at most `timeout` seconds. Then this program connects to the
+cluster again (the tasks' state of the old connection is gone: the caller builds
+its stages again).
+"""
+
+import time
+
+from tfpipe.cluster import liveness, servers
+
+__all__ = ["recover"]
+
+
+def _wait_for(job, task, address, timeout):
+  """Seconds until (job, task) answered a probe again; `WorkerLost` after `timeout`."""
+  start = time.monotonic()
+  state = "refused"
+  while time.monotonic() - start < timeout:
+    state = liveness.probe_all([(job, task, address)], min(2.0, timeout))[(job, task)]
+    if state == "ok":
+      return time.monotonic() - start
+    time.sleep(0.5)
+  raise servers.WorkerLost(
+      f"/job:{job}/task:{task} ({address}) did not answer again within {timeout:g} s "
+      f"({servers.describe_state(state)}); this process did not start its server, so it "
+      "cannot restart it: start it again (python -m tfpipe.cluster --spec=... --job=... "
+      "--task=...) and run again, or give a longer restart timeout",
+      [(job, task, address)])
+
+
+def recover(lost, timeout=120.0):
+  """Brings the tasks of `lost` back and connects again; returns what was done, in words."""
+  done = []
+  for job, task, address in lost.tasks:
+    local = servers.owner(job, task, address)
+    if local is not None:
+      local.restart(job, task, timeout)
+      done.append(f"/job:{job}/task:{task} started again")
+    else:
+      waited = _wait_for(job, task, address, timeout)
+      done.append(f"/job:{job}/task:{task} answered again after {waited:.1f} s")
+  servers.reconnect(timeout=min(timeout, 30.0))
+  return ", ".join(done)
