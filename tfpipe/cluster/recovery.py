@@ -16,7 +16,7 @@ from tfpipe.cluster import liveness, servers
 __all__ = ["recover"]
 
 
-def _wait_for(job, task, address, timeout):
+def _wait_for(job, task, address, timeout, restarted=False):
   """Seconds until (job, task) answered a probe again; `WorkerLost` after `timeout`."""
   start = time.monotonic()
   state = "refused"
@@ -25,24 +25,27 @@ def _wait_for(job, task, address, timeout):
     if state == "ok":
       return time.monotonic() - start
     time.sleep(0.5)
+  why = ("its server was started again but cannot be reached (is its link down?)" if restarted
+         else "this process did not start its server, so it cannot restart it: start it again "
+         "(python -m tfpipe.cluster --spec=... --job=... --task=...) and run again")
   raise servers.WorkerLost(
       f"/job:{job}/task:{task} ({address}) did not answer again within {timeout:g} s "
-      f"({servers.describe_state(state)}); this process did not start its server, so it "
-      "cannot restart it: start it again (python -m tfpipe.cluster --spec=... --job=... "
-      "--task=...) and run again, or give a longer restart timeout",
+      f"({servers.describe_state(state)}); {why}, or give a longer restart timeout",
       [(job, task, address)])
 
 
 def recover(lost, timeout=120.0):
-  """Brings the tasks of `lost` back and connects again; returns what was done, in words."""
+  """Brings the tasks of `lost` back and connects again; returns what was done, in words.
+  A task is waited for until this program reaches it, within `timeout` seconds, even when
+  its server was started again here: a link that is down delays both."""
   done = []
   for job, task, address in lost.tasks:
     local = servers.owner(job, task, address)
     if local is not None:
       local.restart(job, task, timeout)
-      done.append(f"/job:{job}/task:{task} started again")
-    else:
-      waited = _wait_for(job, task, address, timeout)
-      done.append(f"/job:{job}/task:{task} answered again after {waited:.1f} s")
+    waited = _wait_for(job, task, address, timeout, restarted=local is not None)
+    done.append(f"/job:{job}/task:{task} " + ("started again" if local is not None else
+                                              "answered again")
+                + (f", reached after {waited:.1f} s" if waited >= 1.0 else ""))
   servers.reconnect(timeout=min(timeout, 30.0))
   return ", ".join(done)
