@@ -98,6 +98,18 @@ def test_restarts_need_a_checkpoint_and_replayable_data():
   restarts.check(0, 60.0, [], None)   # no restarts: nothing asked
 
 
+def test_a_lost_task_this_process_did_not_start_is_waited_for_then_named():
+  from tfpipe.cluster import recovery
+  address = f"127.0.0.1:{cluster.free_port()}"   # nothing listens there
+  lost = cluster.WorkerLost("lost", [("worker", 7, address)])
+  start = time.monotonic()
+  with pytest.raises(cluster.WorkerLost, match=r"/job:worker/task:7 \(127\.0\.0\.1:\d+\) did "
+                     r"not answer again within 1 s .*this process did not start its server") as e:
+    recovery.recover(lost, timeout=1.0)
+  assert e.value.tasks == [("worker", 7, address)]
+  assert time.monotonic() - start >= 1.0   # it waited out the timeout before naming the task
+
+
 def _listening(port):
   """(table, local address) of the sockets listening on `port` (/proc/net/tcp, tcp6)."""
   found = []
