@@ -271,7 +271,8 @@ def main(argv):
     lines = [f"`python bench/faults.py --soak_minutes={FLAGS.soak_minutes:g} "
              f"--soak_every={FLAGS.soak_every:g} --link={FLAGS.link} --method={FLAGS.method} "
              f"--max_restarts={FLAGS.max_restarts}`",
-             "", f"- {epochs} epochs in {seconds / 60:.1f} min, exit code {code}",
+             "", f"- {epochs} epochs asked, {len(losses)} reported in {seconds / 60:.1f} min, "
+             f"exit code {code}",
              f"- faults injected: {', '.join(f'{f} at {t} s' for t, f in injected) or 'none'}",
              f"- restarts: {len(restarts)}", *[f"  - {r}" for r in restarts],
              f"- last epoch's loss {losses[-1:]} against the uninterrupted run's "
