@@ -147,7 +147,10 @@ def inject(fault, pid):
   """Injects `fault` into host h1 of the trainer `pid`; returns when it is in place (a link
   brought down comes back up on its own, in a thread)."""
   if fault in ("kill", "stop"):
-    for server in _pids_in(_netns_of(pid, "h1")):
+    servers = _pids_in(_netns_of(pid, "h1"))
+    if not servers:   # killed earlier and not started again yet: nothing to hit
+      raise OSError("no server runs on h1")
+    for server in servers:
       os.kill(server, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     return
   seconds = int(fault[len("down"):])

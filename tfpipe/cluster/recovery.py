@@ -16,11 +16,12 @@ from tfpipe.cluster import liveness, servers
 __all__ = ["recover"]
 
 
-def _wait_for(job, task, address, timeout, restarted=False):
-  """Seconds until (job, task) answered a probe again; `WorkerLost` after `timeout`."""
+def _wait_for(job, task, address, deadline, timeout, restarted=False):
+  """Seconds until (job, task) answered a probe again; `WorkerLost` at `deadline` (the end of
+  the restart's `timeout`)."""
   start = time.monotonic()
   state = "refused"
-  while time.monotonic() - start < timeout:
+  while time.monotonic() < deadline:
     state = liveness.probe_all([(job, task, address)], min(2.0, timeout))[(job, task)]
     if state == "ok":
       return time.monotonic() - start
@@ -38,12 +39,13 @@ def recover(lost, timeout=120.0):
   """Brings the tasks of `lost` back and connects again; returns what was done, in words.
   A task is waited for until this program reaches it, within `timeout` seconds, even when
   its server was started again here: a link that is down delays both."""
-  done = []
+  done, deadline = [], time.monotonic() + timeout
   for job, task, address in lost.tasks:
     local = servers.owner(job, task, address)
     if local is not None:
       local.restart(job, task, timeout)
-    waited = _wait_for(job, task, address, timeout, restarted=local is not None)
+    # One budget for the restart and the wait: never twice `timeout`.
+    waited = _wait_for(job, task, address, deadline, timeout, restarted=local is not None)
     done.append(f"/job:{job}/task:{task} " + ("started again" if local is not None else
                                               "answered again")
                 + (f", reached after {waited:.1f} s" if waited >= 1.0 else ""))
