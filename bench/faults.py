@@ -54,7 +54,8 @@ flags.DEFINE_float("soak_every", 120.0, "seconds between the soak's faults (on a
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
-_NAMED = re.compile(r"^tfpipe: (lost|restart)|lost /job:|Error", re.M)
+# A restart inside the training process, or one of the whole process by the trainer's agent.
+RESTART = r"^tfpipe: (?:process )?restart .*$"
 
 
 class Run:
@@ -89,8 +90,12 @@ class Run:
     try:
       self.process.wait(timeout)
     except subprocess.TimeoutExpired:
-      self.process.kill()
-      self.process.wait()
+      self.process.terminate()   # the trainer cleans up (its agent tells the training process)
+      try:
+        self.process.wait(30)
+      except subprocess.TimeoutExpired:
+        self.process.kill()
+        self.process.wait()
     for reader in self._readers:
       reader.join(5)
     return self.process.returncode
@@ -107,10 +112,24 @@ def _argv(checkpoints, epochs):
           "--throughput_window="]
 
 
+def _trainers(pid):
+  """`pid` and its children: with --max_restarts the trainer is an agent, and its child (a
+  new one after each process restart) trains."""
+  found = [pid]
+  for path in glob.glob(f"/proc/{pid}/task/*/children"):
+    with contextlib.suppress(OSError):
+      with open(path) as f:
+        found += [int(child) for child in f.read().split()]
+  return found
+
+
 def _netns_of(pid, host):
   """The name of emulated host `host` ("h1", "hub") of the trainer with `pid`, or None."""
-  found = glob.glob(f"/var/run/netns/tfpipe-{pid}-*-{host}")
-  return os.path.basename(found[0]) if found else None
+  for candidate in _trainers(pid):
+    found = glob.glob(f"/var/run/netns/tfpipe-{candidate}-*-{host}")
+    if found:
+      return os.path.basename(found[0])
+  return None
 
 
 def _pids_in(netns):
@@ -194,9 +213,9 @@ def one(fault, reference):
               "", ""]
     start = time.monotonic()
     inject(fault, run.process.pid)
-    named = run.wait_for(r"^tfpipe: (lost|restart)|^error|lost /job:", 120)
+    named = run.wait_for(r"^tfpipe: (lost|restart|process restart)|^error|lost /job:", 120)
     code = run.finish(900)
-    restarts = re.findall(r"^tfpipe: restart (\d+)", run.text("err"), re.M)
+    restarts = re.findall(RESTART, run.text("err"), re.M)
     losses = _losses(run.text("out"))
     if code != 0:
       outcome = f"ended with an error (exit {code}): " + run.text("err").splitlines()[-1][:160]
@@ -270,7 +289,7 @@ def main(argv):
       reference.finish(7200)
     left = leftovers(before)
     expected, losses = _losses(reference.text("out")), _losses(run.text("out"))
-    restarts = re.findall(r"^tfpipe: restart .*$", run.text("err"), re.M)
+    restarts = [m.group(0) for m in re.finditer(RESTART, run.text("err"), re.M)]
     lines = [f"`python bench/faults.py --soak_minutes={FLAGS.soak_minutes:g} "
              f"--soak_every={FLAGS.soak_every:g} --link={FLAGS.link} --method={FLAGS.method} "
              f"--max_restarts={FLAGS.max_restarts}`",

@@ -14,6 +14,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfpipe  # noqa: E402
@@ -157,17 +158,20 @@ def restarts(local, directory):
   """A 1f1b pipeline on two servers, worker 1 killed in epoch 1 and frozen in epoch 2, with
   max_restarts=2, against the same training uninterrupted on this process's devices."""
   x, y = helpers.as_arrays(helpers.batches(12))
-  fit = dict(batch_size=16, epochs=3, shuffle=True, seed=1, verbose=0)
+  # A dataset that reshuffles each iteration, built by a function: `fit` builds it again for
+  # each attempt, so a restart replays the order of the uninterrupted run.
+  data = lambda: (tf.data.Dataset.from_tensor_slices((x, y))
+                  .shuffle(len(x), seed=1, reshuffle_each_iteration=True).batch(16))
 
-  def trained(devices, **extra):
-    keras.utils.set_random_seed(0)
+  def trained(devices, function, **extra):
+    keras.utils.set_random_seed(0)   # the shuffle's seed is (global seed, 1)
     pipe = tfpipe.Pipeline(helpers.mlp(), devices=devices, method="1f1b", micro_batches=2)
     pipe.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy())
-    return pipe, pipe.fit(x, y, **fit, **extra)
+    return pipe, pipe.fit(data if function else data(), epochs=3, verbose=0, **extra)
 
-  here, expected = trained(tfpipe.default_devices()[:2])
+  here, expected = trained(tfpipe.default_devices()[:2], False)
   faults = _Faults(local, [(1, 5, "kill"), (2, 3, "stop")])
-  remote, history = trained(cluster.task_devices(local.spec), max_restarts=2,
+  remote, history = trained(cluster.task_devices(local.spec), True, max_restarts=2,
                             callbacks=[checkpoint.BackupAndRestore(directory), faults])
   scale = max(float(np.max(np.abs(w))) for w in here.model.get_weights())
   gap = max(float(np.max(np.abs(a - b)))

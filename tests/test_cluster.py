@@ -84,7 +84,7 @@ def test_lost_workers_are_restarted_and_training_ends_as_if_uninterrupted(tmp_pa
   assert result["relative_gap"] < 1e-6
 
 
-def test_restarts_need_a_checkpoint_and_replayable_data():
+def test_restarts_need_a_checkpoint_and_replayable_data_or_a_function_that_builds_it():
   from tfpipe.training import restarts
   with pytest.raises(ValueError, match="max_restarts=2 resumes from the newest checkpoint"):
     restarts.check(2, 60.0, [], np.zeros((4, 8)))
@@ -96,6 +96,13 @@ def test_restarts_need_a_checkpoint_and_replayable_data():
   with pytest.raises(ValueError, match="`restart_timeout` must be a positive number"):
     restarts.check(1, 0, saver, None)
   restarts.check(0, 60.0, [], None)   # no restarts: nothing asked
+  # A function that builds the data is called for each attempt: even a generator replays.
+  restarts.check(1, 60.0, saver, lambda: (b for b in helpers.batches(2)))
+  assert restarts.made(lambda: "built") == "built" and restarts.made("data") == "data"
+  with pytest.raises(ValueError, match="so `y` must be None. Received: y of type ndarray"):
+    restarts.check(0, 60.0, [], lambda: None, np.zeros(4))
+  with pytest.raises(ValueError, match="it returned None, not data"):
+    restarts.made(lambda: None)
 
 
 def test_a_lost_task_this_process_did_not_start_is_waited_for_then_named():

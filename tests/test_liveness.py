@@ -158,3 +158,4 @@ def test_asgd_refuses_a_cluster_whose_servers_do_not_answer(servers):
                      r"nothing listens there"):
     tfpipe.create(helpers.mlp(), "asgd", spec={"worker": [silent.address],
                                                "ps": [_dead_address()]})
+

@@ -616,3 +616,18 @@ def test_a_run_is_quiet_by_default_and_counts_stages_as_its_summary_does(tmp_pat
           in result.stdout)
   assert re.search(r"^stages\s+4 on 2 devices$", result.stdout, re.M)
   assert "throughput" not in result.stdout   # 6 steps never reach the default window
+
+
+def test_after_a_restart_the_trainer_reads_a_new_dataset_in_the_uninterrupted_order():
+  # The same dataset iterated again in this process would shuffle on; one built again
+  # (the attempt after a restart) gives the order of an uninterrupted run.
+  import keras
+  keras.utils.set_random_seed(3)
+  config = config_lib.TrainConfig(dataset="digits", batch_size=64, seed=3)
+  first = datasets.load(config).train
+  attempts = main._attempts(first, config)
+  assert attempts() is first
+  labels = lambda dataset: np.concatenate([y.numpy() for _, y in dataset])
+  order = labels(first)
+  assert not np.array_equal(labels(first), order)   # iterated again: another order
+  np.testing.assert_array_equal(labels(attempts()), order)

@@ -147,7 +147,8 @@ def define_flags():
                        "pipelines on TF servers: bring a lost task back (its server started "
                        "again when this trainer started it, else waited for up to "
                        "--cluster_timeout s) up to this many times and resume from the newest "
-                       "checkpoint in --checkpoint_dir")
+                       "checkpoint in --checkpoint_dir; the training runs in a process of its "
+                       "own, started again when it must leave to get past a lost task")
   flags.DEFINE_bool("stop_on_nan", True,
                     "stop (exit code 4) when an epoch's loss is not finite, before saving it; "
                     "--nostop_on_nan trains on (a non-finite epoch is still never saved)")

@@ -251,6 +251,7 @@ def _train(config, tools, spec=None):
     train, fit_options = (data.train.repeat() if config.steps else data.train), {}
   if config.max_restarts:
     fit_options.update(max_restarts=config.max_restarts, restart_timeout=config.cluster_timeout)
+    train = _attempts(train, config)
   saver = checkpoint_callback(config)
   guard = report.StopOnNonFinite() if config.stop_on_nan else None
   history = trainer.fit(*(train if isinstance(train, tuple) else (train,)), **fit_options,
@@ -275,6 +276,21 @@ def _train(config, tools, spec=None):
     lines.append(f"restarts: {len(restarts)} of at most {config.max_restarts}"
                  + "".join(f"\n  {line}" for line in restarts))
   return history.history, trainer, lines
+
+
+def _attempts(first, config):
+  """The training data as a function `fit` calls for each attempt: `first`, then a dataset
+  built again after a restart, whose reshuffling replays an uninterrupted run's order (the
+  same dataset, iterated again in this process, would shuffle on from where it was)."""
+  from trainers import datasets
+  built = [first]
+
+  def train():
+    if built:
+      return built.pop()
+    fresh = datasets.load(config).train
+    return fresh.repeat() if config.steps else fresh
+  return train
 
 
 def _check_layout(config):
@@ -381,13 +397,21 @@ def _help():
 def main(argv):
   """The process's entry after absl parsed the flags: `command` with the SIGINT watcher;
   exits at once after a run that started TF servers."""
+  values = trainer_flags.FLAGS
+  if values.max_restarts:
+    from tfpipe.cluster import agent
+    if agent.SUPERVISED not in os.environ:
+      # This process is the agent: the training runs in a process of its own, started again
+      # if it has to leave to get past a lost task (`tfpipe.cluster.agent`).
+      return agent.supervise([sys.executable, "-m", "trainers.main", *sys.argv[1:]],
+                             values.max_restarts)
+    values.max_restarts = int(os.environ[agent.REMAINING])   # the agent's restarts count too
   interrupts.exit_on_interrupt(INTERRUPTED)
   if not trainer_flags.FLAGS["verbosity"].present:
     # absl logs at INFO under app.run; TensorFlow's INFO lines (one per checkpoint save, per
     # traced cross-device reduction, ...) are not the trainer's to show unless asked.
     absl_logging.set_verbosity(absl_logging.WARNING)
   code = command(argv)
-  values = trainer_flags.FLAGS
   if code == 0 and (_parameter_servers(values.method)
                     or (values.cluster or "").startswith(("local:", "emulated:"))):
     # The servers this run started are gone; TensorFlow's teardown would try to reach them.

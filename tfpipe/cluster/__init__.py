@@ -13,9 +13,9 @@ from tfpipe.cluster.servers import (
     client_address, route_address, CLIENT_JOB,
     from_tf_config, task_devices, check_devices, unreachable_tasks, describe_lost,
     describe_state, guard, watch, check_answering, set_liveness, LIVENESS, EXIT_LOST, reconnect,
-    owner)
+    owner, remove_leftover_files)
 
 from tfpipe.cluster.emulated import EmulatedCluster
 from tfpipe.cluster.emulation import EmulationUnavailable
 
-__all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec", "note_connected", "from_tf_config", "task_devices", "check_devices", "unreachable_tasks", "describe_lost", "describe_state", "guard", "watch", "check_answering", "set_liveness", "LIVENESS", "EXIT_LOST", "reconnect", "owner", "client_address", "route_address", "CLIENT_JOB", "EmulatedCluster", "EmulationUnavailable"]
+__all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec", "note_connected", "from_tf_config", "task_devices", "check_devices", "unreachable_tasks", "describe_lost", "describe_state", "guard", "watch", "check_answering", "set_liveness", "LIVENESS", "EXIT_LOST", "reconnect", "owner", "remove_leftover_files", "client_address", "route_address", "CLIENT_JOB", "EmulatedCluster", "EmulationUnavailable"]

@@ -15,7 +15,8 @@ The machine's own interfaces and routes are never touched.
 
 Built on pyroute2 (netlink), as root. `close()` (or leaving the `with`
 block) removes everything; a run that was killed leaves namespaces and
-groups whose PID is gone, and the next `Network` removes them first.
+groups whose PID is gone, and the next `Network` removes them first; one that
+leaves at once (`tfpipe.cluster.exits`) removes its own first.
 `counters()` reads the bytes each host sent and received, from its link.
 """
 
@@ -28,7 +29,7 @@ import re
 import signal
 import subprocess
 
-from tfpipe.cluster import cgroups, links
+from tfpipe.cluster import cgroups, exits, links, liveness
 
 __all__ = ["Network", "Host", "EmulationUnavailable", "enter", "remove_leftovers", "hub_counters",
            "SUBNET", "PREFIX"]
@@ -92,16 +93,6 @@ def enter(netns):
     os.close(fd)
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def remove_leftovers():
   """Removes the namespaces and control groups of runs whose process is gone (a killed run);
   returns their names."""
@@ -109,12 +100,12 @@ def remove_leftovers():
   removed = []
   for name in sorted(netns.listnetns()):
     match = _NAME.match(name)
-    if match and not _alive(int(match.group(1))):
+    if match and not liveness.process_alive(int(match.group(1))):
       netns.remove(name)
       removed.append(name)
   for name in cgroups.names(PREFIX):
     match = _NAME.match(name)
-    if match and not _alive(int(match.group(1))):
+    if match and not liveness.process_alive(int(match.group(1))):
       cgroups.remove_named(name)
       removed.append(name)
   return removed
@@ -144,6 +135,7 @@ class Network:
     self.run = f"{PREFIX}{os.getpid()}-{next(_SEQUENCE)}"
     self.hub = f"{self.run}-hub"
     self.hosts, self.client, self._made = [], None, []
+    exits.register(self.close)   # also when the process must leave at once
     try:
       self._build(hosts, memory, cpus)
     except BaseException:
@@ -226,6 +218,7 @@ class Network:
       with contextlib.suppress(OSError, FileNotFoundError):
         netns.remove(space)
     self._made = []
+    exits.unregister(self.close)
 
 
 def hub_counters(hub):

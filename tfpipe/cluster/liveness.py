@@ -128,6 +128,17 @@ class Watchdog:
         return
 
 
+def process_alive(pid):
+  """Whether process `pid` exists (another user's counts)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
 def await_tasks(tasks, timeout, parent):
   """Waits until every task of `tasks` [(job, task, address)] has answered a probe once; if
   some have not within `timeout` seconds, names them on stderr and terminates process

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -34,7 +35,7 @@ import warnings
 
 import tensorflow as tf
 
-from tfpipe.cluster import bind, emulation, liveness
+from tfpipe.cluster import bind, emulation, exits, liveness
 from tfpipe.runtime import iterators
 
 __all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec", "note_connected",
@@ -92,6 +93,7 @@ class LocalCluster:
       raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
       raise ValueError(f"`timeout` must be a number of seconds > 0. Received: {timeout!r}")
+    remove_leftover_files()   # of runs that were killed
     self.processes, self._errors, self._places = {}, {}, places
     if places is not None:   # a host each (`tfpipe.cluster.emulated`): every port is free there
       attempts = 1
@@ -111,6 +113,7 @@ class LocalCluster:
         self.stop()
         raise
     _LOCAL.append(self)
+    exits.register(self.stop)   # also when the process must leave at once
 
   def _start(self, timeout):
     """One launcher process imports TensorFlow once and forks a server per task (each import
@@ -125,7 +128,7 @@ class LocalCluster:
     tasks = [(job, task) for job, addresses in self.spec.items() for task in range(len(addresses))]
     self.processes, self._errors = {}, {}
     for key in tasks + [None]:   # None: the launcher's own errors
-      self._errors[key] = tempfile.NamedTemporaryFile(mode="w+", prefix="tfpipe-server-")
+      self._errors[key] = tempfile.NamedTemporaryFile(mode="w+", prefix=_files_prefix())
     self._launcher = subprocess.Popen(
         [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
          f"--tasks={','.join(f'{j}:{t}' for j, t in tasks)}", f"--parent={os.getpid()}",
@@ -274,6 +277,26 @@ class LocalCluster:
     self._errors = {}
     if self in _LOCAL:
       _LOCAL.remove(self)
+    exits.unregister(self.stop)
+
+
+def _files_prefix(pid=None):
+  """The prefix of the error files of this process's servers (`pid`'s)."""
+  return f"tfpipe-server-{os.getpid() if pid is None else pid}-"
+
+
+def remove_leftover_files():
+  """Removes the servers' error files of processes that are gone (a killed run); returns
+  their paths."""
+  removed, pattern = [], re.compile(r"^tfpipe-server-(\d+)-")
+  folder = tempfile.gettempdir()
+  for name in sorted(os.listdir(folder)):
+    match = pattern.match(name)
+    if match and not liveness.process_alive(int(match.group(1))):
+      with contextlib.suppress(OSError):
+        os.remove(os.path.join(folder, name))
+        removed.append(os.path.join(folder, name))
+  return removed
 
 
 def _place(host):
@@ -556,9 +579,8 @@ def watch(tasks, interval=1.0, timeout=2.0, misses=2):
       for process in owned:
         process.kill()
       return
-    print("tfpipe: a remote call waits on it and cannot be cancelled: exiting with status "
-          f"{EXIT_LOST}", file=sys.stderr, flush=True)
-    os._exit(EXIT_LOST)
+    exits.exit_now(EXIT_LOST, "tfpipe: a remote call waits on it and cannot be cancelled: "
+                   f"exiting with status {EXIT_LOST}")
 
   with liveness.Watchdog(tasks, on_lost, interval, timeout, misses) as watchdog:
     yield watchdog

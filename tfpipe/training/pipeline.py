@@ -442,12 +442,14 @@ class Pipeline:
     this process started starts again, another is waited for up to
     `restart_timeout` seconds; the stages are built again and `fit` resumes from
     the newest checkpoint. Each restart is logged in one line and listed in the
-    History's `restarts`.
+    History's `restarts`. `x` may also be a function that builds the data
+    (`y` None): it is called for each attempt, so a dataset that reshuffles
+    each iteration replays an uninterrupted run's order after a restart.
     """
     self._check_compiled()
-    restarts.check(max_restarts, restart_timeout, callbacks, x)
+    restarts.check(max_restarts, restart_timeout, callbacks, x, y)
     return restarts.fit(self, lambda: self._fit_once(
-        x, y, batch_size, epochs, verbose, callbacks, validation_split, validation_data,
+        restarts.made(x), y, batch_size, epochs, verbose, callbacks, validation_split, validation_data,
         shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
         validation_batch_size, validation_freq, seed), max_restarts, restart_timeout)
 

@@ -7,8 +7,14 @@ process started starts again; another is waited for), builds the stages again
 on the new servers (`Pipeline.recompile`) and resumes from the newest checkpoint
 of its `BackupAndRestore` callback, as a new process would: epochs after that
 checkpoint are trained again, from the data position the checkpoint records,
-so a synchronous method ends with the weights of an uninterrupted run. Each
-restart is one line on stderr and one entry of `history.restarts`; the History
+so a synchronous method ends with the weights of an uninterrupted run. A
+`tf.data.Dataset` that reshuffles each iteration cannot give an earlier epoch's
+order again in the same process (each iterator advances its shuffle seed), so
+`x` may be a function that builds the data: `fit` calls it for each attempt, and
+a restart then reads the order of an uninterrupted run (`made`). Each
+restart is one line on stderr and one entry of `history.restarts`; one that
+does not finish within `restart_timeout` + `RECOMPILE_SECONDS` (a task lost
+again while the stages are built) exits with status 3, cleaning up first; the History
 holds every epoch, those before the last restore from the earlier attempts.
 """
 
@@ -18,14 +24,21 @@ import time
 import keras
 
 from tfpipe import cluster
-from tfpipe.cluster import recovery
+from tfpipe.cluster import exits, recovery
 from tfpipe.training import checkpoint as checkpoint_lib, data
 
-__all__ = ["check", "fit"]
+__all__ = ["check", "fit", "made", "RECOMPILE_SECONDS"]
+
+# A restart may take `restart_timeout` to bring the task back, and this long more to connect
+# again and build the stages; past that, the process exits with status 3 (`exits.deadline`).
+RECOMPILE_SECONDS = 60.0
 
 
-def check(max_restarts, timeout, callbacks, x):
+def check(max_restarts, timeout, callbacks, x, y=None):
   """Refuses, in one line, restarts that could lose work or cannot replay the data."""
+  if callable(x) and y is not None:
+    raise ValueError("`x` is a function that builds the data (a dataset of (inputs, targets)), "
+                     f"so `y` must be None. Received: y of type {type(y).__name__}")
   if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
     raise ValueError(f"`max_restarts` must be an integer >= 0. Received: {max_restarts!r}")
   if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -38,10 +51,21 @@ def check(max_restarts, timeout, callbacks, x):
     raise ValueError(f"max_restarts={max_restarts} resumes from the newest checkpoint: pass "
                      "tfpipe.checkpoint.BackupAndRestore(directory) (or "
                      "keras.callbacks.BackupAndRestore) among the callbacks")
-  if data.is_iterable_data(x):
+  if data.is_iterable_data(x) and not callable(x):
     raise ValueError(f"max_restarts={max_restarts} reads the data again from the checkpoint's "
                      f"epoch, which a {type(x).__name__} cannot give twice: pass arrays or a "
                      "tf.data.Dataset")
+
+
+def made(x):
+  """The data of one attempt of `fit`: `x`, or what `x()` builds when `x` is a function."""
+  if not callable(x):
+    return x
+  built = x()
+  if built is None or callable(built):
+    raise ValueError("`x` is a function, which `fit` calls for the data of each attempt; it "
+                     f"returned {built!r}, not data (a tf.data.Dataset, arrays, a generator)")
+  return built
 
 
 def _merged(earlier, history):
@@ -70,8 +94,16 @@ def fit(pipe, attempt, max_restarts, timeout):
       partial = pipe.model.history   # this attempt's epochs, if it finished any
       if isinstance(partial, keras.callbacks.History):
         earlier = _merged(earlier, partial)
-      done = recovery.recover(lost, timeout)
-      pipe.recompile()
+      # A task that stops answering while this program connects again or builds its stages
+      # holds a call that cannot be taken back: past the deadline the process exits, cleanly.
+      with exits.deadline(timeout + RECOMPILE_SECONDS, cluster.EXIT_LOST,
+                          f"tfpipe: restart {len(lines) + 1} of {max_restarts} did not finish "
+                          f"within {timeout + RECOMPILE_SECONDS:g} s (a task stopped answering "
+                          "while this program connected again or built its stages); the "
+                          "checkpoints are kept: run again to resume. Exiting with status "
+                          f"{cluster.EXIT_LOST}"):
+        done = recovery.recover(lost, timeout)
+        pipe.recompile()
       names = ", ".join(f"/job:{job}/task:{task}" for job, task, _ in lost.tasks)
       lines.append(f"restart {len(lines) + 1} of {max_restarts}: lost {names}; {done}, "
                    f"stages built again in {time.monotonic() - start:.1f} s; resuming from the "
