@@ -145,6 +145,9 @@ class _Faults(keras.callbacks.Callback):
   def on_epoch_begin(self, epoch, logs=None):
     self.epoch = epoch
 
+  def on_epoch_end(self, epoch, logs=None):
+    self.on_train_batch_end("end")   # before the checkpoint callback saves the epoch
+
   def on_train_batch_end(self, batch, logs=None):
     for fault in list(self.faults):
       if fault[:2] == (self.epoch, batch):
@@ -155,8 +158,9 @@ class _Faults(keras.callbacks.Callback):
 
 
 def restarts(local, directory):
-  """A 1f1b pipeline on two servers, worker 1 killed in epoch 1 and frozen in epoch 2, with
-  max_restarts=2, against the same training uninterrupted on this process's devices."""
+  """A 1f1b pipeline on two servers, worker 1 killed at the end of epoch 0 (before its
+  checkpoint) and in epoch 1, frozen in epoch 2, with max_restarts=3, against the same
+  training uninterrupted on this process's devices."""
   x, y = helpers.as_arrays(helpers.batches(12))
   # A dataset that reshuffles each iteration, built by a function: `fit` builds it again for
   # each attempt, so a restart replays the order of the uninterrupted run.
@@ -170,9 +174,9 @@ def restarts(local, directory):
     return pipe, pipe.fit(data if function else data(), epochs=3, verbose=0, **extra)
 
   here, expected = trained(tfpipe.default_devices()[:2], False)
-  faults = _Faults(local, [(1, 5, "kill"), (2, 3, "stop")])
-  remote, history = trained(cluster.task_devices(local.spec), True, max_restarts=2,
-                            callbacks=[checkpoint.BackupAndRestore(directory), faults])
+  faults = _Faults(local, [(0, "end", "kill"), (1, 5, "kill"), (2, 3, "stop")])
+  remote, history = trained(cluster.task_devices(local.spec), True, max_restarts=3,
+                            callbacks=[faults, checkpoint.BackupAndRestore(directory)])
   scale = max(float(np.max(np.abs(w))) for w in here.model.get_weights())
   gap = max(float(np.max(np.abs(a - b)))
             for a, b in zip(remote.model.get_weights(), here.model.get_weights()))

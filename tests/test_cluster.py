@@ -73,12 +73,17 @@ def test_a_hung_worker_is_named_within_seconds_and_training_stops():
 
 
 def test_lost_workers_are_restarted_and_training_ends_as_if_uninterrupted(tmp_path):
-  # Worker 1 killed (kill -9) in epoch 1, frozen (SIGSTOP) in epoch 2; max_restarts=2.
+  # Worker 1 killed (kill -9) at the end of epoch 0 before its checkpoint and in epoch 1,
+  # frozen (SIGSTOP) in epoch 2; max_restarts=3; the data a reshuffling dataset.
   result = _scenario("restarts", str(tmp_path))
   assert result["faults_left"] == 0
   assert [line.split(";")[0] for line in result["restarts"]] == [
-      "restart 1 of 2: lost /job:worker/task:1", "restart 2 of 2: lost /job:worker/task:1"]
+      f"restart {n} of 3: lost /job:worker/task:1" for n in (1, 2, 3)]
   assert all("/job:worker/task:1 started again" in line for line in result["restarts"])
+  assert result["restarts"][0].endswith(
+      "no checkpoint yet: starting again from the weights fit started from")
+  assert all(line.endswith("resuming from the newest checkpoint")
+             for line in result["restarts"][1:])
   assert result["epochs"] == [0, 1, 2]
   np.testing.assert_allclose(result["losses"], result["expected"], rtol=1e-6)
   assert result["relative_gap"] < 1e-6

@@ -451,7 +451,7 @@ class Pipeline:
     return restarts.fit(self, lambda: self._fit_once(
         restarts.made(x), y, batch_size, epochs, verbose, callbacks, validation_split, validation_data,
         shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
-        validation_batch_size, validation_freq, seed), max_restarts, restart_timeout)
+        validation_batch_size, validation_freq, seed), max_restarts, restart_timeout, callbacks)
 
   def recompile(self) -> None:
     """Builds the stages again as last compiled (new variables on their devices: after a lost

@@ -7,7 +7,8 @@ process started starts again; another is waited for), builds the stages again
 on the new servers (`Pipeline.recompile`) and resumes from the newest checkpoint
 of its `BackupAndRestore` callback, as a new process would: epochs after that
 checkpoint are trained again, from the data position the checkpoint records,
-so a synchronous method ends with the weights of an uninterrupted run. A
+so a synchronous method ends with the weights of an uninterrupted run (before
+the first checkpoint, from the weights `fit` started from, kept here). A
 `tf.data.Dataset` that reshuffles each iteration cannot give an earlier epoch's
 order again in the same process (each iterator advances its shuffle seed), so
 `x` may be a function that builds the data: `fit` calls it for each attempt, and
@@ -80,9 +81,21 @@ def _merged(earlier, history):
   return history
 
 
-def fit(pipe, attempt, max_restarts, timeout):
+def _checkpointed(callbacks):
+  """Whether the checkpoint callback among `callbacks` has written a checkpoint yet."""
+  for cb in callbacks or []:
+    directory = getattr(cb, "directory", None) or getattr(cb, "backup_dir", None)
+    if isinstance(cb, (checkpoint_lib.BackupAndRestore, keras.callbacks.BackupAndRestore)):
+      return bool(checkpoint_lib.intact_checkpoints(directory))
+  return False
+
+
+def fit(pipe, attempt, max_restarts, timeout, callbacks=None):
   """Runs `attempt()` (one `fit`), bringing lost tasks back up to `max_restarts` times."""
   lines, earlier = [], None
+  # A task lost before the first checkpoint is written: training starts again from the
+  # weights `fit` started from (the model holds newer ones from each epoch's end).
+  initial = pipe.model.get_weights() if max_restarts else None
   while True:
     pipe.model.history = None   # Keras's History sets it at each epoch's end
     try:
@@ -104,10 +117,13 @@ def fit(pipe, attempt, max_restarts, timeout):
                           f"{cluster.EXIT_LOST}"):
         done = recovery.recover(lost, timeout)
         pipe.recompile()
+      resume = "resuming from the newest checkpoint"
+      if not _checkpointed(callbacks):
+        pipe.model.set_weights(initial)
+        resume = "no checkpoint yet: starting again from the weights fit started from"
       names = ", ".join(f"/job:{job}/task:{task}" for job, task, _ in lost.tasks)
       lines.append(f"restart {len(lines) + 1} of {max_restarts}: lost {names}; {done}, "
-                   f"stages built again in {time.monotonic() - start:.1f} s; resuming from the "
-                   "newest checkpoint")
+                   f"stages built again in {time.monotonic() - start:.1f} s; {resume}")
       print(f"tfpipe: {lines[-1]}", file=sys.stderr, flush=True)
       continue
     history = _merged(earlier, history)
