@@ -291,3 +291,10 @@ def test_time_to_accuracy_counts_epochs_to_the_target_and_seconds_from_the_timed
                f"--results_dir={tmp_path}")
   row = next(line for line in out.splitlines() if line.startswith("| classes | 4 |"))
   assert row.split("|")[3].strip() == "**3.2**" and "timings, 1-3 each)" in out
+
+
+def test_memory_fit_refuses_a_cap_it_cannot_read():
+  result = zygote.run([os.path.join("bench", "memory_fit.py"), "--cap=lots"])
+  assert result.returncode != 0
+  assert "--cap must be a number of bytes > 0, optionally with k, m or g. Received: 'lots'" in (
+      result.stderr)

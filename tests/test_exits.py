@@ -63,6 +63,7 @@ def _program(tmp_path, codes):
           "open(path, 'w').write(str(runs + 1))\n"
           "print('left', os.environ['TFPIPE_MAX_RESTARTS'], file=sys.stderr)\n"
           "code = codes[runs]\n"
+          "if code == -9:\n  os.kill(os.getpid(), 9)\n"
           "if code == 'inner':\n"
           "  print('tfpipe: restart 1 of 9: lost /job:worker/task:1', file=sys.stderr)\n"
           "  code = 3\n"
@@ -87,6 +88,7 @@ def test_the_agent_starts_a_program_that_left_with_status_3_again_until_it_succe
     (["inner", 3], 1, 1, 3),     # its restart inside used the one allowed
     ([4, 0], 5, 1, 4),           # another status ends it: not a lost task
     ([3, 0], 0, 1, 3),           # no restarts asked
+    ([-9, 0], 2, 1, 137),        # killed (os.kill(os.getpid(), 9)): as a shell says it
 ])
 def test_the_agent_stops_at_max_restarts_or_another_status(tmp_path, codes, limit, runs, code):
   argv, count = _program(tmp_path, codes)

@@ -51,7 +51,8 @@ def _clean_up():
 
 def supervise(argv, max_restarts, env=None):
   """Runs `argv` until it exits with a status other than `EXIT_LOST` or has restarted
-  `max_restarts` times (inside it or here); returns its last exit status."""
+  `max_restarts` times (inside it or here); returns its last exit status (128 + N when
+  signal N ended it)."""
   if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
     raise ValueError(f"`max_restarts` must be an integer >= 0. Received: {max_restarts!r}")
   counted, restarts, current = [], 0, {}
@@ -77,7 +78,7 @@ def supervise(argv, max_restarts, env=None):
       _clean_up()
       left = max_restarts - restarts - len(counted)
       if code != servers.EXIT_LOST or left <= 0:
-        return code
+        return 128 - code if code < 0 else code   # killed by a signal: as a shell says it
       restarts += 1
       print(f"tfpipe: process restart {restarts} ({restarts + len(counted)} of {max_restarts} "
             f"restarts): the program exited with status {code} (a lost task it could not "
