@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from tests import zygote
 from tfpipe.cluster import agent, servers as cluster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _exit_scenario(tmp_path, body):
@@ -20,9 +20,7 @@ def _exit_scenario(tmp_path, body):
   code = ("import time\nfrom tfpipe.cluster import exits\n"
           f"def clean():\n  open({str(marker)!r}, 'w').write('yes')\n"
           "exits.register(clean)\n" + body)
-  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        timeout=60, env={"PYTHONPATH": ".", "TF_CPP_MIN_LOG_LEVEL": "3"},
-                        cwd=ROOT)
+  done = zygote.run(["-c", code], timeout=60)
   return done.returncode, done.stderr, marker.exists()
 
 
@@ -114,8 +112,7 @@ def test_sigterm_exits_after_the_cleanups_and_a_forks_sigterm_leaves_this_proces
           "os.kill(pid, signal.SIGTERM)\n_, status = os.waitpid(pid, 0)\ntime.sleep(0.5)\n"
           "print('alive', os.getpid(), os.WTERMSIG(status), flush=True)\n"
           "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
-  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        timeout=120, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  done = zygote.run(["-c", code], timeout=120)
   words = done.stdout.split()
   assert words[0] == "alive" and words[2] == str(int(signal.SIGTERM)), done.stdout + done.stderr
   assert done.returncode == 128 + signal.SIGTERM
