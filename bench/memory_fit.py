@@ -120,6 +120,8 @@ def _pipeline(out):
                                       memory=cap) as hosts:
     hosts.enter_client()
     devices = tfpipe.cluster.connect(hosts.spec)
+    groups = [hosts.hosts[("worker", k)].group for k in range(FLAGS.hosts)]
+    idle = [group.usage() for group in groups]   # a server that holds no stage yet
     model = _model()
     pipe = tfpipe.Pipeline(model, devices=devices, method=FLAGS.method,
                            micro_batches=FLAGS.micro_batches, partition=FLAGS.partition)
@@ -129,10 +131,11 @@ def _pipeline(out):
     history = pipe.fit(x, y, batch_size=FLAGS.batch_size, shuffle=False, verbose=0)
     seconds = time.monotonic() - start
     counted = memory.stage_memory(pipe, FLAGS.batch_size)
-    peaks = [hosts.hosts[("worker", k)].group.peak() for k in range(FLAGS.hosts)]
+    peaks = [group.peak() for group in groups]
     np.savez(out + ".npz", *model.get_weights())
     with open(out, "w") as f:
       json.dump({"loss": history.history["loss"], "peaks": peaks, "seconds": seconds,
+                 "idle": idle,
                  "counted": [row["total"] for row in counted],
                  "client_peak": _peak_rss()}, f)
   os._exit(0)   # TensorFlow's teardown would try to reach the stopped servers
@@ -213,10 +216,10 @@ def main(argv):
       f"weights differ from Keras's by {gap:.1e} of their scale; the client (uncapped, "
       f"holding the Keras model) peaked at {_gib(piped['client_peak'])} GiB", ""]
   table = results_io.markdown_table(
-      ["host (stage)", "peak GiB (control group)", "counted GiB (stage_memory)",
-       "peak / counted"],
-      [[k, _gib(p), _gib(c), f"{p / c:.2f}"] for k, (p, c) in
-       enumerate(zip(piped["peaks"], piped["counted"]))])
+      ["host (stage)", "peak GiB (control group)", "idle server GiB", "peak - idle",
+       "counted GiB (stage_memory)", "(peak - idle) / counted"],
+      [[k, _gib(p), _gib(i), _gib(p - i), _gib(c), f"{(p - i) / c:.2f}"] for k, (p, i, c) in
+       enumerate(zip(piped["peaks"], piped["idle"], piped["counted"]))])
   results_io.report(FLAGS.results_dir, "memory_fit.md",
                     "# A Llama that does not fit on one host, trained across capped hosts",
                     "\n".join(lines) + "\n" + table)

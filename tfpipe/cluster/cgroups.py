@@ -103,6 +103,14 @@ class Group:
           return int(_read(os.path.join(path, name)))
     return None
 
+  def usage(self):
+    """The memory (bytes) the group's processes hold now (page cache included)."""
+    for path in self.dirs:
+      for name in ("memory.usage_in_bytes", "memory.current"):
+        if os.path.exists(os.path.join(path, name)):
+          return int(_read(os.path.join(path, name)))
+    return None
+
   def remove(self, timeout=5.0):
     remove_named(self.name, self._root, timeout)
 
