@@ -300,6 +300,9 @@ def main(argv):
              f"- last epoch's loss {losses[-1:]} against the uninterrupted run's "
              f"{expected[-1:]}: {'equal' if losses and losses[-1:] == expected[-1:] else 'DIFFERENT'}",
              f"- left behind: {'; '.join(left) or 'nothing'}"]
+    if code != 0:
+      tail = [line for line in run.text("err").splitlines() if line.strip()][-6:]
+      lines += ["- the run's last lines on stderr:", "", "```", *tail, "```"]
     results_io.report(FLAGS.results_dir, "soak.md", "# Soak: training with random faults",
                       "\n".join(lines))
     return

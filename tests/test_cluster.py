@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 
+import keras
 import numpy as np
 import pytest
 
@@ -108,6 +109,41 @@ def test_restarts_need_a_checkpoint_and_replayable_data_or_a_function_that_build
     restarts.check(0, 60.0, [], lambda: None, np.zeros(4))
   with pytest.raises(ValueError, match="it returned None, not data"):
     restarts.made(lambda: None)
+
+
+def test_a_task_lost_again_while_the_stages_are_built_takes_one_more_restart(monkeypatch):
+  from tfpipe.training import restarts
+  lost = cluster.WorkerLost("lost", [("worker", 1, "host:1")])
+  rebuilt, attempts = [], []
+
+  def rebuild(pipe, which, timeout):
+    rebuilt.append(which)
+    if len(rebuilt) == 1:   # the link went down again while the stages were built
+      raise cluster.WorkerLost("lost again", [("worker", 1, "host:1")])
+    return "/job:worker/task:1 started again"
+
+  def attempt():
+    attempts.append(1)
+    if len(attempts) == 1:
+      raise lost
+    history = keras.callbacks.History()
+    history.epoch = []
+    return history
+
+  class Pipe:
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+
+  monkeypatch.setattr(restarts, "_rebuild", rebuild)
+  history = restarts.fit(Pipe(), attempt, max_restarts=3, timeout=5.0)
+  assert len(attempts) == 2 and rebuilt[0] is lost
+  assert history.restarts[0] == ("restart 1 of 3: lost /job:worker/task:1; lost "
+                                 "/job:worker/task:1 again while the stages were built")
+  assert history.restarts[1].startswith("restart 2 of 3: lost /job:worker/task:1; /job:worker/"
+                                        "task:1 started again, stages built again in")
+  with pytest.raises(cluster.WorkerLost, match="lost again"):   # no restart left for it
+    rebuilt.clear()
+    attempts.clear()
+    restarts.fit(Pipe(), attempt, max_restarts=1, timeout=5.0)
 
 
 def test_a_lost_task_this_process_did_not_start_is_waited_for_then_named():

@@ -499,8 +499,9 @@ class Pipeline:
       cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                          model=self.model, verbose=verbose, epochs=epochs,
                                          steps=num_batches)
-      self._load_weights()
-      initial_epoch = max(initial_epoch, fit_loop.restore(self, callbacks))
+      with self._watched():   # remote assignments: a task lost meanwhile is named too
+        self._load_weights()
+        initial_epoch = max(initial_epoch, fit_loop.restore(self, callbacks))
       link = learning_rate.LearningRateLink(self.optimizer, [p.optimizer for p in self.programs],
                                             lambda: self.runtime.updates[-1])
       with link, self._watched():

@@ -23,6 +23,7 @@ import sys
 import time
 
 import keras
+import tensorflow as tf
 
 from tfpipe import cluster
 from tfpipe.cluster import exits, recovery
@@ -90,41 +91,71 @@ def _checkpointed(callbacks):
   return False
 
 
+def _names(lost):
+  return ", ".join(f"/job:{job}/task:{task}" for job, task, _ in lost.tasks)
+
+
+def _rebuild(pipe, lost, timeout):
+  """Brings the tasks of `lost` back and builds the stages again; returns what was done, in
+  words. A task lost again while the stages are built raises its `WorkerLost`."""
+  done = recovery.recover(lost, timeout)
+  try:
+    with cluster.guard(pipe.remote_stages()):   # a host that hangs meanwhile is named
+      pipe.recompile()
+  except tf.errors.OpError as e:
+    again = cluster.describe_lost(e, pipe.remote_stages())
+    if again is None:
+      raise
+    raise again from e
+  return done
+
+
 def fit(pipe, attempt, max_restarts, timeout, callbacks=None):
   """Runs `attempt()` (one `fit`), bringing lost tasks back up to `max_restarts` times."""
-  lines, earlier = [], None
+  lines, earlier, lost = [], None, None
   # A task lost before the first checkpoint is written: training starts again from the
   # weights `fit` started from (the model holds newer ones from each epoch's end).
   initial = pipe.model.get_weights() if max_restarts else None
   while True:
-    pipe.model.history = None   # Keras's History sets it at each epoch's end
-    try:
-      history = attempt()
-    except cluster.WorkerLost as lost:
+    if lost is not None:
       if len(lines) >= max_restarts or not lost.tasks:
-        raise
-      start = time.monotonic()
-      partial = pipe.model.history   # this attempt's epochs, if it finished any
-      if isinstance(partial, keras.callbacks.History):
-        earlier = _merged(earlier, partial)
+        raise lost
+      start, number = time.monotonic(), f"restart {len(lines) + 1} of {max_restarts}"
       # A task that stops answering while this program connects again or builds its stages
       # holds a call that cannot be taken back: past the deadline the process exits, cleanly.
       with exits.deadline(timeout + RECOMPILE_SECONDS, cluster.EXIT_LOST,
-                          f"tfpipe: restart {len(lines) + 1} of {max_restarts} did not finish "
-                          f"within {timeout + RECOMPILE_SECONDS:g} s (a task stopped answering "
-                          "while this program connected again or built its stages); the "
-                          "checkpoints are kept: run again to resume. Exiting with status "
+                          f"tfpipe: {number} did not finish within "
+                          f"{timeout + RECOMPILE_SECONDS:g} s (a task stopped answering while "
+                          "this program connected again or built its stages); the checkpoints "
+                          f"are kept: run again to resume. Exiting with status "
                           f"{cluster.EXIT_LOST}"):
-        done = recovery.recover(lost, timeout)
-        pipe.recompile()
+        try:
+          done = _rebuild(pipe, lost, timeout)
+        except cluster.WorkerLost as again:
+          if isinstance(again, cluster.ClusterUnreachable) or not again.tasks:
+            raise
+          # Lost again while the stages were built (a link down again): one more restart.
+          lines.append(f"{number}: lost {_names(lost)}; lost {_names(again)} again while "
+                       "the stages were built")
+          print(f"tfpipe: {lines[-1]}", file=sys.stderr, flush=True)
+          lost = again
+          continue
       resume = "resuming from the newest checkpoint"
       if not _checkpointed(callbacks):
         pipe.model.set_weights(initial)
         resume = "no checkpoint yet: starting again from the weights fit started from"
-      names = ", ".join(f"/job:{job}/task:{task}" for job, task, _ in lost.tasks)
-      lines.append(f"restart {len(lines) + 1} of {max_restarts}: lost {names}; {done}, "
-                   f"stages built again in {time.monotonic() - start:.1f} s; {resume}")
+      lines.append(f"{number}: lost {_names(lost)}; {done}, stages built again in "
+                   f"{time.monotonic() - start:.1f} s; {resume}")
       print(f"tfpipe: {lines[-1]}", file=sys.stderr, flush=True)
+      lost = None
+    pipe.model.history = None   # Keras's History sets it at each epoch's end
+    try:
+      history = attempt()
+    except cluster.WorkerLost as e:
+      partial = pipe.model.history   # this attempt's epochs, if it finished any
+      if isinstance(partial, keras.callbacks.History):
+        earlier = _merged(earlier, partial)
+      lost = e
       continue
     history = _merged(earlier, history)
     history.restarts = lines
