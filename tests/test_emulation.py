@@ -168,13 +168,14 @@ def test_what_a_killed_run_left_is_removed_at_the_next_start():
 
 
 @needs_hosts
-def test_a_host_over_its_memory_cap_is_killed_and_its_peak_is_read():
+def test_a_host_over_its_memory_cap_is_killed_and_its_peak_and_usage_are_read():
   allocate = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096])"
   with emulation.Network(1, memory=96 << 20) as network:
     host = network.hosts[0]
     small = network.popen(host, [sys.executable, "-c", allocate, "32"])
     assert small.wait(timeout=60) == 0
     assert host.group.peak() >= 32 << 20
+    assert 0 <= host.group.usage() <= host.group.peak()
     big = network.popen(host, [sys.executable, "-c", allocate, "256"])
     assert big.wait(timeout=60) == -9   # the kernel's OOM killer, as on a host that ran out
 

@@ -95,21 +95,21 @@ class Group:
     for path in self.procs_files():
       _write(path, pid)
 
-  def peak(self):
-    """The most memory (bytes) the group's processes have held since it was made."""
+  def _number(self, names):
+    """The value of the first of `names` (v1's file, v2's) the group has, or None."""
     for path in self.dirs:
-      for name in ("memory.max_usage_in_bytes", "memory.peak"):
+      for name in names:
         if os.path.exists(os.path.join(path, name)):
           return int(_read(os.path.join(path, name)))
     return None
 
+  def peak(self):
+    """The most memory (bytes) the group's processes have held since it was made."""
+    return self._number(("memory.max_usage_in_bytes", "memory.peak"))
+
   def usage(self):
     """The memory (bytes) the group's processes hold now (page cache included)."""
-    for path in self.dirs:
-      for name in ("memory.usage_in_bytes", "memory.current"):
-        if os.path.exists(os.path.join(path, name)):
-          return int(_read(os.path.join(path, name)))
-    return None
+    return self._number(("memory.usage_in_bytes", "memory.current"))
 
   def remove(self, timeout=5.0):
     remove_named(self.name, self._root, timeout)
