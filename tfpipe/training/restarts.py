@@ -13,9 +13,10 @@ the first checkpoint, from the weights `fit` started from, kept here). A
 order again in the same process (each iterator advances its shuffle seed), so
 `x` may be a function that builds the data: `fit` calls it for each attempt, and
 a restart then reads the order of an uninterrupted run (`made`). Each
-restart is one line on stderr and one entry of `history.restarts`; one that
-does not finish within `restart_timeout` + `RECOMPILE_SECONDS` (a task lost
-again while the stages are built) exits with status 3, cleaning up first; the History
+restart is one line on stderr and one entry of `history.restarts`. A task lost
+again while the stages are built takes one more restart; a restart that does
+not finish within `restart_timeout` + `RECOMPILE_SECONDS` (a call that waits on
+a task which cannot answer) exits with status 3, cleaning up first. The History
 holds every epoch, those before the last restore from the earlier attempts.
 """
 
@@ -96,18 +97,19 @@ def _names(lost):
 
 
 def _rebuild(pipe, lost, timeout):
-  """Brings the tasks of `lost` back and builds the stages again; returns what was done, in
-  words. A task lost again while the stages are built raises its `WorkerLost`."""
+  """Brings the tasks of `lost` back (a task that does not come back raises `WorkerLost`) and
+  builds the stages again; returns (what was done, in words, and the `WorkerLost` of a task
+  lost again while the stages were built, or None)."""
   done = recovery.recover(lost, timeout)
   try:
     with cluster.guard(pipe.remote_stages()):   # a host that hangs meanwhile is named
       pipe.recompile()
   except tf.errors.OpError as e:
     again = cluster.describe_lost(e, pipe.remote_stages())
-    if again is None:
+    if again is None or not again.tasks:
       raise
-    raise again from e
-  return done
+    return done, again
+  return done, None
 
 
 def fit(pipe, attempt, max_restarts, timeout, callbacks=None):
@@ -129,11 +131,8 @@ def fit(pipe, attempt, max_restarts, timeout, callbacks=None):
                           "this program connected again or built its stages); the checkpoints "
                           f"are kept: run again to resume. Exiting with status "
                           f"{cluster.EXIT_LOST}"):
-        try:
-          done = _rebuild(pipe, lost, timeout)
-        except cluster.WorkerLost as again:
-          if isinstance(again, cluster.ClusterUnreachable) or not again.tasks:
-            raise
+        done, again = _rebuild(pipe, lost, timeout)
+        if again is not None:
           # Lost again while the stages were built (a link down again): one more restart.
           lines.append(f"{number}: lost {_names(lost)}; lost {_names(again)} again while "
                        "the stages were built")
