@@ -257,13 +257,27 @@ class LocalCluster:
     return None
 
   def stop(self):
+    try:
+      self._stop_launcher()
+    finally:   # the error files go even if the launcher could not be told (a broken pipe)
+      for errors in self._errors.values():
+        errors.close()
+      self._errors = {}
+      if self in _LOCAL:
+        _LOCAL.remove(self)
+      exits.unregister(self.stop)
+
+  def _stop_launcher(self):
     launcher = getattr(self, "_launcher", None)
-    if launcher is not None:
+    if launcher is None:
+      return
+    try:
       while self._event() is not None:   # every server it has started so far
         pass
       for process in self.processes.values():
         process.kill()
       launcher.stdin.close()
+    finally:
       launcher.terminate()   # it kills any server it has started since, reaps them, exits
       try:
         launcher.wait(timeout=10)
@@ -272,12 +286,6 @@ class LocalCluster:
         launcher.wait()
       launcher.stdout.close()
       self._launcher = None
-    for errors in self._errors.values():
-      errors.close()
-    self._errors = {}
-    if self in _LOCAL:
-      _LOCAL.remove(self)
-    exits.unregister(self.stop)
 
 
 def _files_prefix(pid=None):
