@@ -46,3 +46,19 @@ def test_more_stages_than_layers_is_refused():
     balance.min_max([1, 2, 3], 4)
   with pytest.raises(ValueError, match="cannot cut 2 layers into 3 stages"):
     balance.uniform(2, 3)
+
+
+def test_min_max_takes_the_best_cuts_among_those_that_fit():
+  costs = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+  assert balance.min_max(costs, 2) == [0, 3, 6]
+  # Stage 0 may hold at most two layers: the balanced cut is out, the next best is taken.
+  fits = lambda k, a, b: k != 0 or b - a <= 2
+  assert balance.min_max(costs, 2, fits=fits) == [0, 2, 6]
+  seen = []
+  balance.min_max(costs, 3, fits=lambda k, a, b: seen.append((k, a, b)) or True)
+  assert all(0 <= k < 3 and 0 <= a < b <= 6 for k, a, b in seen)
+
+
+def test_min_max_says_when_no_cuts_fit():
+  with pytest.raises(balance.NoFit, match="no cuts of 4 layers into 2 stages fit"):
+    balance.min_max([1.0] * 4, 2, fits=lambda k, a, b: b - a <= 1)

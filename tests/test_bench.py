@@ -298,3 +298,26 @@ def test_memory_fit_refuses_a_cap_it_cannot_read():
   assert result.returncode != 0
   assert "--cap must be a number of bytes > 0, optionally with k, m or g. Received: 'lots'" in (
       result.stderr)
+
+
+def test_memory_predicted_sets_predictions_beside_peaks_and_fits_the_buffers_factor():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "memory_predicted", os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench",
+                                       "memory_predicted.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  row = {"total": 500, "buffers": 100, "gradients": 100}
+  # Two stages on host 0 (interleaved), one on host 1; peaks above idle 1200 and 700.
+  result = {"predicted": [row, row, row], "host_of_stage": [0, 1, 0],
+            "peaks": [1300, 750], "idle": [100, 50]}
+  assert bench.compare(result) == [(1000, 1200, -200 / 1200), (500, 700, -200 / 700)]
+  assert bench.compare(result, buffers=3.0)[1] == (700, 700, 0.0)
+  factor, worst = bench.fitted_buffers([result])
+  assert 2.0 <= factor <= 3.0 and worst == max(
+      abs(e) for _, _, e in bench.compare(result, buffers=factor))
+
+
+def test_memory_predicted_refuses_an_unknown_model():
+  result = zygote.run([os.path.join("bench", "memory_predicted.py"), "--models=bigram"])
+  assert result.returncode != 0 and "--models takes llama, transformer, vgg16" in result.stderr

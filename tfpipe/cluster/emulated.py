@@ -15,7 +15,7 @@ started there). Leaving the `with` block stops the servers and removes every
 namespace, link and control group.
 """
 
-from tfpipe.cluster import emulation, servers
+from tfpipe.cluster import allocator, emulation, servers
 
 __all__ = ["EmulatedCluster"]
 
@@ -23,11 +23,12 @@ __all__ = ["EmulatedCluster"]
 class EmulatedCluster:
   """TF servers for `jobs` ({job: task count}) on hosts of their own joined by links of shape
   `link` ("RATE[,DELAY[,LOSS%]]"); `memory` (bytes) and `cpus` (cpuset strings, one per task
-  in `jobs` order, or one for all) cap each host. `spec` is the cluster spec, `hosts` maps
+  in `jobs` order, or one for all) cap each host; `mmap_threshold`: the servers' malloc mmap
+  threshold (`servers.LocalCluster`). `spec` is the cluster spec, `hosts` maps
   (job, task) to its `emulation.Host`, `network` is the `emulation.Network`."""
 
   def __init__(self, jobs, link="10gbit", client_link=None, memory=None, cpus=None,
-               timeout=60.0):
+               timeout=60.0, mmap_threshold=allocator.MMAP_THRESHOLD):
     if not isinstance(jobs, dict) or not jobs or any(
         isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in jobs.values()):
       raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
@@ -36,7 +37,8 @@ class EmulatedCluster:
     try:
       hosts = iter(self.network.hosts)
       self.hosts = {(job, task): next(hosts) for job, n in jobs.items() for task in range(n)}
-      self.servers = servers.LocalCluster(jobs, timeout=timeout, places=self.hosts)
+      self.servers = servers.LocalCluster(jobs, timeout=timeout, places=self.hosts,
+                                          mmap_threshold=mmap_threshold)
     except BaseException:
       self.network.close()
       raise

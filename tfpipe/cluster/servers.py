@@ -35,7 +35,7 @@ import warnings
 
 import tensorflow as tf
 
-from tfpipe.cluster import bind, emulation, exits, liveness
+from tfpipe.cluster import allocator, bind, emulation, exits, liveness
 from tfpipe.runtime import iterators
 
 __all__ = ["free_port", "WorkerLost", "ClusterUnreachable", "LocalCluster", "connect", "connected_spec", "note_connected",
@@ -83,16 +83,24 @@ class LocalCluster:
   this process, even when it is killed (SIGKILL): each watches its parent.
   `places` maps each (job, task) to an emulated host (`tfpipe.cluster.emulation.Host`):
   its server runs there, at the host's address (`tfpipe.cluster.emulated`).
+  `mmap_threshold`: the servers' fixed malloc mmap threshold in bytes (0: the C library's
+  adaptive one; `tfpipe.cluster.allocator`).
   """
 
   PORT = 2222   # the port of a task on a host of its own (`places`)
 
-  def __init__(self, jobs, timeout=60.0, attempts=3, places=None):
+  def __init__(self, jobs, timeout=60.0, attempts=3, places=None,
+               mmap_threshold=allocator.MMAP_THRESHOLD):
     if not jobs or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
                        for n in jobs.values()):
       raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
       raise ValueError(f"`timeout` must be a number of seconds > 0. Received: {timeout!r}")
+    if isinstance(mmap_threshold, bool) or not isinstance(mmap_threshold, int) or not (
+        0 <= mmap_threshold <= allocator.LIMIT):
+      raise ValueError(f"`mmap_threshold` must be a number of bytes from 0 to "
+                       f"{allocator.LIMIT}. Received: {mmap_threshold!r}")
+    self.mmap_threshold = mmap_threshold
     remove_leftover_files()   # of runs that were killed
     self.processes, self._errors, self._places = {}, {}, places
     if places is not None:   # a host each (`tfpipe.cluster.emulated`): every port is free there
@@ -132,6 +140,7 @@ class LocalCluster:
     self._launcher = subprocess.Popen(
         [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
          f"--tasks={','.join(f'{j}:{t}' for j, t in tasks)}", f"--parent={os.getpid()}",
+         f"--mmap_threshold={self.mmap_threshold}",
          f"--errors={json.dumps([self._errors[key].name for key in tasks])}"]
         + ([f"--places={json.dumps([_place(self._places[key]) for key in tasks])}"]
            if self._places else []),
@@ -625,12 +634,20 @@ def serve(argv):
                                        "(network namespace, address, control group files)")
   parser.add_argument("--parent", type=int, default=None,
                       help="exit when the process with this PID exits")
+  parser.add_argument("--mmap_threshold", type=int, default=allocator.MMAP_THRESHOLD,
+                      help="malloc's fixed mmap threshold in bytes: tensors this large go "
+                           "back to the host when freed (0: the C library's adaptive one; "
+                           "tfpipe.cluster.allocator)")
   parser.add_argument("--every_interface", action="store_true",
                       help="listen on every interface (TensorFlow's default), not only on the "
                            "address the spec gives this task")
   args = parser.parse_args(argv)
   if (args.tasks is None) == (args.job is None or args.task is None):
     parser.error("give --job and --task (one server), or --tasks (servers forked here)")
+  try:
+    allocator.fix_mmap_threshold(args.mmap_threshold)   # before TensorFlow allocates
+  except ValueError as e:
+    parser.error(str(e))
   if args.parent is not None and args.tasks is None:   # a launcher watches after its forks
     _watch_parent(args.parent)
   spec = json.loads(args.spec)

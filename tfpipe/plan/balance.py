@@ -5,9 +5,10 @@ cuts[K] = n; stage j holds layers cuts[j] .. cuts[j+1]-1.
 """
 
 import functools
-from typing import List, Optional, Sequence, Tuple
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
 
-__all__ = ["uniform", "min_max", "stage_costs"]
+__all__ = ["uniform", "min_max", "stage_costs", "NoFit"]
 
 
 def _check(n: int, K: int) -> None:
@@ -41,8 +42,13 @@ def stage_costs(costs: Sequence[float], cuts: Sequence[int],
   return out
 
 
+class NoFit(ValueError):
+  """No cuts put every stage within what `fits` allows."""
+
+
 def min_max(costs: Sequence[float], K: int, boundary_costs: Optional[Sequence[float]] = None,
-            last_costs: Optional[Sequence[float]] = None) -> List[int]:
+            last_costs: Optional[Sequence[float]] = None,
+            fits: Optional[Callable[[int, int, int], bool]] = None) -> List[int]:
   """PipeDream's dynamic program: the cuts that minimise the slowest stage.
 
   Args:
@@ -52,6 +58,9 @@ def min_max(costs: Sequence[float], K: int, boundary_costs: Optional[Sequence[fl
       (the transfer time of what crosses it), charged to the stage before it.
     last_costs: optional per-layer cost when the layer sits in the last stage
       (methods that recompute the forward everywhere but in the last stage).
+    fits: optional fits(k, a, b): whether stage k may hold layers a..b-1 (a memory
+      budget); the cuts are the best among those whose every stage fits, and `NoFit`
+      is raised when there are none.
 
   Returns:
     K+1 cut positions. Among optimal cuts, ties go to the one whose earlier
@@ -72,18 +81,26 @@ def min_max(costs: Sequence[float], K: int, boundary_costs: Optional[Sequence[fl
     transfer = boundary_costs[b - 1] if boundary_costs is not None else 0.0
     return prefix[b] - prefix[a] + transfer
 
+  allowed = (lambda k, a, b: True) if fits is None else functools.lru_cache(maxsize=None)(fits)
+
   @functools.lru_cache(maxsize=None)
   def best(start: int, stages: int) -> Tuple[float, Tuple[int, ...]]:
-    # Lowest achievable max stage cost for layers start..n-1 in `stages` stages.
+    # Lowest achievable max stage cost for layers start..n-1 in `stages` stages (infinite
+    # where no cuts of them fit).
+    k = K - stages
     if stages == 1:
-      return cost(start, n), (n,)
-    choice: Optional[Tuple[float, Tuple[int, ...]]] = None
+      return (cost(start, n), (n,)) if allowed(k, start, n) else (math.inf, ())
+    choice: Tuple[float, Tuple[int, ...]] = (math.inf, ())
     for end in range(start + 1, n - stages + 2):
+      if not allowed(k, start, end):
+        continue
       rest, rest_cuts = best(end, stages - 1)
       value = max(cost(start, end), rest)
-      if choice is None or value < choice[0] - 1e-12:
+      if value < choice[0] - 1e-12:
         choice = (value, (end,) + rest_cuts)
-    assert choice is not None   # stages <= n - start: at least one end
     return choice
 
-  return [0] + list(best(0, K)[1])
+  value, cuts = best(0, K)
+  if value == math.inf:
+    raise NoFit(f"no cuts of {n} layers into {K} stages fit")
+  return [0] + list(cuts)

@@ -19,7 +19,7 @@ import keras
 from tfpipe import compat
 from tfpipe.plan import balance, names
 
-__all__ = ["Partition", "graph_nodes", "partition", "split", "STRATEGIES", "cuttable", "live",
+__all__ = ["Partition", "graph_nodes", "partition", "from_cuts", "split", "STRATEGIES", "cuttable", "live",
            "shared_weights", "check_shared"]
 
 STRATEGIES = ("uniform", "params", "profile")
@@ -191,9 +191,16 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
       cuts = balance.min_max([c + f for c, f in zip(costs, forward)], num_stages, last_costs=costs)
     else:
       cuts = balance.min_max(costs, num_stages)
+  return from_cuts(model, cuts, costs)
+
+
+def from_cuts(model, cuts, costs):
+  """The `Partition` of `model` (a `cuttable` one) at node positions `cuts`, whose layer
+  costs were `costs`."""
+  nodes = graph_nodes(model)[2]
   stages = split(model, cuts)
   layer_names = [[node.operation.name for node in nodes[a:b]] for a, b in zip(cuts[:-1], cuts[1:])]
-  return Partition(stages, cuts, layer_names, costs, shared_weights(stages))
+  return Partition(stages, list(cuts), layer_names, costs, shared_weights(stages))
 
 
 def _layer_cuts(model, nodes, cuts, num_stages):

@@ -100,6 +100,17 @@ def check_fit_arguments(pipe, epochs, initial_epoch, validation_freq, batch_size
         f"{pipe.options.micro_batch_hint()}")
 
 
+def input_shapes(dataset):
+  """The shapes of `dataset`'s inputs (its x, flattened), batch axis first; None where the
+  elements are not (x, ...) tuples of tensors."""
+  spec = dataset.element_spec
+  x = spec[0] if isinstance(spec, tuple) else spec
+  shapes = [getattr(s, "shape", None) for s in tf.nest.flatten(x)]
+  if any(shape is None or shape.rank is None for shape in shapes):
+    return None
+  return [tuple(shape) for shape in shapes]
+
+
 def batch_size_of(dataset):
   """The static batch size of `dataset`'s first input, or None where it is not known."""
   first = tf.nest.flatten(dataset.element_spec)[0]

@@ -21,10 +21,10 @@ from tfpipe.instruments import prediction_error as prediction_error_lib
 from tfpipe.plan import policies
 from tfpipe.plan.auto import AUTO
 from tfpipe.rules import joint
-from tfpipe.stage import assemble, keras_step as compile_utils, layer_profile
+from tfpipe.stage import assemble, footprint, keras_step as compile_utils, layer_profile
 from tfpipe.stage import partition as partition_lib, placement, reduction
 from tfpipe.training import checkpoint as checkpoint_lib, data, fit_data, fit_loop, learning_rate
-from tfpipe.training import restarts
+from tfpipe.training import memory_budget as memory_budget_lib, restarts
 from tfpipe.training import preprocessing
 from tfpipe.training import auto as auto_lib, options as options_lib, summary as summary_lib
 
@@ -128,6 +128,12 @@ class Pipeline:
       most one update, plus Nesterov's step; at K=2 Nesterov's step). It trades
       speed for accuracy (more, smaller micro-batches); `summary()` names what
       was advised. A value passed is always kept.
+    memory_budget: each device's memory, in bytes or as "3g", "512MiB". At the first
+      fit (batch size and input shapes known) every stage's peak is predicted
+      (`memory()`); where a device's stages are over the budget, the partition
+      strategy's fastest cuts among those that fit are taken and the pipeline is
+      compiled on them (a line says so), or the fit is refused in one line naming the
+      stage and its predicted peak (also for cuts you named, which never move).
     recompute: keep only stage inputs and recompute the forward before the
       backward (the synchronous methods); None takes the method's rule.
     lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
@@ -204,7 +210,7 @@ class Pipeline:
       virtual_stages: Optional[int] = None, nesterov: Optional[bool] = None,
       delay_compensation: Optional[float] = None,
       cross_device_ops: Union[tf.distribute.CrossDeviceOps, str, None] = None,
-      advice: bool = False):
+      advice: bool = False, memory_budget: Union[int, str, None] = None):
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     overrides = compat.trainer_overrides(model)
@@ -247,10 +253,14 @@ class Pipeline:
       profiler = layer_profile.Profiler(profile_batch_size, self.devices[0])
     self.partition = partition_lib.partition(
         model, self.num_stages, partition, profile=profiler, recompute=self.policy.recompute)
+    self.memory_budget = memory_budget_lib.parse(memory_budget)
+    self._cuts_asked = not isinstance(partition, str)   # the user's own cuts: never moved
+    self._budget_checked = None   # (batch size, input shapes) the budget was checked at
     partition_lib.check_shared(model, self.partition, self.method, policies.SYNCHRONOUS_METHODS)
     self.jit_compile = placement.default_jit_compile(where) if jit_compile is None else jit_compile
     self.fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
     self.batch_size = None   # the last fit's mini-batch size, where known (`describe`)
+    self.input_shapes = None   # the last fit's input shapes (`memory`)
     self.runtime = None
 
   policy = property(lambda self: self.options.policy, doc="The method's weight policy.")
@@ -315,14 +325,52 @@ class Pipeline:
   def plan_report(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
     """Prints what `method="auto"` weighed at the first fit: each candidate's predicted
     samples/s, its epochs to accuracy relative to synchronous training, its predicted time
-    to accuracy against the chosen one's, and why a candidate is out."""
+    to accuracy against the chosen one's, and why a candidate is out; then the chosen
+    pipeline's predicted peak memory per stage (`memory`)."""
     if self._auto is None:
       raise ValueError(f"plan_report() describes method='auto's choice; this pipeline runs "
                        f"method={self.method!r}, which was not chosen")
     if self.chosen is None:
       raise RuntimeError("method='auto' chooses at the first fit: call fit first")
-    for line in [self.chosen.summary()] + self.chosen.lines:
+    for line in [self.chosen.summary()] + self.chosen.lines + summary_lib.memory_lines(self):
       (print_fn or print)(line)
+
+  def _check_budget(self, verbose):
+    """With a `memory_budget`: before the first fit trains, cuts whose every device's
+    predicted peak fits (`tfpipe.training.memory_budget`), compiled again where they move."""
+    key = (self.batch_size, tuple(self.input_shapes or ()))
+    if self.memory_budget is None or self.batch_size is None or key == self._budget_checked:
+      return
+    kept = ("these cuts are yours" if self._cuts_asked else
+            "the pipeline has trained on these cuts" if self.fit_epochs is not None else None)
+    cuts = memory_budget_lib.plan(self, self.batch_size, self.input_shapes, kept)
+    if cuts is not None:
+      before = list(self.partition.cuts)
+      self.partition = partition_lib.from_cuts(
+          partition_lib.cuttable(self.model, self.num_stages), cuts, self.partition.costs)
+      partition_lib.check_shared(self.model, self.partition, self.method,
+                                 policies.SYNCHRONOUS_METHODS)
+      self.compile(**self._compile_arguments)
+      memory_budget_lib.check(self, self.batch_size, self.input_shapes)
+      if verbose != 0:
+        peaks = ", ".join(memory_budget_lib.size(row["total"]) for row in self.memory())
+        print(f"memory_budget={memory_budget_lib.size(self.memory_budget)}: cut at "
+              f"{list(cuts)} (was {before}); predicted peaks per stage {peaks}")
+    self._budget_checked = key
+
+  def memory(self, batch_size: Optional[int] = None,
+             input_shapes: Optional[Sequence[Sequence[Optional[int]]]] = None) -> List[dict]:
+    """Each stage's memory predicted before training at `batch_size` (default: the last
+    fit's), as a list of {field: bytes} with its "total" (`tfpipe.stage.footprint.predict`:
+    weights, optimizer slots, gradient accumulators, kept weight versions, kept activations,
+    a step's gradients and buffers). `input_shapes`: the inputs' shapes, batch axis first,
+    where the model leaves a dimension unknown (default: the last fit's). Needs `compile`."""
+    batch_size = self.batch_size if batch_size is None else batch_size
+    if batch_size is None:
+      raise ValueError("memory() needs a batch size: pass batch_size=, or fit first")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+      raise ValueError(f"`batch_size` must be an integer >= 1. Received: {batch_size!r}")
+    return footprint.predict(self, batch_size, input_shapes or self.input_shapes)
 
   def summary(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
     """Prints a table of the stages as `keras.Model.summary()` prints the layers: each
@@ -484,6 +532,8 @@ class Pipeline:
                                             class_weight=class_weight,
                                             micro_batches=self.micro_batches)
     self.batch_size = batch_size or fit_data.batch_size_of(dataset) or self.batch_size
+    self.input_shapes = fit_data.input_shapes(dataset) or self.input_shapes
+    self._check_budget(verbose)
     validation = None
     if validation_data is not None:
       validation, validation_hooks = fit_data.validation(

@@ -3,6 +3,8 @@
 import math
 import textwrap
 
+from tfpipe.training import memory_budget
+
 __all__ = ["lines"]
 
 _WIDTHS = (6, 44, 38, 11)   # stage, devices, layers, parameters
@@ -28,7 +30,21 @@ def lines(pipe):
   total = sum(math.prod(w.shape) for w in pipe.model.weights)
   out += [f" Total params: {total:,}", f" Trainable params: {trainable:,}",
           f" Non-trainable params: {total - trainable:,}"]
-  return out
+  return out + memory_lines(pipe)
+
+
+def memory_lines(pipe):
+  """Each stage's predicted peak memory (`Pipeline.memory`), where the pipeline is compiled
+  and its batch size and input shapes are known; else nothing."""
+  if not getattr(pipe, "programs", None) or pipe.batch_size is None:
+    return []
+  try:
+    rows = pipe.memory()
+  except ValueError:   # an input dimension still unknown (fit once to know it)
+    return []
+  peaks = ", ".join(f"{k}: {memory_budget.size(row['total'])}" for k, row in enumerate(rows))
+  return [f" Predicted peak memory per stage (batch {pipe.batch_size}): {peaks}"]
+
 
 
 def _row(cells):

@@ -1,0 +1,158 @@
+"""A stage's memory predicted before training: traced activations, the plan's counts, and
+the variables compile builds, against what a run holds."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tfpipe.instruments import memory
+from tfpipe.rules import optimizers
+from tfpipe.stage import footprint
+from tests import helpers
+
+
+def _relu_stack():
+  keras.utils.set_random_seed(0)
+  x = keras.Input((8,))
+  h = keras.layers.Dense(16, activation="relu", name="a")(x)
+  h = keras.layers.Reshape((4, 4), name="view")(h)
+  h = keras.layers.Flatten(name="flat")(h)
+  h = keras.layers.Dense(16, activation="relu", name="b")(h)
+  return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+def test_a_forward_keeps_what_its_backward_reads_each_buffer_once():
+  # Per sample: a's ReLU output (which b's and a's gradients read: the reshape and flatten
+  # are views of it) and b's ReLU output (read by its gradient and the head's); the input is
+  # counted apart, the weights not at all.
+  inputs, kept = footprint.kept_per_unit(_relu_stack(), [tf.TensorSpec((5, 8), tf.float32)])
+  assert inputs == 5 * 8 * 4
+  assert kept == 5 * (16 + 16) * 4
+
+
+def test_unknown_dimensions_come_from_the_given_shapes_or_are_refused_by_name():
+  tokens = keras.Input((None,), dtype="int32", name="tokens")
+  model = keras.Model(tokens, keras.layers.Embedding(50, 4)(tokens), name="lm")
+  assert footprint.unit_shapes(model, 2, [(8, 12)])[0].shape == (2, 12)
+  with pytest.raises(ValueError, match=r"input 0 of 'lm' has unknown dimensions"):
+    footprint.unit_shapes(model, 2)
+
+
+def _fitted(method, **options):
+  x, y = helpers.as_arrays(helpers.batches(8))
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=3, method=method, **options)
+  pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy())
+  before = footprint.predict(pipe, 16)
+  pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  return pipe, before
+
+
+@pytest.mark.parametrize("method, options", [
+    ("pipedream", {}), ("spectrain", {}), ("vanilla", {}), ("gpipe", {"micro_batches": 4}),
+    ("1f1b", {"micro_batches": 4}), ("zb", {"micro_batches": 4}),
+    ("gpipe", {"micro_batches": 4, "recompute": True})])
+def test_the_plan_predicts_the_counts_and_variables_a_run_then_holds(method, options):
+  pipe, before = _fitted(method, **options)
+  states, versions, _ = footprint.counts(pipe)
+  assert (states, versions) == (pipe.runtime.peak_saved, pipe.runtime.peak_versions)
+  after = memory.stage_memory(pipe, 16)
+  for field in ("weights", "optimizer", "accumulators", "versions"):
+    assert [row[field] for row in before] == [row[field] for row in after], field
+  trainable = [sum(v.numpy().nbytes for v in p.trainable) for p in pipe.programs]
+  assert [row["gradients"] for row in before] == trainable
+  assert all(row["total"] == sum(row[f] for f in footprint.FIELDS) for row in before)
+
+
+def test_predicting_needs_a_compiled_pipeline():
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2)
+  with pytest.raises(RuntimeError, match="compile the pipeline first"):
+    footprint.predict(pipe, 16)
+
+
+def test_a_language_models_last_stage_holds_its_logits_for_the_loss():
+  batch, length, vocab, width = 8, 6, 40, 8
+  keras.utils.set_random_seed(0)
+  tokens = keras.Input((None,), dtype="int32")
+  h = keras.layers.Embedding(vocab, width, name="embed")(tokens)
+  h = keras.layers.Dense(width, activation="relu", name="mix")(h)
+  model = keras.Model(tokens, keras.layers.Dense(vocab, name="head")(h))
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="1f1b", micro_batches=2)
+  pipe.compile(keras.optimizers.SGD(0.1),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rows = footprint.predict(pipe, batch, [(batch, length)])
+  logits = (batch // 2) * length * vocab * 4   # a micro-batch's, float32
+  states = footprint.counts(pipe)[0][1]
+  assert rows[1]["activations"] >= states * logits
+  assert np.isfinite(rows[1]["total"])
+
+
+def test_the_summary_shows_each_stages_predicted_peak_once_compiled_with_a_batch_size():
+  pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=2, method="1f1b", micro_batches=2)
+  printed = []
+  pipe.summary(print_fn=printed.append)
+  assert not any("Predicted peak memory" in line for line in printed)
+  pipe.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy())
+  x, y = helpers.as_arrays(helpers.batches(4))
+  pipe.fit(x, y, batch_size=16, verbose=0)
+  printed = []
+  pipe.summary(print_fn=printed.append)
+  totals = [row["total"] for row in pipe.memory()]
+  assert printed[-1] == ("Predicted peak memory per stage (batch 16): " + ", ".join(
+      f"{k}: {t / 1024:.1f} KiB" for k, t in enumerate(totals))).join([" ", ""])
+  assert pipe.memory(32)[0]["activations"] == 2 * pipe.memory()[0]["activations"]
+  with pytest.raises(ValueError, match="batch_size"):
+    pipe.memory(0)
+
+
+def _wide_then_narrow(seed=0):
+  keras.utils.set_random_seed(seed)
+  x = keras.Input((8,))
+  h = x
+  for i in range(3):
+    h = keras.layers.Dense(128, activation="relu", name=f"wide{i}")(h)
+  for i in range(4):
+    h = keras.layers.Dense(8, activation="relu", name=f"narrow{i}")(h)
+  return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+def test_a_budget_moves_uniform_cuts_to_the_fastest_that_fit_and_trains_as_keras():
+  x, y = helpers.as_arrays(helpers.batches(4))
+  free = tfpipe.Pipeline(_wide_then_narrow(), num_stages=2, method="gpipe", micro_batches=2)
+  free.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
+  peaks = [row["total"] for row in free.memory(16)]
+  assert free.partition.cuts == [0, 4, 8] and peaks[0] > 2 * peaks[1]
+  budget = int(0.8 * peaks[0])
+  pipe = tfpipe.Pipeline(_wide_then_narrow(), num_stages=2, method="gpipe", micro_batches=2,
+                         memory_budget=budget)
+  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
+  history = pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  assert pipe.partition.cuts[1] < 3   # the wide layers split across the stages
+  assert all(row["total"] <= budget for row in pipe.memory())
+  keras_model = _wide_then_narrow()
+  keras_model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
+  expected = keras_model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+  helpers.assert_close(history.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("partition, budget, words", [
+    ("uniform", 1000, r"memory_budget=1000 B: stage 0 is predicted to peak at .* with the "
+                      r"cuts \[0, 4, 8\] .* and no cuts of its 8 layers into 2 stages fit"),
+    ([0, 2, 8], "0.2m", r"memory_budget=204.8 KiB: stage 0 .*; these cuts are yours, so "
+                        r"they stay"),
+])
+def test_a_budget_no_cuts_meet_is_refused_in_one_line(partition, budget, words):
+  x, y = helpers.as_arrays(helpers.batches(2))
+  pipe = tfpipe.Pipeline(_wide_then_narrow(), num_stages=2, method="gpipe", micro_batches=2,
+                         partition=partition, memory_budget=budget)
+  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
+  with pytest.raises(ValueError, match=words) as error:
+    pipe.fit(x, y, batch_size=16, verbose=0)
+  assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("budget", [0, -3, "lots", True, 1.5])
+def test_a_budget_that_is_not_bytes_is_refused_by_value(budget):
+  with pytest.raises(ValueError, match=r"`memory_budget` must be a number of bytes > 0"):
+    tfpipe.Pipeline(helpers.mlp(), num_stages=2, memory_budget=budget)
