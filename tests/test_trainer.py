@@ -166,6 +166,16 @@ def test_micro_batches_for_a_method_without_them_is_refused():
   assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("method, words", [
+    ("1f1b", "memory_budget=1000 B: stage 0 is predicted to peak at"),
+    ("single", "--memory_budget chooses a pipeline's cuts; --method=single is not a pipeline")])
+def test_a_memory_budget_no_cuts_meet_is_refused_in_one_line(method, words):
+  result = _command(f"--method={method}", "--memory_budget=1000", "--steps=1",
+                    "--snn_depth=2", "--snn_width=8", "--logdir=")
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert words in result.stderr and "Traceback" not in result.stderr
+
+
 def test_vgg16_trains_in_a_pipeline_at_small_scale():
   config = config_lib.TrainConfig(model="vgg16", dataset="synthetic", model_scale=1 / 16,
                                   synthetic_samples=64, batch_size=16, steps=2, epochs=1,

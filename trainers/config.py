@@ -26,6 +26,7 @@ class TrainConfig:
   version_difference: Optional[str] = None
   micro_batches: Optional[int] = None
   recompute: str = "auto"
+  memory_budget: Optional[str] = None
   executor: str = "auto"
   steps_per_execution: str = "auto"
   lockstep: bool = False

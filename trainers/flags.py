@@ -69,6 +69,10 @@ def define_flags():
                     "slower); default: the method's paper, with the options passed")
   flags.DEFINE_enum("recompute", "auto", ["auto", "true", "false"],
                     "recompute stage forwards before backwards (auto: the method's rule)")
+  flags.DEFINE_string("memory_budget", None,
+                      "pipelines: each device's memory (bytes, or 3g, 512MiB): at the first "
+                      "fit the partition moves to the fastest cuts whose predicted peaks fit, "
+                      "or the run is refused naming the stage (Pipeline(memory_budget=))")
   flags.DEFINE_enum("executor", "auto", ["auto", "compiled", "threaded"],
                     "pipelines: compiled (one graph call per window of batches) or threaded "
                     "(a thread per stage: the reference, for debugging); auto: compiled")

@@ -68,11 +68,15 @@ def _method_options(config, tools):
   if not kind.pipeline and chosen:
     raise ValueError(f"{chosen[0]} mitigates pipeline staleness; --method={config.method} is not "
                      "a pipeline")
+  if not kind.pipeline and config.memory_budget:
+    raise ValueError(f"--memory_budget chooses a pipeline's cuts; --method={config.method} is "
+                     "not a pipeline")
   if not kind.pipeline:
     return {}
   return dict(partition=config.partition, **mitigation, spectrain_backward=config.spectrain_backward,
               version_difference=config.version_difference, micro_batches=config.micro_batches,
               recompute={"auto": None, "true": True, "false": False}[config.recompute],
+              memory_budget=config.memory_budget,
               lockstep=config.lockstep, stage_replicas=config.stage_replicas,
               data_parallel=config.data_parallel, virtual_stages=config.virtual_stages,
               cross_device_ops=config.cross_device_ops, advice=config.advice,
