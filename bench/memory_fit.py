@@ -7,8 +7,8 @@ A KerasHub Llama (from config, random weights) trained with momentum SGD on toke
   3. the same training as a --method pipeline over --hosts emulated hosts, each capped at
      --cap, its TF server holding only its stages' weights, slots and activations; this
      program (the client, uncapped) holds the Keras model as built, as a GPU user's host
-     memory does. Each host's peak (its control group), the stage's count of what it
-     holds (`tfpipe.instruments.memory.stage_memory`), and the largest difference of its
+     memory does. Each host's peak (its control group) beside its stage's peak predicted
+     before training (`tfpipe.stage.footprint.predict`), and the largest difference of the
      final weights from Keras's, relative to the weights' scale.
 Emulated hosts need root (network namespaces, memory control groups).
 
@@ -114,7 +114,7 @@ def _pipeline(out):
   """The pipeline on capped emulated hosts, this process their client."""
   import numpy as np
   import tfpipe
-  from tfpipe.instruments import memory
+  from tfpipe.stage import footprint
   cap = parse_bytes(FLAGS.cap)
   with tfpipe.cluster.EmulatedCluster({"worker": FLAGS.hosts}, link="10gbit",
                                       memory=cap) as hosts:
@@ -127,16 +127,17 @@ def _pipeline(out):
                            micro_batches=FLAGS.micro_batches, partition=FLAGS.partition)
     pipe.compile(**_compile_arguments())
     x, y = _data()
+    predicted = footprint.predict(pipe, FLAGS.batch_size,
+                                  [v.shape for v in (x["token_ids"], x["padding_mask"])])
     start = time.monotonic()
     history = pipe.fit(x, y, batch_size=FLAGS.batch_size, shuffle=False, verbose=0)
     seconds = time.monotonic() - start
-    counted = memory.stage_memory(pipe, FLAGS.batch_size)
     peaks = [group.peak() for group in groups]
     np.savez(out + ".npz", *model.get_weights())
     with open(out, "w") as f:
       json.dump({"loss": history.history["loss"], "peaks": peaks, "seconds": seconds,
                  "idle": idle,
-                 "counted": [row["total"] for row in counted],
+                 "predicted": [row["total"] for row in predicted],
                  "client_peak": _peak_rss()}, f)
   os._exit(0)   # TensorFlow's teardown would try to reach the stopped servers
 
@@ -217,9 +218,9 @@ def main(argv):
       f"holding the Keras model) peaked at {_gib(piped['client_peak'])} GiB", ""]
   table = results_io.markdown_table(
       ["host (stage)", "peak GiB (control group)", "idle server GiB", "peak - idle",
-       "counted GiB (stage_memory)", "(peak - idle) / counted"],
-      [[k, _gib(p), _gib(i), _gib(p - i), _gib(c), f"{(p - i) / c:.2f}"] for k, (p, i, c) in
-       enumerate(zip(piped["peaks"], piped["idle"], piped["counted"]))])
+       "predicted GiB (before training)", "error"],
+      [[k, _gib(p), _gib(i), _gib(p - i), _gib(c), f"{100 * (c - (p - i)) / (p - i):+.0f}%"]
+       for k, (p, i, c) in enumerate(zip(piped["peaks"], piped["idle"], piped["predicted"]))])
   results_io.report(FLAGS.results_dir, "memory_fit.md",
                     "# A Llama that does not fit on one host, trained across capped hosts",
                     "\n".join(lines) + "\n" + table)

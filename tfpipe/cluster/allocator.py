@@ -5,7 +5,8 @@ block with mmap and unmaps it when freed, but it raises that threshold to the si
 mapped block freed (up to 32 MiB), so after the first step a weight-sized tensor comes from a
 heap arena and its pages stay with the process when freed: a server's peak then holds every
 step's temporaries side by side. A fixed threshold (mallopt M_MMAP_THRESHOLD) keeps blocks of
-at least that size mapped and returned. Measured with `bench/memory_predicted.py`
+at least that size mapped and returned. A lower one maps activation-sized blocks too, whose
+page faults then cost speed. Both measured side by side with `bench/memory_predicted.py`
 (`bench/results/memory_predicted.md`).
 """
 
@@ -14,7 +15,7 @@ import ctypes.util
 
 __all__ = ["MMAP_THRESHOLD", "LIMIT", "fix_mmap_threshold"]
 
-MMAP_THRESHOLD = 1 << 20   # bytes: tensors of 1 MiB and more are mapped, and returned when freed
+MMAP_THRESHOLD = 4 << 20   # bytes: blocks of 4 MiB and more are mapped, and returned when freed
 _M_MMAP_THRESHOLD = -3     # mallopt's parameter number (glibc malloc.h)
 LIMIT = 32 << 20    # glibc refuses thresholds above HEAP_MAX/2 on 64-bit hosts
 

@@ -15,8 +15,10 @@ k: stage index, M: micro-batches, W: the bytes of a stage's trainable weights. P
                 size of the predictions (a cross-entropy's softmax, a squared error's
                 difference);
   gradients:    one gradient per trainable weight while the backward and update run (W);
-  buffers:      what the runtime allocates around those: the received weights and the
-                update's temporaries, BUFFERS x W, measured (`bench/memory_predicted.py`).
+  buffers:      what TensorFlow's runtime holds beyond the tensors above (received weights,
+                the update's temporaries, copies of variables updated while read):
+                BUFFERS x W, the median measured on emulated hosts across models and
+                schedules (`bench/memory_predicted.py`, which gives the spread).
 "total" is their sum: the stage's predicted peak above what its process held before.
 """
 
@@ -33,9 +35,9 @@ __all__ = ["FIELDS", "BUFFERS", "kept_per_unit", "predict", "unit_shapes"]
 
 FIELDS = ("weights", "optimizer", "accumulators", "versions", "activations", "gradients",
           "buffers")
-# The runtime's buffers around a step, in trainable-weight bytes, measured on emulated hosts
-# (TF servers with a fixed malloc mmap threshold, `tfpipe.cluster.servers`).
-BUFFERS = 1.0
+# The runtime's buffers, in trainable-weight bytes: measured on emulated hosts (TF servers
+# with tfpipe's malloc mmap threshold, `tfpipe.cluster.allocator`).
+BUFFERS = 6.0
 # Ops whose output is a view of their first input: the same buffer, counted once.
 _VIEWS = {"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient",
           "Snapshot", "EnsureShape", "PreventGradient", "Bitcast"}
