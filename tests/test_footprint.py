@@ -38,6 +38,13 @@ def test_unknown_dimensions_come_from_the_given_shapes_or_are_refused_by_name():
   assert footprint.unit_shapes(model, 2, [(8, 12)])[0].shape == (2, 12)
   with pytest.raises(ValueError, match=r"input 0 of 'lm' has unknown dimensions"):
     footprint.unit_shapes(model, 2)
+  images = keras.Input((None, None, 3), name="images")
+  convolved = keras.Model(images, keras.layers.Conv2D(4, 3)(images), name="cnn")
+  # The first stage's inputs are the model's: each axis from its own shape.
+  assert footprint.unit_shapes(convolved, 2, [(8, 32, 24, 3)], first=True)[0].shape == (
+      2, 32, 24, 3)
+  with pytest.raises(ValueError, match=r"input 0 of 'cnn' has unknown dimensions"):
+    footprint.unit_shapes(convolved, 2, [(8, 32, 24, 3)])   # a later stage: no one length
 
 
 def _fitted(method, **options):

@@ -3,7 +3,8 @@
 k: stage index, M: micro-batches, W: the bytes of a stage's trainable weights. Per stage:
   weights:      its variables;
   optimizer:    the optimizer's slots and counters (built at compile);
-  accumulators: gradient accumulators of micro-batched methods (built at compile);
+  accumulators: gradient accumulators of micro-batched methods (built at the first epoch
+                whose schedule accumulates);
   versions:     weight copies kept beyond the current weights: the plan's count of distinct
                 versions a stage's kept forwards read (PipeDream K-k, 2BW 2, SpecTrain's
                 predictions), less the current one, times W;
@@ -50,35 +51,38 @@ def _bytes(variables):
                                            else v.dtype).itemsize for v in variables)
 
 
-def unit_shapes(model, unit, given=None):
+def unit_shapes(model, unit, given=None, first=False):
   """The stage inputs' shapes for `unit` samples: the model's own, their unknown dimensions
-  from `given` (shapes of the whole model's inputs, batch axis first, in order); a ValueError
-  names an input whose shape stays unknown."""
+  from `given` (shapes of the whole model's inputs, batch axis first, in order: the first
+  stage's inputs are they; a later stage's unknown axes, a sequence, take the length they
+  share); a ValueError names an input whose shape stays unknown."""
   shapes = []
   for i, t in enumerate(model.inputs):
     dims = list(t.shape[1:])
     if any(d is None for d in dims):
-      known = _known_from(dims, given, i)
+      known = _known_from(dims, given, i if first else None)
       if known is None:
         raise ValueError(
             f"input {i} of {model.name!r} has unknown dimensions {tuple(t.shape)}: give the "
-            "shapes of a batch (e.g. fit once, or pass x) to predict its memory")
+            "shapes of a batch (fit once, or pass input_shapes) to predict its memory")
       dims = known
     shapes.append(tf.TensorSpec([unit] + dims, t.dtype))
   return shapes
 
 
-def _known_from(dims, given, i):
-  """Fills `dims`' unknown sizes from the given shapes: a stage's inputs past the first are
-  activations whose unknown axes (a sequence) are the model inputs' (a sequence length)."""
+def _known_from(dims, given, index=None):
+  """`dims` with their unknown sizes from `given`: those of model input `index` where it is
+  one, else the one length every given shape's known axes share (a sequence length)."""
   if not given:
     return None
-  sizes = [d for shape in given for d in list(shape)[1:] if d is not None]
-  unknown = [d for d in dims if d is None]
-  if len(unknown) > 1 and len(set(sizes)) > 1:
+  if index is not None and index < len(given) and len(given[index]) == len(dims) + 1:
+    filled = [d if d is not None else g for d, g in zip(dims, list(given[index])[1:])]
+    return None if any(d is None for d in filled) else filled
+  sizes = {d for shape in given for d in list(shape)[1:] if d is not None}
+  if len(sizes) != 1:
     return None
-  fill = sizes[0] if sizes else None
-  return None if fill is None else [fill if d is None else d for d in dims]
+  fill = sizes.pop()
+  return [fill if d is None else d for d in dims]
 
 
 def kept_per_unit(model, specs):
@@ -183,7 +187,7 @@ def predict(pipeline, batch_size, input_shapes=None):
   current = 0 if ops["F"].reads == "predicted" else 1
   rows = []
   for k, program in enumerate(pipeline.programs):
-    specs = unit_shapes(program.model, unit, input_shapes)
+    specs = unit_shapes(program.model, unit, input_shapes, first=k == 0)
     inputs, kept = kept_per_unit(program.model, specs)
     trainable = _bytes(program.trainable)
     if program.is_last:
@@ -212,7 +216,7 @@ def predict(pipeline, batch_size, input_shapes=None):
 def _spec(tensor, unit, given):
   dims = list(tensor.shape[1:])
   if any(d is None for d in dims):
-    dims = _known_from(dims, given, 0)
+    dims = _known_from(dims, given)
     if dims is None:
       raise ValueError(f"a tensor of shape {tuple(tensor.shape)} has unknown dimensions: give "
                        "the shapes of a batch (e.g. fit once, or pass input_shapes)")
