@@ -181,3 +181,17 @@ def test_a_budget_only_recomputation_meets_is_named_in_the_refusal():
   with pytest.raises(ValueError, match=r"fit; with recompute=True some would; use more"):
     pipe.fit(data.standard_normal((1024, 64)).astype("float32"),
              data.integers(0, 3, 1024), batch_size=1024, verbose=0)
+
+
+def test_a_budget_is_per_device_where_a_device_holds_several_stages():
+  from tfpipe.training import memory_budget
+  pipe = tfpipe.Pipeline(_wide_then_narrow(), num_stages=2, method="interleaved",
+                         micro_batches=2)
+  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
+  rows = pipe.memory(16)
+  assert len(rows) == 4 and len(set(pipe.devices)) == 2
+  pipe.memory_budget = max(row["total"] for row in rows) + 1   # each stage alone fits
+  peak, stage = memory_budget.over(pipe, rows)
+  device = pipe.devices[stage]
+  assert peak == sum(r["total"] for r, d in zip(rows, pipe.devices) if d == device)
+  assert peak > pipe.memory_budget

@@ -14,7 +14,7 @@ import re
 from tfpipe.plan import balance, policies, tasks as task_table
 from tfpipe.stage import footprint, partition as partition_lib
 
-__all__ = ["parse", "plan", "check", "size"]
+__all__ = ["parse", "plan", "check", "size", "over"]
 
 _UNITS = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
 
@@ -54,10 +54,12 @@ def _per_device(pipe, rows):
   return [(device, total, top) for device, (total, top) in totals.items()]
 
 
-def _over(pipe, rows):
-  over = [(total, top) for _, total, top in _per_device(pipe, rows)
-          if total > pipe.memory_budget]
-  return max(over) if over else None
+def over(pipe, rows):
+  """(the largest predicted peak of a device over the budget, its stage with the largest
+  share), or None where every device fits; `rows` are `Pipeline.memory`'s."""
+  found = [(total, top) for _, total, top in _per_device(pipe, rows)
+           if total > pipe.memory_budget]
+  return max(found) if found else None
 
 
 def _parts(row):
@@ -69,7 +71,7 @@ def plan(pipe, batch_size, input_shapes, kept=None):
   to take. Raises ValueError (one line) when the cuts must stay (`kept`: why) or no cuts
   fit."""
   rows = pipe.memory(batch_size, input_shapes)
-  over = _over(pipe, rows)
+  over = over(pipe, rows)
   if over is None:
     return None
   peak, k = over
@@ -111,7 +113,7 @@ def plan(pipe, batch_size, input_shapes, kept=None):
 def check(pipe, batch_size, input_shapes):
   """Refuses (one line) a pipeline whose predicted peak on some device is over its budget."""
   rows = pipe.memory(batch_size, input_shapes)
-  over = _over(pipe, rows)
+  over = over(pipe, rows)
   if over is not None:
     peak, k = over
     raise ValueError(f"memory_budget={size(pipe.memory_budget)}: stage {k} is predicted to "
