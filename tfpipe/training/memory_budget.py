@@ -71,10 +71,10 @@ def plan(pipe, batch_size, input_shapes, kept=None):
   to take. Raises ValueError (one line) when the cuts must stay (`kept`: why) or no cuts
   fit."""
   rows = pipe.memory(batch_size, input_shapes)
-  over = over(pipe, rows)
-  if over is None:
+  found = over(pipe, rows)
+  if found is None:
     return None
-  peak, k = over
+  peak, k = found
   budget, K = pipe.memory_budget, len(rows)
   head = (f"memory_budget={size(budget)}: stage {k} is predicted to peak at {size(peak)} "
           f"with the cuts {list(pipe.partition.cuts)} ({_parts(rows[k])}) at batch {batch_size}")
@@ -113,9 +113,9 @@ def plan(pipe, batch_size, input_shapes, kept=None):
 def check(pipe, batch_size, input_shapes):
   """Refuses (one line) a pipeline whose predicted peak on some device is over its budget."""
   rows = pipe.memory(batch_size, input_shapes)
-  over = over(pipe, rows)
-  if over is not None:
-    peak, k = over
+  found = over(pipe, rows)
+  if found is not None:
+    peak, k = found
     raise ValueError(f"memory_budget={size(pipe.memory_budget)}: stage {k} is predicted to "
                      f"peak at {size(peak)} with the cuts {list(pipe.partition.cuts)} "
                      f"({_parts(rows[k])}) at batch {batch_size}, the closest the layers' "
