@@ -1,4 +1,5 @@
-"""Memory per stage: weight versions, activations, optimizer slots, from a run."""
+"""Memory per stage: weight versions, activations, optimizer slots, from a run, and as the
+plan predicted them before it."""
 
 import keras
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 
 import tfpipe
 from tfpipe.instruments import memory
+from tfpipe.stage import footprint
 from tfpipe.rules import optimizers
 from tests import helpers
 
@@ -14,8 +16,23 @@ def _memory(method, **options):
   x, y = helpers.as_arrays(helpers.batches(8))
   pipe = tfpipe.Pipeline(helpers.mlp(), num_stages=3, method=method, **options)
   pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy())
+  before = footprint.predict(pipe, 16)   # before anything trains
   pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-  return pipe, memory.stage_memory(pipe, 16)
+  rows = memory.stage_memory(pipe, 16)
+  _the_prediction_held(pipe, before, rows)
+  return pipe, rows
+
+
+def _the_prediction_held(pipe, before, after):
+  """The plan predicted the kept forwards and weight versions the run counted, and the
+  variables it then held (`tfpipe.stage.footprint`)."""
+  states, versions, _ = footprint.counts(pipe)
+  assert (states, versions) == (pipe.runtime.peak_saved, pipe.runtime.peak_versions)
+  for field in ("weights", "optimizer", "accumulators", "versions"):
+    assert [row[field] for row in before] == [row[field] for row in after], field
+  trainable = [sum(v.numpy().nbytes for v in p.trainable) for p in pipe.programs]
+  assert [row["gradients"] for row in before] == trainable
+  assert all(row["total"] == sum(row[f] for f in footprint.FIELDS) for row in before)
 
 
 def test_memory_follows_each_methods_rule():
@@ -45,6 +62,8 @@ def test_memory_follows_each_methods_rule():
   per_sample_2 = 4 * (16 + 3)   # its inputs + the logits
   assert stash[2]["activations"] == per_sample_2 * 16
   assert gpipe[2]["activations"] == per_sample_2 * 4
+  for method in ("1f1b", "zb"):   # the plan's counts for the other synchronous schedules
+    _memory(method, micro_batches=4)
   joining, joined = _memory("timeprest", micro_batches=4)   # a step over 4 micro-batches of 4
   assert joining.runtime.peak_saved[2] == 4 and joined[2]["activations"] == 4 * per_sample_2 * 4
   for rows in (stash, vanilla, gpipe):
