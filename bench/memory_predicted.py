@@ -244,11 +244,14 @@ def main(argv):
   if results:
     errors = [abs(e) for r in results for _, _, e in compare(r)]
     factors = sorted(exact_factors(results))
+    median = factors[len(factors) // 2]
+    at_median = [abs(e) for r in results for _, _, e in compare(r, median)]
     lines += [f"Largest error: {100 * max(errors):.0f}%; within 20%: "
               f"{sum(e <= 0.2 for e in errors)} of {len(errors)} hosts. The buffers factor "
-              f"that would make each host's prediction exact: median "
-              f"{factors[len(factors) // 2]:.1f}, from {factors[0]:.1f} to {factors[-1]:.1f}.",
-              ""]
+              f"that would make each host's prediction exact: median {median:.1f}, from "
+              f"{factors[0]:.1f} to {factors[-1]:.1f}; at the median, within 20%: "
+              f"{sum(e <= 0.2 for e in at_median)} of {len(at_median)} hosts (largest error "
+              f"{100 * max(at_median):.0f}%).", ""]
   text = "\n".join(lines) + "\n" + results_io.markdown_table(
       ["model", "method", "host", "predicted MiB", "measured MiB", "error",
        "predicted parts (MiB)"], table)

@@ -39,7 +39,7 @@ def _kept(threshold):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_a_fixed_threshold_returns_freed_blocks_that_the_adaptive_one_keeps():
-  fixed, kept = _kept(allocator.MMAP_THRESHOLD)
+  fixed, kept = _kept(allocator.MEMORY_FIRST)
   assert fixed and kept < 1 << 20
   adaptive, kept_adaptive = _kept(0)
   assert not adaptive and kept_adaptive >= 6 << 20   # the 8 MiB block, from the heap

@@ -140,7 +140,7 @@ def test_a_budget_that_is_not_bytes_is_refused_by_value(budget):
 
 def test_a_budget_only_recomputation_meets_is_named_in_the_refusal():
   # Six Dense(64) layers at batch 1024: kept activations dominate. The best cuts peak at
-  # 1.83 MiB keeping the forwards' tensors, at 1.44 MiB recomputing them.
+  # 2.15 MiB keeping the forwards' tensors, at 1.68 MiB recomputing them.
   keras.utils.set_random_seed(0)
   x = keras.Input((64,))
   h = x
@@ -148,7 +148,7 @@ def test_a_budget_only_recomputation_meets_is_named_in_the_refusal():
     h = keras.layers.Dense(64, activation="relu", name=f"d{i}")(h)
   model = keras.Model(x, keras.layers.Dense(3, name="out")(h))
   pipe = tfpipe.Pipeline(model, num_stages=2, method="gpipe", micro_batches=2,
-                         memory_budget=1_700_000)
+                         memory_budget=2_000_000)
   pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy())
   data = np.random.default_rng(0)
   with pytest.raises(ValueError, match=r"fit; with recompute=True some would; use more"):

@@ -353,10 +353,10 @@ def test_trainer_exits_naming_a_dead_worker():
   import json
   import time
   from tfpipe.cluster import allocator, servers as cluster
-  with cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
-    # Each server (a fork of the launcher, its command line) fixes malloc's mmap threshold.
-    with open(f"/proc/{local.processes[('worker', 1)].pid}/cmdline") as f:
-      assert f"--mmap_threshold={allocator.MMAP_THRESHOLD}" in f.read().split("\0")
+  # Servers only: this process stays local. Their malloc mmap threshold fixed where asked.
+  with cluster.LocalCluster({"worker": 2}, mmap_threshold=allocator.MEMORY_FIRST) as local:
+    with open(f"/proc/{local.processes[('worker', 1)].pid}/cmdline") as f:   # a fork's
+      assert f"--mmap_threshold={allocator.MEMORY_FIRST}" in f.read().split("\0")
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": local.spec}))
     trainer = zygote.start(
         ["-m", "trainers.main", "--method=pipedream", "--cluster=tf_config",

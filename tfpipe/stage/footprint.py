@@ -38,7 +38,7 @@ FIELDS = ("weights", "optimizer", "accumulators", "versions", "activations", "gr
           "buffers")
 # The runtime's buffers, in trainable-weight bytes: measured on emulated hosts (TF servers
 # with tfpipe's malloc mmap threshold, `tfpipe.cluster.allocator`).
-BUFFERS = 6.0
+BUFFERS = 11.0
 # Ops whose output is a view of their first input: the same buffer, counted once.
 _VIEWS = {"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient",
           "Snapshot", "EnsureShape", "PreventGradient", "Bitcast"}
