@@ -553,7 +553,9 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys, m
   lines = []
   pipe.plan_report(lines.append)
   assert lines[0].startswith("method='auto' chose") and "chosen" in lines[2]
-  assert len(lines) == 2 + len(pipe.chosen.rows)
+  # Then the chosen pipeline's predicted peak per stage, its last line.
+  assert len(lines) == 3 + len(pipe.chosen.rows)
+  assert lines[-1] == summary[-1] and lines[-1].startswith(" Predicted peak memory per stage")
   # A second fit keeps the choice.
   pipe.fit(x, y, batch_size=32, epochs=1, verbose=0)
   assert pipe.chosen.candidate == chosen

@@ -300,21 +300,31 @@ def test_memory_fit_refuses_a_cap_it_cannot_read():
       result.stderr)
 
 
+# Loads the bench script as a module (in a process of its own: its absl flags would clash with
+# the trainer's, which tests parse in this process) and prints its comparisons of one result:
+# two stages on host 0 (interleaved), one on host 1; peaks above idle 1200 and 700.
+_COMPARE = """
+import importlib.util, json
+spec = importlib.util.spec_from_file_location("memory_predicted", "bench/memory_predicted.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+row = {"total": 500, "buffers": 100, "gradients": 100}
+result = {"predicted": [row, row, row], "host_of_stage": [0, 1, 0],
+          "peaks": [1300, 750], "idle": [100, 50]}
+print(json.dumps([bench.compare(result), bench.compare(result, buffers=3.0),
+                  bench.exact_factors([result])]))
+"""
+
+
 def test_memory_predicted_sets_predictions_beside_peaks_and_fits_the_buffers_factor():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "memory_predicted", os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench",
-                                       "memory_predicted.py"))
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  row = {"total": 500, "buffers": 100, "gradients": 100}
-  # Two stages on host 0 (interleaved), one on host 1; peaks above idle 1200 and 700.
-  result = {"predicted": [row, row, row], "host_of_stage": [0, 1, 0],
-            "peaks": [1300, 750], "idle": [100, 50]}
-  assert bench.compare(result) == [(1000, 1200, -200 / 1200), (500, 700, -200 / 700)]
-  assert bench.compare(result, buffers=3.0)[1] == (700, 700, 0.0)
+  import json
+  result = zygote.run(["-c", _COMPARE])
+  assert result.returncode == 0, result.stderr[-2000:]
+  plain, at_three, factors = json.loads(result.stdout.strip().splitlines()[-1])
+  assert plain == [[1000, 1200, -200 / 1200], [500, 700, -200 / 700]]
+  assert at_three[1] == [700, 700, 0.0]
   # Host 0: 1200 measured = 2 x 400 besides buffers + c x 200 trainable: c = 2; host 1: 3.
-  assert bench.exact_factors([result]) == [2.0, 3.0]
+  assert factors == [2.0, 3.0]
 
 
 def test_memory_predicted_refuses_an_unknown_model():

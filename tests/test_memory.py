@@ -89,8 +89,10 @@ def test_a_per_token_heads_logits_count_at_the_last_stage():
   pipe = tfpipe.Pipeline(model, num_stages=2, method="1f1b", micro_batches=2)
   pipe.compile(keras.optimizers.SGD(0.1),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  predicted = footprint.predict(pipe, batch)   # before training: the loss keeps them too
   x = np.random.RandomState(0).randint(0, vocab, (4 * batch, length)).astype("int32")
   pipe.fit(x, np.roll(x, -1, axis=1), batch_size=batch, verbose=0)
   rows = memory.stage_memory(pipe, batch)
   logits = (batch // 2) * length * vocab * 4   # a micro-batch's, float32
   assert rows[1]["activations"] >= logits
+  assert predicted[1]["activations"] >= pipe.runtime.peak_saved[1] * logits

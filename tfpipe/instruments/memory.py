@@ -26,7 +26,7 @@ import numpy as np
 
 from tfpipe.plan import tasks as task_table
 
-__all__ = ["FIELDS", "stage_memory", "format_memory"]
+__all__ = ["FIELDS", "stage_memory", "format_memory", "variable_bytes"]
 
 FIELDS = ("weights", "versions", "activations", "optimizer", "accumulators")
 
@@ -35,7 +35,8 @@ def _itemsize(dtype):
   return np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).itemsize  # numpy, Keras or tf dtypes
 
 
-def _bytes(variables):
+def variable_bytes(variables):
+  """Bytes of `variables` (Keras or TensorFlow variables)."""
   return sum(int(np.prod(v.shape)) * _itemsize(v.dtype) for v in variables)
 
 
@@ -70,8 +71,8 @@ def stage_memory(pipeline, batch_size):
   extra_current = 0 if ops["F"].reads == "predicted" else 1
   result = []
   for k, program in enumerate(pipeline.programs):
-    weights = _bytes(program.trainable) + _bytes(program.non_trainable)
-    trainable = _bytes(program.trainable)
+    weights = variable_bytes(program.trainable) + variable_bytes(program.non_trainable)
+    trainable = variable_bytes(program.trainable)
     # A forward keeps its tape, or its inputs only, and then the backward rebuilds one tape
     # (held while it runs, on top of the inputs kept); the last stage's step builds the tape
     # of every forward it joins, whatever the method keeps.
@@ -85,8 +86,8 @@ def stage_memory(pipeline, batch_size):
         "weights": weights,
         "versions": max(0, pipeline.runtime.peak_versions[k] - extra_current) * trainable,
         "activations": activations,
-        "optimizer": _bytes(program.optimizer.variables),
-        "accumulators": _bytes(program.updates.accumulators or []),
+        "optimizer": variable_bytes(program.optimizer.variables),
+        "accumulators": variable_bytes(program.updates.accumulators or []),
     }
     row["total"] = sum(row.values())
     result.append(row)

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe.instruments.memory import variable_bytes
 from tfpipe.plan import policies, records, tasks as task_table
 from tfpipe.stage import partition as partition_lib
 
@@ -43,12 +44,6 @@ BUFFERS = 11.0
 _VIEWS = {"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient",
           "Snapshot", "EnsureShape", "PreventGradient", "Bitcast"}
 _NOT_HELD = {"ReadVariableOp", "Const", "Placeholder", "VarHandleOp"}
-
-
-def _bytes(variables):
-  return sum(math.prod(v.shape) * np.dtype(v.dtype.as_numpy_dtype
-                                           if hasattr(v.dtype, "as_numpy_dtype")
-                                           else v.dtype).itemsize for v in variables)
 
 
 def unit_shapes(model, unit, given=None, first=False):
@@ -189,7 +184,7 @@ def predict(pipeline, batch_size, input_shapes=None):
   for k, program in enumerate(pipeline.programs):
     specs = unit_shapes(program.model, unit, input_shapes, first=k == 0)
     inputs, kept = kept_per_unit(program.model, specs)
-    trainable = _bytes(program.trainable)
+    trainable = variable_bytes(program.trainable)
     if program.is_last:
       kept += _outputs_per_unit(program.model, specs)
     if pipeline.policy.recompute and not program.is_last:
@@ -197,8 +192,8 @@ def predict(pipeline, batch_size, input_shapes=None):
     else:
       activations = states[k] * (inputs + kept)
     row = {
-        "weights": trainable + _bytes(program.non_trainable),
-        "optimizer": _bytes(program.optimizer.variables),
+        "weights": trainable + variable_bytes(program.non_trainable),
+        "optimizer": variable_bytes(program.optimizer.variables),
         # Built at the first epoch whose schedule accumulates: one per trainable weight (and
         # the sum of the weights read, for delay compensation).
         "accumulators": (trainable * (2 if program.rule.delay_compensation else 1)
@@ -243,8 +238,8 @@ class LayerCosts:
       fresh = [v for v in node.operation.trainable_variables if id(v) not in seen]
       frozen = [v for v in node.operation.non_trainable_variables if id(v) not in seen]
       seen |= {id(v) for v in fresh + frozen}
-      self.trainable.append(_bytes(fresh))
-      self.fixed.append(_bytes(frozen))
+      self.trainable.append(variable_bytes(fresh))
+      self.fixed.append(variable_bytes(frozen))
       specs = [_spec(t, unit, input_shapes) for t in node.input_tensors]
       self.kept.append(node_kept(node, specs))
     self.inputs = [_per_unit(partition_lib.live(model_inputs, outputs, nodes, a), unit,
