@@ -126,7 +126,7 @@ def main(argv):
            "mini-batch by all hosts together, read from the links' counters, the client's "
            "own link not counted; samples/s of the second epoch). * the run's epochs were one "
            "window of steps each, so its bytes are the whole fit's per step: the weights sent "
-           "out at the start and written back to the client at each epoch's end included")
+           "out at the start and written back to the client at its end included")
   rows.sort(key=lambda r: (r[1], r[2], -_rate(r[0])))
   results_io.report(FLAGS.results_dir, FLAGS.output, title, results_io.markdown_table(head, rows))
 

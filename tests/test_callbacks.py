@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
+from tfpipe.training import fit_loop
 import tfpipe
 
 LOSS = "sparse_categorical_crossentropy"
@@ -111,3 +112,24 @@ def test_early_stopping_finds_the_direction_of_a_compiled_metric():
   pipe.fit(x, y, batch_size=16, epochs=3, verbose=0, validation_data=(x, y), callbacks=[stop])
   assert stop.monitor_op is not None and stop.min_delta >= 0   # "up": maximise
   assert pipe.model.metrics == [] and not hasattr(pipe.model, "optimizer")
+
+
+class _Blind(keras.callbacks.Callback):
+  reads_weights = False
+
+
+@pytest.mark.parametrize("callback, reads", [
+    (keras.callbacks.History(), False),
+    (keras.callbacks.ProgbarLogger(), False),
+    (keras.callbacks.ReduceLROnPlateau(), False),
+    (keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate), False),
+    (keras.callbacks.EarlyStopping(), False),
+    (keras.callbacks.EarlyStopping(restore_best_weights=True), True),
+    (keras.callbacks.LambdaCallback(), True),
+    (keras.callbacks.Callback(), True),
+    (_Blind(), False),
+    (tfpipe.checkpoint.BackupAndRestore("unused"), False),
+])
+def test_callbacks_that_may_read_the_model_weights_are_told_apart(callback, reads):
+  # With stages on TF servers, only these bring the weights to the client at epoch ends.
+  assert fit_loop.reads_weights(callback) is reads

@@ -38,6 +38,16 @@ def test_two_process_pipeline_equals_one_process():
     assert "/job:worker/replica:0/task:1" in result[method]["stage1_device"]
 
 
+def test_stage_weights_move_to_the_client_at_epoch_ends_only_when_a_callback_may_read_them():
+  result = _scenario("moved")
+  read, blind = result["True"], result["False"]
+  # A callback that may read the model sees each epoch's weights.
+  assert read["epoch0_moved"] > 1e-3 and read["epoch1_to_end"] == 0
+  # One that says it does not: the weights stay on the servers until `fit` ends.
+  assert blind["epoch0_moved"] == 0 and blind["end_moved"] > 1e-3
+  assert result["runs_gap"] == 0
+
+
 def test_pipeline_replicas_on_server_processes_equal_keras():
   result = _scenario("replicas")
   assert result["gap"] < 1e-9
@@ -254,6 +264,9 @@ def test_multi_worker_mirrored_data_parallelism_across_two_processes():
   assert results[0]["loss"] == results[1]["loss"]            # one synchronous training
   assert results[0]["checksum"] == results[1]["checksum"]
   assert results[0]["gap_to_single"] < 1e-5                    # = one device, global batch
+  # Per-token losses with dict inputs: Keras's mean over every token, the same update.
+  assert results[0]["lm_loss"] == pytest.approx(results[0]["lm_keras_loss"], rel=1e-5)
+  assert results[0]["lm_gap_to_single"] < 1e-5
 
 
 def test_liveness_settings_are_checked_and_kept():

@@ -226,7 +226,9 @@ def _train(config, tools, spec=None):
     if config.checkpoint_dir:
       raise ValueError("--checkpoint_dir is not supported with --cluster=tf_config "
                        "dataparallel (MultiWorkerMirroredStrategy) yet")
-    trainer = tfpipe.multi_worker.MultiWorkerDataParallel(model)
+    # Built again, not cloned: a KerasHub layer's get_config may fail (Llama's in 0.32).
+    trainer = tfpipe.multi_worker.MultiWorkerDataParallel(model, build=lambda: models.build_model(
+        config, data.input_shape, data.num_classes, data.vocab_size))
   else:
     if config.layout == "auto":
       config = _chosen_layout(config, model)

@@ -57,14 +57,17 @@ def make_strategy(timeout=120.0):
 class MultiWorkerDataParallel:
   """Keras-style compile/fit of `model`, data parallel over the cluster's worker processes."""
 
-  def __init__(self, model, strategy=None):
+  def __init__(self, model, strategy=None, build=None):
+    """`build`: a function that builds the model's architecture again, for the strategy's
+    copy where `keras.models.clone_model` cannot copy it (a layer whose `get_config` fails);
+    the copy takes `model`'s weights either way."""
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     self.model = model
     self.strategy = strategy or make_strategy()
     self.workers = compat.num_workers(self.strategy)
     with self.strategy.scope():
-      self._trained = keras.models.clone_model(model)
+      self._trained = keras.models.clone_model(model) if build is None else build()
       self._trained.set_weights(model.get_weights())
 
   def describe(self):
@@ -98,7 +101,8 @@ class MultiWorkerDataParallel:
           shuffle=False, steps_per_epoch=None, seed=None, validation_data=None):
     """Trains; returns a `keras.callbacks.History` with loss and samples_per_second."""
     del validation_data  # evaluate with `evaluate` on one worker
-    dataset, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed)
+    dataset, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed,
+                                           names=data.input_names(self._trained))
     model, loss_fn, optimizer = self._trained, self.loss, self.optimizer
 
     @tf.function
@@ -108,6 +112,8 @@ class MultiWorkerDataParallel:
         global_size = context.all_reduce("sum", tf.cast(tf.shape(yb)[0], tf.float32))
         with tf.GradientTape() as tape:
           per_sample = loss_fn.call(yb, model(xb, training=True))
+          if per_sample.shape.rank > 1:   # per token: Keras averages over every element
+            per_sample = tf.reduce_mean(per_sample, axis=list(range(1, per_sample.shape.rank)))
           loss = tf.reduce_sum(per_sample) / tf.cast(global_size, per_sample.dtype)
         # Keras's TensorFlow optimizer sums the replicas' gradients (an all-reduce) in `apply`.
         optimizer.apply(tape.gradient(loss, model.trainable_variables),

@@ -6,7 +6,7 @@ links' byte counters ({host: (sent, received)}, e.g.
 begins and ends and at each step's end, so `per_step()` is what one
 mini-batch moved in the last epoch's steady state, and `totals()` what the
 whole `fit` moved (the weights sent out at its start and written back to the
-client's model at each epoch's end included).
+client's model at its end, and at epoch ends where a callback reads them, included).
 """
 
 import keras
@@ -18,6 +18,7 @@ class LinkTraffic(keras.callbacks.Callback):
   """Each host's bytes sent and received over `fit` (`totals`), and per step of the last epoch
   (`per_step`: the steady state, between its first and last step's ends, without what `fit`
   moves at its start and at an epoch's end)."""
+  reads_weights = False   # the stages' weights stay on their devices
 
   def __init__(self, counters):
     super().__init__()
@@ -91,5 +92,5 @@ def describe(traffic):
           "over the whole fit: its epochs ran as one window of steps each")
   return (f"bytes on the links per step ({over}), "
           f"MB sent/received: {each}; {total / 1e6:.3g} MB sent in all; the whole fit "
-          f"({traffic.steps} steps, the weights moved at its start and epochs' ends included): "
+          f"({traffic.steps} steps, the weights moved at its start and end included): "
           f"{whole / 1e6:.3g} MB")

@@ -29,6 +29,24 @@ class PositionEmbedding(keras.layers.Layer):
     return x + ops.cast(self.positions, x.dtype)
 
 
+class TakeStep(keras.layers.Layer):
+  """A (batch, L, d) input's step `index` (negative counts from the end): (batch, d). A layer,
+  not a `Lambda`, so that the model clones and saves (a Python lambda does not deserialise)."""
+
+  def __init__(self, index, **kwargs):
+    super().__init__(**kwargs)
+    self.index = index
+
+  def call(self, x):
+    return x[:, self.index]
+
+  def compute_output_shape(self, input_shape):
+    return (input_shape[0],) + tuple(input_shape[2:])
+
+  def get_config(self):
+    return {**super().get_config(), "index": self.index}
+
+
 def _embed(tokens, vocab_size, width, name):
   x = keras.layers.Embedding(vocab_size, width, name=f"{name}_tokens")(tokens)
   return PositionEmbedding(name=f"{name}_positions")(x)
@@ -90,7 +108,7 @@ def bert(input_shape, num_classes, scale=1.0, vocab_size=20000, encoders=3, head
   x = keras.layers.LayerNormalization(epsilon=1e-12, name="embedding_norm")(x)
   for i in range(encoders):
     x = _encoder((input_shape[0], d), heads, 4 * d, f"encoder{i}", activation="gelu")(x)
-  first = keras.layers.Lambda(lambda t: t[:, 0], name="first_token")(x)
+  first = TakeStep(0, name="first_token")(x)
   pooled = keras.layers.Dense(d, activation="tanh", name="pooler")(first)
   return keras.Model(tokens, keras.layers.Dense(num_classes, name="logits")(pooled), name="bert")
 
@@ -116,7 +134,7 @@ def residual_lstm(input_shape, num_classes, scale=1.0, vocab_size=20000, layers=
   x = keras.layers.Embedding(vocab_size, e, name="embedding")(tokens)
   for i in range(layers):
     x = _lstm_layer((input_shape[0], x.shape[-1]), m, o, f"lstm{i}")(x)
-  last = keras.layers.Lambda(lambda t: t[:, -1], name="last_step")(x)
+  last = TakeStep(-1, name="last_step")(x)
   return keras.Model(tokens, keras.layers.Dense(num_classes, name="logits")(last),
                      name="residual_lstm")
 

@@ -100,6 +100,7 @@ class BackupAndRestore(keras.callbacks.Callback):
   a new Pipeline over the same model architecture) restores the latest
   checkpoint and continues from the epoch after it.
   """
+  reads_weights = False   # it saves the stages' own variables, not the Keras model's
 
   def __init__(self, directory, every_epochs=1, max_to_keep=2, delete_at_end=False):
     """`delete_at_end`: remove `directory` when a `fit` finishes (Keras's

@@ -44,6 +44,32 @@ def reads_batches(cbs, mode):
              for cb in cbs.callbacks)
 
 
+# Callbacks that never read the Keras model's weights. With only these (and those that say so
+# with `reads_weights = False`), an epoch's end leaves the weights on the stages' devices:
+# copying them to the client costs the whole model on the links, each epoch. `fit`'s end
+# always copies them.
+_WEIGHT_BLIND = (keras.callbacks.History, keras.callbacks.ProgbarLogger,
+                 keras.callbacks.CSVLogger, keras.callbacks.TerminateOnNaN,
+                 keras.callbacks.LearningRateScheduler, keras.callbacks.ReduceLROnPlateau)
+
+
+def reads_weights(callback):
+  """Whether `callback` may read the Keras model's weights at an epoch's end: unless it says
+  otherwise (`reads_weights`) or is one of Keras's callbacks that never do."""
+  said = getattr(callback, "reads_weights", None)
+  if said is not None:
+    return bool(said)
+  if isinstance(callback, keras.callbacks.EarlyStopping):
+    return bool(callback.restore_best_weights)
+  return not isinstance(callback, _WEIGHT_BLIND)
+
+
+def write_to_model(pipe):
+  """Every stage's weights into the user's Keras model."""
+  for p in pipe.programs:
+    p.write_to_model()
+
+
 def _should_validate(epoch, validation_freq):
   if isinstance(validation_freq, int):
     return (epoch + 1) % validation_freq == 0
@@ -90,6 +116,8 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
     elif batch_readers:
       getattr(cbs, name)(*args)
 
+  # Stages on TF servers keep their weights until something reads them (or `fit` ends).
+  readers = not pipe.remote_stages() or any(reads_weights(cb) for cb in cbs.callbacks)
   pipe.model.stop_training = False
   pipe.fit_epochs = (pipe.runtime.epoch + 1, num_batches, initial_epoch)
   profiled = isinstance(pipe.runtime, runtime.CompiledRuntime)  # the runtime runs the profiler
@@ -158,8 +186,8 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
       logs = _metric_logs(pipe)
       samples = float(pipe.step.loss_tracker.count.numpy())
       logs["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
-      for p in pipe.programs:
-        p.write_to_model()
+      if readers:
+        write_to_model(pipe)
       if validation is not None and _should_validate(epoch, validation_freq):
         logs.update(evaluate(pipe, *validation, cbs, prefix="val_"))
       hook("on_epoch_end", epoch, logs)
@@ -169,7 +197,8 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
     iterator = iterators.release(iterator)
     if tracer:
       tracer.end()
-  _finalize_weights(pipe)
+  if not _finalize_weights(pipe) and not readers:
+    write_to_model(pipe)
   if options.trace_steps is not None:
     trace.write_chrome_trace(os.path.join(options.trace_dir, trace.TRACE_FILE),
                              fit_records(pipe), pipe.devices, num_batches, options.trace_steps)
@@ -190,11 +219,14 @@ def _metric_logs(pipe, prefix=""):
 
 def _finalize_weights(pipe):
   """What Keras's `fit` does at its end: each optimizer's `finalize_variable_values`
-  (with `use_ema`, the weights become their moving average), then into the model."""
-  if any(p.optimizer.use_ema for p in pipe.programs):
-    for p in pipe.programs:
-      p.finalize()
-      p.write_to_model()
+  (with `use_ema`, the weights become their moving average), then into the model; returns
+  whether it wrote them."""
+  if not any(p.optimizer.use_ema for p in pipe.programs):
+    return False
+  for p in pipe.programs:
+    p.finalize()
+  write_to_model(pipe)
+  return True
 
 
 def choose_window(pipe, batch_hooks, aligned=True):
