@@ -14,7 +14,7 @@ link, so the crossover (where the pipeline overtakes data parallelism) reads
 down a column; the ratio column is data parallel / pipeline (1f1b) bytes, to
 set beside the SpecTrain paper's 13.4x (its figure 3).
 
-  python bench/links.py [--workloads=fcn,vgg16,transformer,residual_lstm --hosts=2,4
+  python bench/links.py [--workloads=fcn,vgg16,transformer,residual_lstm,llama --hosts=2,4
                          --links=10gbit,1gbit,100mbit --steps=8]
 """
 
@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
@@ -39,6 +40,11 @@ WORKLOADS = {
     "transformer": ["--flagfile=configs/transformer_spectrain.cfg", "--dataset=synthetic_text"],
     "residual_lstm": ["--flagfile=configs/residual_lstm_spectrain.cfg",
                       "--dataset=synthetic_text"],
+    # A KerasHub Llama from config (4 layers of width 256), per token on offline text; AdamW
+    # without global clipping, which the asynchronous methods cannot apply.
+    "llama": ["--model=llama", "--model_scale=4", "--dataset=grammar_text",
+              "--sequence_length=64", "--batch_size=32", "--optimizer=adamw",
+              "--learning_rate=1e-3", "--throughput_window="],
 }
 METHODS = ("dataparallel", "asgd", "1f1b", "spectrain", "1f1b_x2_ring", "1f1b_x2_reduce")
 # Data parallel x pipeline: 2 replicas of hosts/2 stages; the replicas' gradients summed by a
@@ -70,6 +76,20 @@ def cluster_flags(method, hosts, link):
           "--partition=uniform"]
 
 
+def batch_size(workload):
+  """The global batch `workload`'s flags (or its flag file) give."""
+  for flag in WORKLOADS[workload]:
+    if flag.startswith("--batch_size="):
+      return int(flag.split("=", 1)[1])
+  for flag in WORKLOADS[workload]:
+    if flag.startswith("--flagfile="):
+      with open(os.path.join(ROOT, flag.split("=", 1)[1])) as f:
+        for line in f:
+          if line.startswith("--batch_size="):
+            return int(line.split("=", 1)[1])
+  raise ValueError(f"no --batch_size for workload {workload!r}")
+
+
 def run(workload, method, hosts, link):
   """{"samples/s", "sent" (MB per step, all hosts), "max_host" (MB per step, the busiest)} of
   one trainer run, or {"error": ...}."""
@@ -78,15 +98,20 @@ def run(workload, method, hosts, link):
           "--epochs=2", f"--steps={FLAGS.steps}", "--logdir=", "--verbose=2",
           *[f for f in cluster_flags(method, hosts, link) if not f.startswith("--method=")]]
   start = time.monotonic()
-  result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout, cwd=ROOT)
   out = result.stdout
   if result.returncode != 0:
     return {"error": (result.stderr.strip().splitlines() or ["?"])[-1][:200]}
   speed = re.search(r"^samples/s, whole last epoch\s+([\d.]+)", out, re.M)
   line = re.search(r"^bytes on the links per step.*$", out, re.M)
-  hosts_sent = [float(m) for m in re.findall(r"(?:worker|ps)/\d+ ([\d.e+-]+)/", line.group(0))]
-  return {"samples/s": float(speed.group(1)) if speed else None,
+  moved = [(float(a), float(b)) for a, b in
+           re.findall(r"(?:worker|ps)/\d+ ([\d.e+-]+)/([\d.e+-]+)", line.group(0))]
+  hosts_sent = [sent for sent, _ in moved]
+  samples = float(speed.group(1)) if speed else None
+  # The busiest link direction's share of a step: its bytes at the link's rate, over the step.
+  busy = (max(max(pair) for pair in moved) * 8e6 / _rate(link)) / (batch_size(workload) / samples
+                                                                    ) if samples else None
+  return {"samples/s": samples, "busy": busy,
           "sent": sum(hosts_sent), "max_host": max(hosts_sent),
           "whole_fit": "over the whole fit" in line.group(0),
           "seconds": time.monotonic() - start}
@@ -106,15 +131,16 @@ def main(argv):
         for method in FLAGS.methods:
           r = got[method]
           cells.append("error: " + r["error"] if "error" in r else
-                       f"{r['samples/s']:.0f} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"]
-                                                                          else ""))
+                       f"{r['samples/s']:.3g} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"]
+                                                                          else "")
+                       + f", link {100 * r['busy']:.0f}%")
         dp, pp = got.get("dataparallel", {}), got.get("1f1b", {})
         ratio = (f"{dp['sent'] / pp['sent']:.1f}x" if "sent" in dp and "sent" in pp
                  and pp["sent"] else "")
         faster = (f"{pp['samples/s'] / dp['samples/s']:.2f}" if dp.get("samples/s")
                   and pp.get("samples/s") else "")
         rows.append([link, workload, hosts] + cells + [ratio, faster])
-  head = (["link", "workload", "hosts"] + [f"{m}: samples/s, MB sent per step" for m in
+  head = (["link", "workload", "hosts"] + [f"{m}: samples/s, MB sent per step, link busy" for m in
                                            FLAGS.methods]
           + ["bytes dataparallel / 1f1b", "samples/s 1f1b / dataparallel"])
   command = "python bench/links.py " + " ".join(
@@ -124,7 +150,9 @@ def main(argv):
   title = ("# Bytes on the wire and samples/s on emulated hosts\n\n"
            f"`{command}` (each run the trainer with `--cluster=emulated:...`; MB sent per "
            "mini-batch by all hosts together, read from the links' counters, the client's "
-           "own link not counted; samples/s of the second epoch). * the run's epochs were one "
+           "own link not counted; samples/s of the second epoch; link busy: the busiest host's "
+           "busier direction, its bytes per step at the link's rate as a share of the step, "
+           "near 100%: the link bounds the run; read from the counters, not a trace). * the run's epochs were one "
            "window of steps each, so its bytes are the whole fit's per step: the weights sent "
            "out at the start and written back to the client at its end included")
   rows.sort(key=lambda r: (r[1], r[2], -_rate(r[0])))
