@@ -99,22 +99,25 @@ def run(workload, method, hosts, link):
           *[f for f in cluster_flags(method, hosts, link) if not f.startswith("--method=")]]
   start = time.monotonic()
   result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout, cwd=ROOT)
-  out = result.stdout
   if result.returncode != 0:
     return {"error": (result.stderr.strip().splitlines() or ["?"])[-1][:200]}
+  return dict(parse(result.stdout, batch_size(workload), _rate(link)),
+              seconds=time.monotonic() - start)
+
+
+def parse(out, batch, rate):
+  """{"samples/s", "busy", "sent", "max_host", "whole_fit"} of a trainer's output, for a global
+  batch of `batch` on links of `rate` bits/s: "busy" is the busiest host's busier direction,
+  its bytes per step at the link's rate, as a share of the step."""
   speed = re.search(r"^samples/s, whole last epoch\s+([\d.]+)", out, re.M)
   line = re.search(r"^bytes on the links per step.*$", out, re.M)
   moved = [(float(a), float(b)) for a, b in
            re.findall(r"(?:worker|ps)/\d+ ([\d.e+-]+)/([\d.e+-]+)", line.group(0))]
   hosts_sent = [sent for sent, _ in moved]
   samples = float(speed.group(1)) if speed else None
-  # The busiest link direction's share of a step: its bytes at the link's rate, over the step.
-  busy = (max(max(pair) for pair in moved) * 8e6 / _rate(link)) / (batch_size(workload) / samples
-                                                                    ) if samples else None
-  return {"samples/s": samples, "busy": busy,
-          "sent": sum(hosts_sent), "max_host": max(hosts_sent),
-          "whole_fit": "over the whole fit" in line.group(0),
-          "seconds": time.monotonic() - start}
+  busy = (max(max(pair) for pair in moved) * 8e6 / rate) / (batch / samples) if samples else None
+  return {"samples/s": samples, "busy": busy, "sent": sum(hosts_sent), "max_host": max(hosts_sent),
+          "whole_fit": "over the whole fit" in line.group(0)}
 
 
 def main(argv):

@@ -330,3 +330,28 @@ def test_memory_predicted_sets_predictions_beside_peaks_and_fits_the_buffers_fac
 def test_memory_predicted_refuses_an_unknown_model():
   result = zygote.run([os.path.join("bench", "memory_predicted.py"), "--models=bigram"])
   assert result.returncode != 0 and "--models takes llama, transformer, vgg16" in result.stderr
+
+
+_LINKS = """
+import importlib.util, json
+spec = importlib.util.spec_from_file_location("links", "bench/links.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+out = ("samples/s, whole last epoch  100.0\\n"
+       "bytes on the links per step (over 3 steps of the last epoch), MB sent/received: "
+       "worker/0 2.5/10, worker/1 7.5/1, client 0.5/0.1; 10.5 MB sent in all\\n")
+print(json.dumps([bench.parse(out, 50, 1e8), bench.batch_size("vgg16"), bench.batch_size("fcn")]))
+"""
+
+
+def test_links_reads_bytes_and_the_busiest_links_share_of_a_step():
+  import json
+  result = zygote.run(["-c", _LINKS])
+  assert result.returncode == 0, result.stderr[-2000:]
+  parsed, vgg16, fcn = json.loads(result.stdout.strip().splitlines()[-1])
+  # Hosts sent 2.5 + 7.5 MB (the client's link left out); worker/0 received the most, 10 MB:
+  # 0.8 s at 100 Mbit/s of a 0.5 s step (50 samples at 100/s).
+  assert parsed["sent"] == 10.0 and parsed["max_host"] == 7.5
+  assert math.isclose(parsed["busy"], 1.6)
+  assert not parsed["whole_fit"]
+  assert (vgg16, fcn) == (64, 256)   # from the config's flag file, from the workload's flags
