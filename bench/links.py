@@ -18,6 +18,7 @@ set beside the SpecTrain paper's 13.4x (its figure 3).
                          --links=10gbit,1gbit,100mbit --steps=8]
 """
 
+import json
 import os
 import re
 import subprocess
@@ -59,6 +60,8 @@ flags.DEFINE_integer("steps", 8, "mini-batches per epoch (two epochs: the second
 flags.DEFINE_integer("timeout", 900, "seconds one run may take")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 flags.DEFINE_string("output", "links.md", "the table's file name in --results_dir")
+flags.DEFINE_string("runs", "links_runs.jsonl", "each run's result, one JSON line, in --results_dir")
+flags.DEFINE_bool("resume", False, "keep the runs --runs holds (errors run again) and run the rest")
 FLAGS = flags.FLAGS
 
 
@@ -122,42 +125,75 @@ def parse(out, batch, rate):
 
 def main(argv):
   del argv
+  runs = os.path.join(FLAGS.results_dir, FLAGS.runs)
+  done = _read_runs(runs) if FLAGS.resume else {}
+  if not FLAGS.resume and os.path.exists(runs):
+    os.remove(runs)
+  for workload in FLAGS.workloads:
+    for hosts in (int(h) for h in FLAGS.hosts):
+      for link in FLAGS.links:
+        for method in FLAGS.methods:
+          key = (workload, hosts, link, method)
+          if key in done and "error" not in done[key]:
+            continue
+          done[key] = run(workload, method, hosts, link)
+          print(f"{workload} {hosts} hosts {link} {method}: {done[key]}", flush=True)
+          with open(runs, "a") as f:
+            f.write(json.dumps({"key": key, "result": done[key]}) + "\n")
+  write_table(done)
+
+
+def _read_runs(path):
+  """{(workload, hosts, link, method): result} of the runs `path` holds (the last of each)."""
+  done = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        record = json.loads(line)
+        done[tuple(record["key"])] = record["result"]
+  return done
+
+
+def _cell(r):
+  if r is None:
+    return ""
+  if "error" in r:
+    return "error: " + r["error"]
+  return (f"{r['samples/s']:.3g} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"] else "")
+          + f", link {100 * r['busy']:.0f}%")
+
+
+def write_table(done):
+  """The table of the runs `done` holds for the flags' workloads, hosts, links and methods."""
   rows = []
   for workload in FLAGS.workloads:
     for hosts in (int(h) for h in FLAGS.hosts):
       for link in FLAGS.links:
-        got = {}
-        for method in FLAGS.methods:
-          got[method] = run(workload, method, hosts, link)
-          print(f"{workload} {hosts} hosts {link} {method}: {got[method]}", flush=True)
-        cells = []
-        for method in FLAGS.methods:
-          r = got[method]
-          cells.append("error: " + r["error"] if "error" in r else
-                       f"{r['samples/s']:.3g} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"]
-                                                                          else "")
-                       + f", link {100 * r['busy']:.0f}%")
-        dp, pp = got.get("dataparallel", {}), got.get("1f1b", {})
+        got = {m: done.get((workload, hosts, link, m)) for m in FLAGS.methods}
+        dp, pp = got.get("dataparallel") or {}, got.get("1f1b") or {}
         ratio = (f"{dp['sent'] / pp['sent']:.1f}x" if "sent" in dp and "sent" in pp
                  and pp["sent"] else "")
         faster = (f"{pp['samples/s'] / dp['samples/s']:.2f}" if dp.get("samples/s")
                   and pp.get("samples/s") else "")
-        rows.append([link, workload, hosts] + cells + [ratio, faster])
-  head = (["link", "workload", "hosts"] + [f"{m}: samples/s, MB sent per step, link busy" for m in
-                                           FLAGS.methods]
+        rows.append([link, workload, hosts] + [_cell(got[m]) for m in FLAGS.methods]
+                    + [ratio, faster])
+  head = (["link", "workload", "hosts"] + [f"{m}: samples/s, MB sent per step, link busy"
+                                           for m in FLAGS.methods]
           + ["bytes dataparallel / 1f1b", "samples/s 1f1b / dataparallel"])
   command = "python bench/links.py " + " ".join(
       f"--{name}={','.join(getattr(FLAGS, name))}" for name in ("workloads", "hosts", "links",
-                                                                "methods")) + f" --steps={FLAGS.steps}" + (
-      f" --output={FLAGS.output}" if FLAGS.output != "links.md" else "")
+                                                                "methods")) + (
+      f" --steps={FLAGS.steps}") + (f" --output={FLAGS.output}" if FLAGS.output != "links.md"
+                                    else "")
   title = ("# Bytes on the wire and samples/s on emulated hosts\n\n"
            f"`{command}` (each run the trainer with `--cluster=emulated:...`; MB sent per "
            "mini-batch by all hosts together, read from the links' counters, the client's "
            "own link not counted; samples/s of the second epoch; link busy: the busiest host's "
            "busier direction, its bytes per step at the link's rate as a share of the step, "
-           "near 100%: the link bounds the run; read from the counters, not a trace). * the run's epochs were one "
-           "window of steps each, so its bytes are the whole fit's per step: the weights sent "
-           "out at the start and written back to the client at its end included")
+           "near 100%: the link bounds the run; read from the counters, not a trace). * the "
+           "run's epochs were one window of steps each, so its bytes are the whole fit's per "
+           "step: the weights sent out at the start and written back to the client at its end "
+           "included")
   rows.sort(key=lambda r: (r[1], r[2], -_rate(r[0])))
   results_io.report(FLAGS.results_dir, FLAGS.output, title, results_io.markdown_table(head, rows))
 
