@@ -62,6 +62,7 @@ flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 flags.DEFINE_string("output", "links.md", "the table's file name in --results_dir")
 flags.DEFINE_string("runs", "links_runs.jsonl", "each run's result, one JSON line, in --results_dir")
 flags.DEFINE_bool("resume", False, "keep the runs --runs holds (errors run again) and run the rest")
+flags.DEFINE_bool("table_only", False, "run nothing: the table of the runs --runs holds")
 FLAGS = flags.FLAGS
 
 
@@ -103,7 +104,9 @@ def run(workload, method, hosts, link):
   start = time.monotonic()
   result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout, cwd=ROOT)
   if result.returncode != 0:
-    return {"error": (result.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    lines = result.stderr.strip().splitlines() or ["?"]
+    said = [line for line in lines if line.startswith("error:")]   # the trainer's own line
+    return {"error": (said or lines)[-1][:200]}
   return dict(parse(result.stdout, batch_size(workload), _rate(link)),
               seconds=time.monotonic() - start)
 
@@ -126,7 +129,9 @@ def parse(out, batch, rate):
 def main(argv):
   del argv
   runs = os.path.join(FLAGS.results_dir, FLAGS.runs)
-  done = _read_runs(runs) if FLAGS.resume else {}
+  done = _read_runs(runs) if FLAGS.resume or FLAGS.table_only else {}
+  if FLAGS.table_only:
+    return write_table(done)
   if not FLAGS.resume and os.path.exists(runs):
     os.remove(runs)
   for workload in FLAGS.workloads:
