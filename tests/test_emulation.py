@@ -211,6 +211,10 @@ def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
   line = next(l for l in result.stdout.splitlines() if l.startswith("bytes on the links"))
   sent = [float(m) for m in re.findall(r"worker/\d ([\d.e+-]+)/", line)]
   assert len(sent) == 2 and all(s > 0 for s in sent)
+  # The busiest link's bytes at 1 Gbit/s as a share of a step.
+  busy = re.search(r"the busiest link busy ([\d.e+-]+)% of a step \(its bytes at 1000 Mbit/s",
+                   line)
+  assert busy and 0 < float(busy.group(1)) <= 100, line
   if method == "1f1b":
     assert re.search(r"^1\s+/job:worker/replica:0/task:1/device:CPU:0\s", result.stdout, re.M)
 

@@ -4,15 +4,17 @@ R x K hosts (R replicas of a K-stage pipeline; for asgd R workers and K
 parameter servers), each a network namespace with one TF server, joined by
 links of shape LINK ("RATE[,DELAY[,LOSS%]]", e.g. 100mbit), and this program
 on a client host of its own (`tfpipe.cluster.EmulatedCluster`; root only).
-The summary adds the bytes each host sent and received per step.
+The summary adds the bytes each host sent and received per step, and the busiest
+link's share of a step.
 """
 
 import contextlib
 
-__all__ = ["parse", "cluster", "run_workers", "counting", "PREFIX", "HUB_VARIABLE"]
+__all__ = ["parse", "cluster", "run_workers", "counting", "PREFIX", "HUB_VARIABLE", "RATE_VARIABLE"]
 
 PREFIX = "emulated:"
 HUB_VARIABLE = "TFPIPE_EMULATED_HUB"   # worker 0 of run_workers: the links' namespace
+RATE_VARIABLE = "TFPIPE_EMULATED_RATE"   # and their rate, bits/s
 
 
 def counting(tools):
@@ -22,9 +24,10 @@ def counting(tools):
   from tfpipe.instruments import traffic
   hub = os.environ.get(HUB_VARIABLE)
   if hub:
+    rate = float(os.environ.get(RATE_VARIABLE) or 0) or None
     tools.traffic = traffic.LinkTraffic(lambda: {
         ("worker", int(name[1:])): value for name, value in emulation.hub_counters(hub).items()
-        if name != "client"})
+        if name != "client"}, rate=rate)
 
 
 def parse(text):
@@ -50,6 +53,7 @@ def cluster(config, tools):
   yields the stages' devices (for asgd: the cluster spec). `tools.traffic` then counts the
   bytes on the links."""
   import tfpipe
+  from tfpipe.cluster import links
   from tfpipe.instruments import traffic
   replicas, stages, link = parse(config.cluster)
   kind = tfpipe.methods.kind(config.method)
@@ -67,7 +71,7 @@ def cluster(config, tools):
     jobs = {"worker": replicas * stages}
   with tfpipe.cluster.EmulatedCluster(jobs, link=link) as emulated:
     emulated.enter_client()   # before TensorFlow's remote threads: its sockets are there
-    tools.traffic = traffic.LinkTraffic(emulated.counters)
+    tools.traffic = traffic.LinkTraffic(emulated.counters, rate=links.parse(link).rate)
     if config.verbose:
       print(f"started {sum(jobs.values())} emulated hosts joined by {link} links: "
             f"{', '.join(a for addresses in emulated.spec.values() for a in addresses)}; "
@@ -88,7 +92,7 @@ def run_workers(config, flag_values):
   import subprocess
   import sys
   import tempfile
-  from tfpipe.cluster import emulation
+  from tfpipe.cluster import emulation, links
   replicas, stages, link = parse(config.cluster)
   if stages != 1:
     raise ValueError(f"--method={config.method} --cluster=emulated:R,1,LINK runs R workers of "
@@ -108,7 +112,7 @@ def run_workers(config, flag_values):
       env = dict(os.environ, TF_CONFIG=json.dumps(
           {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
       if index == 0:   # it counts the bytes on the links (`counting`)
-        env[HUB_VARIABLE] = network.hub
+        env[HUB_VARIABLE], env[RATE_VARIABLE] = network.hub, str(links.parse(link).rate)
       errors.append(tempfile.TemporaryFile("w+"))
       workers.append(network.popen(host, [sys.executable, "-m", "trainers.main",
                                           f"--flagfile={flagfile.name}"], env=env,

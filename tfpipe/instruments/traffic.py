@@ -9,6 +9,8 @@ whole `fit` moved (the weights sent out at its start and written back to the
 client's model at its end, and at epoch ends where a callback reads them, included).
 """
 
+import time
+
 import keras
 
 __all__ = ["LinkTraffic", "describe"]
@@ -20,9 +22,11 @@ class LinkTraffic(keras.callbacks.Callback):
   moves at its start and at an epoch's end)."""
   reads_weights = False   # the stages' weights stay on their devices
 
-  def __init__(self, counters):
+  def __init__(self, counters, rate=None):
+    """`rate`: the links' rate in bits/s, where known (each link's, both ways): `describe`
+    then gives the busiest link's share of a step."""
     super().__init__()
-    self._counters = counters
+    self._counters, self.rate = counters, rate
     self.start = self.end = None
     self.steps = 0              # steps over the whole fit
     self.epoch_steps = 0        # steps counted in `per_step`
@@ -39,7 +43,7 @@ class LinkTraffic(keras.callbacks.Callback):
 
   def on_train_batch_end(self, batch, logs=None):
     self._in_epoch = max(self._in_epoch, batch + 1)   # windows of steps report their last
-    now = (self._counters(), batch + 1)
+    now = (self._counters(), batch + 1, time.monotonic())
     if self._epoch is None:
       self._epoch = now
     self._last = now
@@ -70,10 +74,26 @@ class LinkTraffic(keras.callbacks.Callback):
       steps = self.epoch_steps = max(self.steps, 1)
       return {host: (sent / steps, received / steps)
               for host, (sent, received) in self.totals().items()}
-    (first, a), (last, b) = steady
+    (first, a, _), (last, b, _) = steady
     steps = self.epoch_steps = b - a
     return {host: ((last[host][0] - first[host][0]) / steps,
                    (last[host][1] - first[host][1]) / steps) for host in last}
+
+
+  def step_seconds(self):
+    """Seconds per step of the last epoch's steady state, or None where it had one window."""
+    if self._steady is None:
+      return None
+    (_, a, start), (_, b, end) = self._steady
+    return (end - start) / (b - a)
+
+  def busy(self):
+    """The busiest link's busier direction: its bytes per step at `rate`, as a share of a
+    steady step (near 1: the link bounds the run); None without a rate or a steady state."""
+    seconds = self.step_seconds()
+    if not self.rate or not seconds:
+      return None
+    return max(max(pair) for pair in self.per_step().values()) * 8 / self.rate / seconds
 
 
 def _name(host):
@@ -93,4 +113,12 @@ def describe(traffic):
   return (f"bytes on the links per step ({over}), "
           f"MB sent/received: {each}; {total / 1e6:.3g} MB sent in all; the whole fit "
           f"({traffic.steps} steps, the weights moved at its start and end included): "
-          f"{whole / 1e6:.3g} MB")
+          f"{whole / 1e6:.3g} MB" + _busy(traffic))
+
+
+def _busy(traffic):
+  busy = traffic.busy()
+  if busy is None:
+    return ""
+  return (f"; the busiest link busy {100 * busy:.2g}% of a step (its bytes at "
+          f"{traffic.rate / 1e6:g} Mbit/s; near 100%: the link bounds the run)")
