@@ -11,7 +11,7 @@ __all__ = ["EpochReport", "StopOnNonFinite", "ResumeReport", "format_table"]
 
 class EpochReport(keras.callbacks.Callback):
   """Prints each epoch's logs (verbose >= 2) and writes them as scalars under `logdir/method`."""
-  reads_weights = False   # the stages' weights stay on their devices
+  reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self, config):
     super().__init__()
@@ -35,7 +35,7 @@ class EpochReport(keras.callbacks.Callback):
 class StopOnNonFinite(keras.callbacks.Callback):
   """Stops training after an epoch whose loss is not finite (--stop_on_nan); placed before
   the checkpoint callback, which does not save such an epoch either. `stopped`: (epoch, loss)."""
-  reads_weights = False   # the stages' weights stay on their devices
+  reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self):
     super().__init__()
@@ -51,7 +51,7 @@ class StopOnNonFinite(keras.callbacks.Callback):
 class ResumeReport(keras.callbacks.Callback):
   """Says, when training starts, that it resumes from a checkpoint (`saver`, restored before
   the first hook) and which saved settings override the command line."""
-  reads_weights = False   # the stages' weights stay on their devices
+  reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self, config, saver):
     super().__init__()

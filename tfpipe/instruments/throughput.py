@@ -16,7 +16,7 @@ __all__ = ["ThroughputMeter"]
 
 class ThroughputMeter(keras.callbacks.Callback):
   """Times the end of every training step; `samples_per_second(window)` over steps a..b."""
-  reads_weights = False   # the stages' weights stay on their devices
+  reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self, batch_size, window=(50, 250)):
     super().__init__()

@@ -20,7 +20,7 @@ class LinkTraffic(keras.callbacks.Callback):
   """Each host's bytes sent and received over `fit` (`totals`), and per step of the last epoch
   (`per_step`: the steady state, between its first and last step's ends, without what `fit`
   moves at its start and at an epoch's end)."""
-  reads_weights = False   # the stages' weights stay on their devices
+  reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self, counters, rate=None):
     """`rate`: the links' rate in bits/s, where known (each link's, both ways): `describe`

@@ -38,7 +38,7 @@ def is_iterable_data(x):
 class _EpochHooks(keras.callbacks.Callback):
   """Runs a Keras data adapter's hooks (a PyDataset's `on_epoch_begin` / `on_epoch_end`, its
   workers started and stopped) around each epoch of `fit`, as Keras's epoch iterator does."""
-  reads_weights = False   # the stages' weights stay on their devices
+  reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self, adapter):
     super().__init__()
@@ -81,7 +81,7 @@ _HOOKS = {"train": _EpochHooks, "test": _TestHooks, "predict": _PredictHooks}
 class _OnePass(keras.callbacks.Callback):
   """A Python generator of unknown length feeds one epoch: after it, training stops with
   Keras's warning (Keras finds the generator exhausted at the next epoch and stops)."""
-  reads_weights = False   # the stages' weights stay on their devices
+  reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self):
     super().__init__()

@@ -255,8 +255,7 @@ def restore(pipe, callbacks):
       cb.attach(pipe)
       done = max(done, cb.restore())
   if done:
-    for p in pipe.programs:
-      p.write_to_model()
+    write_to_model(pipe)
   return done
 
 
