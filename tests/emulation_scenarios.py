@@ -34,6 +34,35 @@ def pipeline(devices):
           "stage1_device": stage1, "samples": len(x), "width": 16}
 
 
+def carried(devices, executor):
+  """SpecTrain on the emulated servers (windows of stage calls, or inlined: `executor`), its
+  kept forwards carried between windows; and the same on this host's CPUs. Its weights,
+  stage 0's weight bytes and the windows run, for the bytes the client's link may carry."""
+  import keras
+  import numpy as np
+  import tfpipe
+  from tests import helpers
+  from tfpipe.instruments import memory
+  from tfpipe.rules import optimizers
+  x, y = helpers.as_arrays(helpers.batches(8, inputs=64))
+  weights = []
+  for where in (devices, tfpipe.default_devices()[:2]):
+    pipe = tfpipe.Pipeline(helpers.mlp(width=384, depth=2, inputs=64), devices=where,
+                           method="spectrain", partition=["logits"])
+    pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy(),
+                 steps_per_execution=1)
+    if executor == "calls":
+      pipe.runtime.inline = False
+    pipe.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    weights.append(pipe.model.get_weights())
+    if where is devices:
+      stage0 = memory.variable_bytes(pipe.programs[0].trainable)
+      traces = pipe.runtime.traces
+  return {"gap": max(float(np.max(np.abs(a - b))) for a, b in zip(*weights)),
+          "stage0_bytes": stage0, "windows": len(x) // 16, "traces": traces,
+          "model_bytes": sum(w.nbytes for w in weights[0])}
+
+
 def replicas(devices, hub):
   """3 replicas of a 2-stage 1F1B pipeline, one stage per host: Keras's weights at the global
   batch (float64), and each host's bytes sent per step with the gradients summed as by

@@ -38,6 +38,7 @@ from tensorflow.python.eager.polymorphic_function import (
 from tensorflow.python.framework import func_graph as _tf_func_graph
 from tensorflow.python.framework import ops as _tf_ops
 from tensorflow.python.framework import tensor_util as _tf_tensor_util
+from tensorflow.python.ops import resource_variable_ops as _tf_resource_variables
 
 __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "copy_weight_decay_exclusions", "trainer_overrides", "unoptimised_calls", "optimised_calls",
@@ -47,7 +48,7 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
            "per_replica", "runtime_started", "data_adapter", "nested_models", "flattened",
-           "overrides_compile", "compile_arguments", "own_function"]
+           "overrides_compile", "compile_arguments", "own_function", "untracked_variable"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -587,6 +588,15 @@ def _residual_calls_missing():
            (_tf_function_type_utils, "canonicalize_function_inputs"),
            (_tf_backprop_util, "IsTrainable"), (_tf_ops, "tensor_id")]
   return [f"{type(owner).__name__}.{name}" for owner, name in needs if not hasattr(owner, name)]
+
+
+def untracked_variable(dtype, device):
+  """A variable of any shape on `device`, made now even while a `tf.function` traces again
+  (whose variable creators refuse new variables after its first trace): a buffer that lives
+  outside every trace (`tfpipe.runtime.parked`), not a weight."""
+  with tf.init_scope(), tf.device(device):
+    return _tf_resource_variables.ResourceVariable(
+        tf.zeros([0], dtype), trainable=False, shape=tf.TensorShape(None), name="tfpipe_carry")
 
 
 def call_time_value(graph, closure, specs, key):

@@ -9,6 +9,7 @@ interpreter and the same stage programs.
   interpreter:  what each action of a stage does (`run`), and how values move (`Moves`);
   threaded:     a thread per stage, values on bounded links (`links`);
   compiled:     a window of the schedule per traced call; its carry across calls;
+  parked:       the carry made on TF servers, kept there in variables between calls;
   grouped:      an epoch's windows as the branches of one traced function (`groups`: how a
                 carry fits every branch);
   loops:        windows that loop over mini-batches finished one by one;

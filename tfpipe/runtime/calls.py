@@ -24,10 +24,14 @@ class Relaxed:
   def __init__(self, fn):
     self.fn, self.functions = fn, {}
 
+  def key(self, data, batch_axis):
+    """Which function serves `data` (tensors, nested) whose batch is axis `batch_axis`."""
+    return tuple(tuple(t.shape[:batch_axis + 1]) for t in tf.nest.flatten(data)
+                 if isinstance(t, tf.Tensor))
+
   def get(self, data, batch_axis):
     """The function for `data` (tensors, nested) whose batch is axis `batch_axis`."""
-    key = tuple(tuple(t.shape[:batch_axis + 1]) for t in tf.nest.flatten(data)
-                if isinstance(t, tf.Tensor))
+    key = self.key(data, batch_axis)
     if key not in self.functions:
       self.functions[key] = compat.own_function(self.fn, autograph=False, reduce_retracing=True)
     return self.functions[key]

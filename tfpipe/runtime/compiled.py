@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import pieces, records, schedules, tasks as plan_tasks, windows as windows_lib
-from tfpipe.runtime import base, calls, grouped, groups, interpreter, loops, timeline
+from tfpipe.runtime import base, calls, grouped, groups, interpreter, loops, parked, timeline
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.calls import StageFailed
 from tfpipe.runtime.links import concat
@@ -116,6 +116,7 @@ class CompiledRuntime(Executor):
     self._plans = base.Recent()
     self._plan = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
     self._train = calls.Relaxed(self._train_window)   # per batch size; any sequence length
+    self.parked = parked.Parked()   # the carry made on TF servers, kept there between calls
     self.grouped = grouped.GroupedWindows(self)   # a plan's windows as one function's branches
     self.loops = loops.LoopWindows(self)   # windows that loop over their mini-batches
     self._infer = calls.Relaxed(self._infer_window)
@@ -173,7 +174,9 @@ class CompiledRuntime(Executor):
       if flush is not None and self._session is None:
         return self.loops.train(flush, self._number(flush, self._inlined_loop(M)), batches,
                                 num_batches, M, on_result, before)
-      return self._train_windows(plan, numbers, batches, M, on_result, before)
+      done = self._train_windows(plan, numbers, batches, M, on_result, before)
+      self.parked.release()   # nothing is carried past an epoch
+      return done
     finally:
       if self._session is not None:
         events, calls = self._session.stop()
@@ -350,12 +353,14 @@ class CompiledRuntime(Executor):
     traced = self._train.tracing_count()
     with context:
       try:
-        out, results = self.call(self._train.get(inputs, 0), number, carry, inputs, labels, M)
+        slot = (self._train.key(inputs, 0), number)
+        out, results = self.call(self._train.get(inputs, 0), number, slot,
+                                 self.parked.shapes_of(carry), carry, inputs, labels, M)
       except tf.errors.OpError as error:
         calls.raise_clearer(error)
     self.traces += self._train.tracing_count() - traced
     self.finished(window, feed)
-    return groups.rebase(out, window.last + 1 - window.first), results
+    return groups.rebase(self.parked.unpark(slot, out), window.last + 1 - window.first), results
 
   def data(self, window, feed):
     """(inputs, labels) of `window`: {batch counted from its first: stage 0's inputs} and
@@ -380,11 +385,14 @@ class CompiledRuntime(Executor):
       if count:
         self.count_updates(k, count)
 
-  def _train_window(self, number, carry, inputs, labels, M):
+  def _train_window(self, number, slot, shapes, carry, inputs, labels, M):
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
-    (carry, per-batch results)."""
+    (carry, per-batch results). The carry's tensors made on TF servers stay there, in the
+    variables of `slot` (`tfpipe.runtime.parked`; `shapes`: those read, as traced)."""
     key, inline, _ = self.numbered[number]
-    return self.trace_tasks(key, inline, carry, inputs, labels, M)
+    carry, reads = self.parked.read(carry, shapes)
+    out, results = self.trace_tasks(key, inline, carry, inputs, labels, M)
+    return self.parked.park(slot, out, reads), results
 
   def trace_tasks(self, key, inline, carry, inputs, labels, M):
     """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as

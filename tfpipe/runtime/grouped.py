@@ -18,8 +18,12 @@ class GroupedWindows:
     self.function = compat.own_function(self._traced, autograph=False)
 
   def group_of(self, plan, numbers):
-    """The `Group` that runs `plan` (windows of stage calls, not profiled), else None."""
-    if self.runtime.record or any(self.runtime.numbered[n].inline for n in numbers):
+    """The `Group` that runs `plan` (windows of stage calls, not profiled, every stage in this
+    process), else None. A group's `switch_case` returns its carry on the caller's device: with
+    stages on TF servers, every carried tensor would cross to this program and back (measured);
+    a window's own function leaves its outputs on their task."""
+    if (self.runtime.record or any(p.remote for p in self.runtime.programs)
+        or any(self.runtime.numbered[n].inline for n in numbers)):
       return None
     distinct = tuple(dict.fromkeys(numbers))
     if distinct not in self.groups:

@@ -16,7 +16,8 @@ from tfpipe import compat
 from tfpipe.plan import policies, tasks
 from tfpipe.rules import mitigations, prediction
 from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reduction, tracing
-from tfpipe.stage import mirrors as mirrors_lib, updates as updates_lib, weights as weights_lib
+from tfpipe.stage import mirrors as mirrors_lib, placement, updates as updates_lib
+from tfpipe.stage import weights as weights_lib
 
 __all__ = ["StageProgram", "Kept", "Backward", "embeds"]
 
@@ -134,6 +135,7 @@ class StageProgram:
                cross_device_ops=None, output_structure=None):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     self.replica_devices = list(replica_devices or [device])
+    self.remote = bool(placement.remote([self.replica_devices]))   # on TF servers
     synchronous = policy.method in policies.SYNCHRONOUS_METHODS
     if cross_device_ops == reduction.RING and not synchronous:
       raise ValueError(f"cross_device_ops='ring' keeps each replica's weights equal through "
@@ -513,12 +515,16 @@ class StageProgram:
     # walk of the tape (`backward_input`): the tape need not persist.
     split = (split or self.ops["B"].op == "backward_input") and not inline
     keeps = self.ops["F"].keeps
+    if self.remote:   # what it keeps stays here, not where it came from (this program)
+      with tf.device(self.device):
+        xs = tf.nest.map_structure(tf.identity, xs)
     if self.ops["F"].op == "hold":
       return None, Kept(xs, labels=labels)
     if keeps == "inputs":
       ys, _, state = self.task("forward", inline)(xs, s)
       return ys, Kept(xs, state)
-    weights = self.task("read_weights", inline)(s)
+    with self._placed_call():
+      weights = self.task("read_weights", inline)(s)
     if keeps == "weights":
       ys, _, state = self.task("forward_on", inline)(weights, xs)
       return ys, Kept(xs, state, weights)
@@ -532,6 +538,13 @@ class StageProgram:
       tape.watch(list(weights) + self._float_inputs(xs))
       ys, reg, state = self.task("forward_on", inline)(weights, xs)
     return ys, Kept(xs, state, list(weights), tape, ys, reg)
+
+  def _placed_call(self):
+    """The scope of a call whose outputs a stage on a TF server keeps across windows: its
+    device, so they are made and stay there (a call placed by TensorFlow returns them to
+    this program, measured); nothing for a stage in this process, whose calls a call-site
+    scope would serialise (`tfpipe.stage.tracing.TaskFunctions`)."""
+    return tf.device(self.device) if self.remote else contextlib.nullcontext()
 
   @contextlib.contextmanager
   def residuals_inlined(self, on=True):
@@ -706,9 +719,11 @@ class StageProgram:
     each of its tensors through the window function, and each costs the call: measured, a
     12-layer Llama's stage kept about 300 residuals, and carrying them one by one cost more
     than the recompute they spare; with the weights packed too, spectrain's carry at K=4
-    went from 228 tensors to 24."""
+    went from 228 tensors to 24. A stage on a TF server carries them one by one: a function's
+    variant output comes back to this program wherever it was made, so packed they would
+    cross the links twice per window; its other outputs stay on their task (measured)."""
     residuals, weights = kept.residuals, kept.weights
-    if residuals is not None and not isinstance(residuals, tf.Tensor):
+    if residuals is not None and not isinstance(residuals, tf.Tensor) and not self.remote:
       with tf.device(self.device):
         residuals = tf.raw_ops.OptionalFromValue(components=list(weights) + list(residuals))
       weights = [None] * len(weights)
