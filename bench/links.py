@@ -63,6 +63,7 @@ flags.DEFINE_string("output", "links.md", "the table's file name in --results_di
 flags.DEFINE_string("runs", "links_runs.jsonl", "each run's result, one JSON line, in --results_dir")
 flags.DEFINE_bool("resume", False, "keep the runs --runs holds (errors run again) and run the rest")
 flags.DEFINE_bool("table_only", False, "run nothing: the table of the runs --runs holds")
+flags.DEFINE_list("rerun", [], "with --resume: methods to run again though --runs holds them")
 FLAGS = flags.FLAGS
 
 
@@ -139,7 +140,7 @@ def main(argv):
       for link in FLAGS.links:
         for method in FLAGS.methods:
           key = (workload, hosts, link, method)
-          if key in done and "error" not in done[key]:
+          if key in done and "error" not in done[key] and method not in FLAGS.rerun:
             continue
           done[key] = run(workload, method, hosts, link)
           print(f"{workload} {hosts} hosts {link} {method}: {done[key]}", flush=True)

@@ -378,6 +378,33 @@ def test_small_stages_inline_windows_of_micro_batches_others_call_the_stage_func
     helpers.assert_close(a, b, rtol=1e-5)
 
 
+def test_a_loop_window_calls_stages_on_tf_servers_that_run_a_while_loop():
+  # Inlined, the residual LSTM's 1f1b loop window held 11-13 GB on a stage's server (1.8-4.4 GB
+  # as calls): on servers, a stage whose forward loops (a recurrent layer) is called.
+  x = np.random.default_rng(0).standard_normal((16, 5, 3)).astype("float32")
+  y = np.arange(16) % 2
+  results = {}
+  for recurrent in (True, False):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5, 3))
+    h = keras.layers.LSTM(4, return_sequences=True, name="lstm")(inputs) if recurrent else (
+        keras.layers.Dense(4, name="lstm")(inputs))
+    h = keras.layers.Dense(4, name="dense")(keras.layers.Flatten(name="flat")(h))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(h))
+    pipe = tfpipe.Pipeline(model, devices=tfpipe.default_devices()[:2], method="1f1b",
+                           micro_batches=2, partition=["flat"])
+    pipe.compile(keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    pipe.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    runtime = pipe.runtime
+    local = runtime._inlined_loop(2)
+    runtime.remote = True   # as when the stages run on TF servers
+    results[recurrent] = ([p.forward_loops() for p in pipe.programs], local,
+                          runtime._inlined_loop(2))
+  assert results[True] == ([True, False], True, False)
+  assert results[False] == ([False, False], True, True)
+
+
 @pytest.mark.parametrize("method", ["gpipe", "1f1b"])
 def test_a_loop_window_inlines_its_one_mini_batch_by_its_own_size(method, monkeypatch):
   # A schedule that finishes each mini-batch first runs as a loop over one mini-batch's tasks:

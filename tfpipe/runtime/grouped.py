@@ -22,7 +22,7 @@ class GroupedWindows:
     process), else None. A group's `switch_case` returns its carry on the caller's device: with
     stages on TF servers, every carried tensor would cross to this program and back (measured);
     a window's own function leaves its outputs on their task."""
-    if (self.runtime.record or any(p.remote for p in self.runtime.programs)
+    if (self.runtime.record or self.runtime.remote
         or any(self.runtime.numbered[n].inline for n in numbers)):
       return None
     distinct = tuple(dict.fromkeys(numbers))

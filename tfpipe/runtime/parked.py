@@ -44,7 +44,10 @@ class Parked:
     (what `read` returned): a window of the steady state reads the variables it then
     writes, through another handle than the one it writes (an argument, not a capture), so
     TensorFlow's automatic ordering does not see that they are the same (measured: results
-    then differed run to run). A write replaces the buffer a read still in use holds."""
+    then differed run to run). A write replaces the buffer a read still in use holds.
+    `slot` None: every stage is in this process, and `carry` is returned as it is."""
+    if slot is None:
+      return carry
     leaves = tf.nest.flatten(carry)
     written = []
     for i, value in enumerate(leaves):

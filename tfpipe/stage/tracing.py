@@ -91,6 +91,16 @@ def forward_ops(program):
   return _forward_fact(program, "ops", lambda graph: len(graph.get_operations()))
 
 
+def forward_loops(program):
+  """Whether one traced forward of `program`'s stage runs a `tf.while_loop` (a recurrent
+  layer's loop over time steps), in its graph or the functions it calls."""
+  def read(graph):
+    graph = graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return any(n.op in ("While", "StatelessWhile") for n in nodes)
+  return _forward_fact(program, "loops", read)
+
+
 def _py_functions(graph):
   """The names of the tf.py_function ops in `graph` and the functions it calls."""
   graph = graph.as_graph_def()
