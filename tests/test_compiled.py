@@ -378,9 +378,9 @@ def test_small_stages_inline_windows_of_micro_batches_others_call_the_stage_func
     helpers.assert_close(a, b, rtol=1e-5)
 
 
-def test_a_loop_window_calls_stages_on_tf_servers_that_run_a_while_loop():
-  # Inlined, the residual LSTM's 1f1b loop window held 11-13 GB on a stage's server (1.8-4.4 GB
-  # as calls): on servers, a stage whose forward loops (a recurrent layer) is called.
+def test_windows_call_stages_on_tf_servers_that_run_a_while_loop():
+  # Inlined on TF servers, the residual LSTM's stages moved 3.1 GB a step (spectrain) and held
+  # 11-13 GB (1f1b): there, windows and loop windows call stages whose forward loops.
   x = np.random.default_rng(0).standard_normal((16, 5, 3)).astype("float32")
   y = np.arange(16) % 2
   results = {}
@@ -397,12 +397,12 @@ def test_a_loop_window_calls_stages_on_tf_servers_that_run_a_while_loop():
         from_logits=True))
     pipe.fit(x, y, batch_size=8, epochs=1, verbose=0)
     runtime = pipe.runtime
-    local = runtime._inlined_loop(2)
+    local = runtime._inlined_loop(2), runtime._inlined(4, 2)
     runtime.remote = True   # as when the stages run on TF servers
     results[recurrent] = ([p.forward_loops() for p in pipe.programs], local,
-                          runtime._inlined_loop(2))
-  assert results[True] == ([True, False], True, False)
-  assert results[False] == ([False, False], True, True)
+                          (runtime._inlined_loop(2), runtime._inlined(4, 2)))
+  assert results[True] == ([True, False], (True, True), (False, False))
+  assert results[False] == ([False, False], (True, True), (True, True))
 
 
 @pytest.mark.parametrize("method", ["gpipe", "1f1b"])

@@ -48,7 +48,8 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "is_derived", "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
            "per_replica", "runtime_started", "data_adapter", "nested_models", "flattened",
-           "overrides_compile", "compile_arguments", "own_function", "untracked_variable"]
+           "overrides_compile", "compile_arguments", "own_function", "untracked_variable",
+           "empty_value"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -591,12 +592,21 @@ def _residual_calls_missing():
 
 
 def untracked_variable(dtype, device):
-  """A variable of any shape on `device`, made now even while a `tf.function` traces again
+  """A variable of any shape (a variant: any value) on `device`, made now even while a `tf.function` traces again
   (whose variable creators refuse new variables after its first trace): a buffer that lives
   outside every trace (`tfpipe.runtime.parked`), not a weight."""
   with tf.init_scope(), tf.device(device):
     return _tf_resource_variables.ResourceVariable(
-        tf.zeros([0], dtype), trainable=False, shape=tf.TensorShape(None), name="tfpipe_carry")
+        empty_value(dtype), trainable=False, shape=tf.TensorShape(None), name="tfpipe_carry")
+
+
+def empty_value(dtype):
+  """An empty value of `dtype`: no elements, or for a variant an empty list of tensors (what
+  a while loop accumulates)."""
+  if dtype == tf.variant:
+    return tf.raw_ops.EmptyTensorList(element_shape=tf.constant(-1, tf.int32),
+                                      max_num_elements=0, element_dtype=tf.float32)
+  return tf.zeros([0], dtype)
 
 
 def call_time_value(graph, closure, specs, key):

@@ -313,20 +313,28 @@ class CompiledRuntime(Executor):
       return True
     if self.inline != "auto":
       return self.inline
+    if self._loops_on_servers():
+      return False
     return self._small(num_batches, M) and not self._calls_small(M)
 
   def _inlined_loop(self, M):
     """Whether a loop window (one mini-batch of M micro-batches, `loops`) traces its tasks'
     bodies inline: as `inline` says; "auto": when that graph is small (`INLINE_LOOP_OPS`),
-    unless stages on TF servers run a while loop of their own (a recurrent layer): the
-    residual LSTM's 1f1b stages then held 11-13 GB and 7.5 GB on their servers, against
-    1.8 and 4.4 GB as calls and 3.9 GB for the whole run in one process (measured, the
-    cause not traced)."""
+    unless `_loops_on_servers`."""
     if self.inline != "auto":
       return self.inline
-    if self.remote and any(p.forward_loops() for p in self.programs):
+    if self._loops_on_servers():
       return False
     return self._inlined_ops(M) <= self.INLINE_LOOP_OPS
+
+  def _loops_on_servers(self):
+    """Whether stages on TF servers run a while loop of their own (a recurrent layer): their
+    windows call them, placed on their devices, rather than inline them. Inlined, the
+    residual LSTM's stages on 2 loopback servers moved 3.1 GB a step through the loopback
+    under spectrain (5.3 MB as calls) and held 11-13 and 7.5 GB under 1f1b (2.2 and 0.9 GB
+    as calls; 3.9 GB for the whole run in one process). Measured; the loop's inlined body
+    likely runs off its stage's device."""
+    return self.remote and any(p.forward_loops() for p in self.programs)
 
   def _inlined_ops(self, forwards):
     """About the ops an inlined graph of `forwards` forwards on every stage holds: 3 x each

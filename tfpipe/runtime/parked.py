@@ -98,4 +98,5 @@ class Parked:
   def release(self):
     """Frees what the variables hold (an epoch's end: nothing is carried past it)."""
     for variable in self.variables.values():
-      variable.assign(tf.zeros([0], variable.dtype))
+      with tf.device(variable.device):
+        variable.assign(compat.empty_value(variable.dtype))
