@@ -52,6 +52,31 @@ def equal(local):
   return result
 
 
+def recurrent(local):
+  """SpecTrain over an LSTM stage on the servers, in windows of one mini-batch: its kept
+  forwards (with the lists of the LSTM's loop) carried between windows in variables on the
+  servers; and the same on this process's CPUs."""
+  x = np.random.default_rng(0).standard_normal((48, 6, 4)).astype("float32")
+  y = np.arange(48) % 3
+  weights = []
+  for devices in (cluster.task_devices(local.spec), tfpipe.default_devices()[:2]):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 4))
+    h = keras.layers.LSTM(8, return_sequences=True, name="lstm")(inputs)
+    h = keras.layers.LSTM(8, name="lstm2")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h))
+    pipe = tfpipe.Pipeline(model, devices=devices, method="spectrain", partition=["lstm2"])
+    pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), steps_per_execution=1)
+    pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=2)
+    weights.append(pipe.model.get_weights())
+    if devices[0].startswith("/job:worker"):
+      inlined = [n.inline for n in pipe.runtime.numbered]
+      parked = sorted({v.dtype.name for v in pipe.runtime.parked.variables.values()})
+  return {"gap": max(float(np.max(np.abs(a - b))) for a, b in zip(*weights)),
+          "inlined": inlined, "parked": parked}
+
+
 class _WeightsAtEpochEnds(keras.callbacks.Callback):
   """Records the Keras model's weights at each epoch's end."""
 

@@ -48,6 +48,15 @@ def test_stage_weights_move_to_the_client_at_epoch_ends_only_when_a_callback_may
   assert result["runs_gap"] == 0
 
 
+def test_a_recurrent_stage_on_servers_carries_its_kept_forwards_there_and_equals_one_process():
+  result = _scenario("recurrent")
+  assert result["gap"] < 1e-6
+  # Windows of stage calls (a while loop on a server), their carry parked on the servers, the
+  # LSTM loop's lists (variants) among it.
+  assert result["inlined"] and not any(result["inlined"])
+  assert {"float32", "variant"} <= set(result["parked"])
+
+
 def test_pipeline_replicas_on_server_processes_equal_keras():
   result = _scenario("replicas")
   assert result["gap"] < 1e-9
