@@ -592,9 +592,9 @@ def _residual_calls_missing():
 
 
 def untracked_variable(dtype, device):
-  """A variable of any shape (a variant: any value) on `device`, made now even while a `tf.function` traces again
-  (whose variable creators refuse new variables after its first trace): a buffer that lives
-  outside every trace (`tfpipe.runtime.parked`), not a weight."""
+  """A variable of any shape (a variant: any value) on `device`, made now even while a
+  `tf.function` traces again (whose variable creators refuse new variables after its first
+  trace): a buffer that lives outside every trace (`tfpipe.runtime.parked`), not a weight."""
   with tf.init_scope(), tf.device(device):
     return _tf_resource_variables.ResourceVariable(
         empty_value(dtype), trainable=False, shape=tf.TensorShape(None), name="tfpipe_carry")

@@ -115,8 +115,10 @@ class CompiledRuntime(Executor):
     # flush window or None.
     self._plans = base.Recent()
     self._plan = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
-    self._train = calls.Relaxed(self._train_window)   # per batch size; any sequence length
+    self.remote = any(p.remote for p in programs)   # stages on TF servers: a carry to park
     self.parked = parked.Parked()   # the carry made on TF servers, kept there between calls
+    # Per batch size; any sequence length.
+    self._train = calls.Relaxed(self._parked_window if self.remote else self._train_window)
     self.grouped = grouped.GroupedWindows(self)   # a plan's windows as one function's branches
     self.loops = loops.LoopWindows(self)   # windows that loop over their mini-batches
     self._infer = calls.Relaxed(self._infer_window)
@@ -128,7 +130,6 @@ class CompiledRuntime(Executor):
     # their functions (`_calls_small`; measured there only).
     self._local_cpus = all(s.device_type == "CPU" and s.job in (None, "localhost")
                            for s in specs)
-    self.remote = any(p.remote for p in programs)   # stages on TF servers: a carry to park
 
   def set_window(self, window, aligned=True):
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -368,9 +369,11 @@ class CompiledRuntime(Executor):
     traced = self._train.tracing_count()
     with context:
       try:
-        slot = (self._train.key(inputs, 0), number) if self.remote else None
-        out, results = self.call(self._train.get(inputs, 0), number, slot,
-                                 self.parked.shapes_of(carry), carry, inputs, labels, M)
+        slot, args = None, (carry, inputs, labels, M)   # every stage in this process
+        if self.remote:
+          slot = (self._train.key(inputs, 0), number)
+          args = (slot, self.parked.shapes_of(carry)) + args
+        out, results = self.call(self._train.get(inputs, 0), number, *args)
       except tf.errors.OpError as error:
         calls.raise_clearer(error)
     self.traces += self._train.tracing_count() - traced
@@ -400,13 +403,17 @@ class CompiledRuntime(Executor):
       if count:
         self.count_updates(k, count)
 
-  def _train_window(self, number, slot, shapes, carry, inputs, labels, M):
+  def _train_window(self, number, carry, inputs, labels, M):
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
-    (carry, per-batch results). The carry's tensors made on TF servers stay there, in the
-    variables of `slot` (`tfpipe.runtime.parked`; `shapes`: those read, as traced)."""
+    (carry, per-batch results)."""
     key, inline, _ = self.numbered[number]
+    return self.trace_tasks(key, inline, carry, inputs, labels, M)
+
+  def _parked_window(self, number, slot, shapes, carry, inputs, labels, M):
+    """`_train_window` with stages on TF servers: the carry's tensors made there stay there,
+    in the variables of `slot` (`tfpipe.runtime.parked`; `shapes`: those read, as traced)."""
     carry, reads = self.parked.read(carry, shapes)
-    out, results = self.trace_tasks(key, inline, carry, inputs, labels, M)
+    out, results = self._train_window(number, carry, inputs, labels, M)
     return self.parked.park(slot, out, reads), results
 
   def trace_tasks(self, key, inline, carry, inputs, labels, M):

@@ -68,7 +68,9 @@ class Parked:
 
   def unpark(self, slot, carry):
     """After a call of window function `slot`: its returned `carry` with the variables it
-    wrote in their places."""
+    wrote in their places (`slot` None: `carry` as it is)."""
+    if slot is None:
+      return carry
     leaves = tf.nest.flatten(carry)
     for i, variable in self.written.get(slot, ()):
       leaves[i] = variable
