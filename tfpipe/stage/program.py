@@ -198,7 +198,8 @@ class StageProgram:
       self.cross_device_ops = self.updates.mirrors = self.mirrors
       self.mirrors.updates = self.updates
     self.jit_compile = jit_compile
-    self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile)
+    self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile,
+                                           placed=self.remote)
     self._residual_calls = {}   # concrete forward's name -> its `compat.ResidualCall`
     self._inlined_residuals = False   # `residuals_inlined`
 
@@ -222,19 +223,8 @@ class StageProgram:
     return bool(losses)
 
   def task(self, name, inline=False):
-    """Task function `name` (`tfpipe.stage.tracing.TaskFunctions.get`). On a TF server it is
-    called from within the stage's device scope: a call TensorFlow places itself may land on
-    this program's device, and its inputs and outputs then cross the links (measured: the
-    residual LSTM's 1f1b stage calls sent 312 MB a step from one host). In this process a
-    call-site scope made TensorFlow run the stages' calls one at a time (measured), so there
-    the ops inside carry the device."""
-    function = self.functions.get(name, inline)
-    if not self.remote:
-      return function
-    def placed(*args):
-      with tf.device(self.device):
-        return function(*args)
-    return placed
+    """Task function `name` (`tfpipe.stage.tracing.TaskFunctions.get`)."""
+    return self.functions.get(name, inline)
 
   def forward_ops(self):
     """Ops in one traced forward of the stage (`tfpipe.stage.tracing.forward_ops`)."""
@@ -726,9 +716,9 @@ class StageProgram:
     each of its tensors through the window function, and each costs the call: measured, a
     12-layer Llama's stage kept about 300 residuals, and carrying them one by one cost more
     than the recompute they spare; with the weights packed too, spectrain's carry at K=4
-    went from 228 tensors to 24. A stage on a TF server carries them one by one: a function's
-    variant output comes back to this program wherever it was made, so packed they would
-    cross the links twice per window; its other outputs stay on their task (measured)."""
+    went from 228 tensors to 24. A stage on a TF server carries them one by one, each parked
+    on its task (`tfpipe.runtime.parked`): a function's optional output came back to this
+    program wherever it was made (measured)."""
     residuals, weights = kept.residuals, kept.weights
     if residuals is not None and not isinstance(residuals, tf.Tensor) and not self.remote:
       with tf.device(self.device):
