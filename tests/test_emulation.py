@@ -218,15 +218,18 @@ def _trainer(*args):
 @needs_hosts
 @pytest.mark.parametrize("method,cluster,started", [
     ("1f1b", "emulated:1,2,1gbit", "started 2 emulated hosts joined by 1gbit links"),
-    ("dataparallel", "emulated:2,1,1gbit", "a MultiWorkerMirroredStrategy worker each")])
+    ("dataparallel", "emulated:2,1,1gbit", "a MultiWorkerMirroredStrategy worker each"),
+    ("asgd", "emulated:1,1,1gbit", "started 2 emulated hosts joined by 1gbit links")])
 def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
     method, cluster, started):
   result = _trainer(f"--method={method}", f"--cluster={cluster}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert started in result.stdout
   line = next(l for l in result.stdout.splitlines() if l.startswith("bytes on the links"))
-  sent = [float(m) for m in re.findall(r"worker/\d ([\d.e+-]+)/", line)]
+  sent = [float(m) for m in re.findall(r"(?:worker|ps)/\d ([\d.e+-]+)/", line)]
   assert len(sent) == 2 and all(s > 0 for s in sent)
+  if method == "asgd":   # its steps report as they finish: counted per step, not per fit
+    assert "over 2 steps of the last epoch" in line, line
   # The busiest link's bytes at 1 Gbit/s as a share of a step.
   busy = re.search(r"the busiest link busy ([\d.e+-]+)% of a step \(its bytes at 1000 Mbit/s",
                    line)

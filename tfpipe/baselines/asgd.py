@@ -136,10 +136,15 @@ class ASGD:
     step = self._step_fn()
 
     def train_epoch(cbs):
-      del cbs  # the steps run asynchronously: no per-step callback
+      # The steps run on whichever worker is free; each step's end is reported as its
+      # result arrives, in the order they were scheduled (progress, and per-step counters
+      # such as `tfpipe.instruments.traffic.LinkTraffic`).
       results = [self.coordinator.schedule(step, args=(per_worker,)) for _ in range(num_batches)]
+      values = []
+      for b, result in enumerate(results):
+        values.append(result.fetch())
+        cbs.on_train_batch_end(b, {"loss": float(values[-1][0])})
       self.coordinator.join()
-      values = [r.fetch() for r in results]
       return [float(l) for l, _ in values], sum(int(n) for _, n in values)
 
     def validation_logs():
