@@ -57,45 +57,20 @@ class CompiledRuntime(Executor):
   `profile_dir` when set.
   """
 
+  # The constants below were chosen by measurement; the figures are in bench/results/history.md
+  # ("The compiled executor's constants").
   # Small stages: windows whose inlined graph would hold at most this many ops (3 x a
-  # forward's, per stage and micro-batch: W x M forwards). With micro-batches (M > 1) they
-  # trace their tasks inline (as calls, each mini-batch's 2KM task calls cost more than the
-  # copies: `runtime_overhead.py`'s 2bw at K=4, M=4, 2.92x Keras per mini-batch as calls of
-  # whole windows, 1.05x inlined). Counting W alone, M = 8 (spectrain advised) on the
-  # time-to-accuracy classes MLP at K = 4 inlined 368 copies a stage: first epoch 47 s (as
-  # calls 2.8 s, each later epoch 0.42 s against 0.55 s). With one batch per update their
-  # tasks are calls, a whole window of W mini-batches per call: on the time-to-accuracy tasks
-  # (spectrain, first / later epoch s, inlined against calls of whole windows) classes K=4
-  # 6.84 / 0.267 against 2.09 / 0.233, K=8 7.44 / 0.300 against 3.85 / 0.331, regions 8.38 /
-  # 0.383 against 2.49 / 0.323 and 9.58 / 0.353 against 3.67 / 0.475, shapes 8.78 / 1.237
-  # against 3.51 / 1.539 and 9.53 / 1.301 against 4.90 / 1.519: faster to the end of a
-  # 15-epoch fit everywhere; `runtime_overhead.py`'s spectrain 0.69x / 0.80x Keras per
-  # mini-batch at K = 2 / 4 against 0.66x / 0.90x inlined.
+  # forward's, per stage and micro-batch: W x M forwards) trace their tasks inline when they
+  # have micro-batches (M > 1), and call them in whole windows with one batch per update.
   INLINE_OPS = 20000
   # A loop window (a schedule that finishes each mini-batch before the next: `loops`) holds one
   # mini-batch's tasks, M micro-batches on every stage, whatever W is: it traces its tasks
   # inline where that graph would hold at most this many ops (3 x the forwards' ops x M).
-  # Measured (bench/steady_state.py, 12-layer Llama, K=4, 1f1b M=4: 58,656 ops): first-epoch
-  # extra 18.0 s inlined against 7.1 s as calls (Keras 8.8 s), steady epoch 1.95 s against
-  # 2.81 s (Keras 2.59 s): 1.33x Keras's steady speed, where calls ran 0.92x. zb M=4: inlined
-  # 25.4 s (Keras 9.1 s), steady 1.43x Keras; as calls 26.3 s (Keras 11.5 s), steady 0.44x.
-  # (Since its inlined halves share one walk of the tape: 17.5-18.3 s, Keras 9.2-10.3 s; since
-  # its halves as calls take one backward from the residuals, as calls: first epoch 8.9 s in
-  # all, steady 2.5 s, with 1f1b as calls 8.2 s, 2.4 s: for a larger model's loop.)
   INLINE_LOOP_OPS = 60000
   # Windows of stage calls trace at most this many mini-batches; a window of more runs as
-  # several calls of them, its results handed on together. Measured (12-layer Llama, K=4,
-  # spectrain): first epoch 45 s traced 16 at a time, 33 s 4 at a time, the second epoch the
-  # same (2.6 / 2.5 s); 2 at a time doubles the second (kept tapes crossing windows recompute).
-  # Since kept forwards cross as their residuals (no recompute), first epoch / steady epoch:
-  # 2 at a time 11.6 / 2.0 s, 4: 11.1 / 1.8 s, 8: 12.5 / 1.8 s (each call's own cost).
+  # several calls of them, its results handed on together.
   CALL_WINDOW = 4
   # With micro-batches (M > 1) at most this many: a mini-batch then holds M times the tasks.
-  # Measured (the same Llama, spectrain with M=4): first epoch's extra 44.5 s traced 4 at a
-  # time, 27.9 s 2 at a time (second epoch 5.7 / 5.2 s); 1 at a time 24.3 s, second 10.3 s.
-  # With M=8 (momentum SGD's default at K=4), four alternating pairs on a faster machine: 2 at
-  # a time 15.6-18.4 s, second epoch 3.2-4.1 s (mean 3.6); 1 at a time 13.2-14.3 s, second
-  # 3.8-4.5 s (mean 4.1): the start-up's gain costs more than it saves after about 6 epochs.
   CALL_WINDOW_MICRO = 2
 
   def __init__(self, programs, window=16, record=False, maxsize=None, inline="auto"):
