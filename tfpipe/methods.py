@@ -50,13 +50,14 @@ def create(model: keras.Model, method: str, devices: Optional[Sequence[str]] = N
            num_stages: Optional[int] = None, **kwargs: Any) -> Any:
   """The trainer for `method`: a `Pipeline`, the `single` / `dataparallel` baseline, the
   `grid` of tensor-parallel Dense layers (`grid=(n_b, n_m)`), or `asgd` on the parameter
-  servers of a cluster (`spec=`)."""
+  servers of a cluster (`spec=`, and `build=` where `keras.models.clone_model` cannot copy
+  the model: `tfpipe.baselines.asgd.ASGD`)."""
   method = names.lookup("method", method, METHODS)
   if method == "asgd":
     if "spec" not in kwargs:
       raise ValueError("method 'asgd' needs `spec`, a cluster spec with 'worker' and 'ps' jobs "
                        "(e.g. tfpipe.cluster.LocalCluster({'worker': 2, 'ps': 1}).spec)")
-    return asgd.ASGD(model, kwargs.pop("spec"))
+    return asgd.ASGD(model, kwargs.pop("spec"), build=kwargs.pop("build", None))
   if method == "grid":
     return tensor_parallel.GridParallel(model, grid=kwargs.pop("grid", (2, 2)), devices=devices)
   if method == "single":

@@ -201,10 +201,12 @@ def _asgd_cluster(config):
 
 
 def _arrays(dataset):
-  """A batched (x, y) dataset as two numpy arrays."""
+  """A batched (x, y) dataset as numpy arrays: x's structure (a dict of a language model's
+  token ids and padding mask) kept."""
   import numpy as np
-  xs, ys = zip(*[(x.numpy(), y.numpy()) for x, y in dataset])
-  return np.concatenate(xs), np.concatenate(ys)
+  import tensorflow as tf
+  xs, ys = zip(*[(tf.nest.map_structure(lambda t: t.numpy(), x), y.numpy()) for x, y in dataset])
+  return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *xs), np.concatenate(ys)
 
 
 def _train(config, tools, spec=None):
@@ -221,7 +223,9 @@ def _train(config, tools, spec=None):
       raise ValueError("--checkpoint_dir is not supported with --method=asgd yet")
     # The data as arrays, read before joining the cluster (which strands local tensors).
     data = data._replace(train=_arrays(data.train), validation=_arrays(data.validation))
-    trainer = tfpipe.create(model, "asgd", spec=spec)
+    # Built again, not cloned: a KerasHub layer's get_config may fail (Llama's in 0.32).
+    trainer = tfpipe.create(model, "asgd", spec=spec, build=lambda: models.build_model(
+        config, data.input_shape, data.num_classes, data.vocab_size))
   elif _multi_worker(config):
     if config.checkpoint_dir:
       raise ValueError("--checkpoint_dir is not supported with --cluster=tf_config "

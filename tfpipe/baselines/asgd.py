@@ -52,7 +52,10 @@ class ASGD:
   `model` made after joining, and holds the trained weights after `fit`.
   """
 
-  def __init__(self, model, spec):
+  def __init__(self, model, spec, build=None):
+    """`build`: a function that builds the model's architecture again, for the copies made
+    after joining where `keras.models.clone_model` cannot copy it (a layer whose `get_config`
+    fails); they take `model`'s weights either way."""
     if not isinstance(model, keras.Model):
       raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
     weights = model.get_weights()   # before joining the cluster
@@ -65,10 +68,11 @@ class ASGD:
     self.strategy = tf.distribute.ParameterServerStrategy(resolver)
     cluster_lib.note_connected(self.spec)
     self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
-    self.model = keras.models.clone_model(model)
+    copy = (lambda: keras.models.clone_model(model)) if build is None else build
+    self.model = copy()
     self.model.set_weights(weights)
     with self.strategy.scope():
-      self._trained = keras.models.clone_model(model)
+      self._trained = copy()
       self._trained.set_weights(weights)
       self._velocity = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                         for v in self._trained.trainable_variables]
@@ -104,7 +108,10 @@ class ASGD:
           loss = loss_fn(yb, model(xb, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         for w, v, g in zip(model.trainable_variables, velocity, grads):
-          v.assign(gamma * v + scale * g)
+          if g is None:   # a weight the loss does not read: no step, as in Keras
+            continue
+          # An embedding's rows made dense: the momentum decays on every row.
+          v.assign(gamma * v + scale * tf.convert_to_tensor(g))
           w.assign_sub(lr * v)
         return loss, tf.shape(yb)[0]
       xb, yb = next(iterator)
@@ -120,17 +127,18 @@ class ASGD:
     < 2 GB). A tf.data.Dataset must be created after this ASGD (after joining
     the cluster); it is repeated on every worker.
     """
-    _, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed)
+    _, num_batches = data.as_dataset(x, y, batch_size, steps_per_epoch, shuffle, seed,
+                                     names=data.input_names(self.model))
     if isinstance(x, tf.data.Dataset):
       dataset_fn = lambda: x.repeat()
     else:
-      arrays = (np.asarray(x), np.asarray(y))
+      arrays = (tf.nest.map_structure(np.asarray, x), np.asarray(y))   # x may be a dict
       size = batch_size or 32
 
       def dataset_fn():
         ds = tf.data.Dataset.from_tensor_slices(arrays)
         if shuffle:
-          ds = ds.shuffle(len(arrays[0]), seed=seed, reshuffle_each_iteration=True)
+          ds = ds.shuffle(len(arrays[1]), seed=seed, reshuffle_each_iteration=True)
         return ds.repeat().batch(size, drop_remainder=True)
     per_worker = iter(self.coordinator.create_per_worker_dataset(dataset_fn))
     step = self._step_fn()
@@ -160,7 +168,8 @@ class ASGD:
                verbose=0, prefix=""):
     """Loss and metrics of the trained weights (copied into `model`), on this process."""
     del verbose
-    dataset, num_batches = data.as_dataset(x, y, batch_size, steps)
+    dataset, num_batches = data.as_dataset(x, y, batch_size, steps,
+                                          names=data.input_names(self.model))
     for m in self.metrics:
       m.reset_state()
     total, count = 0.0, 0
