@@ -20,17 +20,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
 flags.DEFINE_list("workloads", ["snn:digits"], "MODEL:DATASET pairs")
 flags.DEFINE_list("methods", None, "methods (default: every method tfpipe has but asgd)")
 flags.DEFINE_integer("epochs", 15, "epochs per method")
 flags.DEFINE_integer("num_stages", 2, "stages (devices for dataparallel)")
-flags.DEFINE_integer("batch_size", 32, "batch size")
+common.define(batch_size=32, results_dir=results_io.RESULTS)
 flags.DEFINE_float("learning_rate", 0.01, "learning rate")
 flags.DEFINE_float("model_scale", 1.0, "model width multiplier")
 flags.DEFINE_string("data_dir", None, "tfds data directory (default: $TFDS_DATA_DIR)")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where tables and plots go")
 FLAGS = flags.FLAGS
 
 SNN_QUICKSTART = dict(snn_width=512, snn_depth=8)

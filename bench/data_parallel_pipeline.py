@@ -29,12 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
+
 flags.DEFINE_string("method", "1f1b", "the pipeline method")
-flags.DEFINE_integer("micro_batches", 4, "M")
-flags.DEFINE_integer("width", 512, "units per layer")
-flags.DEFINE_integer("depth", 8, "hidden layers")
-flags.DEFINE_integer("batch_size", 256, "global mini-batch size")
-flags.DEFINE_integer("batches", 16, "mini-batches per epoch")
+common.define(micro_batches=4, width=512, depth=8, batch_size=256, batches=16)
 flags.DEFINE_integer("epochs", 4, "epochs per runner (the first traces)")
 FLAGS = flags.FLAGS
 

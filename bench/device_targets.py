@@ -42,11 +42,11 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
 flags.DEFINE_list("parts", ["gpu", "cpu"], "what to measure: gpu, cpu")
 flags.DEFINE_list("methods", ["spectrain"], "pipelined methods")
-flags.DEFINE_integer("input_dim", 784, "input features")
+common.define(input_dim=784, results_dir=results_io.RESULTS)
 flags.DEFINE_integer("gpu_width", 4096, "units per layer (GPU)")
 flags.DEFINE_integer("gpu_depth", 16, "hidden layers (GPU)")
 flags.DEFINE_integer("gpu_batch_size", 512, "batch size (GPU)")
@@ -63,7 +63,6 @@ flags.DEFINE_integer("cpu_stages", 4, "K on logical CPU devices")
 flags.DEFINE_integer("cores", 0, "cores to use on the CPU (0: all)")
 flags.DEFINE_integer("rounds", 3, "measured rounds per configuration (medians)")
 flags.DEFINE_integer("timeout", 300, "seconds one configuration may take")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the tables go")
 FLAGS = flags.FLAGS
 
 

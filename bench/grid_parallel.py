@@ -24,15 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
-flags.DEFINE_integer("width", 1024, "units per hidden layer")
-flags.DEFINE_integer("batch_size", 256, "batch size")
+common.define(width=1024, batch_size=256, results_dir=results_io.RESULTS)
 flags.DEFINE_integer("steps", 40, "steps per runner")
 flags.DEFINE_list("workloads", ["dnn", "snn"], "the layer-wise partitioning paper's dnn (7 sigmoid layers), the SpecTrain paper's snn "
                   "(8 SELU layers)")
 flags.DEFINE_integer("devices", 4, "devices in every grid (a square number for the 2-D grid)")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
 

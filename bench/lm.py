@@ -24,17 +24,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
+
 import tfpipe  # noqa: E402
 
 flags.DEFINE_integer("layers", 8, "decoder layers")
 flags.DEFINE_integer("hidden", 64, "hidden width")
 flags.DEFINE_integer("vocabulary", 512, "vocabulary size")
 flags.DEFINE_integer("sequence", 32, "tokens per sequence")
-flags.DEFINE_integer("batch_size", 16, "sequences per mini-batch")
-flags.DEFINE_integer("batches", 16, "mini-batches per epoch")
+common.define(batch_size=16, batches=16, micro_batches=4)
 flags.DEFINE_integer("epochs", 2, "measured epochs after the first")
 flags.DEFINE_integer("stages", 4, "K")
-flags.DEFINE_integer("micro_batches", 4, "M")
 flags.DEFINE_list("methods", ["1f1b", "zb"], "pipeline methods")
 flags.DEFINE_list("precisions", ["float32", "mixed_bfloat16", "mixed_float16"],
                   "Keras dtype policies")

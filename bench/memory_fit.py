@@ -27,23 +27,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
 flags.DEFINE_string("cap", "3g", "each host's memory cap (bytes, or with k, m, g)")
 flags.DEFINE_integer("hosts", 4, "hosts of the pipeline (one stage each)")
 flags.DEFINE_string("method", "1f1b", "a synchronous pipeline method")
-flags.DEFINE_integer("micro_batches", 2, "micro-batches per mini-batch")
+common.define(micro_batches=2, batch_size=4, results_dir=results_io.RESULTS)
 flags.DEFINE_string("partition", "params", "the pipeline's cuts (params: balance the weights, "
                     "what memory asks)")
 flags.DEFINE_integer("layers", 16, "Llama decoder layers")
 flags.DEFINE_integer("hidden", 1024, "Llama hidden size (heads of 128)")
 flags.DEFINE_integer("vocabulary", 32000, "token ids")
 flags.DEFINE_integer("length", 64, "tokens per sequence")
-flags.DEFINE_integer("batch_size", 4, "sequences per mini-batch")
 flags.DEFINE_integer("steps", 3, "mini-batches trained")
 flags.DEFINE_enum("role", "main", ["main", "keras", "pipeline"], "internal: a process's part")
 flags.DEFINE_string("out", "", "internal: where a part writes its result")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
 _UNITS = {"k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}

@@ -25,7 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
 MODELS = ("llama", "transformer", "vgg16")
 SYNCHRONOUS = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
@@ -33,8 +33,7 @@ flags.DEFINE_list("models", list(MODELS), f"models, of {MODELS}")
 flags.DEFINE_list("methods", list(SYNCHRONOUS) + ["pipedream", "spectrain"],
                   "pipeline methods (asynchronous ones skip the tied Llama)")
 flags.DEFINE_integer("hosts", 2, "emulated hosts (interleaved and zbv: two stages each)")
-flags.DEFINE_integer("micro_batches", 4, "micro-batches per mini-batch")
-flags.DEFINE_integer("batch_size", 8, "samples per mini-batch")
+common.define(micro_batches=4, batch_size=8, results_dir=results_io.RESULTS)
 flags.DEFINE_integer("steps", 6, "mini-batches per epoch (two epochs)")
 flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"], "each stage's optimizer")
 flags.DEFINE_list("mmap_thresholds", ["-1", "0"], "the servers' malloc mmap thresholds, "
@@ -42,7 +41,6 @@ flags.DEFINE_list("mmap_thresholds", ["-1", "0"], "the servers' malloc mmap thre
                   "library's adaptive one); the prediction is checked under the first")
 flags.DEFINE_string("role", "main", "internal: `main`, or `model,method,threshold` for one run")
 flags.DEFINE_string("out", "", "internal: where a run writes its result")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
 _LENGTH, _VOCABULARY = 64, 8000

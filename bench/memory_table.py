@@ -22,15 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
 flags.DEFINE_list("methods", None, "pipeline methods (default: all, plus spectrain repredict)")
 flags.DEFINE_integer("num_stages", 4, "stages")
-flags.DEFINE_integer("batch_size", 32, "batch size")
+common.define(batch_size=32, width=512, depth=8, results_dir=results_io.RESULTS)
 flags.DEFINE_integer("steps", 12, "steps to train (enough to fill the pipeline)")
-flags.DEFINE_integer("width", 512, "units per layer")
-flags.DEFINE_integer("depth", 8, "hidden layers")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
 

@@ -35,13 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
+
 import tfpipe  # noqa: E402
 
-flags.DEFINE_integer("width", 1024, "units per layer")
-flags.DEFINE_integer("depth", 8, "hidden layers")
-flags.DEFINE_integer("input_dim", 784, "input features")
-flags.DEFINE_integer("batch_size", 128, "batch size")
-flags.DEFINE_integer("batches", 40, "batches per measured epoch")
+common.define(width=1024, depth=8, input_dim=784, batch_size=128, batches=40)
 flags.DEFINE_integer("rounds", 5, "measured rounds (each runner trains one epoch per round)")
 flags.DEFINE_string("partition", "profile", "pipeline balancing")
 flags.DEFINE_list("methods", ["vanilla", "spectrain"], "pipelined methods to measure")

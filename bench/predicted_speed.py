@@ -29,17 +29,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from bench import common  # noqa: E402
+
 from bench import results_io, workloads  # noqa: E402
 
 flags.DEFINE_list("models", ["mlp", "llama"], "mlp (8 x --mlp_width SELU, batch 256) or llama")
 flags.DEFINE_list("stages", ["2", "4"], "pipeline depths K")
 flags.DEFINE_list("methods", ["gpipe", "1f1b", "zb", "interleaved", "zbv", "spectrain",
                               "pipedream", "vanilla"], "methods, each with its defaults")
-flags.DEFINE_integer("micro_batches", 4, "M for the synchronous schedules")
+common.define(micro_batches=4, results_dir=results_io.RESULTS)
 flags.DEFINE_integer("epochs", 4, "epochs per run (the first traces)")
 flags.DEFINE_integer("mlp_batches", 64, "mini-batches per epoch for the MLP")
 flags.DEFINE_integer("mlp_width", 512, "units per layer of the MLP")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 flags.DEFINE_string("name", "predicted_speed.md", "the table's file name")
 FLAGS = flags.FLAGS
 

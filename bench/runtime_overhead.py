@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
 flags.DEFINE_list("stages", ["1", "2", "4", "8"], "K on logical CPU devices")
 flags.DEFINE_list("server_stages", ["2", "4"], "K on TF server processes (empty: none)")
@@ -46,17 +46,13 @@ flags.DEFINE_bool("advised", False,
                   "pipelines with advice=True (the options tfpipe.rules.advice measured for the "
                   "optimizer); off: each method's own rule")
 flags.DEFINE_enum("model", "mlp", ["mlp", "snn"], "mlp: Dense + ReLU; snn: the SpecTrain paper's SELU SNN")
-flags.DEFINE_integer("input_dim", 32, "input features")
-flags.DEFINE_integer("width", 32, "units per layer")
-flags.DEFINE_integer("depth", 8, "layers")
-flags.DEFINE_integer("batch_size", 32, "batch size")
-flags.DEFINE_integer("batches", 128, "N: the marginal time is measured over N extra batches")
+common.define(input_dim=32, width=32, depth=8, batch_size=32, batches=128,
+              results_dir=results_io.RESULTS)
 flags.DEFINE_integer("rounds", 5, "measured rounds per configuration (medians)")
 flags.DEFINE_integer("keras_threads", 0, "intra-op threads of plain Keras (0: all cores)")
 flags.DEFINE_string("steps_per_execution", "auto",
                     "compiled executor: mini-batches per graph call (auto: the pipeline's choice)")
 flags.DEFINE_string("child", None, "internal: the configuration this process measures (JSON)")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
 

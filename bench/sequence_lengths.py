@@ -24,15 +24,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
+
 flags.DEFINE_integer("layers", 4, "decoder layers")
 flags.DEFINE_integer("hidden", 64, "hidden width")
 flags.DEFINE_integer("vocabulary", 256, "vocabulary size")
 flags.DEFINE_list("lengths", ["32", "48", "64", "80", "96"], "the buckets' sequence lengths")
 flags.DEFINE_integer("fixed", 64, "the fixed-length stream's sequence length")
-flags.DEFINE_integer("batch_size", 16, "sequences per mini-batch")
+common.define(batch_size=16, micro_batches=4)
 flags.DEFINE_integer("rounds", 4, "batches of each bucket per epoch")
 flags.DEFINE_integer("stages", 2, "K")
-flags.DEFINE_integer("micro_batches", 4, "M")
 flags.DEFINE_string("method", "1f1b", "the pipeline method")
 FLAGS = flags.FLAGS
 

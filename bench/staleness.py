@@ -44,6 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from bench import common  # noqa: E402
+
 from bench import results_io, staleness_advice  # noqa: E402
 
 # Option values that stand for the run's depth K, 2K and 4K.
@@ -145,9 +147,8 @@ flags.DEFINE_list("options", ["default"],
                   f"), advice (the rows the advice ranks), all, or some of "
                   f"{', '.join(OPTIONS)}")
 flags.DEFINE_integer("epochs", 15, "epochs per run")
-flags.DEFINE_integer("batch_size", 128, "batch size")
+common.define(batch_size=128, results_dir=results_io.RESULTS)
 flags.DEFINE_float("momentum", 0.9, "momentum gamma")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where tables, plots and runs go")
 flags.DEFINE_bool("report_only", False, "write the table and plots from the runs on file")
 FLAGS = flags.FLAGS
 

@@ -43,15 +43,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
+
 flags.DEFINE_list("methods", ["gpipe", "1f1b", "interleaved", "zb", "zbv"],
                   "synchronous pipeline methods")
 flags.DEFINE_integer("stages", 4, "K (devices)")
 flags.DEFINE_integer("virtual_stages", 2, "V, stages per device for interleaved")
-flags.DEFINE_integer("micro_batches", 8, "M")
-flags.DEFINE_integer("width", 512, "units per layer")
-flags.DEFINE_integer("depth", 8, "hidden layers")
-flags.DEFINE_integer("batch_size", 256, "mini-batch size")
-flags.DEFINE_integer("batches", 16, "mini-batches per epoch")
+common.define(micro_batches=8, width=512, depth=8, batch_size=256, batches=16)
 flags.DEFINE_integer("epochs", 5, "epochs per run (the first traces)")
 flags.DEFINE_string("results_dir", None, "where the table goes (sync_schedules.md); default "
                     "bench/results")

@@ -22,16 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import results_io  # noqa: E402
+from bench import common, results_io  # noqa: E402
 
 flags.DEFINE_list("methods", None, "pipeline methods (default: all)")
 flags.DEFINE_list("stages", ["2", "4"], "stage counts (devices for dataparallel)")
-flags.DEFINE_integer("width", 512, "units per layer")
-flags.DEFINE_integer("depth", 8, "hidden layers")
-flags.DEFINE_integer("batch_size", 64, "batch size")
+common.define(width=512, depth=8, batch_size=64, results_dir=results_io.RESULTS)
 flags.DEFINE_integer("steps", 80, "steps each runner trains")
 flags.DEFINE_list("window", ["10", "79"], "FIRST,LAST step of the throughput window")
-flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
 
