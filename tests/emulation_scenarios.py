@@ -84,6 +84,8 @@ def replicas(devices, hub):
     pipe = tfpipe.Pipeline(make(), devices=devices, method="1f1b", micro_batches=2,
                            data_parallel=3, cross_device_ops=ops)
     pipe.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss(), steps_per_execution=1)
+    # As for stages too large to inline by their size: replicas on servers inline all the same.
+    pipe.runtime.INLINE_OPS = pipe.runtime.INLINE_LOOP_OPS = 0
     counter = traffic.LinkTraffic(lambda: emulation.hub_counters(hub))
     pipe.fit(x, y, batch_size=12, shuffle=False, verbose=0, callbacks=[counter])
     result[ops or "default"] = {

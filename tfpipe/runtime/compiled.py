@@ -291,16 +291,20 @@ class CompiledRuntime(Executor):
       return self.inline
     if self._loops_on_servers():
       return False
+    if self._replicas_on_servers():
+      return True
     return self._small(num_batches, M) and not self._calls_small(M)
 
   def _inlined_loop(self, M):
     """Whether a loop window (one mini-batch of M micro-batches, `loops`) traces its tasks'
     bodies inline: as `inline` says; "auto": when that graph is small (`INLINE_LOOP_OPS`),
-    unless `_loops_on_servers`."""
+    unless `_loops_on_servers` (calls) or `_replicas_on_servers` (inline)."""
     if self.inline != "auto":
       return self.inline
     if self._loops_on_servers():
       return False
+    if self._replicas_on_servers():
+      return True
     return self._inlined_ops(M) <= self.INLINE_LOOP_OPS
 
   def _loops_on_servers(self):
@@ -311,6 +315,14 @@ class CompiledRuntime(Executor):
     as calls; 3.9 GB for the whole run in one process). Measured; the loop's inlined body
     likely runs off its stage's device."""
     return self.remote and any(p.forward_loops() for p in self.programs)
+
+  def _replicas_on_servers(self):
+    """Whether a stage's replicas (`data_parallel`) are on TF servers: windows then inline
+    their tasks. A replicated stage's task as a call is one function placed on its first
+    replica's device, so the other replicas' outputs and kept residuals (the weights they
+    read among them) went there and back for every micro-batch: 12 times the ring's bound
+    (measured: bench/results/history.md)."""
+    return self.remote and any(len(p.replica_devices) > 1 for p in self.programs)
 
   def _inlined_ops(self, forwards):
     """About the ops an inlined graph of `forwards` forwards on every stage holds: 3 x each
