@@ -45,6 +45,20 @@ def test_bad_link_and_layout_arguments_are_refused_naming_the_value(call, messag
 def test_the_slowest_link_has_the_least_rate_and_the_largest_latency():
   assert network.slowest([network.Link(5.0, 0.1), network.Link(2.0, 0.01)]) == network.Link(
       2.0, 0.1)
+  assert network.slowest([network.Link(5.0, 0.1, 3.0), network.Link(2.0, 0.01, 1.5),
+                          network.Link(4.0)]) == network.Link(2.0, 0.1, 1.5)
+
+
+def test_a_ring_moves_at_the_duplex_rate_and_a_pipelines_transfer_at_the_one_way_rate():
+  # Each host of a ring sends to one neighbour while it receives from the other.
+  link = network.Link(rate=1e6, latency=0.001, duplex_rate=5e5)
+  assert network.ring_seconds(1e6, 2, link) == pytest.approx(2 * (0.001 + 1.0))
+  assert network.transfer_seconds(5e5, link) == pytest.approx(0.501)
+  assert network.reduction_seconds(1e6, 2, link, "reduce_to_one_device") == pytest.approx(
+      2 * 1.001)   # one way at a time through replica 0's link
+  assert "4 Mbit/s each way both at once" in link.describe()
+  with pytest.raises(ValueError, match="duplex rate must be > 0"):
+    network.Link(1.0, 0.0, 0.0)
 
 
 def test_layouts_are_every_r_by_k_the_batch_and_the_layers_allow():
@@ -162,10 +176,13 @@ def test_choose_layout_refuses_what_it_cannot_lay_out(two_devices):
     tfpipe.choose_layout(model, two_devices, 0)
 
 
-def test_a_probe_between_two_devices_gives_a_rate_and_a_latency(two_devices):
+def test_a_probe_between_two_devices_gives_a_rate_a_latency_and_a_duplex_rate(two_devices):
   from tfpipe.cluster import probe
   link = probe.probe(two_devices[0], two_devices[1], seconds=0.01, max_bytes=4 << 20,
                      repeats=1)
-  assert link.rate > 0 and link.latency >= 0
+  assert link.rate > 0 and link.latency >= 0 and 0 < link.duplex_rate <= link.rate
+  one_way = probe.client_links(two_devices[1:], client=two_devices[0], seconds=0.01,
+                               max_bytes=4 << 20, repeats=1)[0]
+  assert one_way.rate > 0 and one_way.duplex_rate is None   # what feeds a host: one way
   with pytest.raises(ValueError, match="both are"):
     probe.probe(two_devices[0], two_devices[0])

@@ -8,7 +8,9 @@ the source device, so TensorFlow moves it between the two servers directly (as a
 activations move). The same call with the tensor already on the target times everything but
 the move (the call, the sum); the difference is the move. The latency is a 4-byte move's;
 the rate is a large move's bytes over its seconds less the latency, the size grown until a
-move takes `seconds` (or reaches `max_bytes`). Each time is the median of `repeats`.
+move takes `seconds` (or reaches `max_bytes`). The duplex rate is the same size moved both
+ways in one call (each end sends while it receives, as in a ring all-reduce). Each time is
+the median of `repeats`.
 """
 
 import statistics
@@ -55,9 +57,29 @@ def _move_seconds(total, source: str, target: str, nbytes: int, repeats: int) ->
   return max(moved - local, 0.0)
 
 
+def _duplex_seconds(source: str, target: str, nbytes: int, repeats: int) -> float:
+  """Seconds `nbytes` take to move each way at once: a tensor from `source` summed on
+  `target` and one from `target` summed on `source` in one call, less the same call with
+  each tensor already where it is summed."""
+  @tf.function(autograph=False, reduce_retracing=True)
+  def both(x, y):
+    with tf.device(target):
+      a = tf.reduce_sum(x)
+    with tf.device(source):
+      b = tf.reduce_sum(y)
+    return a, b
+
+  crossing = (_on(source, nbytes), _on(target, nbytes))
+  staying = (_on(target, nbytes), _on(source, nbytes))
+  moved = _median_seconds(lambda: [t.numpy() for t in both(*crossing)], repeats)
+  local = _median_seconds(lambda: [t.numpy() for t in both(*staying)], repeats)
+  return max(moved - local, 0.0)
+
+
 def probe(source: str, target: str, seconds: float = 0.05, max_bytes: int = 64 << 20,
-          repeats: int = 3) -> network.Link:
-  """The link from `source` to `target` (device strings), measured."""
+          repeats: int = 3, duplex: bool = True) -> network.Link:
+  """The link from `source` to `target` (device strings), measured; with `duplex`, its rate
+  each way while both ends send too."""
   if source == target:
     raise ValueError(f"a link needs two devices; both are {source!r}")
   if not seconds > 0 or max_bytes < START_BYTES:
@@ -71,10 +93,18 @@ def probe(source: str, target: str, seconds: float = 0.05, max_bytes: int = 64 <
     if took >= seconds or nbytes >= max_bytes:
       break
     nbytes = min(max_bytes, nbytes * 4)
+  rate = _rate(nbytes, took, latency)
+  if not duplex:
+    return network.Link(rate, latency)
+  both = _rate(nbytes, _duplex_seconds(source, target, nbytes, repeats), latency)
+  return network.Link(rate, latency, min(both, rate))
+
+
+def _rate(nbytes: int, took: float, latency: float) -> float:
+  """Bytes per second of a move of `nbytes` that took `took` s, less the latency (a move too
+  fast to time beside its call: the bytes in its whole time)."""
   moving = took - latency
-  # A move too fast to time beside its call: the largest move's bytes in its whole time.
-  rate = nbytes / moving if moving > 0 else nbytes / max(took, 1e-9)
-  return network.Link(rate, latency)
+  return nbytes / moving if moving > 0 else nbytes / max(took, 1e-9)
 
 
 def ring_links(devices: Sequence[str], **kwargs) -> List[network.Link]:
@@ -86,5 +116,7 @@ def ring_links(devices: Sequence[str], **kwargs) -> List[network.Link]:
 
 def client_links(devices: Sequence[str], client: Optional[str] = None,
                  **kwargs) -> List[network.Link]:
-  """The links from this program (`client`: its device) to each of `devices`."""
+  """The links from this program (`client`: its device) to each of `devices` (one way: what
+  feeds them)."""
+  kwargs.setdefault("duplex", False)
   return [probe(client or CLIENT_DEVICE, d, **kwargs) for d in devices]

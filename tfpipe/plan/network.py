@@ -1,11 +1,15 @@
 """Links between hosts, as the simulator prices them (pure Python).
 
 R: replicas (data parallel), K: stages. A `Link` is what a probe measured between two hosts
-(`tfpipe.cluster.probe`): bytes per second one way and the seconds a transfer costs whatever
-its size. A transfer of n bytes takes `latency + n / rate`. Gradient sums:
+(`tfpipe.cluster.probe`): bytes per second one way, the seconds a transfer costs whatever
+its size, and bytes per second each way when both hosts send at once (`duplex_rate`: where a
+transfer costs the hosts' processors as well as the wire, as TensorFlow's gRPC does on CPU
+hosts, sending and receiving together is slower than either alone). A transfer of n bytes
+takes `latency + n / rate`. Gradient sums:
 
 - a ring all-reduce of n bytes over R hosts (each replica keeps its own weights) sends
-  2 (R-1) chunks of n / R per host, each a transfer of its own, every host at once;
+  2 (R-1) chunks of n / R per host, each a transfer of its own, every host at once (each
+  sends to one neighbour while it receives from the other: at the duplex rate);
 - a reduction to one device (the variables on replica 0's host) sends the weights out to
   the R - 1 other replicas before their forward and takes their R - 1 gradients in after
   their backward, all over replica 0's link: 2 (R-1) n bytes through one host, one way at a
@@ -13,7 +17,7 @@ its size. A transfer of n bytes takes `latency + n / rate`. Gradient sums:
 """
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["Link", "slowest", "transfer_seconds", "ring_seconds", "reduce_to_one_seconds",
            "reduction_seconds", "check_how", "RING", "REDUCE_TO_ONE"]
@@ -24,25 +28,40 @@ REDUCE_TO_ONE = "reduce_to_one_device"
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-  """rate: bytes per second one way; latency: seconds a transfer costs whatever its size."""
+  """rate: bytes per second one way; latency: seconds a transfer costs whatever its size;
+  duplex_rate: bytes per second each way while both ends send at once (None: `rate`)."""
   rate: float
   latency: float = 0.0
+  duplex_rate: Optional[float] = None
 
   def __post_init__(self) -> None:
     if not self.rate > 0:
       raise ValueError(f"a link's rate must be > 0 bytes/s. Received: {self.rate!r}")
     if not self.latency >= 0:
       raise ValueError(f"a link's latency must be >= 0 s. Received: {self.latency!r}")
+    if self.duplex_rate is not None and not self.duplex_rate > 0:
+      raise ValueError(f"a link's duplex rate must be > 0 bytes/s. Received: "
+                       f"{self.duplex_rate!r}")
+
+  @property
+  def both_ways(self) -> "Link":
+    """This link as a transfer sees it while the other end sends too (the duplex rate)."""
+    return Link(self.duplex_rate or self.rate, self.latency)
 
   def describe(self) -> str:
-    return f"{self.rate * 8 / 1e6:.0f} Mbit/s, {self.latency * 1e3:.2f} ms"
+    both = (f", {self.duplex_rate * 8 / 1e6:.0f} Mbit/s each way both at once"
+            if self.duplex_rate is not None else "")
+    return f"{self.rate * 8 / 1e6:.0f} Mbit/s, {self.latency * 1e3:.2f} ms{both}"
 
 
 def slowest(links: Sequence[Link]) -> Link:
-  """One link standing for `links`: the least rate and the largest latency among them."""
+  """One link standing for `links`: the least rate (and duplex rate) and the largest latency
+  among them."""
   if not links:
     raise ValueError("no links to take the slowest of")
-  return Link(min(l.rate for l in links), max(l.latency for l in links))
+  duplex = [l.duplex_rate for l in links if l.duplex_rate is not None]
+  return Link(min(l.rate for l in links), max(l.latency for l in links),
+              min(duplex) if duplex else None)
 
 
 def transfer_seconds(nbytes: float, link: Link) -> float:
@@ -55,7 +74,7 @@ def transfer_seconds(nbytes: float, link: Link) -> float:
 def ring_seconds(nbytes: float, replicas: int, link: Link) -> float:
   """Seconds a ring all-reduce of `nbytes` takes over `replicas` hosts joined by `link`."""
   R = _replicas(replicas)
-  return 2 * (R - 1) * transfer_seconds(nbytes / R, link) if R > 1 else 0.0
+  return 2 * (R - 1) * transfer_seconds(nbytes / R, link.both_ways) if R > 1 else 0.0
 
 
 def reduce_to_one_seconds(nbytes: float, replicas: int, link: Link) -> float:
