@@ -162,7 +162,7 @@ def _read_runs(path):
 
 def _cell(r):
   if r is None:
-    return ""
+    return "not run"
   if "error" in r:
     return "error: " + r["error"]
   return (f"{r['samples/s']:.3g} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"] else "")

@@ -35,6 +35,8 @@ common.define(batch_size=16, micro_batches=4)
 flags.DEFINE_integer("rounds", 4, "batches of each bucket per epoch")
 flags.DEFINE_integer("stages", 2, "K")
 flags.DEFINE_string("method", "1f1b", "the pipeline method")
+flags.DEFINE_string("steps_per_execution", None, "Keras's and the pipeline's window "
+                    "(default: each's own)")
 FLAGS = flags.FLAGS
 
 
@@ -99,8 +101,11 @@ def main(argv):
   logging.getLogger("tensorflow").addHandler(counter)
   streams = {"fixed": _stream(tf, [FLAGS.fixed] * len(FLAGS.lengths)),
              "bucketed": _stream(tf, [int(n) for n in FLAGS.lengths])}
+  window = ({} if FLAGS.steps_per_execution is None else
+            {"steps_per_execution": int(FLAGS.steps_per_execution)})
   compile_args = lambda: dict(optimizer=keras.optimizers.AdamW(1e-3),
-                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                              **window)
   rows = {}
   for name, (data, tokens) in streams.items():
     model = _model(keras, keras_hub)
