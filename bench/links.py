@@ -57,6 +57,8 @@ flags.DEFINE_list("hosts", ["2"], "host counts")
 flags.DEFINE_list("links", ["10gbit", "1gbit", "100mbit"], "link shapes, RATE[,DELAY[,LOSS%]]")
 flags.DEFINE_list("methods", list(METHODS), f"of {', '.join(METHODS)}")
 flags.DEFINE_integer("steps", 8, "mini-batches per epoch (two epochs: the second is timed)")
+flags.DEFINE_integer("asgd_steps", 16, "--steps for asgd: its workers run steps at once, so its "
+                     "bytes per step are counted over more of them")
 flags.DEFINE_integer("timeout", 900, "seconds one run may take")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 flags.DEFINE_string("output", "links.md", "the table's file name in --results_dir")
@@ -100,7 +102,8 @@ def run(workload, method, hosts, link):
   one trainer run, or {"error": ...}."""
   argv = [sys.executable, "-m", "trainers.main", *WORKLOADS[workload],
           f"--method={'1f1b' if method in REPLICATED else method}",
-          "--epochs=2", f"--steps={FLAGS.steps}", "--logdir=", "--verbose=2",
+          "--epochs=2", f"--steps={FLAGS.asgd_steps if method == 'asgd' else FLAGS.steps}",
+          "--logdir=", "--verbose=2",
           *[f for f in cluster_flags(method, hosts, link) if not f.startswith("--method=")]]
   start = time.monotonic()
   result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout, cwd=ROOT)
@@ -189,8 +192,9 @@ def write_table(done):
   command = "python bench/links.py " + " ".join(
       f"--{name}={','.join(getattr(FLAGS, name))}" for name in ("workloads", "hosts", "links",
                                                                 "methods")) + (
-      f" --steps={FLAGS.steps}") + (f" --output={FLAGS.output}" if FLAGS.output != "links.md"
-                                    else "")
+      f" --steps={FLAGS.steps}") + (
+      f" --asgd_steps={FLAGS.asgd_steps}" if "asgd" in FLAGS.methods else "") + (
+      f" --output={FLAGS.output}" if FLAGS.output != "links.md" else "")
   title = ("# Bytes on the wire and samples/s on emulated hosts\n\n"
            f"`{command}` (each run the trainer with `--cluster=emulated:...`; MB sent per "
            "mini-batch by all hosts together, read from the links' counters, the client's "
