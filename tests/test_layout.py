@@ -3,6 +3,7 @@
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -40,9 +41,16 @@ def test_the_probe_reports_a_keras_or_library_module_loaded_beside_the_plan():
   assert done.stdout.strip() == "['keras.probe', 'tfpipe.stage.program']"
 
 
-# The packages in layer order: each imports only the packages (and top-level modules) before it.
-LAYERS = ["compat", "devices", "plan", "models", "rules", "runtime", "cluster", "instruments",
-          "stage", "training", "baselines", "methods"]
+def _layer_order():
+  """The packages (and top-level modules) in layer order, as the docs' architecture page's
+  table lists them (the one place the order is written): each imports only those before it."""
+  rows = re.findall(r"^\| [^|]+ \| `([a-z_]+)(?:/|\.py)` \|", (ROOT / "docs" / "architecture.md")
+                    .read_text(), re.M)
+  assert rows, "docs/architecture.md has no layer table"
+  return rows
+
+
+LAYERS = _layer_order()
 # Names a module may take from another object although they start with "_": namedtuple
 # methods and os._exit (public APIs spelled with an underscore).
 PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_exit"}

@@ -1,12 +1,13 @@
 """tfpipe: pipelined model-parallel training of Keras models on TensorFlow.
 
-The package's folders are its layers, each importing only those listed before it:
-`plan` (pure Python: schedules, weight policies, the task table, the verifier, the
-simulator), `rules` (weight and update rules in TensorFlow), `stage` (a stage's program and
-where it runs), `cluster` (TF servers), `runtime` (the executors), `instruments` (what a run
-shows about itself), `training` (the Keras face: `Pipeline`), `baselines` (what a pipeline
-is measured against) and `models` (the benchmarks' models). `compat` is the one module that
-touches TensorFlow's and Keras's internals.
+The package's folders are its layers, each importing only those before it in the order the
+docs' architecture page (docs/architecture.md) gives, the one place it is written (the
+layout test reads it there): `plan` (pure Python: schedules, weight policies, the task table,
+the verifier, the simulator), `models` (the benchmarks' models), `rules` (weight and update
+rules in TensorFlow), `runtime` (the executors), `cluster` (TF servers), `instruments` (what
+a run shows about itself), `stage` (a stage's program and where it runs), `training` (the
+Keras face: `Pipeline`), `baselines` (what a pipeline is measured against).
+`compat` is the one module that touches TensorFlow's and Keras's internals.
 """
 
 import sys
