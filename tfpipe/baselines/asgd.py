@@ -104,9 +104,18 @@ class ASGD:
     @tf.function
     def step(iterator):
       def replica(xb, yb):
+        # The weights are read once, at the step's start (the algorithm's "read the current
+        # weights"): a layer that reads a weight every time step (an LSTM's loop) would
+        # otherwise fetch it from the parameter servers at each one.
+        trainable = [tf.identity(v) for v in model.trainable_variables]
+        state = [tf.identity(v) for v in model.non_trainable_variables]
         with tf.GradientTape() as tape:
-          loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
+          tape.watch(trainable)
+          out, new_state = model.stateless_call(trainable, state, xb, training=True)
+          loss = loss_fn(yb, out)
+        grads = tape.gradient(loss, trainable)
+        for v, value in zip(model.non_trainable_variables, new_state):
+          v.assign(value)
         for w, v, g in zip(model.trainable_variables, velocity, grads):
           if g is None:   # a weight the loss does not read: no step, as in Keras
             continue
