@@ -284,7 +284,8 @@ class CompiledRuntime(Executor):
     call: `runtime_overhead.py`'s K=2 on servers 5.5 ms a mini-batch as calls against 1.3 ms
     inlined). Calls trace and optimise each stage function once, so start-up does not grow
     with W; each costs a function call per task when it runs (tens of microseconds: felt by
-    tiny stages, 2KM calls a mini-batch)."""
+    tiny stages, 2KM calls a mini-batch). On TF servers, calls where a stage runs a while
+    loop (`_loops_on_servers`), inline where a stage has replicas (`_replicas_on_servers`)."""
     if self.record:
       return True
     if self.inline != "auto":
