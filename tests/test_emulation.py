@@ -219,13 +219,10 @@ def _trainer(*args):
 @pytest.mark.parametrize("method,cluster,started", [
     ("1f1b", "emulated:1,2,1gbit", "started 2 emulated hosts joined by 1gbit links"),
     ("dataparallel", "emulated:2,1,1gbit", "a MultiWorkerMirroredStrategy worker each"),
-    # asgd on a language model: dict inputs, an embedding's sparse gradient.
     ("asgd", "emulated:1,1,1gbit", "started 2 emulated hosts joined by 1gbit links")])
 def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
     method, cluster, started):
-  model = (["--model=llama", "--model_scale=1", "--dataset=grammar_text", "--sequence_length=16",
-            "--optimizer=sgd", "--learning_rate=0.01"] if method == "asgd" else [])
-  result = _trainer(f"--method={method}", f"--cluster={cluster}", *model)
+  result = _trainer(f"--method={method}", f"--cluster={cluster}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert started in result.stdout
   line = next(l for l in result.stdout.splitlines() if l.startswith("bytes on the links"))

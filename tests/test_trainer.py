@@ -12,6 +12,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests import zygote
 from tests import helpers
@@ -644,3 +645,13 @@ def test_after_a_restart_the_trainer_reads_a_new_dataset_in_the_uninterrupted_or
   order = labels(first)
   assert not np.array_equal(labels(first), order)   # iterated again: another order
   np.testing.assert_array_equal(labels(attempts()), order)
+
+
+def test_asgd_takes_a_language_models_dict_batches_as_arrays_of_the_same_structure():
+  batches = tf.data.Dataset.from_tensor_slices((
+      {"token_ids": np.arange(24).reshape(6, 4), "padding_mask": np.ones((6, 4), "int32")},
+      np.arange(24).reshape(6, 4))).batch(4)
+  x, y = main._arrays(batches)
+  assert sorted(x) == ["padding_mask", "token_ids"]
+  np.testing.assert_array_equal(x["token_ids"], np.arange(24).reshape(6, 4))
+  assert x["padding_mask"].shape == (6, 4) and y.shape == (6, 4)
