@@ -231,7 +231,8 @@ def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
   if method == "asgd":   # its steps report as they finish: counted per step, not per fit
     assert "over 2 steps of the last epoch" in line, line
     # A step reads the weights from the parameter server once and sends it the gradients; the
-    # update runs there (run on the worker, the server sent 1.9x what the worker did).
+    # update runs there (measured on a Llama with the update on the worker: the server sent
+    # 1.9x what the worker did).
     ps, worker = sent
     assert ps < 1.3 * worker, line
   # The busiest link's bytes at 1 Gbit/s as a share of a step.
