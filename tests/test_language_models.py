@@ -306,19 +306,26 @@ def test_per_token_llama_same_as_keras_when_auto_chooses_a_synchronous_schedule(
   conformance.assert_same(expected, (model.get_weights(), history, logs, predicted), 2e-5)
 
 
-def test_a_layer_called_on_two_stages_is_refused_on_asynchronous_methods():
-  task = llama_causal_lm()
+def test_a_weight_two_stages_read_is_refused_on_asynchronous_methods_one_they_hold_is_not():
+  tied = llama_causal_lm(tie=True)
   with pytest.raises(ValueError, match=r"weight 'token_embedding/embeddings' of model "
                                        r"'llama_causal_lm(_\d+)?' is used on stages 0 and 1 .* "
                                        r"method 'spectrain' \(asynchronous\)"):
-    tfpipe.Pipeline(task, num_stages=2, method="spectrain")
-  pipe = tfpipe.Pipeline(task, num_stages=4, method="1f1b")   # cut through its backbone
+    tfpipe.Pipeline(tied, num_stages=2, method="spectrain")
+  pipe = tfpipe.Pipeline(tied, num_stages=4, method="1f1b")   # cut through its backbone
   assert pipe.partition.layer_names == [["token_embedding", "transformer_layer_0"],
                                         ["transformer_layer_1"], ["sequence_output_layernorm"],
                                         ["token_embedding"]]
-  assert pipe.partition.shared == (((0, 0), (3, 0)), ((0, 1), (3, 1)))   # both on 0 and 3
+  assert pipe.partition.shared == (((0, 0), (3, 0)),)   # read on 0 and 3
+  # Untied, the embedding layer is called on both stages too, but stage 0 reads only its
+  # embeddings and stage 3 only its reverse kernel: nothing is shared, each holds the other's
+  # unread, and the asynchronous methods take it.
+  untied = llama_causal_lm()
+  pipe = tfpipe.Pipeline(untied, num_stages=4, method="1f1b")
+  assert pipe.partition.shared == () and pipe.partition.unread == ((1,), (), (), (0,))
+  tfpipe.Pipeline(untied, num_stages=2, method="spectrain")
   with pytest.raises(ValueError, match=r"partition names layer 'no_such_layer'"):
-    tfpipe.Pipeline(task, num_stages=2, method="1f1b", partition=["no_such_layer"])
+    tfpipe.Pipeline(untied, num_stages=2, method="1f1b", partition=["no_such_layer"])
 
 
 # KerasHub task models as users build them (from config, random weights), passed as built.
@@ -327,10 +334,11 @@ def _hub():
   return pytest.importorskip("keras_hub").models
 
 
-def llama_causal_lm(seed=0):
+def llama_causal_lm(seed=0, tie=False):   # untied: its head reads a reverse kernel of its own
   keras.utils.set_random_seed(seed)
   backbone = _hub().LlamaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
-                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32,
+                                  tie_word_embeddings=tie)
   return _hub().LlamaCausalLM(backbone=backbone, preprocessor=None)
 
 
@@ -407,8 +415,11 @@ def _seq2seq_data():
            "decoder_padding_mask": ones}, tokens[:, 1:], {})
 
 
-def _task_compile():
-  return {"optimizer": keras.optimizers.AdamW(0.01, weight_decay=0.05, global_clipnorm=1.0),
+def _task_compile(name=""):
+  # The untied Llama without clipping: its embedding's gradient reaches Keras's AdamW as
+  # rows (only stage 0 reads it; the head's stage holds it unread), and the pipeline's too.
+  clip = {} if name == "llama_causal_lm" else {"global_clipnorm": 1.0}
+  return {"optimizer": keras.optimizers.AdamW(0.01, weight_decay=0.05, **clip),
           "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
           "weighted_metrics": ["accuracy"]}
 
@@ -446,13 +457,13 @@ def test_keras_hub_task_models_train_as_built_same_as_keras(name, tmp_path):
   build, data, method, micro_batches, options = TASKS[name]
   data = data()
   task = build()
-  task.compile(run_eagerly=True, **_task_compile())
+  task.compile(run_eagerly=True, **_task_compile(name))
   expected = _fit_task(task, data, {})
   expected = (task.get_weights(),) + expected
   model = build()
   pipe = tfpipe.Pipeline(model, **{"num_stages": 4, **options}, method=method,
                          micro_batches=micro_batches)
-  pipe.compile(**_task_compile())
+  pipe.compile(**_task_compile(name))
   got = _fit_task(pipe, data, {})
   got = (model.get_weights(),) + got
   conformance.assert_same(expected, got, 5e-5)

@@ -36,18 +36,19 @@ def proto():
   return model.getvalue()
 
 
-def _texts():
+def _texts(n=32):
   from trainers import text
-  return [s + "." for s in text.grammar(6_000, seed=7).split(". ")[:32]]
+  return [s + "." for s in text.grammar(200 * n, seed=7).split(". ")[:n]]
 
 
-def _task(proto, seed=0):
+def _task(proto, seed=0, dtype="float64", preprocessor=None):
   keras.utils.set_random_seed(seed)
   tokenizer = keras_hub.models.LlamaTokenizer(proto=proto)
   backbone = keras_hub.models.LlamaBackbone(
       vocabulary_size=tokenizer.vocabulary_size(), num_layers=2, num_query_heads=2,
-      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, dtype="float64")
-  preprocessor = keras_hub.models.LlamaCausalLMPreprocessor(tokenizer, sequence_length=SEQUENCE)
+      num_key_value_heads=1, hidden_dim=16, intermediate_dim=32, dtype=dtype)
+  preprocessor = (preprocessor or keras_hub.models.LlamaCausalLMPreprocessor)(
+      tokenizer, sequence_length=SEQUENCE)
   return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
@@ -112,3 +113,59 @@ def test_evaluate_and_predict_take_strings_too(proto):
   assert history.history["val_loss"][0] > 0 and again.history["val_loss"][0] > 0
   with pytest.raises(ValueError, match="not one string"):
     pipe.fit("The cat sees the moon.", epochs=1, verbose=0)
+
+
+BUCKETS = (14, 18, 22, 26)
+
+
+class BucketedPreprocessor(keras_hub.models.LlamaCausalLMPreprocessor):
+  """A KerasHub user's bucketing: each batch packed to the shortest of `BUCKETS` that holds
+  its longest text, so batches of short texts are short (`task.fit` maps it over the batches,
+  as it maps any attached preprocessor)."""
+
+  def call(self, x, y=None, sample_weight=None, sequence_length=None):
+    if sequence_length is not None:
+      return super().call(x, y, sample_weight, sequence_length=sequence_length)
+    longest = tf.reduce_max(self.tokenizer(x).row_lengths()) + 1   # and the start token
+    index = tf.reduce_sum(tf.cast(longest > tf.constant(BUCKETS[:-1], longest.dtype), "int32"))
+    pack = lambda n: lambda: keras_hub.models.LlamaCausalLMPreprocessor.call(
+        self, x, sequence_length=n)
+    return tf.switch_case(index, [pack(n) for n in BUCKETS])
+
+
+def _users_script(task, trainer):
+  """Texts sorted into like lengths, the attached preprocessor packing each batch to its
+  bucket, AdamW with global_clipnorm, two epochs; `trainer`: the task, or a pipeline of it.
+  Returns (losses, weights, what the task generates after)."""
+  trainer.compile(optimizer=_optimizer())
+  data = tf.data.Dataset.from_tensor_slices(sorted(_texts(64), key=len)).batch(8)
+  history = trainer.fit(data, epochs=2, verbose=0)
+  return history.history["loss"], task.get_weights(), _generated(task)
+
+
+_SCRIPTS = {}
+
+
+@pytest.mark.parametrize("dtype,method,options", [
+    pytest.param("float64", "1f1b", {}, id="float64-1f1b"),
+    pytest.param("mixed_float16", "zb", {"data_parallel": 2}, id="mixed_float16-zb-dp2")])
+def test_a_keras_hub_users_bucketed_mixed_precision_script_gives_keras_losses(proto, dtype,
+                                                                             method, options):
+  build = lambda: _task(proto, dtype=dtype, preprocessor=BucketedPreprocessor)
+  task = build()
+  lengths = {int(x["token_ids"].shape[1]) for x, _, _ in tf.data.Dataset.from_tensor_slices(
+      sorted(_texts(64), key=len)).batch(8).map(task.preprocessor)}
+  assert len(lengths) >= 3, lengths   # the batches really come in several lengths
+  losses, weights, generated = _users_script(task, task)
+  task = build()
+  pipe = tfpipe.Pipeline(task, num_stages=2, method=method, micro_batches=2, **options)
+  got_losses, got_weights, got_generated = _users_script(task, pipe)
+  if dtype == "float64":
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-5)
+    helpers.assert_weights_close(got_weights, weights, rtol=1e-5, atol=1e-5)
+    assert list(got_generated) == list(generated)
+  else:
+    # float16 products round differently when a batch is cut into micro-batches and
+    # replicas: the losses agree to float16's resolution (measured: 4e-5 apart).
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-3)
+    assert task.backbone.compute_dtype == "float16"

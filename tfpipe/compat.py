@@ -49,7 +49,7 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
            "per_replica", "runtime_started", "data_adapter", "nested_models", "flattened",
            "overrides_compile", "compile_arguments", "own_function", "untracked_variable",
-           "empty_value"]
+           "empty_value", "variables_read"]
 
 # `tf.function(experimental_attributes=NOT_INLINED)`: calls of the function from another
 # function's graph stay calls (instantiated and optimised once), not copies of its body.
@@ -155,6 +155,31 @@ def _operations(graph):
 def all_layers(model):
   """Every layer of `model`, those of nested layers and models too (Keras's own walk)."""
   return list(model._flatten_layers(include_self=False))  # noqa: SLF001
+
+
+def variables_read(node):
+  """The Keras variables a functional graph's call `node` reads: its call traced once in a
+  graph, with placeholders of its symbolic arguments' shapes and dtypes, under a tape that
+  sees each variable read (a layer called twice may read different weights each time, as a
+  causal LM's untied reverse embedding)."""
+  args, kwargs = node.arguments.args, node.arguments.kwargs
+  flat = keras.tree.flatten((args, kwargs))
+  symbolic = [i for i, t in enumerate(flat) if isinstance(t, keras.KerasTensor)]
+  specs = [tf.TensorSpec(flat[i].shape, flat[i].dtype) for i in symbolic]
+  watched = []
+
+  def call(*tensors):
+    values = list(flat)
+    for i, tensor in zip(symbolic, tensors):
+      values[i] = tensor
+    a, k = keras.tree.pack_sequence_as((args, kwargs), values)
+    with tf.GradientTape() as tape:
+      node.operation(*a, **k)
+    watched.extend(tape.watched_variables())
+
+  tf.function(call, autograph=False).get_concrete_function(*specs)
+  handles = {id(v) for v in watched}
+  return [v for v in node.operation.weights if id(getattr(v, "_value", v)) in handles]
 
 
 def nested_models(model):

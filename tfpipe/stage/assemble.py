@@ -73,7 +73,8 @@ def programs(pipe, options, rules, optimizer, step, scaling=None):
                                             policies.SYNCHRONOUS_METHODS,
                                             any(s == k for place in shared for s, _ in place),
                                             decision is None and stage.embeds(sub))),
-        output_structure=pipe.model.output if last and len(pipe.model.outputs) > 1 else None))
+        output_structure=pipe.model.output if last and len(pipe.model.outputs) > 1 else None,
+        unread=pipe.partition.unread[k]))
   for p in result:
     tracing.check_kept_tapes(p)
     p.updates.joint = decision

@@ -6,9 +6,12 @@ model output) still needs, so a skip connection crossing a cut makes the cut
 carry several tensors. Stage sub-models reuse the original layers, hence the
 original variables. A nested functional model (a KerasHub task's backbone) is
 cut through where needed: its layers count as the model's own (`cuttable`). A layer
-called on several stages (a causal LM's head calling the token embedding again,
-tied or not) puts its weights on each of them: `Partition.shared` lists them,
-and a synchronous schedule trains them as one (`tfpipe.rules.joint`).
+called on several stages (a causal LM's head calling the token embedding again)
+puts its weights on each of them. Those that several stages read (a tied embedding) are
+`Partition.shared`, and a synchronous schedule trains them as one (`tfpipe.rules.joint`);
+a stage that holds a weight but does not read it (an untied embedding's reverse kernel on
+the first stage) lists it in `Partition.unread`: its copy never steps, and the model and
+checkpoints take the reader's.
 """
 
 import collections
@@ -24,11 +27,12 @@ __all__ = ["Partition", "graph_nodes", "partition", "from_cuts", "split", "STRAT
 
 STRATEGIES = ("uniform", "params", "profile")
 
-Partition = collections.namedtuple("Partition", ["stages", "cuts", "layer_names", "costs", "shared"],
-                                   defaults=((),))
+Partition = collections.namedtuple("Partition", ["stages", "cuts", "layer_names", "costs", "shared",
+                                                 "unread"], defaults=((), ()))
 Partition.__doc__ = """The stage sub-models, the cut positions, each stage's layer names, the
-per-layer costs balanced, and `shared`: per weight that several stages hold, [(stage, index
-in that stage's trainable variables), ...] (trainable weights only)."""
+per-layer costs balanced, `shared`: per weight that several stages read, [(stage, index
+in that stage's trainable variables), ...] (trainable weights only), and `unread`: per stage,
+the indices of the trainable weights it holds but does not read while another stage does."""
 
 
 def _functional(model):
@@ -69,14 +73,56 @@ def cuttable(model, num_stages=1, named=False):
     return model
 
 
-def shared_weights(stages):
-  """Per trainable weight held by several stages: [(stage, index in its trainable
-  variables), ...], in stage order."""
+def _held(stages):
+  """Per trainable weight several stages hold: [(stage, index in its trainable variables),
+  ...], in stage order."""
   places = collections.defaultdict(list)
+  variables = {}
   for k, stage in enumerate(stages):
     for j, v in enumerate(stage.trainable_variables):
       places[id(v)].append((k, j))
-  return tuple(tuple(p) for p in places.values() if len(p) > 1)
+      variables[id(v)] = v
+  return [(variables[key], tuple(p)) for key, p in places.items() if len(p) > 1]
+
+
+def _readers(stages, stage_nodes):
+  """Per weight several stages hold: (the places that read it, all its places). A stage
+  reads a weight when one of its call nodes of a layer holding it does (one trace of that
+  call, `compat.variables_read`); without `stage_nodes`, every place reads."""
+  reads = {}
+  out = []
+  for v, places in _held(stages):
+    readers = []
+    for k, j in places:
+      if stage_nodes is None:
+        readers.append((k, j))
+        continue
+      for node in stage_nodes[k]:
+        if any(w is v for w in node.operation.weights):
+          if id(node) not in reads:
+            reads[id(node)] = {id(w) for w in compat.variables_read(node)}
+          if id(v) in reads[id(node)]:
+            readers.append((k, j))
+            break
+    out.append((tuple(readers), places))
+  return out
+
+
+def shared_weights(stages, stage_nodes=None):
+  """(shared, unread). `shared`: per trainable weight that several stages read, [(stage, index
+  in its trainable variables), ...], in stage order. `unread`: per stage, the indices of the
+  trainable weights it holds but does not read while another stage reads them.
+  `stage_nodes`: each stage's call nodes (of the model cut), to tell a weight a stage reads
+  from one it only holds; without them every weight held counts as read."""
+  shared, unread = [], [[] for _ in stages]
+  for readers, places in _readers(stages, stage_nodes):
+    if len(readers) > 1:
+      shared.append(readers)
+    if readers:
+      for k, j in places:
+        if (k, j) not in readers:
+          unread[k].append(j)
+  return tuple(shared), tuple(tuple(j) for j in unread)
 
 
 def live(inputs, outputs, nodes, cut):
@@ -200,7 +246,8 @@ def from_cuts(model, cuts, costs):
   nodes = graph_nodes(model)[2]
   stages = split(model, cuts)
   layer_names = [[node.operation.name for node in nodes[a:b]] for a, b in zip(cuts[:-1], cuts[1:])]
-  return Partition(stages, list(cuts), layer_names, costs, shared_weights(stages))
+  stage_nodes = [nodes[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+  return Partition(stages, list(cuts), layer_names, costs, *shared_weights(stages, stage_nodes))
 
 
 def _layer_cuts(model, nodes, cuts, num_stages):

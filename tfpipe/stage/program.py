@@ -126,14 +126,18 @@ class StageProgram:
   last stage's logs add those `reg_trackers` to its loss.
 
   `optimizer_source`: the compiled optimizer `optimizer` was cloned from; its
-  `exclude_from_weight_decay` choices carry over to this stage's variables.
+  `exclude_from_weight_decay` choices carry over to this stage's variables. `unread`: the
+  indices of trainable weights the stage holds but does not read (`Partition.unread`).
   """
 
   def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
                metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
                rule=None, reg_trackers=None, optimizer_source=None, grouped=False,
-               cross_device_ops=None, output_structure=None):
+               cross_device_ops=None, output_structure=None, unread=()):
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
+    # Indices of trainable weights the stage holds but another stage reads and steps
+    # (`Partition.unread`): the model and checkpoints take that stage's copy.
+    self.unread = frozenset(unread)
     self.replica_devices = list(replica_devices or [device])
     self.remote = bool(placement.remote([self.replica_devices]))   # on TF servers
     synchronous = policy.method in policies.SYNCHRONOUS_METHODS
@@ -792,8 +796,9 @@ class StageProgram:
       self.mirrors.sync()
 
   def write_to_model(self):
-    for dst, own in self._pairs:
-      dst.assign(own.numpy())
+    for j, (dst, own) in enumerate(self._pairs):
+      if j not in self.unread:
+        dst.assign(own.numpy())
 
   def finalize(self):
     """The optimizer's end-of-fit step (`finalize_variable_values`: EMA weights swapped in)."""

@@ -77,21 +77,28 @@ class StageState:
     keys = variable_keys(model)
     self.weights, self.slots, self.optimizer, self.method = {}, {}, {}, {}
     self.copies = []
+    unread = []   # a weight's copy on a stage that holds it but does not read it: put last
     for k, program in enumerate(programs):
       pairs = program.model_pairs
       n = len(program.trainable)
       references = [(keys[id(src)], own) for src, own in pairs[:n]]
+      idle = {references[j][0] for j in program.unread}
+      put = lambda table, key, variable, weight: (
+          unread.append((table, key, variable)) if weight in idle
+          else self._put(table, key, variable))
       for src, own in pairs:
-        self._put(self.weights, keys[id(src)], own)
+        put(self.weights, keys[id(src)], own, keys[id(src)])
       slots, counters = slot_keys(program.optimizer, references)
       for key, variable in slots.items():
-        self._put(self.slots, key, variable)
+        put(self.slots, key, variable, key.rsplit("/", 1)[0])
       for key, variable in counters.items():
         self._put(self.optimizer, key, variable)
       for kind, values in (("delta", program.sources.deltas),
                            ("previous", program.sources.previous)):
         for (key, _), variable in zip(references, values):
-          self._put(self.method, f"{key}/{kind}", variable)
+          put(self.method, f"{key}/{kind}", variable, key)
+    for table, key, variable in unread:
+      self._put(table, key, variable)
 
   def _put(self, table, key, variable):
     if key in table:
