@@ -408,9 +408,12 @@ SPECIAL = [
      "`BertTextClassifier`, `ResNetImageClassifier`; `tests/test_language_models.py`)",
      "same as Keras at K=4 (cut through the backbone; `compile` takes the task's defaults); "
      "`generate`, `save` and `load_model` after a pipelined `fit`"),
-    ("a layer called on several stages (a causal LM head's token embedding, tied or not; "
-     "BART's shared embedding)", "same as Keras on the synchronous schedules (one summed "
-     "gradient, every copy updated alike); refused on the asynchronous methods"),
+    ("a weight several stages read (a causal LM head's tied token embedding; BART's shared "
+     "embedding)", "same as Keras on the synchronous schedules (one summed gradient, every "
+     "copy updated alike); refused on the asynchronous methods"),
+    ("a layer called on several stages that reads its own weight on each (an untied embedding "
+     "and its reverse kernel)", "same as Keras: each stage steps what it reads (the embedding "
+     "as rows); every method takes it"),
 ]
 
 
