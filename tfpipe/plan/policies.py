@@ -24,50 +24,65 @@ stage applied since the forward, as its version difference.
 """
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from tfpipe.plan import names, schedules
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
-           "build_schedule", "epoch", "VIRTUAL_STAGE_METHODS",
+           "build_schedule", "epoch", "METHODS", "MethodRecord", "VIRTUAL_STAGE_METHODS",
            "PIPELINE_METHODS", "SYNCHRONOUS_METHODS", "MICRO_BATCH_METHODS", "MAX_MICRO_BATCHES",
            "LOCKSTEP_METHODS",
            "SPECTRAIN_BACKWARDS", "VERSION_DIFFERENCES"]
 
-PIPELINE_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "zbv", "vanilla",
-                    "pipedream", "spectrain", "ddg", "feature_replay", "timeprest", "pipemare",
-                    "i_timeprest", "2bw")
+class MethodRecord(NamedTuple):
+  """A pipeline method, named once (`METHODS`): its schedule (a name of
+  `tfpipe.plan.schedules.SCHEDULES`, which says how it is built), the weights its forward and
+  backward read, and what it takes. `synchronous`: no stale weight (equal to training on whole
+  mini-batches). `micro_batches`: its default M, 0 where it takes no micro-batches.
+  `virtual_stages`: its default V (stages per device), None where it runs one per device.
+  `lockstep`: it may close every step with a barrier (the DDG paper's run)."""
+  schedule: str
+  forward: str = "current"
+  backward: str = "forward"
+  synchronous: bool = False
+  micro_batches: int = 0
+  virtual_stages: Optional[int] = None
+  lockstep: bool = False
+
+
+# SpecTrain's backward depends on `spectrain_backward` ("reuse": "forward"); 2BW's default M is
+# K (`micro_batches_for`).
+METHODS: Dict[str, MethodRecord] = {
+    "sequential": MethodRecord("sequential", synchronous=True),
+    "gpipe": MethodRecord("gpipe", synchronous=True, micro_batches=4),
+    "1f1b": MethodRecord("1f1b_flush", synchronous=True, micro_batches=4),
+    "interleaved": MethodRecord("interleaved", synchronous=True, micro_batches=4,
+                                virtual_stages=2),
+    "zb": MethodRecord("zb_h1", synchronous=True, micro_batches=4),
+    "zbv": MethodRecord("zb_v", synchronous=True, micro_batches=4, virtual_stages=2),
+    "vanilla": MethodRecord("1f1b", backward="current", micro_batches=1),
+    "pipedream": MethodRecord("1f1b", micro_batches=1),
+    "spectrain": MethodRecord("1f1b", forward="predicted", micro_batches=1),
+    "ddg": MethodRecord("ddg", lockstep=True),
+    "feature_replay": MethodRecord("ddg", backward="current", lockstep=True),
+    "timeprest": MethodRecord("timeprest", backward="current", micro_batches=4),
+    "pipemare": MethodRecord("1f1b", backward="corrected", micro_batches=1),
+    "i_timeprest": MethodRecord("timeprest", backward="blend", micro_batches=4),
+    "2bw": MethodRecord("1f1b", forward="delayed", micro_batches=1),
+}
+PIPELINE_METHODS = tuple(METHODS)
 # The methods with no stale weight: each equals training on whole mini-batches.
-SYNCHRONOUS_METHODS = ("sequential", "gpipe", "1f1b", "interleaved", "zb", "zbv")
-MICRO_BATCH_METHODS = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "timeprest", "i_timeprest",
-                       "vanilla", "pipedream", "spectrain", "pipemare", "2bw")
-DEFAULT_MICRO_BATCHES = {"gpipe": 4, "1f1b": 4, "interleaved": 4, "zb": 4, "zbv": 4,
-                         "timeprest": 4, "i_timeprest": 4}
-VIRTUAL_STAGE_METHODS = {"interleaved": 2, "zbv": 2}   # method -> its default V (per device)
+SYNCHRONOUS_METHODS = tuple(m for m, r in METHODS.items() if r.synchronous)
+MICRO_BATCH_METHODS = tuple(m for m, r in METHODS.items() if r.micro_batches)
+DEFAULT_MICRO_BATCHES = {m: r.micro_batches for m, r in METHODS.items() if r.micro_batches > 1}
+VIRTUAL_STAGE_METHODS = {m: r.virtual_stages for m, r in METHODS.items() if r.virtual_stages}
+LOCKSTEP_METHODS = tuple(m for m, r in METHODS.items() if r.lockstep)
 # Each micro-batch is a task of every stage, planned and verified per mini-batch: past this
 # the plan alone takes seconds (M=4000: 2.6 s per verify) while the bubble, (K-1)/(M+K-1), is
 # already below 1% for K <= 11.
 MAX_MICRO_BATCHES = 1024
 SPECTRAIN_BACKWARDS = ("reuse", "repredict")
 VERSION_DIFFERENCES = ("paper", "exact")
-
-# method: (schedule, the weights its forward reads, the weights its backward reads)
-_RULES = {
-    "sequential": ("sequential", "current", "forward"),
-    "gpipe": ("gpipe", "current", "forward"),
-    "1f1b": ("1f1b_flush", "current", "forward"),
-    "interleaved": ("interleaved", "current", "forward"),
-    "zb": ("zb_h1", "current", "forward"),
-    "zbv": ("zb_v", "current", "forward"),
-    "vanilla": ("1f1b", "current", "current"),
-    "pipedream": ("1f1b", "current", "forward"),
-    "ddg": ("ddg", "current", "forward"),
-    "feature_replay": ("ddg", "current", "current"),
-    "timeprest": ("timeprest", "current", "current"),
-    "pipemare": ("1f1b", "current", "corrected"),
-    "i_timeprest": ("timeprest", "current", "blend"),
-    "2bw": ("1f1b", "delayed", "forward"),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +101,7 @@ class WeightPolicy:
   @property
   def splits_backward(self) -> bool:
     """True when the schedule splits each backward into B (input gradient) and W (weights)."""
-    return self.schedule in schedules.SPLIT_BACKWARD
+    return schedules.kind_of(self.schedule).split_backward
 
   @property
   def predicts(self) -> bool:
@@ -103,9 +118,6 @@ class WeightPolicy:
   def keeps_previous(self) -> bool:
     """True when a stage keeps its weights from before its latest update (2BW's 2nd buffer)."""
     return self.forward == "delayed"
-
-
-LOCKSTEP_METHODS = ("ddg", "feature_replay")
 
 
 def policy_for(method: str, spectrain_backward: str = "reuse", recompute: Optional[bool] = None,
@@ -131,11 +143,11 @@ def policy_for(method: str, spectrain_backward: str = "reuse", recompute: Option
   spectrain_backward = names.lookup("spectrain_backward", spectrain_backward, SPECTRAIN_BACKWARDS)
   if recompute not in (None, True, False):
     raise ValueError(f"`recompute` must be None, True or False. Received: recompute={recompute!r}")
-  if method == "spectrain":
-    backward = "forward" if spectrain_backward == "reuse" else "predicted"
-    policy = WeightPolicy(method, "1f1b", "predicted", backward)
-  else:
-    policy = WeightPolicy(method, *_RULES[method])
+  record = METHODS[method]
+  backward = record.backward
+  if method == "spectrain" and spectrain_backward == "repredict":
+    backward = "predicted"
+  policy = WeightPolicy(method, record.schedule, record.forward, backward)
   if lockstep:
     policy = dataclasses.replace(policy, schedule="ddg_lockstep")
   if virtual_stages is not None and method not in VIRTUAL_STAGE_METHODS:
@@ -147,8 +159,7 @@ def policy_for(method: str, spectrain_backward: str = "reuse", recompute: Option
     if not isinstance(V, int) or isinstance(V, bool) or V < 1:
       raise ValueError(f"`virtual_stages` must be a positive integer. Received: "
                        f"virtual_stages={V!r}")
-    if method == "zbv" and V != 2:
-      raise ValueError(f"ZB-V places two stages on each device. Received: virtual_stages={V}")
+    schedules.check_virtual_stages(policy.schedule, V)
     policy = dataclasses.replace(policy, virtual_stages=V)
   if recompute is None or recompute == policy.recompute:
     return policy

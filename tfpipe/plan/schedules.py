@@ -34,7 +34,7 @@ from tfpipe.plan import names
 __all__ = ["Task", "Action", "Schedule", "lanes", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush",
            "interleaved", "zero_bubble_h1", "zero_bubble_v", "device_of", "jointly_updated",
            "ddg", "ddg_lockstep", "timeprest", "build",
-           "SCHEDULES", "MICRO_BATCHED", "ALWAYS_MICRO", "SPLIT_BACKWARD", "is_update",
+           "SCHEDULES", "ScheduleKind", "kind_of", "check_virtual_stages", "is_update",
            "exact_version_differences",
            "updates_since_forward",
            "paper_version_difference", "timeprest_version_difference", "micro_batches",
@@ -310,7 +310,7 @@ def device_of(name: str, S: int, V: int) -> List[int]:
   round robin (interleaved: device d holds d, d + K, ...), or a V (zb_v: device d holds d and
   2K-1-d, so the first device also holds the last stage)."""
   K = S // V
-  if name == "zb_v":
+  if kind_of(name).placement == "v":
     return [s if s < K else 2 * K - 1 - s for s in range(S)]
   return [s % K for s in range(S)]
 
@@ -472,35 +472,66 @@ def timeprest(K: int, N: int, M: int) -> Lists:
   return stages
 
 
-SCHEDULES: Dict[str, Callable[..., Lists]] = {"sequential": sequential, "1f1b": one_f_one_b, "gpipe": gpipe,
-             "1f1b_flush": one_f_one_b_flush, "interleaved": interleaved,
-             "zb_h1": zero_bubble_h1, "zb_v": zero_bubble_v, "ddg": ddg,
-             "ddg_lockstep": ddg_lockstep, "timeprest": timeprest}
-MICRO_BATCHED = ("1f1b", "gpipe", "1f1b_flush", "interleaved", "zb_h1", "zb_v", "timeprest")  # the schedules that take M
-ALWAYS_MICRO = ("gpipe", "1f1b_flush", "interleaved", "zb_h1", "zb_v", "timeprest")   # take M
-SPLIT_BACKWARD = ("zb_h1", "zb_v")   # backwards split into B and W tasks
+class ScheduleKind(NamedTuple):
+  """A schedule, named once (`SCHEDULES`): how it is built and what it is.
+
+  `build(S, N, M, V)`: the task lists of S stages over N mini-batches of M micro-batches, V
+  stages per device. `micro_batches`: "never" (M is 1), "optional" (M >= 1) or "always"
+  (built with its M even when 1). `split_backward`: each backward is split into B (the input's
+  gradient) and W (the weights'). `virtual_stages`: the V it runs, None for any V that
+  divides the stages. `placement`: "round_robin" (device d holds stages d, d + K, ...) or "v"
+  (device d holds d and 2K-1-d). `replicable`: data parallelism may split its batches (not
+  where the last stage joins several forwards in one step)."""
+  build: Callable[[int, int, int, int], Lists]
+  micro_batches: str = "never"
+  split_backward: bool = False
+  virtual_stages: Optional[int] = 1
+  placement: str = "round_robin"
+  replicable: bool = True
+
+
+SCHEDULES: Dict[str, ScheduleKind] = {
+    "sequential": ScheduleKind(lambda S, N, M, V: sequential(S, N)),
+    "1f1b": ScheduleKind(lambda S, N, M, V: one_f_one_b(S, N, M), "optional"),
+    "gpipe": ScheduleKind(lambda S, N, M, V: gpipe(S, N, M), "always"),
+    "1f1b_flush": ScheduleKind(lambda S, N, M, V: one_f_one_b_flush(S, N, M), "always"),
+    "interleaved": ScheduleKind(interleaved, "always", virtual_stages=None),
+    "zb_h1": ScheduleKind(lambda S, N, M, V: zero_bubble_h1(S, N, M), "always",
+                          split_backward=True),
+    "zb_v": ScheduleKind(lambda S, N, M, V: zero_bubble_v(S, N, M), "always",
+                         split_backward=True, virtual_stages=2, placement="v"),
+    "ddg": ScheduleKind(lambda S, N, M, V: ddg(S, N)),
+    "ddg_lockstep": ScheduleKind(lambda S, N, M, V: ddg_lockstep(S, N)),
+    "timeprest": ScheduleKind(lambda S, N, M, V: timeprest(S, N, M), "always",
+                              replicable=False),
+}
+
+
+def kind_of(name: str) -> ScheduleKind:
+  """The `ScheduleKind` of schedule `name` (a wrong one is a ValueError naming the choices)."""
+  return SCHEDULES[names.lookup("schedule", name, SCHEDULES)]
+
+
+def check_virtual_stages(name: str, V: int) -> None:
+  """Refuses V (stages per device) that schedule `name` does not run."""
+  wanted = kind_of(name).virtual_stages
+  if wanted is None or V == wanted:
+    return
+  if wanted == 1:
+    raise ValueError(f"the {name!r} schedule runs one stage per device. Received: V={V}")
+  raise ValueError(f"the {name!r} schedule places {wanted} stages on each device. Received: "
+                   f"V={V}")
 
 
 def build(name: str, K: int, N: int, M: int = 1, V: int = 1) -> Lists:
   """The schedule called `name` for K stages, N mini-batches and M micro-batches each (V:
-  stages per device, for "interleaved")."""
-  name = names.lookup("schedule", name, SCHEDULES)
+  stages per device)."""
+  kind = kind_of(name)
   _check(K, N, M)
-  if name == "interleaved":
-    return interleaved(K, N, M, V)
-  if name == "zb_v":
-    if V != 2:
-      raise ValueError(f"ZB-V places two stages on each device. Received: V={V}")
-    return zero_bubble_v(K, N, M)
-  if V != 1:
-    raise ValueError(f"the {name!r} schedule runs one stage per device. Received: V={V}")
-  if name in ALWAYS_MICRO:
-    return SCHEDULES[name](K, N, M)
-  if name == "1f1b":
-    return one_f_one_b(K, N, M)
-  if M != 1:
+  check_virtual_stages(name, V)
+  if kind.micro_batches == "never" and M != 1:
     raise ValueError(f"the {name!r} schedule has no micro-batches. Received: M={M}")
-  return SCHEDULES[name](K, N)
+  return kind.build(K, N, M, V)
 
 
 def micro_batches(schedule: Lists) -> int:

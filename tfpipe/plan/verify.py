@@ -350,8 +350,8 @@ def memory_table(K: int, M: int = 4, N: Optional[int] = None,
   requested = () if methods is policies.PIPELINE_METHODS else tuple(methods)
   for method in methods:
     policy = policies.policy_for(method)
-    m = policies.micro_batches_for(policy, M if policy.schedule in schedules.ALWAYS_MICRO
-                                   else None)
+    always = schedules.kind_of(policy.schedule).micro_batches == "always"
+    m = policies.micro_batches_for(policy, M if always else None)
     V = policy.virtual_stages
     if V > 1 and (K % V or m % (K // V)) and method not in requested:
       continue   # the K stages do not make V chunks per device in groups of M micro-batches

@@ -77,7 +77,7 @@ def _data_parallel(replicas, stage_replicas, policy):
     raise ValueError("data_parallel replicates every stage already; it does not combine with "
                      f"stage_replicas. Received: data_parallel={replicas}, "
                      f"stage_replicas={stage_replicas!r}")
-  if replicas > 1 and policy.schedule == "timeprest":
+  if replicas > 1 and not schedules.kind_of(policy.schedule).replicable:
     raise ValueError(f"method {policy.method!r} runs one last-stage step over several "
                      f"forwards, which data_parallel does not split. Received: "
                      f"data_parallel={replicas}")
