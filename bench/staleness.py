@@ -103,7 +103,7 @@ OPTIONS = {
                                                  "version_difference": "exact"}, "adam"),
     "spectrain+nesterov/adam": ("spectrain", {"nesterov": True}, "adam"),
     # 2K micro-batches: a stage k's forwards read the one-update-old weights on (K-1-k)/M of
-    # the micro-batches (`schedules.exact_version_differences`), half of what M=K leaves.
+    # the micro-batches (`versions.exact_version_differences`), half of what M=K leaves.
     "spectrain+mb2+nesterov": ("spectrain", {"micro_batches": TWICE_STAGES, "nesterov": True,
                                              "version_difference": "exact"}, "spectrain"),
     # 4K: a quarter of M=K's stale share (what bounds K=8 with 2K, README).

@@ -87,6 +87,32 @@ _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
           "on_predict_batch_begin", "on_predict_batch_end")
 
 
+class TwoWayEmbedding(keras.layers.Embedding):
+  """An embedding with an untied output projection (as KerasHub's `ReversibleEmbedding`):
+  called on tokens it reads `embeddings`, with `reverse=True` only `kernel`."""
+
+  def build(self, input_shape=None):
+    super().build(input_shape)
+    self.kernel = self.add_weight(shape=(self.output_dim, self.input_dim), name="kernel")
+
+  def call(self, x, reverse=False):
+    return keras.ops.matmul(x, self.kernel) if reverse else super().call(x)
+
+  def compute_output_spec(self, x, reverse=False):
+    if reverse:
+      return keras.KerasTensor(x.shape[:-1] + (self.input_dim,), x.dtype)
+    return super().compute_output_spec(x)
+
+
+def two_way_lm(seed=0, vocab=40, length=6):
+  """A per-token LM whose embedding layer is called again as its head (untied)."""
+  keras.utils.set_random_seed(seed)
+  tokens = keras.Input((length,), dtype="int32")
+  ends = TwoWayEmbedding(vocab, 16, name="ends")
+  h = keras.layers.Dense(16, activation="relu", name="block")(ends(tokens))
+  return keras.Model(tokens, ends(h, reverse=True), name="two_way_lm")
+
+
 class Recorder(keras.callbacks.Callback):
   """Records every hook as (name, [index]) in `calls` and its logs in `logs`."""
 

@@ -143,48 +143,23 @@ def test_slots_of_like_named_weights_go_to_their_own_weight():
   assert sorted(own) == ["iteration", "learning_rate"]
 
 
-class _TwoWay(keras.layers.Embedding):
-  """An embedding with an untied output projection (as KerasHub's `ReversibleEmbedding`):
-  called on tokens it reads `embeddings`, with `reverse=True` only `kernel`."""
-
-  def build(self, input_shape=None):
-    super().build(input_shape)
-    self.kernel = self.add_weight(shape=(16, V), name="kernel")
-
-  def call(self, x, reverse=False):
-    return keras.ops.matmul(x, self.kernel) if reverse else super().call(x)
-
-  def compute_output_spec(self, x, reverse=False):
-    if reverse:
-      return keras.KerasTensor(x.shape[:-1] + (V,), x.dtype)
-    return super().compute_output_spec(x)
-
-
-def _two_way_lm(seed):
-  keras.utils.set_random_seed(seed)
-  tokens = keras.Input((T,), dtype="int32")
-  ends = _TwoWay(V, 16, name="ends")
-  h = keras.layers.Dense(16, activation="relu", name="block")(ends(tokens))
-  return keras.Model(tokens, ends(h, reverse=True), name="two_way_lm")
-
-
 def test_a_layer_each_stage_reads_apart_trains_and_checkpoints_as_keras(tmp_path):
   # Its call on stage 0 reads the embedding (rows for Adam, as Keras sees them), its call on
   # stage 1 the kernel: each stage steps what it reads, and the model and the checkpoint
   # take the reader's copy and slots, never the copy the other stage holds unread.
   x, y = _data()
-  pipe = tfpipe.Pipeline(_two_way_lm(0), num_stages=2, method="1f1b", micro_batches=2)
+  pipe = tfpipe.Pipeline(helpers.two_way_lm(0, V, T), num_stages=2, method="1f1b", micro_batches=2)
   assert pipe.partition.shared == () and pipe.partition.unread == ((1,), (0,))
   _compile(pipe)
   directory = str(tmp_path / "ckpt")
   pipe.fit(x, y, callbacks=[checkpoint.BackupAndRestore(directory), _StopAfter(2)], **FIT)
-  whole = _two_way_lm(0)
+  whole = helpers.two_way_lm(0, V, T)
   _compile(whole)
   whole.fit(x, y, **dict(FIT, epochs=2))
   for a, b in zip(pipe.model.weights, whole.weights):
     helpers.assert_close(a.numpy(), b.numpy(), rtol=1e-5)
   whole.fit(x, y, initial_epoch=2, **FIT)
-  resumed = _two_way_lm(7)
+  resumed = helpers.two_way_lm(7, V, T)
   _compile(resumed)
   assert checkpoint.restore_keras(resumed, directory) == 2
   resumed.fit(x, y, initial_epoch=2, **FIT)

@@ -6,7 +6,7 @@ import pytest
 
 from tests import helpers
 import tfpipe
-from tfpipe.plan import schedules
+from tfpipe.plan import schedules, versions
 from tfpipe.rules import mitigations, optimizers
 
 LR, MOMENTUM = 0.05, 0.9
@@ -108,7 +108,7 @@ def test_stage_delays_of_1f1b_are_k_to_the_end():
 
 def test_updates_since_forward_count_the_stage_updates_between():
   schedule = schedules.build("1f1b", 3, 6)
-  counts = schedules.updates_since_forward(schedule)
+  counts = versions.updates_since_forward(schedule)
   # Stage k's backward of batch b comes min(b, K-1-k) updates after its forward (warm-up, then
   # the steady state); every other task reads no such count.
   for k, tasks in enumerate(schedule):

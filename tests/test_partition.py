@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
+from tfpipe import compat
 from tfpipe.stage import layer_profile, partition
 
 
@@ -111,6 +112,11 @@ def test_errors():
   assert partition.partition(model, 2, ["head"]).shared == ()
   assert partition.partition(model, 2, ["shared"]).shared == (((0, 0), (1, 0)),
                                                                ((0, 1), (1, 1)))
+  # Called on two stages but reading its own weight on each (an untied embedding and its
+  # head): nothing shared, each stage holds the other's weight unread.
+  two_way = helpers.two_way_lm()
+  assert partition.partition(two_way, 2, ["block"]).shared == ()
+  assert partition.partition(two_way, 2, ["block"]).unread == ((1,), (2,))   # after block's
   # Integer cuts count layer calls: the layer called twice twice.
   assert partition.partition(model, 2, [0, 1, 3]).cuts == [0, 1, 3]
   with pytest.raises(ValueError, match=r"rise strictly from 0 to 3 \(the layer count"):
@@ -143,3 +149,12 @@ def test_integer_cuts_count_the_layers_the_user_wrote_whatever_masks_keras_adds(
       y = stage(y)
     np.testing.assert_allclose(np.asarray(y), np.asarray(model(x)), rtol=1e-5, atol=1e-6)
   assert names[False] == names[True]   # the same layers on each stage, mask or not
+
+
+def test_a_call_that_cannot_be_traced_apart_counts_as_reading_all_its_layers_weights(
+    monkeypatch):
+  def untraceable(node):
+    raise ValueError(f"cannot trace {node.operation.name} apart")
+  monkeypatch.setattr(compat, "variables_read", untraceable)
+  cut = partition.partition(helpers.two_way_lm(), 2, ["block"])
+  assert cut.shared == (((0, 0), (1, 2)), ((0, 1), (1, 3))) and cut.unread == ((), ())

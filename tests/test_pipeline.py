@@ -10,7 +10,7 @@ import tensorflow as tf
 from tests import helpers
 from tests.conftest import DEVICES
 from tfpipe import models
-from tfpipe.plan import schedules
+from tfpipe.plan import versions
 from tfpipe.rules import optimizers
 import tfpipe
 
@@ -228,7 +228,7 @@ def test_paper_version_differences_are_the_ones_used():
     if r.kind.startswith("X"):
       continue  # transfers read no weights
     kind = "B" if r.kind == "B" else "F"
-    assert r.s == schedules.paper_version_difference(r.stage, 3, kind)
+    assert r.s == versions.paper_version_difference(r.stage, 3, kind)
 
 
 def test_pipedream_forward_and_backward_read_the_same_version():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfpipe.plan import schedules, verify
+from tfpipe.plan import schedules, verify, versions
 from tfpipe.plan.schedules import Task
 
 
@@ -83,12 +83,12 @@ def test_timeprest_version_difference_formula_equals_the_schedule(K, M):
   # the updates between each micro-batch's forward and its mini-batch's backward.
   N = K + 4
   report = verify.verify(schedules.timeprest(K, N, M))
-  diffs = schedules.exact_version_differences(schedules.timeprest(K, N, M))
+  diffs = versions.exact_version_differences(schedules.timeprest(K, N, M))
   for k in range(K):
     for b in range(K, N - K):  # steady state
       for i in range(M):
-        assert diffs[k][Task("F", b, i)] == schedules.timeprest_version_difference(k, K, M, i)
-    assert report.staleness[k] == schedules.timeprest_version_difference(k, K, M, 0)
+        assert diffs[k][Task("F", b, i)] == versions.timeprest_version_difference(k, K, M, i)
+    assert report.staleness[k] == versions.timeprest_version_difference(k, K, M, 0)
   # No micro-batch is more than one update behind once M >= K.
   if M >= K:
     assert max(report.staleness) <= 1
@@ -96,33 +96,33 @@ def test_timeprest_version_difference_formula_equals_the_schedule(K, M):
 
 def test_paper_version_differences_match_eq_5_and_6():
   # N = 3: forward s = floor(k/2) + N - k - 1 -> 2, 1, 1; backward floor(k/2) -> 0, 0, 1.
-  assert [schedules.paper_version_difference(k, 3, "F") for k in range(3)] == [2, 1, 1]
-  assert [schedules.paper_version_difference(k, 3, "B") for k in range(3)] == [0, 0, 1]
+  assert [versions.paper_version_difference(k, 3, "F") for k in range(3)] == [2, 1, 1]
+  assert [versions.paper_version_difference(k, 3, "B") for k in range(3)] == [0, 0, 1]
   # N = 4: forward 3, 2, 2, 1; backward 0, 0, 1, 1. The paper's worked example: k=0, N=3 -> 2.
-  assert [schedules.paper_version_difference(k, 4, "F") for k in range(4)] == [3, 2, 2, 1]
-  assert [schedules.paper_version_difference(k, 4, "B") for k in range(4)] == [0, 0, 1, 1]
+  assert [versions.paper_version_difference(k, 4, "F") for k in range(4)] == [3, 2, 2, 1]
+  assert [versions.paper_version_difference(k, 4, "B") for k in range(4)] == [0, 0, 1, 1]
 
 
 def test_exact_version_differences_in_steady_state():
   K, N = 4, 12
-  diffs = schedules.exact_version_differences(schedules.one_f_one_b(K, N))
+  diffs = versions.exact_version_differences(schedules.one_f_one_b(K, N))
   for k in range(K):
     for b in range(K, N):
       assert diffs[k][Task("F", b)] == K - 1 - k
       assert diffs[k][Task("B", b)] == 0
     # Warm-up: only b earlier batches exist.
     assert diffs[k][Task("F", 0)] == 0
-  assert [schedules.exact_version_differences(schedules.sequential(3, 4))[k][Task("F", 2)]
+  assert [versions.exact_version_differences(schedules.sequential(3, 4))[k][Task("F", 2)]
           for k in range(3)] == [0, 0, 0]
 
 
 def test_exact_version_differences_count_updates_not_micro_batches():
   # 1F1B over micro-batches: the updates are the U tasks, one per mini-batch.
-  diffs = schedules.exact_version_differences(schedules.one_f_one_b(3, 6, 2))
+  diffs = versions.exact_version_differences(schedules.one_f_one_b(3, 6, 2))
   assert diffs[0][Task("F", 3, 0)] == 1 and diffs[0][Task("F", 3, 1)] == 1
   assert diffs[2][Task("F", 3, 0)] == 0
   # GPipe: no update between a mini-batch's forwards and its backward.
-  assert set(schedules.exact_version_differences(schedules.gpipe(4, 3, 4))[0].values()) == {0}
+  assert set(versions.exact_version_differences(schedules.gpipe(4, 3, 4))[0].values()) == {0}
 
 
 def test_micro_sizes():

@@ -26,7 +26,7 @@ stage applied since the forward, as its version difference.
 import dataclasses
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from tfpipe.plan import names, schedules
+from tfpipe.plan import names, schedules, versions
 
 __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differences",
            "build_schedule", "epoch", "METHODS", "MethodRecord", "VIRTUAL_STAGE_METHODS",
@@ -217,18 +217,18 @@ def version_differences(policy: WeightPolicy, schedule: schedules.Lists,
   mode = names.lookup("version_difference", mode, VERSION_DIFFERENCES)
   K = len(schedule)
   if policy.backward in ("corrected", "blend"):
-    return schedules.updates_since_forward(schedule)
+    return versions.updates_since_forward(schedule)
   if policy.keeps_previous:
-    return schedules.exact_version_differences(schedule)
+    return versions.exact_version_differences(schedule)
   if not policy.predicts:
     return [{t: 0 for t in tasks} for tasks in schedule]
   if mode == "exact":
-    return schedules.exact_version_differences(schedule)
+    return versions.exact_version_differences(schedule)
   if schedules.micro_batches(schedule) > 1:
     raise ValueError(
         "version_difference='paper' counts one update per batch (the SpecTrain paper eq. 5-6); with "
         "micro-batches use version_difference='exact'")
-  return [{t: (schedules.paper_version_difference(k, K, t.kind) if t.kind in "FB" else 0)
+  return [{t: (versions.paper_version_difference(k, K, t.kind) if t.kind in "FB" else 0)
            for t in tasks} for k, tasks in enumerate(schedule)]
 
 

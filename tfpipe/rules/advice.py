@@ -58,7 +58,7 @@ ONE_UPDATE_STAGES = {"adam": (2, 8)}
 # (M >= K - 1) a stage applies its previous mini-batch's update before the forwards of the
 # next, or at most one update after them, so a prediction spans at most one update where with
 # M=1 it spans up to K-1 (7 at K=8); and stage k's forwards read the one-update-old weights
-# on (K-1-k)/M of the micro-batches (`schedules.exact_version_differences`), so F=2 halves
+# on (K-1-k)/M of the micro-batches (`versions.exact_version_differences`), so F=2 halves
 # that share. bench/staleness.py, 3 seeds, both rates, README "Accuracy under staleness":
 # - Adam (`spectrain+mb/adam`, F=1): worst gap to synchronous Adam over the 10 settings (5
 #   tasks, 2 rates) -1.15 pp at K=4 and -1.32 at K=8, where with M=1 spectrain lost up to 7.0

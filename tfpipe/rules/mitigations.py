@@ -55,7 +55,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfpipe import compat
-from tfpipe.plan import schedules
+from tfpipe.plan import schedules, versions
 from tfpipe.rules import prediction
 
 __all__ = ["StageRule", "stage_delays", "delay_momentum", "lr_factor", "blend_factor",
@@ -68,7 +68,7 @@ DEFAULT_DISCREPANCY_DECAY = 0.9
 
 def stage_delays(schedule):
   """D_k per stage: the largest `exact` version difference of a forward of stage k."""
-  diffs = schedules.exact_version_differences(schedule)
+  diffs = versions.exact_version_differences(schedule)
   return [max([s for t, s in d.items() if t.kind == "F"], default=0) for d in diffs]
 
 

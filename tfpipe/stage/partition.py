@@ -18,6 +18,7 @@ import collections
 import math
 
 import keras
+import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import balance, names
@@ -85,6 +86,16 @@ def _held(stages):
   return [(variables[key], tuple(p)) for key, p in places.items() if len(p) > 1]
 
 
+def _read_by(node):
+  """The weights call `node` reads (`compat.variables_read`); all of its layer's where its call
+  cannot be traced apart from the model (then its weights count as shared, as before any
+  weight was told apart: trained as one on the synchronous schedules)."""
+  try:
+    return compat.variables_read(node)
+  except (TypeError, ValueError, NotImplementedError, tf.errors.OpError):
+    return list(node.operation.weights)
+
+
 def _readers(stages, stage_nodes):
   """Per weight several stages hold: (the places that read it, all its places). A stage
   reads a weight when one of its call nodes of a layer holding it does (one trace of that
@@ -100,7 +111,7 @@ def _readers(stages, stage_nodes):
       for node in stage_nodes[k]:
         if any(w is v for w in node.operation.weights):
           if id(node) not in reads:
-            reads[id(node)] = {id(w) for w in compat.variables_read(node)}
+            reads[id(node)] = {id(w) for w in _read_by(node)}
           if id(v) in reads[id(node)]:
             readers.append((k, j))
             break
