@@ -83,9 +83,13 @@ class StageState:
       n = len(program.trainable)
       references = [(keys[id(src)], own) for src, own in pairs[:n]]
       idle = {references[j][0] for j in program.unread}
-      put = lambda table, key, variable, weight: (
-          unread.append((table, key, variable)) if weight in idle
-          else self._put(table, key, variable))
+
+      def put(table, key, variable, weight, idle=idle):
+        if weight in idle:
+          unread.append((table, key, variable))
+        else:
+          self._put(table, key, variable)
+
       for src, own in pairs:
         put(self.weights, keys[id(src)], own, keys[id(src)])
       slots, counters = slot_keys(program.optimizer, references)
