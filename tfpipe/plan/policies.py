@@ -37,17 +37,15 @@ __all__ = ["WeightPolicy", "policy_for", "micro_batches_for", "version_differenc
 class MethodRecord(NamedTuple):
   """A pipeline method, named once (`METHODS`): its schedule (a name of
   `tfpipe.plan.schedules.SCHEDULES`, which says how it is built), the weights its forward and
-  backward read, and what it takes. `synchronous`: no stale weight (equal to training on whole
-  mini-batches). `micro_batches`: its default M, 0 where it takes no micro-batches.
-  `virtual_stages`: its default V (stages per device), None where it runs one per device.
-  `lockstep`: it may close every step with a barrier (the DDG paper's run)."""
+  backward read. `synchronous`: no stale weight (equal to training on whole mini-batches).
+  `micro_batches`: its default M (whether it takes micro-batches at all is its schedule's).
+  `virtual_stages`: its default V (stages per device), None where it runs one per device."""
   schedule: str
   forward: str = "current"
   backward: str = "forward"
   synchronous: bool = False
-  micro_batches: int = 0
+  micro_batches: int = 1
   virtual_stages: Optional[int] = None
-  lockstep: bool = False
 
 
 # SpecTrain's backward depends on `spectrain_backward` ("reuse": "forward"); 2BW's default M is
@@ -60,23 +58,25 @@ METHODS: Dict[str, MethodRecord] = {
                                 virtual_stages=2),
     "zb": MethodRecord("zb_h1", synchronous=True, micro_batches=4),
     "zbv": MethodRecord("zb_v", synchronous=True, micro_batches=4, virtual_stages=2),
-    "vanilla": MethodRecord("1f1b", backward="current", micro_batches=1),
-    "pipedream": MethodRecord("1f1b", micro_batches=1),
-    "spectrain": MethodRecord("1f1b", forward="predicted", micro_batches=1),
-    "ddg": MethodRecord("ddg", lockstep=True),
-    "feature_replay": MethodRecord("ddg", backward="current", lockstep=True),
+    "vanilla": MethodRecord("1f1b", backward="current"),
+    "pipedream": MethodRecord("1f1b"),
+    "spectrain": MethodRecord("1f1b", forward="predicted"),
+    "ddg": MethodRecord("ddg"),
+    "feature_replay": MethodRecord("ddg", backward="current"),
     "timeprest": MethodRecord("timeprest", backward="current", micro_batches=4),
-    "pipemare": MethodRecord("1f1b", backward="corrected", micro_batches=1),
+    "pipemare": MethodRecord("1f1b", backward="corrected"),
     "i_timeprest": MethodRecord("timeprest", backward="blend", micro_batches=4),
-    "2bw": MethodRecord("1f1b", forward="delayed", micro_batches=1),
+    "2bw": MethodRecord("1f1b", forward="delayed"),
 }
 PIPELINE_METHODS = tuple(METHODS)
 # The methods with no stale weight: each equals training on whole mini-batches.
 SYNCHRONOUS_METHODS = tuple(m for m, r in METHODS.items() if r.synchronous)
-MICRO_BATCH_METHODS = tuple(m for m, r in METHODS.items() if r.micro_batches)
+MICRO_BATCH_METHODS = tuple(m for m, r in METHODS.items()
+                            if schedules.kind_of(r.schedule).micro_batches != "never")
 DEFAULT_MICRO_BATCHES = {m: r.micro_batches for m, r in METHODS.items() if r.micro_batches > 1}
 VIRTUAL_STAGE_METHODS = {m: r.virtual_stages for m, r in METHODS.items() if r.virtual_stages}
-LOCKSTEP_METHODS = tuple(m for m, r in METHODS.items() if r.lockstep)
+# The methods whose schedule has a variant with a barrier closing every step (the DDG paper's).
+LOCKSTEP_METHODS = tuple(m for m, r in METHODS.items() if schedules.kind_of(r.schedule).lockstep)
 # Each micro-batch is a task of every stage, planned and verified per mini-batch: past this
 # the plan alone takes seconds (M=4000: 2.6 s per verify) while the bubble, (K-1)/(M+K-1), is
 # already below 1% for K <= 11.
@@ -148,8 +148,9 @@ def policy_for(method: str, spectrain_backward: str = "reuse", recompute: Option
   if method == "spectrain" and spectrain_backward == "repredict":
     backward = "predicted"
   policy = WeightPolicy(method, record.schedule, record.forward, backward)
-  if lockstep:
-    policy = dataclasses.replace(policy, schedule="ddg_lockstep")
+  if lockstep:   # a method of LOCKSTEP_METHODS: its schedule has the variant
+    variant = schedules.kind_of(policy.schedule).lockstep
+    policy = dataclasses.replace(policy, schedule=variant or policy.schedule)
   if virtual_stages is not None and method not in VIRTUAL_STAGE_METHODS:
     raise ValueError(f"method {method!r} runs one stage per device; virtual stages work with "
                      f"{', '.join(VIRTUAL_STAGE_METHODS)}. Received: "
@@ -252,6 +253,6 @@ def build_schedule(policy: WeightPolicy, K: int, N: int, M: int = 1,
     return schedules.build(policy.schedule, K, N, M, policy.virtual_stages)
   if policy.method not in SYNCHRONOUS_METHODS:
     raise ValueError(f"joint updates need a synchronous schedule; {policy.method!r} is not one")
-  name = "gpipe" if policy.schedule == "sequential" else policy.schedule
+  name = schedules.kind_of(policy.schedule).joint_as or policy.schedule
   return schedules.jointly_updated(schedules.build(name, K, N, M, policy.virtual_stages))
 

@@ -478,17 +478,21 @@ class ScheduleKind(NamedTuple):
   gradient) and W (the weights'). `virtual_stages`: the V it runs, None for any V that
   divides the stages. `placement`: "round_robin" (device d holds stages d, d + K, ...) or "v"
   (device d holds d and 2K-1-d). `replicable`: data parallelism may split its batches (not
-  where the last stage joins several forwards in one step)."""
+  where the last stage joins several forwards in one step). `lockstep`: the schedule of the
+  same tasks with a barrier closing every step, if it has one. `joint_as`: the schedule built
+  for joint updates (`jointly_updated`), if not itself."""
   build: Callable[[int, int, int, int], Lists]
   micro_batches: str = "never"
   split_backward: bool = False
   virtual_stages: Optional[int] = 1
   placement: str = "round_robin"
   replicable: bool = True
+  lockstep: Optional[str] = None
+  joint_as: Optional[str] = None
 
 
 SCHEDULES: Dict[str, ScheduleKind] = {
-    "sequential": ScheduleKind(lambda S, N, M, V: sequential(S, N)),
+    "sequential": ScheduleKind(lambda S, N, M, V: sequential(S, N), joint_as="gpipe"),
     "1f1b": ScheduleKind(lambda S, N, M, V: one_f_one_b(S, N, M), "optional"),
     "gpipe": ScheduleKind(lambda S, N, M, V: gpipe(S, N, M), "always"),
     "1f1b_flush": ScheduleKind(lambda S, N, M, V: one_f_one_b_flush(S, N, M), "always"),
@@ -497,7 +501,7 @@ SCHEDULES: Dict[str, ScheduleKind] = {
                           split_backward=True),
     "zb_v": ScheduleKind(lambda S, N, M, V: zero_bubble_v(S, N, M), "always",
                          split_backward=True, virtual_stages=2, placement="v"),
-    "ddg": ScheduleKind(lambda S, N, M, V: ddg(S, N)),
+    "ddg": ScheduleKind(lambda S, N, M, V: ddg(S, N), lockstep="ddg_lockstep"),
     "ddg_lockstep": ScheduleKind(lambda S, N, M, V: ddg_lockstep(S, N)),
     "timeprest": ScheduleKind(lambda S, N, M, V: timeprest(S, N, M), "always",
                               replicable=False),

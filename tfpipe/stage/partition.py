@@ -98,16 +98,13 @@ def _read_by(node):
 
 def _readers(stages, stage_nodes):
   """Per weight several stages hold: (the places that read it, all its places). A stage
-  reads a weight when one of its call nodes of a layer holding it does (one trace of that
-  call, `compat.variables_read`); without `stage_nodes`, every place reads."""
+  reads a weight when one of its call nodes (`stage_nodes[k]`) of a layer holding it does
+  (one trace of that call, `_read_by`)."""
   reads = {}
   out = []
   for v, places in _held(stages):
     readers = []
     for k, j in places:
-      if stage_nodes is None:
-        readers.append((k, j))
-        continue
       for node in stage_nodes[k]:
         if any(w is v for w in node.operation.weights):
           if id(node) not in reads:
@@ -119,12 +116,12 @@ def _readers(stages, stage_nodes):
   return out
 
 
-def shared_weights(stages, stage_nodes=None):
+def shared_weights(stages, stage_nodes):
   """(shared, unread). `shared`: per trainable weight that several stages read, [(stage, index
   in its trainable variables), ...], in stage order. `unread`: per stage, the indices of the
   trainable weights it holds but does not read while another stage reads them.
   `stage_nodes`: each stage's call nodes (of the model cut), to tell a weight a stage reads
-  from one it only holds; without them every weight held counts as read."""
+  from one it only holds."""
   shared, unread = [], [[] for _ in stages]
   for readers, places in _readers(stages, stage_nodes):
     if len(readers) > 1:
