@@ -230,11 +230,10 @@ def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
   assert len(sent) == 2 and all(s > 0 for s in sent)
   if method == "asgd":   # its steps report as they finish: counted per step, not per fit
     assert "over 2 steps of the last epoch" in line, line
-    # A step reads the weights from the parameter server once and sends it the gradients; the
-    # update runs there (measured on a Llama with the update on the worker: the server sent
-    # 1.9x what the worker did).
-    ps, worker = sent
-    assert ps < 1.3 * worker, line
+    # Not asserted: the parameter server's bytes against the worker's. Its steps report as
+    # their results arrive, after the traffic, so the per-step window holds control bytes only
+    # (0.1-0.2 KB a step against 0.07 MB of weights a step over the whole fit); the ratio an
+    # earlier version asserted compared those and failed at random.
   # The busiest link's bytes at 1 Gbit/s as a share of a step.
   busy = re.search(r"the busiest link busy ([\d.e+-]+)% of a step \(its bytes at 1000 Mbit/s",
                    line)
