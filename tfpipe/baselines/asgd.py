@@ -159,8 +159,9 @@ class ASGD:
 
     def train_epoch(cbs):
       # The steps run on whichever worker is free; each step's end is reported as its
-      # result arrives, in the order they were scheduled (progress, and per-step counters
-      # such as `tfpipe.instruments.traffic.LinkTraffic`).
+      # result arrives, in the order they were scheduled (progress). That is after its
+      # traffic, and a fast step's after the next ones': per-step counters (such as
+      # `tfpipe.instruments.traffic.LinkTraffic`) count from the epoch's start instead.
       results = [self.coordinator.schedule(step, args=(per_worker,)) for _ in range(num_batches)]
       values = []
       for b, result in enumerate(results):
@@ -176,7 +177,8 @@ class ASGD:
 
     return epochs_lib.run_epochs(self.model, self._trained, epochs, num_batches, callbacks,
                                  verbose, train_epoch,
-                                 validation_logs if validation_data is not None else None)
+                                 validation_logs if validation_data is not None else None,
+                                 asynchronous_steps=True)
 
   def evaluate(self, x=None, y=None, batch_size=None, steps=None, return_dict=False,
                verbose=0, prefix=""):

@@ -14,15 +14,18 @@ __all__ = ["run_epochs"]
 
 
 def run_epochs(model, trained, epochs, num_batches, callbacks, verbose, train_epoch,
-               extra_logs=None):
+               extra_logs=None, asynchronous_steps=False):
   """Runs `train_epoch(cbs)` -> (per-step losses, samples) `epochs` times; returns History.
 
   `trained`: the model the steps update (its weights go to `model` after
   each epoch); `extra_logs()`: more logs once they are there (validation).
+  `asynchronous_steps`: the steps run on their own and report their ends as their
+  results arrive, after their traffic (the callbacks' `params["asynchronous_steps"]`:
+  a per-step counter then counts from the epoch's start).
   """
   cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                      model=model, verbose=verbose, epochs=epochs,
-                                     steps=num_batches)
+                                     steps=num_batches, asynchronous_steps=asynchronous_steps)
   cbs.on_train_begin()
   logs = {}
   for epoch in range(epochs):

@@ -19,7 +19,8 @@ __all__ = ["LinkTraffic", "describe"]
 class LinkTraffic(keras.callbacks.Callback):
   """Each host's bytes sent and received over `fit` (`totals`), and per step of the last epoch
   (`per_step`: the steady state, between its first and last step's ends, without what `fit`
-  moves at its start and at an epoch's end)."""
+  moves at its start and at an epoch's end; where the steps run asynchronously, from the
+  epoch's start to its last step's end)."""
   reads_weights = False   # it reads no weights: the stages keep theirs until fit's end
 
   def __init__(self, counters, rate=None):
@@ -38,8 +39,17 @@ class LinkTraffic(keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     self.start, self.steps = self._counters(), 0
 
+  @property
+  def asynchronous(self):
+    """Whether the steps run on their own and report their ends as their results arrive
+    (`tfpipe.ASGD`): a step's end then comes after its traffic, and a fast step's after the
+    next ones', so its epoch is counted from its start, over all its steps."""
+    return bool((self.params or {}).get("asynchronous_steps"))
+
   def on_epoch_begin(self, epoch, logs=None):
     self._in_epoch, self._epoch = 0, None
+    if self.asynchronous:
+      self._epoch = (self._counters(), 0, time.monotonic())
 
   def on_train_batch_end(self, batch, logs=None):
     self._in_epoch = max(self._in_epoch, batch + 1)   # windows of steps report their last
@@ -110,6 +120,8 @@ def describe(traffic):
   whole = sum(sent for sent, _ in traffic.totals().values())
   over = (f"over {traffic.epoch_steps} steps of the last epoch" if traffic.steady else
           "over the whole fit: its epochs ran as one window of steps each")
+  if traffic.steady and traffic.asynchronous:
+    over += ", counted from its start: its steps ran asynchronously"
   return (f"bytes on the links per step ({over}), "
           f"MB sent/received: {each}; {total / 1e6:.3g} MB sent in all; the whole fit "
           f"({traffic.steps} steps, the weights moved at its start and end included): "
