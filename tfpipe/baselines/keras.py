@@ -6,7 +6,6 @@ import keras
 import tensorflow as tf
 
 from tfpipe import devices as devices_lib
-from tfpipe.plan import names
 from tfpipe.stage import keras_step as compile_utils
 
 __all__ = ["Single", "DataParallel"]
