@@ -52,7 +52,6 @@ def measure(workload, spec, hub, steps, per_window):
   chosen and measured."""
   import keras
   import numpy as np
-  import tensorflow as tf
   import tfpipe
   from tfpipe import models
   from tfpipe.cluster import emulation

@@ -85,7 +85,7 @@ def main(argv):
   print(f"Llama {FLAGS.layers} layers x {FLAGS.hidden}, vocabulary {FLAGS.vocabulary}, "
         f"{FLAGS.sequence} tokens x {FLAGS.batch_size} sequences x {FLAGS.batches} batches, "
         f"AdamW + global_clipnorm={FLAGS.clipnorm}, K={FLAGS.stages}, M={FLAGS.micro_batches}")
-  print(f"| precision | trainer | tokens/s | x Keras | final loss |\n|---|---|---|---|---|")
+  print("| precision | trainer | tokens/s | x Keras | final loss |\n|---|---|---|---|---|")
   for precision in FLAGS.precisions:
     keras.mixed_precision.set_global_policy(precision)
     try:

@@ -120,8 +120,8 @@ def main(argv):
   print(f"\nLlama {FLAGS.layers} x {FLAGS.hidden}, batch {FLAGS.batch_size}; fixed {FLAGS.fixed} "
         f"tokens, bucketed {','.join(FLAGS.lengths)}; {len(FLAGS.lengths) * FLAGS.rounds} "
         "batches an epoch")
-  print(f"| runner | stream | windows traced | retracing warnings | first epoch s | "
-        f"second epoch us/token | bucketed / fixed |")
+  print("| runner | stream | windows traced | retracing warnings | first epoch s | "
+        "second epoch us/token | bucketed / fixed |")
   print("|---|---|---|---|---|---|---|")
   for (runner, name), (traces, warned, first, per_token) in rows.items():
     ratio = per_token / rows[(runner, "fixed")][3]

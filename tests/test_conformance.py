@@ -11,7 +11,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfpipe
 from tests import conformance_cases as cc

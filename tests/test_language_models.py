@@ -14,7 +14,6 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests import conformance_cases as cc
 from tests import helpers
 from tests import test_conformance as conformance
 

@@ -1,7 +1,6 @@
 """Integrated batch x model parallelism: the grid trains exactly as one device does."""
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 

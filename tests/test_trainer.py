@@ -5,7 +5,6 @@ import dataclasses
 import io
 import os
 import re
-import signal
 import subprocess
 import sys
 from unittest import mock
@@ -303,7 +302,6 @@ def test_the_grammar_text_is_fixed_and_its_verbs_agree():
 
 @pytest.mark.parametrize("method", ["sequential", "spectrain"])
 def test_trainer_stops_and_resumes_exactly(tmp_path, method):
-  import numpy as np
   base = dict(method=method, snn_width=16, snn_depth=3, batch_size=128, steps=None, verbose=0,
               logdir=None, throughput_window=None, breakdown=False)
   _, whole, _ = main.run(config_lib.TrainConfig(epochs=3, **base))

@@ -12,7 +12,6 @@ first (`tfpipe.cluster.exits`).
 
 import os
 import signal
-import sys
 import threading
 import time
 

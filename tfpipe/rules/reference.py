@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe.plan import pieces, policies, schedules, tasks, verify
+from tfpipe.plan import pieces, policies, tasks, verify
 from tfpipe.rules import advice as advice_lib, mitigations, optimizers
 
 __all__ = ["reference_train"]

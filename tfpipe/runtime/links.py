@@ -16,7 +16,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfpipe.plan import pieces, schedules
+from tfpipe.plan import pieces
 
 __all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Countdown", "Gate", "Links", "spawn",
            "concat", "copy_to"]

@@ -6,7 +6,6 @@ import contextlib
 
 import tensorflow as tf
 
-from tfpipe import compat
 from tfpipe.plan import schedules
 from tfpipe.runtime import calls
 

@@ -176,7 +176,6 @@ def predict(pipeline, batch_size, input_shapes=None):
                        "are built there")
   M = pipeline.micro_batches or 1
   unit = -(-batch_size // M)
-  K = len(pipeline.programs)
   states, versions, accumulating = counts(pipeline)
   ops = task_table.ops(pipeline.policy)
   current = 0 if ops["F"].reads == "predicted" else 1
