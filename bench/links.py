@@ -59,6 +59,8 @@ flags.DEFINE_list("methods", list(METHODS), f"of {', '.join(METHODS)}")
 flags.DEFINE_integer("steps", 8, "mini-batches per epoch (two epochs: the second is timed)")
 flags.DEFINE_integer("asgd_steps", 16, "--steps for asgd: its workers run steps at once, so its "
                      "bytes per step are counted over more of them")
+flags.DEFINE_bool("transfer_share", True, "trace every host over one more epoch (the trainer's "
+                  "--transfer_share): the busiest host's share of time waiting on transfers")
 flags.DEFINE_integer("timeout", 900, "seconds one run may take")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 flags.DEFINE_string("output", "links.md", "the table's file name in --results_dir")
@@ -103,7 +105,7 @@ def run(workload, method, hosts, link):
   argv = [sys.executable, "-m", "trainers.main", *WORKLOADS[workload],
           f"--method={'1f1b' if method in REPLICATED else method}",
           "--epochs=2", f"--steps={FLAGS.asgd_steps if method == 'asgd' else FLAGS.steps}",
-          "--logdir=", "--verbose=2",
+          "--logdir=", "--verbose=2", *(["--transfer_share"] if FLAGS.transfer_share else []),
           *[f for f in cluster_flags(method, hosts, link) if not f.startswith("--method=")]]
   start = time.monotonic()
   result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout, cwd=ROOT)
@@ -126,8 +128,13 @@ def parse(out, batch, rate):
   hosts_sent = [sent for sent, _ in moved]
   samples = float(speed.group(1)) if speed else None
   busy = (max(max(pair) for pair in moved) * 8e6 / rate) / (batch / samples) if samples else None
+  traced = re.search(r"^time on each host.*$", out, re.M)
+  waiting = ([float(w) / 100 for w in re.findall(r"waiting on transfers ([\d.e+-]+)%",
+                                                 traced.group(0).split("):", 1)[-1])]
+             if traced else [])
   return {"samples/s": samples, "busy": busy, "sent": sum(hosts_sent), "max_host": max(hosts_sent),
-          "whole_fit": "over the whole fit" in line.group(0)}
+          "whole_fit": "over the whole fit" in line.group(0),
+          **({"waiting": max(waiting)} if waiting else {})}
 
 
 def main(argv):
@@ -169,7 +176,8 @@ def _cell(r):
   if "error" in r:
     return "error: " + r["error"]
   return (f"{r['samples/s']:.3g} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"] else "")
-          + f", link {100 * r['busy']:.0f}%")
+          + f", link {100 * r['busy']:.0f}%"
+          + (f", waiting {100 * r['waiting']:.2g}%" if "waiting" in r else ""))
 
 
 def write_table(done):
@@ -186,8 +194,8 @@ def write_table(done):
                   and pp.get("samples/s") else "")
         rows.append([link, workload, hosts] + [_cell(got[m]) for m in FLAGS.methods]
                     + [ratio, faster])
-  head = (["link", "workload", "hosts"] + [f"{m}: samples/s, MB sent per step, link busy"
-                                           for m in FLAGS.methods]
+  head = (["link", "workload", "hosts"] + [f"{m}: samples/s, MB sent per step, link busy, "
+                                           "waiting on transfers" for m in FLAGS.methods]
           + ["bytes dataparallel / 1f1b", "samples/s 1f1b / dataparallel"])
   command = "python bench/links.py " + " ".join(
       f"--{name}={','.join(getattr(FLAGS, name))}" for name in ("workloads", "hosts", "links",
@@ -200,7 +208,10 @@ def write_table(done):
            "mini-batch by all hosts together, read from the links' counters, the client's "
            "own link not counted; samples/s of the second epoch; link busy: the busiest host's "
            "busier direction, its bytes per step at the link's rate as a share of the step, "
-           "near 100%: the link bounds the run; read from the counters, not a trace). * the "
+           "near 100%: the link bounds the run; read from the counters; waiting on transfers: "
+           "from a trace of every host's server over one more epoch, the busiest host's share "
+           "of time with a receive or all-reduce pending and nothing to compute, which counts "
+           "a peer still computing too; runs before the trace have none). * the "
            "run's epochs were one window of steps each, so its bytes are the whole fit's per "
            "step: the weights sent out at the start and written back to the client at its end "
            "included")

@@ -220,9 +220,9 @@ def _trainer(*args):
     ("1f1b", "emulated:1,2,1gbit", "started 2 emulated hosts joined by 1gbit links"),
     ("dataparallel", "emulated:2,1,1gbit", "a MultiWorkerMirroredStrategy worker each"),
     ("asgd", "emulated:1,1,1gbit", "started 2 emulated hosts joined by 1gbit links")])
-def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
+def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step_and_time(
     method, cluster, started):
-  result = _trainer(f"--method={method}", f"--cluster={cluster}")
+  result = _trainer(f"--method={method}", f"--cluster={cluster}", "--transfer_share")
   assert result.returncode == 0, result.stderr[-3000:]
   assert started in result.stdout
   line = next(l for l in result.stdout.splitlines() if l.startswith("bytes on the links"))
@@ -244,6 +244,19 @@ def test_the_trainer_runs_on_emulated_hosts_and_gives_each_hosts_bytes_per_step(
   assert busy and 0 < float(busy.group(1)) <= 100, line
   if method == "1f1b":
     assert re.search(r"^1\s+/job:worker/replica:0/task:1/device:CPU:0\s", result.stdout, re.M)
+  # --transfer_share: every host's server traced over one more epoch.
+  traced = next(l for l in result.stdout.splitlines() if l.startswith("time on each host"))
+  shares = re.findall(r"(worker|ps)/\d computing ([\d.e+-]+)%, waiting on transfers "
+                      r"([\d.e+-]+)%, idle ([\d.e+-]+)%", traced)
+  assert len(shares) == 2, traced
+  for _, *parts in shares:
+    assert 98 <= sum(float(p) for p in parts) <= 102, traced   # each rounded to 2 digits
+  assert any(float(computing) > 0 for _, computing, _, _ in shares), traced
+  if method in ("dataparallel", "asgd"):
+    # Each step all-reduces (data parallelism) or reads the weights and sends the gradients
+    # (asgd's worker): a transfer pending on each, or on the worker, is found in the trace.
+    waits = [float(w) for job, _, w, _ in shares if job == "worker"]
+    assert waits and all(w > 0 for w in waits), traced
 
 
 @needs_hosts
@@ -266,6 +279,7 @@ def test_the_trainer_chooses_the_layout_on_emulated_hosts_and_trains_it():
     (("--method=spectrain", "--layout=auto", "--cluster=emulated:1,2,1gbit"),
      "lays out a synchronous schedule"),
     (("--method=1f1b", "--layout=auto"), "chooses among the hosts of a --cluster; none was given"),
+    (("--method=1f1b", "--transfer_share"), "--transfer_share traces the TF servers of emulated"),
     (("--method=1f1b", "--layout=auto", "--cluster=local:2", "--micro_batches=2",
       "--partition=params"), "leave --micro_batches=2, --partition=params unset")])
 def test_the_trainers_emulated_cluster_flag_is_checked_before_any_host_starts(args, message):

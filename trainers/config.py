@@ -60,6 +60,7 @@ class TrainConfig:
   trace_steps: Optional[str] = None
   trace_dir: Optional[str] = None
   breakdown: bool = False
+  transfer_share: bool = False
   throughput_window: Optional[str] = "50,250"
   prediction_error: bool = False
   checkpoint_dir: Optional[str] = None

@@ -19,6 +19,7 @@ RATE_VARIABLE = "TFPIPE_EMULATED_RATE"   # and their rate, bits/s
 
 def counting(tools):
   """In worker 0 of `run_workers`: `tools.traffic` counts the bytes on every worker's link."""
+  import json
   import os
   from tfpipe.cluster import emulation
   from tfpipe.instruments import traffic
@@ -28,6 +29,8 @@ def counting(tools):
     tools.traffic = traffic.LinkTraffic(lambda: {
         ("worker", int(name[1:])): value for name, value in emulation.hub_counters(hub).items()
         if name != "client"}, rate=rate)
+    tools.hosts = {("worker", i): address for i, address in
+                   enumerate(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])}
 
 
 def parse(text):
@@ -72,6 +75,8 @@ def cluster(config, tools):
   with tfpipe.cluster.EmulatedCluster(jobs, link=link) as emulated:
     emulated.enter_client()   # before TensorFlow's remote threads: its sockets are there
     tools.traffic = traffic.LinkTraffic(emulated.counters, rate=links.parse(link).rate)
+    tools.hosts = {(job, task): address for job, addresses in emulated.spec.items()
+                   for task, address in enumerate(addresses)}
     if config.verbose:
       print(f"started {sum(jobs.values())} emulated hosts joined by {link} links: "
             f"{', '.join(a for addresses in emulated.spec.values() for a in addresses)}; "

@@ -139,6 +139,10 @@ def define_flags():
                     "pipelines: print and log each stage's compute / transfer / idle shares "
                     "(the compiled executor reads them from the TensorFlow profiler, which "
                     "slows training while it runs)")
+  flags.DEFINE_bool("transfer_share", False,
+                    "--cluster=emulated:...: after training, one more epoch traced on every host "
+                    "(TensorFlow's profiler, through each server); prints each host's share of "
+                    "time computing and waiting on transfers")
   flags.DEFINE_string("throughput_window", "50,250",
                       "FIRST,LAST: report samples/s between these steps (empty: off)")
   flags.DEFINE_bool("prediction_error", False,

@@ -6,6 +6,7 @@ writes their TensorBoard scalars and plots and returns the text to print.
 """
 
 import os
+import time
 
 __all__ = ["Instruments"]
 
@@ -27,6 +28,26 @@ class Instruments:
     self.pipeline = methods.kind(config.method).pipeline
     self.meter = None
     self.traffic = None   # a tfpipe.instruments.traffic.LinkTraffic on emulated hosts
+    self.hosts = None     # {(job, task): "ip:port"} of the emulated hosts' servers
+    self.transfers = None   # --transfer_share: {(job, task): transfers.Shares} once traced
+    self._began = self._epoch_seconds = self._trace_error = None
+    if config.transfer_share and not (config.cluster or "").startswith(("emulated:",
+                                                                         "tf_config")):
+      raise ValueError("--transfer_share traces the TF servers of emulated hosts: give "
+                       f"--cluster=emulated:R,K,LINK. Received: --cluster={config.cluster}")
+
+  def trace_one_more_epoch(self, fit):
+    """--transfer_share: `fit(callbacks)` trains one more epoch while every host's server is
+    traced over 0.9 of the last epoch's seconds from its start (`self.transfers`). A worker
+    that traces nothing (`hosts` None: not the first of several) trains the epoch alone."""
+    from tfpipe.instruments import transfers
+    if self.hosts is None:
+      fit([])
+      return
+    tracer = transfers.HostTrace(self.hosts, 0.9 * self._epoch_seconds)
+    fit([tracer])
+    self.transfers = tracer.result
+    self._trace_error = tracer.error
 
   @property
   def trace_dir(self):
@@ -48,6 +69,11 @@ class Instruments:
     if self.window is not None:
       self.meter = ThroughputMeter(self.config.batch_size, self.window)
       cbs.append(self.meter)
+    if self.config.transfer_share:   # the last epoch's seconds: how long to trace one more
+      cbs.append(keras.callbacks.LambdaCallback(
+          on_epoch_begin=lambda epoch, logs: setattr(self, "_began", time.monotonic()),
+          on_epoch_end=lambda epoch, logs: setattr(self, "_epoch_seconds",
+                                                   time.monotonic() - self._began)))
     if self.trace_steps is not None and not self.pipeline:  # Keras profiles the baselines
       cbs.append(keras.callbacks.TensorBoard(self.trace_dir, profile_batch=self.trace_steps,
                                              write_graph=False))
@@ -95,4 +121,9 @@ class Instruments:
     if self.traffic is not None and self.traffic.end is not None:
       from tfpipe.instruments import traffic
       lines.append(traffic.describe(self.traffic))
+    if self.transfers is not None:
+      from tfpipe.instruments import transfers
+      lines.append(transfers.describe(self.transfers))
+    elif self._trace_error is not None:
+      lines.append(f"time on each host: not traced ({self._trace_error})")
     return lines

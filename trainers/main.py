@@ -272,6 +272,10 @@ def _train(config, tools, spec=None):
                         [report.ResumeReport(config, saver)] + ([guard] if guard else []) +
                         ([saver] if saver else []),
                         verbose=1 if config.verbose == 1 else 0)
+  if config.transfer_share and not (guard is not None and guard.stopped):
+    tools.trace_one_more_epoch(lambda cbs: trainer.fit(
+        *(train if isinstance(train, tuple) else (train,)), **fit_options, epochs=1,
+        steps_per_epoch=config.steps, callbacks=cbs, verbose=0))
   if guard is not None and guard.stopped:
     epoch, loss = guard.stopped
     kept = getattr(saver, "manager", None)
