@@ -153,3 +153,33 @@ def test_the_public_modules_keep_their_import_paths():
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
   assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _executor_type_tests(tree):
+  """Where a module tests what kind of executor it holds: `isinstance` with an executor class,
+  `hasattr`/`getattr` on a runtime, an executor's name compared."""
+  runtimes = ("Runtime", "CompiledRuntime", "Executor")
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+      args = [ast.unparse(a) for a in node.args[1:2]]
+      if node.func.id == "isinstance" and any(a.split(".")[-1] in runtimes for a in args):
+        yield node.lineno, ast.unparse(node)
+      if node.func.id in ("hasattr", "getattr") and "runtime" in ast.unparse(node.args[0]):
+        yield node.lineno, ast.unparse(node)
+    if isinstance(node, ast.Compare) and "executor" in ast.unparse(node.left) and any(
+        isinstance(c, ast.Constant) and c.value in ("compiled", "threaded")
+        for c in node.comparators):
+      yield node.lineno, ast.unparse(node)
+
+
+def test_no_caller_tests_an_executors_type_it_reads_what_the_executor_declares():
+  # `tfpipe.runtime.base.Executor` declares what callers use (windowed, profiles, window,
+  # inlines, crossing, traced_copies); building the executor a name asks for is the one place
+  # a name is read (stage/assemble.py).
+  found = [f"{path}:{line} {text}" for path, tree in _modules()
+           if "runtime" not in pathlib.Path(path).parts and not str(path).endswith("assemble.py")
+           for line, text in _executor_type_tests(tree)]
+  assert found == []
+  sample = ast.parse("isinstance(pipe.runtime, runtime.CompiledRuntime)\n"
+                     "hasattr(pipe.runtime, 'inlines')\npipe.executor == 'compiled'\n")
+  assert len(list(_executor_type_tests(sample))) == 3   # the check sees each form

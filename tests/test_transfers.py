@@ -37,14 +37,15 @@ def test_a_send_op_is_a_transfer_not_compute():
 
 @pytest.mark.parametrize("events", [
     # A server's handling of a request spans the function it runs: no op.
-    [(("Enqueue", 0.0, 4.0, {"long_name": "EagerService:Enqueue"}))],
+    [(("Enqueue", 0.0, 6.0, {"long_name": "EagerService:Enqueue"}))],
     # An asynchronous kernel that moves nothing (a call, an iterator) is no transfer.
-    pending("IteratorGetNext", 0.0, 4.0, node="it"),
+    pending("IteratorGetNext", 0.0, 6.0, node="it"),
 ])
-def test_what_is_neither_an_op_nor_a_transfer_counts_as_idle(events):
-  traced = transfers.shares(events + [op("MatMul", 4.0, 5.0)])
-  assert math.isclose(traced.compute, 1.0) and traced.waiting == 0.0
-  assert math.isclose(traced.other, 4.0)
+def test_what_is_neither_an_op_nor_a_transfer_counts_as_idle_and_only_ops_span_the_trace(events):
+  traced = transfers.shares(events + [op("MatMul", 1.0, 2.0), op("MatMul", 4.0, 5.0)])
+  assert math.isclose(traced.compute, 2.0) and traced.waiting == 0.0
+  assert math.isclose(traced.seconds, 4.0) and math.isclose(traced.other, 2.0)   # 1 s to 5 s
+  assert transfers.shares(events) == transfers.Shares(0.0, 0.0, 0.0)   # no op: nothing traced
 
 
 def test_a_loops_receives_of_one_node_pair_their_starts_and_callbacks_in_order():
@@ -62,7 +63,7 @@ def test_an_empty_trace_has_no_time_and_a_trace_needs_seconds():
 
 def test_describe_gives_each_hosts_shares():
   line = transfers.describe({("worker", 1): transfers.Shares(2.0, 0.5, 1.0),
-                             ("ps", 0): transfers.Shares(1.0, 0.25, 0.0)})
+                             ("ps", 0): transfers.Shares(1.0, 0.999, 0.001)})
   assert line.startswith("time on each host, traced over 2 s")
-  assert line.index("ps/0 computing 25%") < line.index("worker/1 computing 25%, waiting on "
-                                                        "transfers 50%, idle 25%")
+  assert line.index("ps/0 computing 100%, waiting on transfers 0.1%, idle 0%") < line.index(
+      "worker/1 computing 25%, waiting on transfers 50%, idle 25%")

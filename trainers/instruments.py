@@ -38,13 +38,14 @@ class Instruments:
 
   def trace_one_more_epoch(self, fit):
     """--transfer_share: `fit(callbacks)` trains one more epoch while every host's server is
-    traced over 0.9 of the last epoch's seconds from its start (`self.transfers`). A worker
-    that traces nothing (`hosts` None: not the first of several) trains the epoch alone."""
+    traced over it (`transfers.HostTrace`, for 1.5 times the last epoch's seconds;
+    `self.transfers`). A worker that traces nothing (`hosts` None: not the first of several)
+    trains the epoch alone."""
     from tfpipe.instruments import transfers
     if self.hosts is None:
       fit([])
       return
-    tracer = transfers.HostTrace(self.hosts, 0.9 * self._epoch_seconds)
+    tracer = transfers.HostTrace(self.hosts, 1.5 * self._epoch_seconds)
     fit([tracer])
     self.transfers = tracer.result
     self._trace_error = tracer.error

@@ -257,11 +257,9 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
                                          pipe.options.version_difference)
   else:
     schedule, diffs = policies.epoch(method, pipe.num_stages, num_batches, M)
-  compiled = hasattr(pipe.runtime, "inlines")
   if inline is None:
-    inline = compiled and pipe.runtime.inlines(schedule, diffs, num_batches)
-  crossing = (pipe.runtime.crossing(schedule, diffs, num_batches) if compiled
-              else [0.0] * pipe.num_stages)
+    inline = pipe.runtime.inlines(schedule, diffs, num_batches)
+  crossing = pipe.runtime.crossing(schedule, diffs, num_batches)
   if traced is not None and not quick:
     raise ValueError("`traced` keeps a quick profile's tasks: pass quick=True with it")
   if quick:   # one call's dispatch: taken off each timed call, and what a task call pays

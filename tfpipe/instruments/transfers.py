@@ -26,6 +26,7 @@ import glob
 import os
 import tempfile
 import threading
+import time
 from typing import Dict, Iterable, List, Tuple
 
 import keras
@@ -120,8 +121,10 @@ def shares(events: Iterable[Event]) -> Shares:
           moving.append((first, end))
     elif "long_name" in args and not args["long_name"].startswith(_SERVICE):
       (moving if _is_transfer(_op_type(args)) else compute).append((start, end))
-  busy = _union(compute)
-  wall = max(e[2] for e in events) - min(e[1] for e in events)
+  if not compute and not moving:
+    return Shares(0.0, 0.0, 0.0)
+  busy, spans = _union(compute), compute + moving
+  wall = max(end for _, end in spans) - min(start for start, _ in spans)   # first op to last
   return Shares(wall, _length(busy), _minus(_union(moving), busy))
 
 
@@ -155,12 +158,18 @@ def _name(host) -> str:
   return host if isinstance(host, str) else f"{host[0]}/{host[1]}"
 
 
+def _percent(share: float) -> str:
+  if share < 5e-5:   # round-off of the parts' difference
+    return "0%"
+  return f"{100 * share:.0f}%" if share >= 0.1 else f"{100 * share:.2g}%"
+
+
 def describe(traced: Dict[object, Shares]) -> str:
   """One line: each host's traced seconds and its shares, in percent."""
   hosts = sorted(traced, key=lambda h: (isinstance(h, str), str(h)))
   each = "; ".join(
-      f"{_name(h)} computing {100 * traced[h].share('compute'):.2g}%, waiting on transfers "
-      f"{100 * traced[h].share('waiting'):.2g}%, idle {100 * traced[h].share('other'):.2g}%"
+      f"{_name(h)} computing {_percent(traced[h].share('compute'))}, waiting on transfers "
+      f"{_percent(traced[h].share('waiting'))}, idle {_percent(traced[h].share('other'))}"
       for h in hosts)
   seconds = max((s.seconds for s in traced.values()), default=0.0)
   return (f"time on each host, traced over {seconds:.2g} s of one more epoch (waiting on "
@@ -168,21 +177,23 @@ def describe(traced: Dict[object, Shares]) -> str:
 
 
 class HostTrace(keras.callbacks.Callback):
-  """Traces every host's server (`trace_hosts`) over `seconds` from the start of the first
-  epoch of the `fit` it is given to, while the epoch trains; `result` is then {host: Shares},
-  or None with `error` saying why (a trace that fails never stops training)."""
+  """Traces every host's server (`trace_hosts`) while the first epoch of the `fit` it is given
+  to trains: the epoch waits `lead` seconds for the servers' profilers to start (they take
+  about a second), and the trace lasts `lead + seconds` (the epoch's expected length and some
+  more: only the span from the first op traced to the last is counted). `result` is then
+  {host: Shares}, or None with `error` saying why (a trace that fails never stops training)."""
 
-  def __init__(self, addresses: Dict[object, str], seconds: float):
+  def __init__(self, addresses: Dict[object, str], seconds: float, lead: float = 2.0):
     super().__init__()
     if not seconds > 0:
       raise ValueError(f"a trace needs seconds > 0. Received: {seconds!r}")
-    self.addresses, self.seconds = dict(addresses), seconds
+    self.addresses, self.seconds, self.lead = dict(addresses), seconds, lead
     self.result, self.error = None, None
     self._thread = None
 
   def _trace(self):
     try:
-      self.result = trace_hosts(self.addresses, self.seconds)
+      self.result = trace_hosts(self.addresses, self.lead + self.seconds)
     except Exception as e:  # pylint: disable=broad-except
       self.error = f"{type(e).__name__}: {e}"
 
@@ -190,6 +201,7 @@ class HostTrace(keras.callbacks.Callback):
     if self._thread is None:
       self._thread = threading.Thread(target=self._trace, name="tfpipe-host-trace", daemon=True)
       self._thread.start()
+      time.sleep(self.lead)
 
   def on_train_end(self, logs=None):
     if self._thread is not None:

@@ -14,7 +14,29 @@ class Executor:
 
   `maxsize`: how many items a link between two stages may hold (the
   verifier checks the schedule against `link_capacity`).
+
+  What callers ask of an executor is declared here, so none tests an executor's type:
+  `windowed` (it runs `window` mini-batches per call; `set_window`), `profiles` (it reads
+  its timeline and a run's step trace from TensorFlow's profiler, in this process), and
+  `inlines`, `crossing`, `traced_copies` (how it traces an epoch: what a profile and
+  `method="auto"` price).
   """
+  windowed = False
+  profiles = False
+  window = 1
+
+  def inlines(self, schedule, diffs, num_batches, loops=None):
+    """Whether an epoch of `schedule` traces its tasks' bodies into one graph: never here
+    (each task runs as its stage's call)."""
+    return False
+
+  def crossing(self, schedule, diffs, num_batches):
+    """Per stage, the share of its backwards that recompute their forward: none here."""
+    return [0.0] * self.K
+
+  def traced_copies(self, schedule, diffs, num_batches, loops=None):
+    """Per stage, how many copies of its tasks an epoch traces: one here."""
+    return [1] * self.K
 
   def __init__(self, programs, record=False, maxsize=None):
     self.programs = programs

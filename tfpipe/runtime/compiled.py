@@ -73,6 +73,9 @@ class CompiledRuntime(Executor):
   # With micro-batches (M > 1) at most this many: a mini-batch then holds M times the tasks.
   CALL_WINDOW_MICRO = 2
 
+  windowed = True
+  profiles = True
+
   def __init__(self, programs, window=16, record=False, maxsize=None, inline="auto"):
     super().__init__(programs, record=record, maxsize=maxsize)
     if inline not in ("auto", True, False):

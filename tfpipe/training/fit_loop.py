@@ -120,7 +120,7 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
   readers = not pipe.remote_stages() or any(reads_weights(cb) for cb in cbs.callbacks)
   pipe.model.stop_training = False
   pipe.fit_epochs = (pipe.runtime.epoch + 1, num_batches, initial_epoch)
-  profiled = isinstance(pipe.runtime, runtime.CompiledRuntime)  # the runtime runs the profiler
+  profiled = pipe.runtime.profiles   # the runtime runs the profiler
   tracer = (trace.StepTracer(options.trace_dir, options.trace_steps)
             if options.trace_steps is not None and not profiled else None)
   if tracer:
@@ -142,7 +142,7 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
       start = time.perf_counter()
       stopping = []
       if probe is not None:   # timed by the executor's windows
-        probe.epoch_begins(num_batches, getattr(pipe.runtime, "window", 1))
+        probe.epoch_begins(num_batches, pipe.runtime.window)
       trained, now = 0, (schedule, diffs)   # this epoch's mini-batches so far; its schedule
 
       while True:
@@ -232,7 +232,7 @@ def _finalize_weights(pipe):
 def choose_window(pipe, batch_hooks, aligned=True):
   """The compiled executor's window for this call (see `tfpipe.Pipeline.compile`); `aligned`:
   its training windows end on multiples of it (`tfpipe.runtime.CompiledRuntime`)."""
-  if isinstance(pipe.runtime, runtime.CompiledRuntime):
+  if pipe.runtime.windowed:
     window = pipe.steps_per_execution
     prediction_error = pipe.options.prediction_error
     if window == "auto":
@@ -335,7 +335,7 @@ def breakdown(pipe, steps=None):
     raise RuntimeError("the breakdown reads the recorded timeline: build the Pipeline with "
                        "record=True")
   records = fit_records(pipe)
-  if not records and pipe.executor == "compiled" and pipe.remote_stages():
+  if not records and pipe.runtime.profiles and pipe.remote_stages():
     raise ValueError(
         "no recorded task: the compiled executor reads its timeline from this process's "
         f"profiler, and stages on TF servers ({', '.join(pipe.remote_stages())}) run in other "
