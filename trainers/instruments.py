@@ -11,6 +11,7 @@ import time
 __all__ = ["Instruments"]
 
 class Instruments:
+  TRACE_EPOCHS = 1.5   # --transfer_share traces this many of the last epoch's seconds
 
   def __init__(self, config):
     from tfpipe import methods
@@ -38,14 +39,17 @@ class Instruments:
 
   def trace_one_more_epoch(self, fit):
     """--transfer_share: `fit(callbacks)` trains one more epoch while every host's server is
-    traced over it (`transfers.HostTrace`, for 1.5 times the last epoch's seconds;
+    traced over it (`transfers.HostTrace`, for `TRACE_EPOCHS` times the last epoch's seconds;
     `self.transfers`). A worker that traces nothing (`hosts` None: not the first of several)
-    trains the epoch alone."""
+    trains the epoch, then keeps its server up while the first worker's trace lasts (a server
+    gone before the trace ends fails it)."""
     from tfpipe.instruments import transfers
+    seconds = self.TRACE_EPOCHS * self._epoch_seconds
     if self.hosts is None:
       fit([])
+      time.sleep(transfers.HostTrace.LEAD + seconds)
       return
-    tracer = transfers.HostTrace(self.hosts, 1.5 * self._epoch_seconds)
+    tracer = transfers.HostTrace(self.hosts, seconds)
     fit([tracer])
     self.transfers = tracer.result
     self._trace_error = tracer.error

@@ -183,7 +183,9 @@ class HostTrace(keras.callbacks.Callback):
   more: only the span from the first op traced to the last is counted). `result` is then
   {host: Shares}, or None with `error` saying why (a trace that fails never stops training)."""
 
-  def __init__(self, addresses: Dict[object, str], seconds: float, lead: float = 2.0):
+  LEAD = 2.0
+
+  def __init__(self, addresses: Dict[object, str], seconds: float, lead: float = LEAD):
     super().__init__()
     if not seconds > 0:
       raise ValueError(f"a trace needs seconds > 0. Received: {seconds!r}")
