@@ -33,6 +33,7 @@ __all__ = ["CompileLoss", "CompileMetrics", "MetricsList", "missing", "functiona
            "copy_weight_decay_exclusions", "trainer_overrides", "is_derived", "per_replica",
            "variable_index", "adam_moments", "uses_weight_decay", "update_count",
            "set_update_count", "learning_rate_value", "model_metrics", "profile_trace_events",
+           "profile_events",
            "runtime_started", "num_workers", "drop_reduction_notices"]
 
 # The payload TensorFlow puts on an error that only follows another one (a cancelled receive).
@@ -309,6 +310,36 @@ def profile_trace_events(path):
     raise RuntimeError(f"the profile {path} could not be read: {data[:200]!r}")
   trace = trace_events_pb2.Trace.FromString(data)
   return [(e.name, e.timestamp_ps, e.duration_ps, dict(e.args)) for e in trace.trace_events]
+
+
+def profile_events(path):
+  """Every event of one `.xplane.pb` profile file, read from the profile itself (TensorFlow's
+  trace-viewer converter keeps a sample of a large trace's events: a Llama's stage kept 20 of
+  23,178): [(name, start ps, duration ps, args)] as `profile_trace_events` gives them, an
+  op's args holding its "long_name" ("NAME:TYPE")."""
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+  with open(path, "rb") as f:
+    space = xplane_pb2.XSpace.FromString(f.read())
+  out = []
+  for plane in space.planes:
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+
+    def value(stat):
+      which = stat.WhichOneof("value")
+      got = getattr(stat, which) if which else None
+      return stat_names.get(got, got) if which == "ref_value" else got
+
+    for line in plane.lines:
+      base = line.timestamp_ns * 1000
+      for event in line.events:
+        meta = plane.event_metadata[event.metadata_id]
+        args = {stat_names.get(s.metadata_id, str(s.metadata_id)): value(s)
+                for s in list(meta.stats) + list(event.stats)}
+        if meta.display_name and ":" in meta.name:   # an op: "NAME:TYPE"
+          args["long_name"] = meta.name
+        out.append((meta.display_name or meta.name, base + event.offset_ps, event.duration_ps,
+                    args))
+  return out
 
 
 def runtime_started():

@@ -130,7 +130,7 @@ def shares(events: Iterable[Event]) -> Shares:
 
 def _read(path: str) -> List[Event]:
   return [(name, start * 1e-12, (start + duration) * 1e-12, args)
-          for name, start, duration, args in compat.profile_trace_events(path)]
+          for name, start, duration, args in compat.profile_events(path)]
 
 
 def trace_hosts(addresses: Dict[object, str], seconds: float, logdir=None) -> Dict[object, Shares]:
@@ -185,11 +185,12 @@ class HostTrace(keras.callbacks.Callback):
 
   LEAD = 2.0
 
-  def __init__(self, addresses: Dict[object, str], seconds: float, lead: float = LEAD):
+  def __init__(self, addresses: Dict[object, str], seconds: float, lead=None):
     super().__init__()
     if not seconds > 0:
       raise ValueError(f"a trace needs seconds > 0. Received: {seconds!r}")
-    self.addresses, self.seconds, self.lead = dict(addresses), seconds, lead
+    self.addresses, self.seconds = dict(addresses), seconds
+    self.lead = self.LEAD if lead is None else lead
     self.result, self.error = None, None
     self._thread = None
 
