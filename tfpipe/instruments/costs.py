@@ -393,7 +393,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   # A split backward's halves (zero-bubble B and W): traced into the compiled executor's
   # windows (without XLA) B takes both gradients, from the tape or the residuals, and W
   # applies them (`StageProgram.forward`'s `split`), so B holds the whole backward.
-  whole = compiled and not pipe.jit_compile
+  whole = pipe.runtime.windowed and not pipe.jit_compile
   return simulator.Costs(forward, backward, transfer, update, input_share=1.0 if whole else 0.5,
                          per_task=per_task, cores=cores, ordered=not inline)
 
