@@ -152,8 +152,8 @@ def trace_hosts(addresses: Dict[object, str], seconds: float, logdir=None) -> Di
         raise RuntimeError(f"the profiler of {address} wrote no trace under {folder}")
       out[host] = shares(_read(max(mine, key=os.path.getmtime)))
       if not out[host].seconds:
-        # Seen on a KerasHub Llama's 1f1b stages, about one run in two, whatever the lead
-        # before the epoch (2 or 6 s): the server's profile held no op. Not explained yet.
+        # Seen on a KerasHub Llama's 1f1b stages at 10 Gbit/s in most runs, whatever the
+        # lead before the epoch (2 or 6 s): the servers' profiles held no op. Not explained.
         raise RuntimeError(f"the trace of {address} holds no op: its profiler caught nothing "
                            "of the traced time")
     return out
@@ -183,8 +183,8 @@ def describe(traced: Dict[object, Shares]) -> str:
 
 class HostTrace(keras.callbacks.Callback):
   """Traces every host's server (`trace_hosts`) while the first epoch of the `fit` it is given
-  to trains: the epoch waits `lead` seconds for the servers' profilers to start (they take
-  about a second), and the trace lasts `lead + seconds` (the epoch's expected length and some
+  to trains: the epoch waits `lead` seconds for the servers' profilers to start (started with
+  the epoch, a trace missed it), and the trace lasts `lead + seconds` (the epoch's length and some
   more: only the span from the first op traced to the last is counted). `result` is then
   {host: Shares}, or None with `error` saying why (a trace that fails never stops training)."""
 
