@@ -116,15 +116,18 @@ class CompiledRuntime(Executor):
 
   # Training.
 
-  def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None):
+  def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None,
+                  continuing=False):
     """Runs one epoch of `schedule` over `num_batches` mini-batches from `batches`.
 
     After each window, for every mini-batch b it finished in order:
     `before(b)`, then `on_result(b, loss, logs)`. When `on_result` returns
     True, the batches already started finish (a drain window) and no
     further batch starts. Returns the number of mini-batches trained.
+    `continuing`: the call runs the rest of the last epoch, stopped part way (its records
+    and counts are that epoch's).
     """
-    self._start_epoch(schedule)
+    self._start_epoch(schedule, continuing)
     M = schedules.micro_batches(schedule)
     # Inlined windows (small stages with micro-batches) and calls of small stages run whole
     # windows; other windows of stage calls trace CALL_WINDOW mini-batches at most

@@ -38,7 +38,8 @@ class Runtime(Executor):
     super().__init__(programs, record=record, maxsize=maxsize)
     self.poll = poll
 
-  def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None):
+  def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None,
+                  continuing=False):
     """Runs one epoch of `schedule` (verified) over `num_batches` mini-batches from `batches`.
 
     `diffs[k][task]` is the version difference of each task. In the caller's
@@ -47,8 +48,10 @@ class Runtime(Executor):
     running loss and metrics). When `on_result` returns True, the batches
     already due (at most L-1, `schedules.lead`) drain and no further batch is
     trained (see `links.Gate`). Returns the number of mini-batches trained.
+    `continuing`: the call runs the rest of the last epoch, stopped part way (its records
+    and counts are that epoch's).
     """
-    self._start_epoch(schedule)
+    self._start_epoch(schedule, continuing)
     K = self.K
     links = Links(K, self.poll, self.maxsize, schedules.micro_batches(schedule),
                   lead=schedules.lead(schedule))

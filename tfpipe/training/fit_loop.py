@@ -87,13 +87,14 @@ def epoch_plan(pipe, num_batches):
 
 
 def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_per_epoch,
-          validation, validation_freq, probe=None, on_verdict=None):
+          validation, validation_freq, watch=None):
   """Trains epochs `initial_epoch` .. `epochs`-1 of `pipe`'s method on its executor with the
   hooks of `cbs` (the learning-rate `link` synced around them); returns the History.
-  `probe`: `method="auto"`'s probe training first (`tfpipe.training.auto.Probe`), whose
-  windows are timed; at its verdict `on_verdict(trained, rest, num_batches)` (mini-batches
-  trained in the fit, left in it) may hand the rest to a choice (True where the executor
-  changed): the epoch stops there to profile, and its rest runs on the choice's schedule."""
+  `watch`: `method="auto"`'s probe training first (`tfpipe.training.auto.Chooser.watch`),
+  told each epoch's start and each result; once it is `due`, `watch.hand_over(pipe, trained,
+  rest, num_batches)` (mini-batches trained in the fit, left in it) may hand the rest of the
+  fit to a choice: where the epoch stopped there to profile, its rest runs on the choice's
+  schedule, as the same epoch of the executor."""
   options = pipe.options
   schedule, diffs = epoch_plan(pipe, num_batches)
 
@@ -141,8 +142,8 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
       hook("on_epoch_begin", epoch)
       start = time.perf_counter()
       stopping = []
-      if probe is not None:   # timed by the executor's windows
-        probe.epoch_begins(num_batches, pipe.runtime.window)
+      if watch is not None:   # timed by the executor's windows
+        watch.epoch_begins(num_batches, pipe.runtime.window)
       trained, now = 0, (schedule, diffs)   # this epoch's mini-batches so far; its schedule
 
       while True:
@@ -160,28 +161,29 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
             batch_hook("on_train_batch_end", b, {k: float(v) for k, v in batch_logs.items()})
           if pipe.model.stop_training:
             stopping.append(b)
-          if probe is not None and probe.verdict is None:   # stops here to profile
-            return probe.result(b, (epochs - epoch) * num_batches - b - 1) or bool(stopping)
+          if watch is not None and watch.result(b, (epochs - epoch) * num_batches - b - 1):
+            return True   # stops here to profile
           return bool(stopping)
 
         try:
           trained += pipe.runtime.train_epoch(*now, iterator, num_batches - trained,
-                                              on_result, before)
+                                              on_result, before, continuing=trained > 0)
         except runtime.OutOfData:
           raise ValueError(
               f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
               "`steps_per_epoch` the data can fill, or repeat the dataset") from None
-        if probe is None or probe.verdict is None:
+        if watch is None or not watch.due:
           break
-        verdict, probe = probe.verdict, None
         done = (epoch - initial_epoch) * num_batches + trained
-        if on_verdict(done, (epochs - epoch) * num_batches - trained, num_batches):
+        changed, goes_on = watch.hand_over(pipe, done, (epochs - epoch) * num_batches - trained,
+                                           num_batches)
+        watch = None
+        if changed:
           choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
         schedule, diffs = epoch_plan(pipe, num_batches)
-        if verdict != "profile" or stopping or trained >= num_batches:
+        if not goes_on or stopping or trained >= num_batches:
           break
-        pipe.runtime.epoch -= 1   # the rest of this epoch
-        now = epoch_plan(pipe, num_batches - trained)
+        now = epoch_plan(pipe, num_batches - trained)   # the rest of this epoch
       seconds = time.perf_counter() - start
       logs = _metric_logs(pipe)
       samples = float(pipe.step.loss_tracker.count.numpy())

@@ -9,7 +9,6 @@ the data in `tfpipe.training.fit_data`, the epoch loop in `tfpipe.training.fit_l
 """
 
 import contextlib
-import dataclasses
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import keras
@@ -229,17 +228,9 @@ class Pipeline:
         lr_rescheduling=lr_rescheduling, discrepancy_decay=discrepancy_decay,
         batch_statistics=batch_statistics, virtual_stages=virtual_stages, nesterov=nesterov,
         delay_compensation=delay_compensation, advice=advice)
-    # method="auto": the `auto.Choice`; the user's options; the probe training first
-    self.chosen, self._auto, self._probe = None, None, None
-    self._verbose = 0   # the fit's verbosity (what `_probe_verdict` prints)
-    if method == AUTO:
-      chosen_here = auto_lib.refuse_chosen_options(asked)
-      if chosen_here:
-        raise ValueError(f"method='auto' chooses {', '.join(chosen_here)}: leave "
-                         f"{'it' if len(chosen_here) == 1 else 'them'} unset, or name a method")
-      self._auto = asked
-      asked = dataclasses.replace(asked, **auto_lib.PROBE)
-    self.asked = asked
+    # method="auto": the chooser (`auto.Chooser`), the pipeline built as its probe until then
+    self.auto = auto_lib.Chooser(asked) if method == AUTO else None
+    self.asked = self.auto.probe_options if self.auto is not None else asked
     policy = options_lib.policy_of(self.asked)
     reduction.check(cross_device_ops)
     self.cross_device_ops = cross_device_ops
@@ -312,7 +303,12 @@ class Pipeline:
   @property
   def choosing(self) -> bool:
     """Whether method="auto" has yet to choose (at the first fit)."""
-    return self._auto is not None and self.chosen is None
+    return self.auto is not None and self.auto.choosing
+
+  @property
+  def chosen(self) -> Optional[auto_lib.Choice]:
+    """What method="auto" chose (`tfpipe.training.auto.Choice`), or None."""
+    return self.auto.chosen if self.auto is not None else None
 
   def describe(self) -> str:
     """The summary's first line: the method, stages, devices and options in force."""
@@ -327,7 +323,7 @@ class Pipeline:
     samples/s, its epochs to accuracy relative to synchronous training, its predicted time
     to accuracy against the chosen one's, and why a candidate is out; then the chosen
     pipeline's predicted peak memory per stage (`memory`)."""
-    if self._auto is None:
+    if self.auto is None:
       raise ValueError(f"plan_report() describes method='auto's choice; this pipeline runs "
                        f"method={self.method!r}, which was not chosen")
     if self.chosen is None:
@@ -524,9 +520,9 @@ class Pipeline:
     if validation_split and validation_data is None:
       (x, y, sample_weight), validation_data = data.validation_split(
           x, y, sample_weight, validation_split)
-    if self.choosing:
-      self._choose(x, y, batch_size, steps_per_epoch, sample_weight, class_weight, verbose,
-                   epochs - initial_epoch)
+    if self.auto is not None:
+      self.auto.before_fit(self, x, y, batch_size, steps_per_epoch, sample_weight, class_weight,
+                           verbose, epochs - initial_epoch)
     dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps_per_epoch, shuffle,
                                             seed, sample_weight=sample_weight,
                                             class_weight=class_weight,
@@ -540,7 +536,6 @@ class Pipeline:
           self, validation_data, batch_size, validation_batch_size, validation_steps)
       data_hooks += validation_hooks
     verbose = 1 if verbose == "auto" else verbose
-    self._verbose = verbose
     callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)
                  if isinstance(cb, keras.callbacks.BackupAndRestore) else cb
                  for cb in callbacks or []]
@@ -557,86 +552,10 @@ class Pipeline:
       with link, self._watched():
         history = fit_loop.train(self, dataset, num_batches, cbs, link, epochs,
                                  initial_epoch, steps_per_epoch, validation, validation_freq,
-                                 probe=self._probe, on_verdict=self._probe_verdict)
-    if self._probe is not None:   # no verdict within the fit: the probe kept
-      self._probe_verdict(0, 0, num_batches)
+                                 watch=self.auto and self.auto.watch())
+    if self.auto is not None:
+      self.auto.after_fit(self, num_batches)
     return history
-
-  def _choose(self, x, y, batch_size, steps, sample_weight, class_weight, verbose, epochs):
-    """method="auto": where its probe trains first (`auto.trains_first`), sets up its timing
-    (`auto.Probe`; the fit loop calls `_probe_verdict`); else profiles the first batch,
-    chooses (`tfpipe.training.auto`), and runs the choice on the probe's stage programs
-    where their tasks and updates are the choice's
-    (`assemble.adopt`: every synchronous schedule that keeps 1f1b's table rows, at any M):
-    no second compile, and the accumulators and the update the profile traced (on one
-    stage) are training's; else builds them again, compiled as the user compiled. Measured
-    (`bench/time_to_accuracy.py`'s 12-layer transformer, "counting", K=4, pairs of
-    processes): the first epoch after the profile 4.54-4.87 s compiled again, 4.02-4.19 s
-    on the probe's programs. (Training's windows calling the forwards the profile traced,
-    for a batch of any size, started 0.2 s sooner still but ran their epochs 2-12% slower
-    than forwards traced for the micro-batch: not kept.)"""
-    probe, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
-                                          sample_weight=sample_weight,
-                                          class_weight=class_weight)
-    first = next(iter(probe))
-    features, labels = first[0], first[1]
-    size = int(tf.nest.flatten(features)[0].shape[0])
-    last = fit_data.last_batch(self, x, batch_size, steps)
-    if auto_lib.trains_first(self, size, last):
-      self._probe = auto_lib.Probe(features, labels, size, last)
-      if verbose != 0:
-        M = auto_lib.PROBE["micro_batches"]
-        print(f"method='auto' trains its probe, {auto_lib.PROBE['method']} M={M} (micro-"
-              f"batches of {size // M}), from the first batch and times it; it profiles the "
-              "candidates only where the rest of the fit can pay for it")
-      return
-    self.chosen = auto_lib.choose(self, features, labels, size, num_batches or 16,
-                                  max(epochs, 1))
-    self.asked = auto_lib.asked_for(self._auto, self.chosen.candidate)
-    self.options = options_lib.checked(self.asked, self.model, self.num_stages)
-    options, _, rules = options_lib.resolved(self.options, self.asked, self.model,
-                                             self.inner_optimizer, self.num_stages)
-    if assemble.adopt(self.programs, options.policy, rules):   # the probe's programs kept
-      self.options = options
-      self.runtime = assemble.executor(self, self.programs, self.AUTO_WINDOW)
-    else:
-      self.compile(**self._compile_arguments)
-    if verbose != 0:
-      print(self.chosen.summary())
-
-  def _probe_verdict(self, trained, rest, num_batches=16):
-    """method="auto" training its probe first, once `auto.Probe` has its verdict (`trained`
-    mini-batches into the fit, `rest` left): keeps the probe, or profiles (`auto.choose`, the
-    rest of the fit weighed) and hands the rest to the choice on the probe's stage programs
-    (`assemble.adopt`: the same tasks, so the same updates as Keras's from here on, the
-    optimizers' state kept). Returns whether the executor changed."""
-    probe, before = self._probe, self.runtime
-    self._probe = None
-    if probe.verdict != "profile":
-      self.chosen = auto_lib.kept_probe(probe, max(rest // max(num_batches, 1), 1))
-    else:
-      epochs = max(-(-rest // max(num_batches, 1)), 1)
-      for program in self.programs:   # the weights so far: what the profile puts back
-        program.write_to_model()
-      chosen = auto_lib.choose(self, probe.features, probe.labels, probe.batch_size,
-                               num_batches, epochs, samples=rest * probe.batch_size,
-                               trained=auto_lib.probe_candidate(),
-                               last_batch=probe.last_batch)
-      self.chosen = dataclasses.replace(chosen, after=trained)
-    self.asked = auto_lib.asked_for(self._auto, self.chosen.candidate)
-    options = options_lib.checked(self.asked, self.model, self.num_stages)
-    options, _, rules = options_lib.resolved(options, self.asked, self.model,
-                                             self.inner_optimizer, self.num_stages)
-    if self._verbose != 0:
-      print(self.chosen.summary())
-    if options.policy == self.options.policy and options.micro_batches == self.micro_batches:
-      return False
-    if not assemble.adopt(self.programs, options.policy, rules):
-      raise AssertionError(f"{self.chosen.name} cannot take over the probe's stage programs")
-    self.options = options
-    self.runtime = assemble.executor(self, self.programs, self.AUTO_WINDOW)
-    self.runtime.take_over(before)
-    return True
 
   @contextlib.contextmanager
   def _watched(self):
