@@ -564,9 +564,9 @@ def test_auto_chooses_at_the_first_fit_says_what_and_trains_the_choice(capsys, m
 def test_auto_trains_as_keras_when_it_chooses_a_synchronous_schedule(monkeypatch):
   # The profile's updates (weights, the optimizers' slots and steps) leave nothing behind: the
   # choice trains from the model's weights and fresh optimizers, as Keras does.
-  from tfpipe.training import auto as auto_training
+  from tfpipe.training import auto as auto_training, probe as probe_lib
   monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
-  monkeypatch.setattr(auto_training, "trains_first", lambda *a: False)   # profiles first
+  monkeypatch.setattr(probe_lib, "trains_first", lambda *a: False)   # profiles first
   tfpipe.devices.ensure_logical_cpus(2)
   build = lambda: helpers.sequential_mlp(dtype="float64")
   loss = lambda: keras.losses.SparseCategoricalCrossentropy(dtype="float64")
@@ -607,12 +607,12 @@ def test_auto_trains_on_the_probes_stage_programs_where_its_choice_runs_their_ta
   # The probe's programs (1f1b) run gpipe's and 1f1b's tasks at any M: the choice keeps them
   # (no second compile; the update the profile traced), and trains as Keras from them
   # (`test_auto_trains_as_keras_when_it_chooses_a_synchronous_schedule`).
-  from tfpipe.training import auto as auto_training
+  from tfpipe.training import auto as auto_training, probe as probe_lib
   monkeypatch.setattr(auto_training.epochs_lib, "factor", lambda family, K: {})
   found = auto_training.auto_plan.candidates   # zb's halves are other tasks: left out here
   monkeypatch.setattr(auto_training.auto_plan, "candidates", lambda *a: [
       c for c in found(*a) if c.method != "zb"])
-  monkeypatch.setattr(auto_training, "trains_first", lambda *a: False)   # profiles first
+  monkeypatch.setattr(probe_lib, "trains_first", lambda *a: False)   # profiles first
   tfpipe.devices.ensure_logical_cpus(2)
   pipe = tfpipe.Pipeline(helpers.mlp(width=32), num_stages=2, method="auto")
   pipe.compile(keras.optimizers.SGD(0.1),
@@ -718,8 +718,8 @@ def test_auto_profiles_at_its_probes_verdict_and_hands_the_rest_to_its_choice_as
   # A profile that pays (PROFILE_SHARE forced up) runs where the probe's second window ends,
   # mid-epoch; the choice takes over the rest of that epoch on the probe's stage programs
   # (momentum and the running metrics as they were): the weights and History are Keras's.
-  from tfpipe.training import auto as auto_training
-  monkeypatch.setattr(auto_training, "PROFILE_SHARE", 1e9)
+  from tfpipe.training import auto as auto_training, probe as probe_lib
+  monkeypatch.setattr(probe_lib, "PROFILE_SHARE", 1e9)
   monkeypatch.setattr(auto_training.auto_plan, "candidates", lambda *a: [
       auto.Candidate(m, M, "synchronous") for m, M in offered])
   weighed = []
@@ -750,12 +750,13 @@ def test_auto_profiles_at_its_probes_verdict_and_hands_the_rest_to_its_choice_as
 def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits_rest(
     monkeypatch):
   from tfpipe.training import auto as auto_training
+  from tfpipe.training import probe as probe_lib
   clock = [0.0]
   monkeypatch.setattr(auto_training.time, "perf_counter", lambda: clock[0])
 
   def run(first, later, rest, window=4, handed=None):
     """A probe whose first window takes `first` s and its second `later` s: its verdict."""
-    probe = auto_training.Probe(None, None, 16)
+    probe = probe_lib.Probe(None, None, 16)
     probe.epoch_begins(100, window)
     for b in range(2 * window):
       if b == window - 1:
@@ -776,7 +777,7 @@ def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits
   assert "over 10% of the rest of the fit (~4.9 s" in kept.summary()
   # Windows handed on together (a window's end within a millisecond of the last): one span.
   clock[0] = 0.0
-  probe = auto_training.Probe(None, None, 16)
+  probe = probe_lib.Probe(None, None, 16)
   probe.epoch_begins(100, 2)
   for b, advance in enumerate([0, 1.0, 0, 0, 0, 0.04]):
     clock[0] += advance
@@ -786,15 +787,15 @@ def test_the_probe_profiles_where_its_start_up_costs_at_most_a_share_of_the_fits
 
 def test_auto_trains_first_only_where_the_synchronous_schedules_alone_can_win():
   tfpipe.devices.ensure_logical_cpus(4)
-  from tfpipe.training import auto as auto_training
+  from tfpipe.training import probe as probe_lib
   for optimizer, first in ((keras.optimizers.SGD(0.1, momentum=0.9), True),
                            (keras.optimizers.Adam(1e-3), False)):   # spectrain advised: 0.81
     pipe = tfpipe.Pipeline(helpers.mlp(width=16), num_stages=4, method="auto")
     pipe.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    assert auto_training.trains_first(pipe, 32) == first
+    assert probe_lib.trains_first(pipe, 32) == first
   pipe.compile(keras.optimizers.Adam(1e-3, global_clipnorm=1.0),   # synchronous only
                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  assert auto_training.trains_first(pipe, 32)
-  assert not auto_training.trains_first(pipe, 33)   # the probe's M=2 does not divide it
-  assert not auto_training.trains_first(pipe, 32, last_batch=1)
-  assert auto_training.trains_first(pipe, 32, last_batch=3)
+  assert probe_lib.trains_first(pipe, 32)
+  assert not probe_lib.trains_first(pipe, 33)   # the probe's M=2 does not divide it
+  assert not probe_lib.trains_first(pipe, 32, last_batch=1)
+  assert probe_lib.trains_first(pipe, 32, last_batch=3)

@@ -291,10 +291,11 @@ def test_per_token_llama_same_as_keras_when_auto_chooses_a_synchronous_schedule(
   # mini-batch and puts back what its updates change (embedding rows as slices, momentum, a
   # global-norm decision, the running metrics); gpipe at M=4 takes over the rest on the
   # probe's programs.
-  from tfpipe.training import auto as auto_training
-  monkeypatch.setattr(auto_training, "PROFILE_SHARE", 1e9)
-  monkeypatch.setattr(auto_training.auto_plan, "candidates", lambda *a: [
-      auto_training.auto_plan.Candidate("gpipe", 4, "synchronous")])
+  from tfpipe.plan import auto as auto_plan
+  from tfpipe.training import probe as probe_lib
+  monkeypatch.setattr(probe_lib, "PROFILE_SHARE", 1e9)
+  monkeypatch.setattr(auto_plan, "candidates", lambda *a: [
+      auto_plan.Candidate("gpipe", 4, "synchronous")])
   expected = _keras_lm(data)
   model = hub_lm()
   pipe = tfpipe.Pipeline(model, num_stages=2, method="auto")

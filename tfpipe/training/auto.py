@@ -6,36 +6,24 @@ Until then the pipeline is built as "1f1b" with 2 micro-batches (its stages are 
 for every candidate: each is a method on K stages, one per device), which is what the
 profile times; `choose` measures each candidate micro-batch size once. A choice whose tasks
 are the probe's (the synchronous schedules at any M) then trains on the probe's stage
-programs (`Chooser.before_fit`).
+programs (`tfpipe.training.chooser.Chooser.before_fit`).
 
-`Chooser` is `method="auto"` as one object: it holds the user's options, the probe, the
-choice and the hand-over; `Pipeline` keeps it as `pipe.auto`, and the fit loop sees only a
-`watch` of its batches and a hand-over at a window's end.
-
-Where only the synchronous schedules can win (the epochs table rules out every other
-candidate for this optimizer and K: momentum SGD), the probe, one of them, trains from the
-first batch (`trains_first`): each schedule equals Keras at any M, so the choice can take
-over between two mini-batches without changing what is computed. `Probe` times its first
-two windows (the first holds its start-up); a profile then runs only where the rest of the
-fit can pay for it (`PROFILE_SHARE`), and its choice takes over for the rest of the fit.
+`tfpipe.training.chooser` holds the choice, the probe (`tfpipe.training.probe`) and the
+hand-over as one object.
 """
 
 import dataclasses
 import time
-from typing import Any, List, Optional, Tuple
-
-import tensorflow as tf
+from typing import List, Optional, Tuple
 
 from tfpipe.instruments import costs as costs_lib
 from tfpipe.plan import auto as auto_plan, policies, windows as windows_lib
 from tfpipe.rules import advice, epochs as epochs_lib
 from tfpipe.stage import assemble
-from tfpipe.training import fit_data, options as options_lib
+from tfpipe.training.probe import Probe, probe_candidate
 
-__all__ = ["PROBE", "PROFILE_SHARE", "PROFILE_PER_START", "Chooser", "Choice", "Probe", "choose",
-           "kept_probe", "probe_candidate", "trains_first", "asked_for", "refuse_chosen_options"]
+__all__ = ["Choice", "choose", "kept_probe", "simulated_batches"]
 
-PROBE = {"method": "1f1b", "micro_batches": 2}
 SIMULATED_BATCHES = 32   # micro-batches per stage the simulator plays out per candidate
 # A candidate's start-up: this share of the seconds the profile took to trace and first run
 # each stage's forward and backward, per copy of them the candidate's epoch traces
@@ -45,17 +33,6 @@ SIMULATED_BATCHES = 32   # micro-batches per stage the simulator plays out per c
 # micro-batch more added 0.28 (MLP, K = 4), 0.39 (MLP, K = 8), 0.60-0.65 (transformer,
 # K = 4) and 0.45 (transformer, K = 8) of the profile's per-copy seconds to the first epoch.
 START_SHARE = 0.45
-# A probe training first is profiled only where the profile, predicted at PROFILE_PER_START
-# times the probe's own start-up (the profile traces and first runs each stage's tasks, as
-# the probe's first window did), costs at most PROFILE_SHARE of the rest of the fit at the
-# probe's measured speed. Measured on `bench/time_to_accuracy.py`'s tasks, the profile over
-# the probe's start-up: 0.5-1.0 (MLPs), 0.8-1.1 (the 12-layer transformer), 1.2-1.6 (the
-# CNN): the largest is taken, so a profile runs where it surely costs under a tenth of the
-# rest. There (fits of 3-30 s), on 8 of 10 rows the probe was kept and took 0.71-1.24x the
-# fastest column (the same configuration as its own column moved by up to 25% between
-# timings); where it profiled (the CNN), the profile took 12-13% and chose the probe.
-PROFILE_SHARE = 0.1
-PROFILE_PER_START = 1.5
 
 
 def simulated_batches(K: int, M: int) -> int:
@@ -110,82 +87,6 @@ class Choice:
     return (f"method='auto' chose {self.name}: {chosen.samples_per_second:.0f} samples/s "
             f"and {chosen.start:.1f} s of start-up predicted, {why} (profile "
             f"{self.seconds:.1f} s{after}; plan_report() lists {len(self.rows)} candidates)")
-
-
-def trains_first(pipe, batch_size: int, last_batch: int = 0) -> bool:
-  """Whether `method="auto"` trains its probe from the first batch (`Probe`): every candidate
-  besides the synchronous schedules is out by the epochs table for `pipe`'s optimizer at its
-  K (or by clipping or loss scaling), and the probe's M divides the batch (and a smaller
-  `last_batch`, if any, holds M samples at least)."""
-  M = PROBE["micro_batches"]
-  if batch_size % M or 0 < last_batch < M:
-    return False
-  if pipe.programs[0].updates.joint is not None:
-    return True
-  factors = epochs_lib.factor(advice.family(pipe.inner_optimizer), pipe.num_stages)
-  return all(c.kind == "synchronous" or auto_plan.epochs_out(c, factors)
-             for c in auto_plan.candidates(pipe.num_stages, batch_size, 1, {"advice": True}))
-
-
-class Probe:
-  """The probe training first: its windows (of the executor's window of mini-batches, given
-  at each epoch's start) timed as they end (the first holds its start-up; the mark restarts with each
-  epoch, so validation is not counted; windows handed on together time as one), and at the
-  end of its second the verdict, "profile" where the profile
-  (`PROFILE_PER_START` times the probe's start-up) costs at most `PROFILE_SHARE` of the rest
-  of the fit at the probe's speed, else "keep". `features`, `labels`: the first mini-batch,
-  for the profile; `last_batch`: the fit's smaller last batch (0: none), which a choice's
-  micro-batches must fit in."""
-
-  def __init__(self, features, labels, batch_size: int, last_batch: int = 0):
-    self.features, self.labels, self.last_batch = features, labels, last_batch
-    self.batch_size, self.window = batch_size, 1
-    self.spans: List[Tuple[float, int]] = []   # (seconds, mini-batches) per window ended
-    self.verdict = None
-    self.rest = 0   # mini-batches of the fit left after the verdict
-    self.batch_seconds = self.start = self.profile = 0.0
-    self._mark, self._count, self._num_batches = 0.0, 0, 0
-
-  def epoch_begins(self, num_batches: int, window: int):
-    """An epoch of `num_batches` mini-batches starts, in windows of `window`."""
-    self._mark, self._count, self._num_batches = time.perf_counter(), 0, num_batches
-    self.window = max(1, window)
-
-  def result(self, b: int, rest: int) -> bool:
-    """Mini-batch b of the epoch finished, `rest` left in the fit after it: True where the
-    verdict, just reached, is to profile (stop the epoch here)."""
-    if self.verdict is not None:
-      return False
-    self._count += 1
-    if (b + 1) % self.window and b + 1 < self._num_batches:
-      return False
-    now = time.perf_counter()
-    if self.spans and now - self._mark < 1e-3:   # handed on with the last: one span with it
-      return False
-    self.spans.append((now - self._mark, self._count))
-    self._mark, self._count = now, 0
-    if len(self.spans) < 2:
-      return False
-    (first, n), (second, m) = self.spans[:2]
-    self.batch_seconds = second / m
-    self.start = max(first - n * self.batch_seconds, 0.0)
-    self.profile, self.rest = PROFILE_PER_START * self.start, rest
-    pays = self.profile <= PROFILE_SHARE * rest * self.batch_seconds
-    self.verdict = "profile" if pays else "keep"
-    return pays
-
-  def why_kept(self) -> str:
-    """Why the probe was kept without a profile."""
-    if self.verdict is None:
-      return "the fit ended before the probe had run two windows"
-    return (f"a profile (~{self.profile:.1f} s, from the probe's start-up) would cost over "
-            f"{PROFILE_SHARE:.0%} of the rest of the fit (~{self.rest * self.batch_seconds:.1f} "
-            "s at the probe's speed)")
-
-
-def probe_candidate() -> auto_plan.Candidate:
-  """The probe as a candidate (a synchronous schedule)."""
-  return auto_plan.Candidate(PROBE["method"], PROBE["micro_batches"], "synchronous")
 
 
 def kept_probe(probe: Probe, epochs: int) -> Choice:
@@ -363,158 +264,3 @@ def _executed(pipe, method: str, M: int, num_batches: int) -> Tuple[bool, List[i
     N = num_batches if num_batches <= 3 * W else 2 * W + (num_batches - 1) % W + 1
     schedule, diffs = policies.epoch(method, K, N, M)
   return inline, runtime.traced_copies(schedule, diffs, window, loops=loops)
-
-
-def asked_for(asked, candidate: auto_plan.Candidate):
-  """The `Asked` options that run `candidate` (the user's others kept)."""
-  options = dict(candidate.options)
-  if options.pop("advice", False):
-    return dataclasses.replace(asked, method=candidate.method, micro_batches=None,
-                               advice=True, **options)
-  return dataclasses.replace(asked, method=candidate.method,
-                             micro_batches=candidate.micro_batches, **options)
-
-
-def refuse_chosen_options(asked) -> Tuple[str, ...]:
-  """The options `method="auto"` chooses that the user set (it refuses them)."""
-  return tuple(n for n in ("micro_batches", "virtual_stages", "nesterov", "version_difference")
-               if getattr(asked, n) is not None) + (("advice",) if asked.advice else ())
-
-
-class Chooser:
-  """`method="auto"` as one object: the user's options (`asked`, the method left to it), the
-  probe training first (`probe`), the choice (`chosen`) and its hand-over of the pipeline's
-  options and executor. `Pipeline` builds the probe's pipeline (`probe_options`) and calls
-  `before_fit` at each fit's start and `after_fit` at its end; between them the fit loop
-  times the probe through `watch()` and hands the rest of the fit over at its verdict."""
-
-  def __init__(self, asked: options_lib.Asked):
-    refused = refuse_chosen_options(asked)
-    if refused:
-      raise ValueError(f"method='auto' chooses {', '.join(refused)}: leave "
-                       f"{'it' if len(refused) == 1 else 'them'} unset, or name a method")
-    self.asked = asked
-    self.chosen: Optional[Choice] = None
-    self.probe: Optional[Probe] = None
-    self.verbose: Any = 0   # the fit's verbosity (what a hand-over prints)
-
-  @property
-  def probe_options(self) -> options_lib.Asked:
-    """The options the pipeline is built with until the choice: `PROBE`'s."""
-    return dataclasses.replace(self.asked, **PROBE)
-
-  @property
-  def choosing(self) -> bool:
-    """Whether the choice is yet to be made (at the first fit)."""
-    return self.chosen is None
-
-  def before_fit(self, pipe, x, y, batch_size, steps, sample_weight, class_weight, verbose,
-                 epochs: int) -> None:
-    """At a fit's start, before the first choice: where the probe trains first
-    (`trains_first`) sets up its timing (`Probe`, read by the fit loop through `watch`); else
-    profiles the first batch, chooses, and hands `pipe` over to the choice on the probe's
-    stage programs where their tasks and updates are the choice's (`assemble.adopt`: every
-    synchronous schedule that keeps 1f1b's table rows, at any M): no second compile, and the
-    accumulators and the update the profile traced (on one stage) are training's; else
-    builds them again, compiled as the user compiled. Measured (`bench/time_to_accuracy.py`'s
-    12-layer transformer, "counting", K=4, pairs of processes): the first epoch after the
-    profile 4.54-4.87 s compiled again, 4.02-4.19 s on the probe's programs. (Training's
-    windows calling the forwards the profile traced, for a batch of any size, started 0.2 s
-    sooner still but ran their epochs 2-12% slower than forwards traced for the
-    micro-batch: not kept.)"""
-    self.verbose = verbose
-    if not self.choosing:
-      return
-    probe, num_batches = fit_data.dataset(pipe, x, y, batch_size, steps,
-                                          sample_weight=sample_weight,
-                                          class_weight=class_weight)
-    first = next(iter(probe))
-    features, labels = first[0], first[1]
-    size = int(tf.nest.flatten(features)[0].shape[0])
-    last = fit_data.last_batch(pipe, x, batch_size, steps)
-    if trains_first(pipe, size, last):
-      self.probe = Probe(features, labels, size, last)
-      if verbose != 0:
-        M = PROBE["micro_batches"]
-        print(f"method='auto' trains its probe, {PROBE['method']} M={M} (micro-batches of "
-              f"{size // M}), from the first batch and times it; it profiles the candidates "
-              "only where the rest of the fit can pay for it")
-      return
-    self.chosen = choose(pipe, features, labels, size, num_batches or 16, max(epochs, 1))
-    self._hand_over(pipe)
-    if verbose != 0:
-      print(self.chosen.summary())
-
-  def watch(self) -> Optional["Chooser"]:
-    """What the fit loop times while the probe trains first (None otherwise): its hooks
-    `epoch_begins`, `result`, `due` and `hand_over`."""
-    return self if self.probe is not None else None
-
-  def epoch_begins(self, num_batches: int, window: int) -> None:
-    """An epoch of `num_batches` mini-batches starts, in the executor's windows of `window`."""
-    if self.probe is not None:
-      self.probe.epoch_begins(num_batches, window)
-
-  def result(self, b: int, rest: int) -> bool:
-    """Mini-batch b of the epoch finished, `rest` left in the fit: True where the epoch stops
-    here for the profile (`Probe.result`)."""
-    return (self.probe is not None and self.probe.verdict is None
-            and self.probe.result(b, rest))
-
-  @property
-  def due(self) -> bool:
-    """Whether the probe has its verdict and the hand-over is due."""
-    return self.probe is not None and self.probe.verdict is not None
-
-  def hand_over(self, pipe, trained: int, rest: int, num_batches: int = 16) -> Tuple[bool, bool]:
-    """At the probe's verdict (`trained` mini-batches into the fit, `rest` left): keeps the
-    probe, or profiles (`choose`, the rest of the fit weighed) and hands the rest to the
-    choice on the probe's stage programs (`assemble.adopt`: the same tasks, so the same
-    updates as Keras's from here on, the optimizers' state kept; the new executor continues
-    the old one's counts). Returns (whether the executor changed, whether the epoch goes on
-    from where it stopped for the profile)."""
-    probe = self.probe
-    self.probe = None
-    if probe.verdict != "profile":
-      self.chosen = kept_probe(probe, max(rest // max(num_batches, 1), 1))
-    else:
-      epochs = max(-(-rest // max(num_batches, 1)), 1)
-      for program in pipe.programs:   # the weights so far: what the profile puts back
-        program.write_to_model()
-      chosen = choose(pipe, probe.features, probe.labels, probe.batch_size, num_batches,
-                      epochs, samples=rest * probe.batch_size, trained=probe_candidate(),
-                      last_batch=probe.last_batch)
-      self.chosen = dataclasses.replace(chosen, after=trained)
-    if self.verbose != 0:
-      print(self.chosen.summary())
-    changed = self._hand_over(pipe, before=pipe.runtime)
-    return changed, probe.verdict == "profile"
-
-  def after_fit(self, pipe, num_batches: int) -> None:
-    """At a fit's end: the probe, still training first without a verdict, is kept."""
-    if self.probe is not None:
-      self.hand_over(pipe, 0, 0, num_batches)
-
-  def _hand_over(self, pipe, before=None) -> bool:
-    """`pipe` takes the choice's options; its executor runs them on the probe's stage
-    programs where their tasks are the choice's (`assemble.adopt`), else (before training
-    only) it is compiled again. `before`: the executor that trained so far, whose counts the
-    new one continues (the same policy and M: kept). Returns whether the executor changed."""
-    pipe.asked = asked_for(self.asked, self.chosen.candidate)
-    checked = options_lib.checked(pipe.asked, pipe.model, pipe.num_stages)
-    options, _, rules = options_lib.resolved(checked, pipe.asked, pipe.model,
-                                             pipe.inner_optimizer, pipe.num_stages)
-    if (before is not None and options.policy == pipe.options.policy
-        and options.micro_batches == pipe.micro_batches):
-      return False
-    if assemble.adopt(pipe.programs, options.policy, rules):
-      pipe.options = options
-      pipe.runtime = assemble.executor(pipe, pipe.programs, pipe.AUTO_WINDOW)
-      if before is not None:
-        pipe.runtime.take_over(before)
-      return True
-    if before is not None:
-      raise AssertionError(f"{self.chosen.name} cannot take over the probe's stage programs")
-    pipe.options = checked
-    pipe.recompile()
-    return True

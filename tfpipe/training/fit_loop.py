@@ -90,7 +90,7 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
           validation, validation_freq, watch=None):
   """Trains epochs `initial_epoch` .. `epochs`-1 of `pipe`'s method on its executor with the
   hooks of `cbs` (the learning-rate `link` synced around them); returns the History.
-  `watch`: `method="auto"`'s probe training first (`tfpipe.training.auto.Chooser.watch`),
+  `watch`: `method="auto"`'s probe training first (`tfpipe.training.chooser.Chooser.watch`),
   told each epoch's start and each result; once it is `due`, `watch.hand_over(pipe, trained,
   rest, num_batches)` (mini-batches trained in the fit, left in it) may hand the rest of the
   fit to a choice: where the epoch stopped there to profile, its rest runs on the choice's

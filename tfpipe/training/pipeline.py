@@ -25,7 +25,7 @@ from tfpipe.stage import partition as partition_lib, placement, reduction
 from tfpipe.training import checkpoint as checkpoint_lib, data, fit_data, fit_loop, learning_rate
 from tfpipe.training import memory_budget as memory_budget_lib, restarts
 from tfpipe.training import preprocessing
-from tfpipe.training import auto as auto_lib, options as options_lib, summary as summary_lib
+from tfpipe.training import auto as auto_lib, chooser, options as options_lib, summary as summary_lib
 
 __all__ = ["Pipeline"]
 
@@ -229,7 +229,7 @@ class Pipeline:
         batch_statistics=batch_statistics, virtual_stages=virtual_stages, nesterov=nesterov,
         delay_compensation=delay_compensation, advice=advice)
     # method="auto": the chooser (`auto.Chooser`), the pipeline built as its probe until then
-    self.auto = auto_lib.Chooser(asked) if method == AUTO else None
+    self.auto = chooser.Chooser(asked) if method == AUTO else None
     self.asked = self.auto.probe_options if self.auto is not None else asked
     policy = options_lib.policy_of(self.asked)
     reduction.check(cross_device_ops)
@@ -307,7 +307,7 @@ class Pipeline:
 
   @property
   def chosen(self) -> Optional[auto_lib.Choice]:
-    """What method="auto" chose (`tfpipe.training.auto.Choice`), or None."""
+    """What method="auto" chose (`tfpipe.training.auto.Choice`; `tfpipe.training.chooser`), or None."""
     return self.auto.chosen if self.auto is not None else None
 
   def describe(self) -> str:
