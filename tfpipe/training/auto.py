@@ -104,7 +104,7 @@ def kept_probe(probe: Probe, epochs: int) -> Choice:
 def choose(pipe, features, labels, batch_size: int, num_batches: int,
            epochs: int = 1, samples: Optional[int] = None,
            trained: Optional[auto_plan.Candidate] = None, last_batch: int = 0) -> Choice:
-  """Profiles `pipe` (built as `PROBE`, compiled) on one mini-batch (`features`, `labels`)
+  """Profiles `pipe` (built as the probe, compiled) on one mini-batch (`features`, `labels`)
   at each candidate's micro-batch size and ranks the candidates by predicted time to the
   accuracy `epochs` epochs of `num_batches` mini-batches of synchronous training reach, for
   `pipe`'s optimizer at its K. A way of running the tasks (inlined or as calls) is traced
@@ -116,10 +116,23 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
   only the schedules the probe's stage programs run (`assemble.runs_tasks_of`) whose
   micro-batches fit in the smaller `last_batch` (if any) compete."""
   start = time.perf_counter()
-  K, optimizer = pipe.num_stages, pipe.inner_optimizer
-  spectrain = policies.policy_for("spectrain")
-  advised = advice.micro_batches(spectrain, optimizer, K, None, None,
-                                 bool(advice.batch_norm_layers(pipe.model))) or 1
+  found = _candidates(pipe, batch_size, trained, last_batch)
+  samples = epochs * num_batches * batch_size if samples is None else samples
+  search = _Search(pipe, features, labels, batch_size, num_batches, samples, trained)
+  for M, group in sorted(auto_plan.by_micro_batches(found).items()):
+    search.weigh(M, group)
+  rows = auto_plan.rank(found, {c: search.speeds.get(c, 0.0) for c in found}, search.compute,
+                        search.factors, samples=samples, start=search.starts,
+                        bounded=search.bounded)
+  lines = auto_plan.report_lines(rows, batch_size, num_batches)
+  return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start, epochs)
+
+
+def _candidates(pipe, batch_size: int, trained, last_batch: int) -> List[auto_plan.Candidate]:
+  """The candidates `choose` weighs for `pipe` at `batch_size` (see there)."""
+  K = pipe.num_stages
+  advised = advice.micro_batches(policies.policy_for("spectrain"), pipe.inner_optimizer, K,
+                                 None, None, bool(advice.batch_norm_layers(pipe.model))) or 1
   found = auto_plan.candidates(K, batch_size, advised, {"advice": True})
   if pipe.programs[0].updates.joint is not None:   # clipping or loss scaling: synchronous only
     found = [c for c in found if c.kind == "synchronous"]
@@ -127,87 +140,110 @@ def choose(pipe, features, labels, batch_size: int, num_batches: int,
     found = [c for c in found if c.kind == "synchronous" and assemble.runs_tasks_of(
         pipe.programs, policies.policy_for(c.method))
              and not 0 < last_batch < c.micro_batches]
-  factors = epochs_lib.factor(advice.family(optimizer), K)
-  samples = epochs * num_batches * batch_size if samples is None else samples
-  cores = costs_lib.shared_cores(pipe.devices)
-  speeds, compute, traced, starts = {c: 0.0 for c in found}, {}, {}, {}
-  # The best predicted seconds to accuracy so far, the least seconds a mini-batch can take at
-  # the largest M profiled (a larger M's least, its compute only growing), and the
-  # candidates left out by that bound.
-  best, least, bounded = float("inf"), None, {}
+  return found
 
-  def floors(cands, seconds):
+
+class _Search:
+  """`choose`'s search over micro-batch sizes, smallest first: per candidate its predicted
+  samples/s (`speeds`) and start-up (`starts`), per M the compute a mini-batch took
+  (`compute`), the profile's traces (`traced`), the best predicted seconds to accuracy so
+  far (`best`), the least seconds a mini-batch can take at the largest M profiled (`least`:
+  a larger M's least, its compute only growing), and the candidates left out by that bound
+  (`bounded`, with their least seconds to accuracy)."""
+
+  def __init__(self, pipe, features, labels, batch_size, num_batches, samples, trained):
+    self.pipe, self.features, self.labels = pipe, features, labels
+    self.batch_size, self.num_batches, self.samples = batch_size, num_batches, samples
+    self.trained, self.K = trained, pipe.num_stages
+    self.factors = epochs_lib.factor(advice.family(pipe.inner_optimizer), self.K)
+    self.cores = costs_lib.shared_cores(pipe.devices)
+    self.window = min(num_batches, pipe.runtime.window)
+    self.speeds, self.compute, self.traced, self.starts = {}, {}, {}, {}
+    self.best, self.least, self.bounded = float("inf"), None, {}
+
+  def floors(self, cands, seconds):
     """Each of `cands`' least seconds to accuracy at `seconds` a mini-batch, `NOISE` off."""
-    rate = batch_size / (seconds * (1 - auto_plan.NOISE))
-    return {c: auto_plan.seconds_to_accuracy(c, rate, factors, samples, starts[c])
-            for c in cands}
+    rate = self.batch_size / (seconds * (1 - auto_plan.NOISE))
+    return {c: auto_plan.seconds_to_accuracy(c, rate, self.factors, self.samples,
+                                             self.starts[c]) for c in cands}
 
-  def timed(costs):
+  def timed(self, M, costs) -> bool:
     """Records M's compute per mini-batch from `costs`; whether M is too small."""
-    work = sum(costs.forward) + sum(costs.backward) + costs.update * K
-    compute[M] = min(compute.get(M, work), work)
-    return auto_plan.too_small(compute, M)
+    work = sum(costs.forward) + sum(costs.backward) + costs.update * self.K
+    self.compute[M] = min(self.compute.get(M, work), work)
+    return auto_plan.too_small(self.compute, M)
 
-  for M, group in sorted(auto_plan.by_micro_batches(found).items()):
-    if any(auto_plan.too_small(compute, m) for m in compute):
-      continue   # smaller than micro-batches already too small: not profiled
-    # The executor inlines some candidates' tasks and calls the stage functions for others
-    # (windows too large to inline): a profile for each way, timed as it runs; none for a
-    # candidate the epochs table rules out whatever its speed.
+  def bound(self, cands, seconds) -> bool:
+    """Whether none of `cands` can beat the best at `seconds` a mini-batch (then they are
+    `bounded`)."""
+    floor = self.floors(cands, seconds)
+    if all(s >= self.best for s in floor.values()):
+      self.bounded.update(floor)
+      return True
+    return False
+
+  def weigh(self, M, group) -> None:
+    """Profiles and plays out `group`, the candidates at M micro-batches. The executor
+    inlines some candidates' tasks and calls the stage functions for others (windows too
+    large to inline): a profile for each way, timed as it runs; none for a candidate the
+    epochs table rules out whatever its speed."""
+    if any(auto_plan.too_small(self.compute, m) for m in self.compute):
+      return   # smaller than micro-batches already too small: not profiled
     ways, copies = {}, {}
     for c in group:
-      if not auto_plan.epochs_out(c, factors):
-        inline, copies[c] = _executed(pipe, c.method, M, num_batches)
-        if c == trained:   # its windows are traced: no start-up left
-          copies[c] = [0] * K
+      if not auto_plan.epochs_out(c, self.factors):
+        inline, copies[c] = _executed(self.pipe, c.method, M, self.num_batches)
+        if c == self.trained:   # its windows are traced: no start-up left
+          copies[c] = [0] * self.K
         ways.setdefault(inline, []).append(c)
-        starts[c] = _start(traced, inline, K, copies[c])
-    if least is not None:   # none profiled at M where none can beat the best at its least
-      floor = floors(copies, least)
-      if all(s >= best for s in floor.values()):
-        bounded.update(floor)
-        continue
-    at_m, window = [], min(num_batches, pipe.runtime.window)
+        self.starts[c] = _start(self.traced, inline, self.K, copies[c])
+    # None profiled at M where none can beat the best at its least.
+    if self.least is not None and self.bound(copies, self.least):
+      return
+    at_m = []
     for inline, members in sorted(ways.items()):
-      if auto_plan.too_small(compute, M):
+      if auto_plan.too_small(self.compute, M):
         break
-      if (M not in compute and not _traced_way(traced, inline)
-          and _traced_way(traced, not inline)):
-        # A way not traced yet (its traces: seconds a transformer stage): M's compute first,
-        # timed the other way (traced for any batch size, so no trace), which may show M
-        # too small or unable to win (its compute is the same either way).
-        costs = _profile(pipe, features, labels, M, not inline, members[0].method, window,
-                         traced)
-        if timed(costs):
-          continue
-        at_m.append(_least(costs, cores))
-        floor = floors(members, at_m[-1])
-        if all(s >= best for s in floor.values()):
-          bounded.update(floor)
-          continue
-      costs = _profile(pipe, features, labels, M, inline, members[0].method, window, traced)
-      if M == 1:   # one batch per update: the update runs inside each backward
-        costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
-                                    update=0.0)
-      if timed(costs):
-        continue   # too small to keep a device busy: not played out (up to 0.3 s each)
-      at_m.append(_least(costs, cores))
-      for c in members:   # the schedules that keep least first: a tie goes their way
-        starts[c] = _start(traced, inline, K, copies[c])
-        floor = auto_plan.seconds_to_accuracy(c, batch_size / at_m[-1], factors, samples,
-                                              starts[c])
-        if floor >= best:
-          bounded[c] = floor
-          continue
-        speeds[c] = costs_lib.predict(costs, c.method, batch_size, M,
-                                      num_batches=simulated_batches(K, M))
-        best = min(best, auto_plan.seconds_to_accuracy(c, speeds[c], factors, samples,
-                                                       starts[c]))
-    least = min(at_m) if at_m else least
-  rows = auto_plan.rank(found, speeds, compute, factors, samples=samples, start=starts,
-                        bounded=bounded)
-  lines = auto_plan.report_lines(rows, batch_size, num_batches)
-  return Choice(rows[0].candidate, rows, lines, time.perf_counter() - start, epochs)
+      self._weigh_way(M, inline, members, copies, at_m)
+    self.least = min(at_m) if at_m else self.least
+
+  def _weigh_way(self, M, inline, members, copies, at_m) -> None:
+    """Profiles M's tasks `inline` (or as calls) and plays out `members`, the candidates that
+    run them so, unless M proves too small or none of them can win; appends each profile's
+    least seconds a mini-batch to `at_m`."""
+    if (M not in self.compute and not _traced_way(self.traced, inline)
+        and _traced_way(self.traced, not inline)):
+      # A way not traced yet (its traces: seconds a transformer stage): M's compute first,
+      # timed the other way (traced for any batch size, so no trace), which may show M
+      # too small or unable to win (its compute is the same either way).
+      costs = self._profile(M, not inline, members[0].method)
+      if self.timed(M, costs):
+        return
+      at_m.append(_least(costs, self.cores))
+      if self.bound(members, at_m[-1]):
+        return
+    costs = self._profile(M, inline, members[0].method)
+    if M == 1:   # one batch per update: the update runs inside each backward
+      costs = dataclasses.replace(costs, backward=[b + costs.update for b in costs.backward],
+                                  update=0.0)
+    if self.timed(M, costs):
+      return   # too small to keep a device busy: not played out (up to 0.3 s each)
+    at_m.append(_least(costs, self.cores))
+    for c in members:   # the schedules that keep least first: a tie goes their way
+      self.starts[c] = _start(self.traced, inline, self.K, copies[c])
+      floor = auto_plan.seconds_to_accuracy(c, self.batch_size / at_m[-1], self.factors,
+                                            self.samples, self.starts[c])
+      if floor >= self.best:
+        self.bounded[c] = floor
+        continue
+      self.speeds[c] = costs_lib.predict(costs, c.method, self.batch_size, M,
+                                         num_batches=simulated_batches(self.K, M))
+      self.best = min(self.best, auto_plan.seconds_to_accuracy(
+          c, self.speeds[c], self.factors, self.samples, self.starts[c]))
+
+  def _profile(self, M, inline, method):
+    return _profile(self.pipe, self.features, self.labels, M, inline, method, self.window,
+                    self.traced)
 
 
 def _least(costs, cores) -> float:
