@@ -119,12 +119,12 @@ class Chooser:
     return self.probe is not None and self.probe.verdict is not None
 
   def hand_over(self, pipe, trained: int, rest: int, num_batches: int = 16) -> Tuple[bool, bool]:
-    """At the probe's verdict (`trained` mini-batches into the fit, `rest` left): keeps the
-    probe, or profiles (`tfpipe.training.auto.choose`, the rest of the fit weighed) and hands the rest to the
-    choice on the probe's stage programs (`assemble.adopt`: the same tasks, so the same
-    updates as Keras's from here on, the optimizers' state kept; the new executor continues
-    the old one's counts). Returns (whether the executor changed, whether the epoch goes on
-    from where it stopped for the profile)."""
+    """At the probe's verdict (`trained` mini-batches into the fit, `rest` left): keeps the probe,
+    or profiles (`tfpipe.training.auto.choose`, the rest of the fit weighed) and hands the rest
+    to the choice on the probe's stage programs (`assemble.adopt`: the same tasks, so the same
+    updates as Keras's from here on, the optimizers' state kept; the new executor continues the
+    old one's counts). Returns (whether the executor changed, whether the epoch goes on from
+    where it stopped for the profile)."""
     probe = self.probe
     self.probe = None
     if probe.verdict != "profile":

@@ -86,6 +86,35 @@ def epoch_plan(pipe, num_batches):
                                                 pipe.options.version_difference)
 
 
+class _Hooks:
+  """The fit's callbacks (`cbs`) as the loop calls them: `hook(name, ...)` with the
+  learning-rate `link` synced around it; batch hooks with the link only when a callback
+  besides the progress bar has batch hooks (that eager work in the caller thread slows the
+  stage threads: 7% of a tiny model's throughput, measured), and as floats only if read."""
+
+  def __init__(self, cbs, link):
+    self.cbs, self.link = cbs, link
+    self.batch_readers = [cb for cb in cbs.callbacks if _has_batch_hooks(cb)]
+    self.linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger)
+                      for cb in self.batch_readers)
+
+  def __call__(self, name, *args):
+    self.link.sync()
+    getattr(self.cbs, name)(*args)
+    self.link.push()
+
+  def batch(self, name, *args):
+    if self.linked:
+      self(name, *args)
+    elif self.batch_readers:
+      getattr(self.cbs, name)(*args)
+
+  def choose_window(self, pipe):
+    """The executor's window: window ends fall on multiples of it only where a batch hook
+    reads them."""
+    choose_window(pipe, self.linked or reads_batches(self.cbs, "test"), aligned=self.linked)
+
+
 def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_per_epoch,
           validation, validation_freq, watch=None):
   """Trains epochs `initial_epoch` .. `epochs`-1 of `pipe`'s method on its executor with the
@@ -96,27 +125,8 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
   fit to a choice: where the epoch stopped there to profile, its rest runs on the choice's
   schedule, as the same epoch of the executor."""
   options = pipe.options
-  schedule, diffs = epoch_plan(pipe, num_batches)
-
-  def hook(name, *args):
-    link.sync()
-    getattr(cbs, name)(*args)
-    link.push()
-
-  # Batch hooks: the learning-rate link runs around them only when a callback besides the
-  # progress bar has batch hooks (that eager work in the caller thread slows the stage
-  # threads: 7% of a tiny model's throughput, measured); logs become floats only if read.
-  batch_readers = [cb for cb in cbs.callbacks if _has_batch_hooks(cb)]
-  linked = any(not isinstance(cb, keras.callbacks.ProgbarLogger) for cb in batch_readers)
-  # Window ends fall on multiples of the window only where a batch hook reads them.
-  choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
-
-  def batch_hook(name, *args):
-    if linked:
-      hook(name, *args)
-    elif batch_readers:
-      getattr(cbs, name)(*args)
-
+  hooks = _Hooks(cbs, link)
+  hooks.choose_window(pipe)
   # Stages on TF servers keep their weights until something reads them (or `fit` ends).
   readers = not pipe.remote_stages() or any(reads_weights(cb) for cb in cbs.callbacks)
   pipe.model.stop_training = False
@@ -126,8 +136,9 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
             if options.trace_steps is not None and not profiled else None)
   if tracer:
     tracer.begin(initial_epoch * num_batches)
-  hook("on_train_begin")
+  hooks("on_train_begin")
   logs, iterator = {}, None
+  epoch_loop = _EpochLoop(pipe, hooks, num_batches, epochs, initial_epoch, tracer, watch)
   try:
     iterator = _replay_data(dataset, initial_epoch, steps_per_epoch, num_batches)
     for epoch in range(initial_epoch, epochs):
@@ -139,51 +150,9 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
         first, last = options.trace_steps
         traced = epoch * num_batches <= last and (epoch + 1) * num_batches > first
         pipe.runtime.profile_dir = options.trace_dir if traced else None
-      hook("on_epoch_begin", epoch)
+      hooks("on_epoch_begin", epoch)
       start = time.perf_counter()
-      stopping = []
-      if watch is not None:   # timed by the executor's windows
-        watch.epoch_begins(num_batches, pipe.runtime.window)
-      trained, now = 0, (schedule, diffs)   # this epoch's mini-batches so far; its schedule
-
-      while True:
-        def before(b, offset=trained):
-          if not stopping:
-            batch_hook("on_train_batch_begin", b + offset)
-
-        def on_result(b, loss, batch_logs, epoch=epoch, offset=trained):
-          b += offset
-          if tracer:
-            tracer.on_step_end(epoch * num_batches + b)
-          if stopping:
-            return True   # drained after a stop: trained, no hooks
-          if batch_readers:
-            batch_hook("on_train_batch_end", b, {k: float(v) for k, v in batch_logs.items()})
-          if pipe.model.stop_training:
-            stopping.append(b)
-          if watch is not None and watch.result(b, (epochs - epoch) * num_batches - b - 1):
-            return True   # stops here to profile
-          return bool(stopping)
-
-        try:
-          trained += pipe.runtime.train_epoch(*now, iterator, num_batches - trained,
-                                              on_result, before, continuing=trained > 0)
-        except runtime.OutOfData:
-          raise ValueError(
-              f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
-              "`steps_per_epoch` the data can fill, or repeat the dataset") from None
-        if watch is None or not watch.due:
-          break
-        done = (epoch - initial_epoch) * num_batches + trained
-        changed, goes_on = watch.hand_over(pipe, done, (epochs - epoch) * num_batches - trained,
-                                           num_batches)
-        watch = None
-        if changed:
-          choose_window(pipe, linked or reads_batches(cbs, "test"), aligned=linked)
-        schedule, diffs = epoch_plan(pipe, num_batches)
-        if not goes_on or stopping or trained >= num_batches:
-          break
-        now = epoch_plan(pipe, num_batches - trained)   # the rest of this epoch
+      epoch_loop.run(epoch, iterator)
       seconds = time.perf_counter() - start
       logs = _metric_logs(pipe)
       samples = float(pipe.step.loss_tracker.count.numpy())
@@ -192,7 +161,7 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
         write_to_model(pipe)
       if validation is not None and _should_validate(epoch, validation_freq):
         logs.update(evaluate(pipe, *validation, cbs, prefix="val_"))
-      hook("on_epoch_end", epoch, logs)
+      hooks("on_epoch_end", epoch, logs)
       if pipe.model.stop_training:
         break
   finally:
@@ -204,8 +173,74 @@ def train(pipe, dataset, num_batches, cbs, link, epochs, initial_epoch, steps_pe
   if options.trace_steps is not None:
     trace.write_chrome_trace(os.path.join(options.trace_dir, trace.TRACE_FILE),
                              fit_records(pipe), pipe.devices, num_batches, options.trace_steps)
-  hook("on_train_end", logs)
+  hooks("on_train_end", logs)
   return pipe.model.history
+
+
+class _EpochLoop:
+  """One training epoch at a time on `pipe`'s executor, its batch hooks through `hooks`; a
+  stop asked in a hook (`model.stop_training`) drains the batches already due; `watch` (see
+  `train`) is timed until its hand-over, after which the epoch goes on where it stopped."""
+
+  def __init__(self, pipe, hooks, num_batches, epochs, initial_epoch, tracer, watch):
+    self.pipe, self.hooks, self.num_batches = pipe, hooks, num_batches
+    self.epochs, self.initial_epoch, self.tracer, self.watch = epochs, initial_epoch, tracer, watch
+    self.plan = epoch_plan(pipe, num_batches)
+
+  def run(self, epoch, iterator):
+    """Trains epoch `epoch` from `iterator`."""
+    pipe, num_batches = self.pipe, self.num_batches
+    stopping = []
+    if self.watch is not None:   # timed by the executor's windows
+      self.watch.epoch_begins(num_batches, pipe.runtime.window)
+    trained, now = 0, self.plan   # this epoch's mini-batches so far; its schedule
+    while True:
+      on_result, before = self._results(epoch, trained, stopping)
+      try:
+        trained += pipe.runtime.train_epoch(*now, iterator, num_batches - trained,
+                                            on_result, before, continuing=trained > 0)
+      except runtime.OutOfData:
+        raise ValueError(
+            f"the data ran out before {num_batches} batches in epoch {epoch}; give a "
+            "`steps_per_epoch` the data can fill, or repeat the dataset") from None
+      if self.watch is None or not self.watch.due:
+        return
+      done = (epoch - self.initial_epoch) * num_batches + trained
+      changed, goes_on = self.watch.hand_over(
+          pipe, done, (self.epochs - epoch) * num_batches - trained, num_batches)
+      self.watch = None
+      if changed:
+        self.hooks.choose_window(pipe)
+      self.plan = epoch_plan(pipe, num_batches)
+      if not goes_on or stopping or trained >= num_batches:
+        return
+      now = epoch_plan(pipe, num_batches - trained)   # the rest of this epoch
+
+  def _results(self, epoch, offset, stopping):
+    """The executor's `on_result` and `before` for epoch `epoch`'s mini-batches from
+    `offset`; a stop is appended to `stopping`."""
+    hooks, tracer, watch, pipe = self.hooks, self.tracer, self.watch, self.pipe
+    num_batches = self.num_batches
+
+    def before(b):
+      if not stopping:
+        hooks.batch("on_train_batch_begin", b + offset)
+
+    def on_result(b, loss, batch_logs):
+      b += offset
+      if tracer:
+        tracer.on_step_end(epoch * num_batches + b)
+      if stopping:
+        return True   # drained after a stop: trained, no hooks
+      if hooks.batch_readers:
+        hooks.batch("on_train_batch_end", b, {k: float(v) for k, v in batch_logs.items()})
+      if pipe.model.stop_training:
+        stopping.append(b)
+      if watch is not None and watch.result(b, (self.epochs - epoch) * num_batches - b - 1):
+        return True   # stops here to profile
+      return bool(stopping)
+
+    return on_result, before
 
 
 def _reset_metrics(pipe):

@@ -25,7 +25,8 @@ from tfpipe.stage import partition as partition_lib, placement, reduction
 from tfpipe.training import checkpoint as checkpoint_lib, data, fit_data, fit_loop, learning_rate
 from tfpipe.training import memory_budget as memory_budget_lib, restarts
 from tfpipe.training import preprocessing
-from tfpipe.training import auto as auto_lib, chooser, options as options_lib, summary as summary_lib
+from tfpipe.training import auto as auto_lib, chooser, options as options_lib
+from tfpipe.training import summary as summary_lib
 
 __all__ = ["Pipeline"]
 
@@ -307,7 +308,7 @@ class Pipeline:
 
   @property
   def chosen(self) -> Optional[auto_lib.Choice]:
-    """What method="auto" chose (`tfpipe.training.auto.Choice`; `tfpipe.training.chooser`), or None."""
+    """What method="auto" chose (`tfpipe.training.auto.Choice`), or None."""
     return self.auto.chosen if self.auto is not None else None
 
   def describe(self) -> str:
