@@ -9,13 +9,58 @@ loss and metric containers (`tfpipe.stage.keras_step.KerasStep`).
 import keras
 import tensorflow as tf
 
-from tfpipe import runtime
+from tfpipe import compat, runtime
 from tfpipe.instruments import prediction_error as prediction_error_lib
 from tfpipe.plan import policies, tasks as tasks_lib
 from tfpipe.rules import joint, mitigations
 from tfpipe.stage import keras_step as compile_utils, program as stage, reduction, tracing
 
-__all__ = ["check_compile_arguments", "programs", "runs_tasks_of", "adopt", "executor"]
+__all__ = ["checked_model", "compile_arguments", "check_compile_arguments", "optimizers",
+           "programs", "runs_tasks_of", "adopt", "executor"]
+
+_KERAS_DEFAULTS = {"optimizer": "rmsprop", "loss": None, "loss_weights": None, "metrics": None,
+                   "weighted_metrics": None}
+
+
+def checked_model(model):
+  """`model`, refused where a pipeline cannot train it: not a Keras model, or one that
+  overrides Keras's train step."""
+  if not isinstance(model, keras.Model):
+    raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
+  overrides = compat.trainer_overrides(model)
+  if overrides:
+    raise ValueError(
+        f"{type(model).__name__} overrides {', '.join(overrides)}: a pipeline runs Keras's "
+        "own train step split over its stages, so it cannot run yours. Put the custom "
+        "computation in a loss, a metric or a layer, or train with model.fit")
+  return model
+
+
+def compile_arguments(model, given, model_arguments):
+  """`compile`'s optimizer, loss, loss weights, metrics and weighted metrics from those
+  `given`: Keras's defaults for those left out, or where the model's class has a `compile`
+  of its own (a KerasHub task) its defaults, resolved by it as `model.compile` would (with
+  `model_arguments`, arguments of its own such as a causal LM's `sampler`)."""
+  if compat.overrides_compile(model):   # a KerasHub task: its own defaults
+    return compat.compile_arguments(model, dict(given, **model_arguments))
+  if model_arguments:
+    raise TypeError(f"compile() got unexpected keyword arguments {sorted(model_arguments)} "
+                    f"({type(model).__name__} takes keras.Model.compile's)")
+  return dict(_KERAS_DEFAULTS, **given)
+
+
+def optimizers(model, optimizer, auto_scale_loss, method):
+  """(the optimizer `model.optimizer` is during fit, the one without loss scaling, the loss
+  scaling (`tfpipe.rules.joint.loss_scaling`) or None) for `compile`'s `optimizer`; loss
+  scaling and global clipping refused by name for an asynchronous `method`. As Keras's
+  compile, a mixed_float16 model's optimizer is wrapped in a LossScaleOptimizer."""
+  optimizer = compile_utils.resolve_optimizer(optimizer)
+  scaling = joint.loss_scaling(model, optimizer, auto_scale_loss)
+  inner = scaling[0] if scaling else optimizer
+  joint.check(inner, scaling, method, policies.SYNCHRONOUS_METHODS)
+  if scaling and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+  return optimizer, inner, scaling
 
 
 def check_compile_arguments(model, loss_weights, run_eagerly, steps_per_execution, jit_compile,

@@ -174,6 +174,10 @@ def predict(pipeline, batch_size, input_shapes=None):
   if not getattr(pipeline, "programs", None):
     raise RuntimeError("compile the pipeline first: its optimizer's slots and accumulators "
                        "are built there")
+  if batch_size is None:
+    raise ValueError("memory() needs a batch size: pass batch_size=, or fit first")
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"`batch_size` must be an integer >= 1. Received: {batch_size!r}")
   M = pipeline.micro_batches or 1
   unit = -(-batch_size // M)
   states, versions, accumulating = counts(pipeline)

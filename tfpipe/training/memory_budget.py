@@ -14,7 +14,7 @@ import re
 from tfpipe.plan import balance, policies, tasks as task_table
 from tfpipe.stage import footprint, partition as partition_lib
 
-__all__ = ["parse", "plan", "check", "size", "over"]
+__all__ = ["parse", "plan", "check", "recut", "size", "over"]
 
 _UNITS = {"": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
 
@@ -121,3 +121,23 @@ def check(pipe, batch_size, input_shapes):
                      f"({_parts(rows[k])}) at batch {batch_size}, the closest the layers' "
                      "shares allowed; use more devices, a smaller batch or more "
                      "micro-batches")
+
+
+def recut(pipe, kept, verbose=0):
+  """Before a fit trains: where `plan` moves `pipe`'s cuts (`kept`: why they may not move,
+  or None), cuts `pipe` there and compiles it again, checks the new stages' prediction, and
+  says so in a line unless `verbose` is 0."""
+  cuts = plan(pipe, pipe.batch_size, pipe.input_shapes, kept)
+  if cuts is None:
+    return
+  before = list(pipe.partition.cuts)
+  pipe.partition = partition_lib.from_cuts(
+      partition_lib.cuttable(pipe.model, pipe.num_stages), cuts, pipe.partition.costs)
+  partition_lib.check_shared(pipe.model, pipe.partition, pipe.method,
+                             policies.SYNCHRONOUS_METHODS)
+  pipe.recompile()
+  check(pipe, pipe.batch_size, pipe.input_shapes)
+  if verbose != 0:
+    peaks = ", ".join(size(row["total"]) for row in pipe.memory())
+    print(f"memory_budget={size(pipe.memory_budget)}: cut at {list(cuts)} (was {before}); "
+          f"predicted peaks per stage {peaks}")

@@ -5,28 +5,23 @@ its own optimizer (built from the user's config) on its device, and
 `fit`/`evaluate`/`predict` run the schedule of the chosen method. After
 `fit` the trained weights are in the user's model. This module is the face:
 the options live in `tfpipe.training.options`, `compile`'s work in `tfpipe.stage.assemble`,
-the data in `tfpipe.training.fit_data`, the epoch loop in `tfpipe.training.fit_loop`.
+the data in `tfpipe.training.fit_data`, a fit's set-up in `tfpipe.training.fitting`, the
+epoch loop in `tfpipe.training.fit_loop`, `method="auto"` in `tfpipe.training.chooser`.
 """
 
-import contextlib
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
 
-from tfpipe import compat
-from tfpipe.cluster import servers as cluster
 from tfpipe.instruments import prediction_error as prediction_error_lib
 from tfpipe.plan import policies
 from tfpipe.plan.auto import AUTO
-from tfpipe.rules import joint
 from tfpipe.stage import assemble, footprint, keras_step as compile_utils, layer_profile
 from tfpipe.stage import partition as partition_lib, placement, reduction
-from tfpipe.training import checkpoint as checkpoint_lib, data, fit_data, fit_loop, learning_rate
-from tfpipe.training import memory_budget as memory_budget_lib, restarts
-from tfpipe.training import preprocessing
-from tfpipe.training import auto as auto_lib, chooser, options as options_lib
-from tfpipe.training import summary as summary_lib
+from tfpipe.training import auto as auto_lib, chooser, fit_loop, fitting
+from tfpipe.training import memory_budget as memory_budget_lib, options as options_lib
+from tfpipe.training import restarts, summary as summary_lib
 
 __all__ = ["Pipeline"]
 
@@ -37,157 +32,118 @@ _UNSET = object()   # a `compile` argument left out
 class Pipeline:
   """A Keras model trained with pipelined model parallelism.
 
-  AUTO_WINDOW: mini-batches per compiled window when `steps_per_execution` is
-  "auto" and nothing reads every batch; AUTO_REMOTE_WINDOW when a stage is on
-  a TF server, where each window call pays remote calls (measured, tiny
-  model on 2 servers: 1.52 ms per mini-batch with 16 per window, 1.26 with 64).
+  AUTO_WINDOW: mini-batches per compiled window when `steps_per_execution` is "auto" and
+  nothing reads every batch; AUTO_REMOTE_WINDOW when a stage is on a TF server, where each
+  window call pays remote calls.
 
   Args:
     model: a built Sequential or functional Keras model.
-    devices: one device string per stage (local or remote); or None with
-      `num_stages` to take the first K local GPUs (else logical CPUs).
+    devices: one device string per stage (local or remote); or None with `num_stages` to take the
+      first K local GPUs (else logical CPUs).
     num_stages: K, when `devices` is None.
-    stage_replicas: {stage: R} (or ["0:2"]): hybrid parallelism. Stage k runs
-      data parallel on R devices (the next R of `devices`): each call splits
-      its batch over them, the weights are shared and the gradients summed,
-      as the SpecTrain paper does for VGG16's slow first stage. Works with
-      every method; the weight rule is unchanged.
-    cross_device_ops: how a replicated stage (data_parallel, stage_replicas)
-      sums its replicas' gradients: "ring" (each replica keeps its own copy
-      of the stage's weights and optimizer state; a ring all-reduce sums the
-      gradients, 2 (R-1)/R of them sent per replica; synchronous schedules),
-      a tf.distribute.CrossDeviceOps, or one of "reduce_to_one_device",
-      "hierarchical_copy", "nccl". None: "ring" where a synchronous stage's
-      replicas are on different hosts (TF server tasks) and hold no weight tied
-      to another stage's, else MirroredStrategy's choice (NCCL on local GPUs,
-      else a reduction to the variables' device).
-    virtual_stages: V for "interleaved" (default 2; "zbv": 2 only): the
-      model is cut into V x K stages (interleaved: stage s on device s mod K,
-      micro_batches a multiple of K); `num_stages` and `devices` count devices.
-    data_parallel: R, replicas of the whole pipeline (data parallel x
-      pipeline, as Megatron and DeepSpeed run them) on R x K devices, given
-      replica by replica: each replica takes 1/R of every (micro-)batch, its
-      activations and gradients flow between its own stages, and each stage's
-      gradients are summed over its replicas by `cross_device_ops` before the
-      stage's one update (with "ring", the default across hosts, each replica
-      updates its own copy; otherwise the variables live on replica 0's device,
-      which sends the weights to the others). Equals the method at the global
-      batch; not with stage_replicas, nor with "timeprest" and
-      "i_timeprest" (a step that joins several forwards).
-    method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b"
-      (1F1B with a flush: GPipe's result and bubble, at most K-k micro-batches
-      kept at stage k), "interleaved" (interleaved 1F1B: `virtual_stages` V
-      model chunks per device, K x V stages, the bubble V times smaller),
-      "zbv" (zero-bubble ZB-V: two stages per device in a V, device d
-      holding stages d and 2K-1-d, backwards split as "zb"'s), "zb" (zero-bubble ZB-H1: backwards
-      split into input
-      and weight halves, the weight halves filling the bubble), "vanilla", "pipedream", "spectrain",
-      "ddg", "feature_replay",
-      "timeprest" (docs/methods.md), "pipemare" (vanilla's schedule, the
-      backward on weights corrected back to the forward's, PipeMare) or
-      "i_timeprest" (TiMePReSt's schedule, the backward on a blend of the
-      forward's and the current weights); see `tfpipe.rules.mitigations`.
-      "auto": chosen at the first `fit` for this model, these devices, the batch
-      size and the optimizer, by the least predicted time to accuracy
-      (`tfpipe.plan.auto`) over that fit's epochs: a profile of the first batch
-      gives each candidate's speed (the simulator) and start-up (the graphs it
-      traces), `tfpipe.rules.epochs` the extra epochs an
-      asynchronous method was measured to need; `fit` prints the choice in a
-      line, `plan_report()` lists the candidates. Where only the synchronous
-      schedules can win (momentum SGD), its probe (1f1b, M=2) trains from the
-      first batch and the profile runs where the probe's second window ends,
-      only if it costs at most a tenth of the rest of the fit; its choice
-      takes over from there (each schedule equals Keras at any M). It
-      chooses `micro_batches`, `virtual_stages`, `nesterov`,
-      `version_difference` and `advice`, so those must be left unset.
-      "spectrain" predicts with the step of the optimizer it is compiled
-      with (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW).
-    partition: "uniform", "params", "profile", explicit cut positions
-      [0, ..., number of layers] (the layer calls in the order the model runs
-      them; a mask Keras adds is not counted), or the names of the layers that start stages
-      1..K-1 (layers of a nested backbone count; see `tfpipe.stage.partition.partition`).
-      A nested functional model (a KerasHub task's backbone) is cut through; a
-      layer called on several stages (a tied embedding) trains as one weight on
+    stage_replicas: {stage: R} (or ["0:2"]): hybrid parallelism: stage k runs data parallel on
+      the next R of `devices`, its batch split over them and their gradients summed (as the
+      SpecTrain paper does for VGG16's slow first stage). Works with every method.
+    cross_device_ops: how a replicated stage sums its replicas' gradients: "ring" (each replica
+      keeps its own copy of the weights and optimizer state; a ring all-reduce of the gradients;
+      synchronous schedules), a tf.distribute.CrossDeviceOps, or "reduce_to_one_device",
+      "hierarchical_copy", "nccl". None: "ring" where a synchronous stage's replicas are on
+      different hosts and hold no tied weight, else MirroredStrategy's choice.
+    virtual_stages: V for "interleaved" (default 2; "zbv": 2 only): the model is cut into V x K
+      stages (interleaved: stage s on device s mod K, micro_batches a multiple of K); `num_stages`
+      and `devices` count devices.
+    data_parallel: R replicas of the whole pipeline (as Megatron and DeepSpeed run them) on R x K
+      devices, given replica by replica: each takes 1/R of every (micro-)batch, and each stage's
+      gradients are summed over its replicas by `cross_device_ops` before its one update. Equals
+      the method at the global batch; not with stage_replicas, "timeprest" or "i_timeprest".
+    method: one of `tfpipe.PIPELINE_METHODS`: "sequential", "gpipe", "1f1b" (1F1B with a flush:
+      GPipe's result and bubble, at most K-k micro-batches kept at stage k), "interleaved"
+      (interleaved 1F1B: `virtual_stages` V model chunks per device, K x V stages, the bubble V
+      times smaller), "zbv" (zero-bubble ZB-V: two stages per device in a V, device d holding
+      stages d and 2K-1-d, backwards split as "zb"'s), "zb" (zero-bubble ZB-H1: backwards split
+      into input and weight halves, the weight halves filling the bubble), "vanilla", "pipedream",
+      "spectrain", "ddg", "feature_replay", "timeprest" (docs/methods.md), "pipemare" (vanilla's
+      schedule, the backward on weights corrected back to the forward's, PipeMare) or
+      "i_timeprest" (TiMePReSt's schedule, the backward on a blend of the forward's and the
+      current weights); see `tfpipe.rules.mitigations`. "auto": chosen at the first `fit` for this
+      model, these devices, batch size and optimizer, by the least predicted time to accuracy
+      over that fit's epochs, from a profile of its first batch or, where only the synchronous
+      schedules can win, a probe (1f1b, M=2) training from the first batch
+      (`tfpipe.training.chooser`; docs/which-method.md): `fit` prints the choice in a line,
+      `plan_report()` lists the candidates. It chooses `micro_batches`, `virtual_stages`,
+      `nesterov`, `version_difference` and `advice`, so those must be left unset. "spectrain"
+      predicts with the step of the optimizer it is compiled with (`tfpipe.rules.prediction`).
+    partition: "uniform", "params", "profile", explicit cut positions [0, ..., number of layers]
+      (the layer calls in the order the model runs them; a mask Keras adds is not counted), or the
+      names of the layers that start stages 1..K-1 (layers of a nested backbone count; see
+      `tfpipe.stage.partition.partition`). A nested functional model (a KerasHub task's backbone)
+      is cut through; a layer called on several stages (a tied embedding) trains as one weight on
       the synchronous schedules and is refused on the asynchronous ones.
-    spectrain_backward: "reuse" (the backward reads the forward's predicted
-      weights, no recomputation) or "repredict" (a new prediction with the
-      backward's version difference; in TensorFlow this recomputes the
-      stage from its saved input: one extra forward per backward).
-    version_difference: "paper" (the SpecTrain paper's eq. 5-6) or "exact" (counted
-      from the schedule). None: "paper" ("exact" with micro-batches).
-    micro_batches: M, micro-batches per mini-batch: for "gpipe", "1f1b",
-      "zb" and "timeprest" (default 4), and for "vanilla", "pipedream" and
-      "spectrain" (default 1), whose stages then accumulate the M gradients
-      and update once per mini-batch (SpecTrain needs version_difference="exact").
-    advice: False (default): the method runs its paper's rule with the options
-      passed and nothing else. True: the options left None (`micro_batches`,
-      `version_difference`, `spike_compensation`, `nesterov`,
-      `delay_compensation`) take, at `compile`, what `tfpipe.rules.advice`
-      measured best for the optimizer (for "spectrain": from 4 stages M = K
-      micro-batches with Adam, 2K with momentum SGD, so a prediction spans at
-      most one update, plus Nesterov's step; at K=2 Nesterov's step). It trades
-      speed for accuracy (more, smaller micro-batches); `summary()` names what
-      was advised. A value passed is always kept.
-    memory_budget: each device's memory, in bytes or as "3g", "512MiB". At the first
-      fit (batch size and input shapes known) every stage's peak is predicted
-      (`memory()`); where a device's stages are over the budget, the partition
-      strategy's fastest cuts among those that fit are taken and the pipeline is
-      compiled on them (a line says so), or the fit is refused in one line naming the
-      stage and its predicted peak (also for cuts you named, which never move).
-    recompute: keep only stage inputs and recompute the forward before the
-      backward (the synchronous methods); None takes the method's rule.
-    lockstep: "ddg" and "feature_replay" only: every step ends with a barrier
-      on all stages, as the DDG paper runs them (same weights, other timing).
+    spectrain_backward: "reuse" (the backward reads the forward's predicted weights, no
+      recomputation) or "repredict" (a new prediction with the backward's version difference; in
+      TensorFlow this recomputes the stage from its saved input: one extra forward per backward).
+    version_difference: "paper" (the SpecTrain paper's eq. 5-6) or "exact" (counted from the
+      schedule). None: "paper" ("exact" with micro-batches).
+    micro_batches: M, micro-batches per mini-batch: for "gpipe", "1f1b", "zb" and "timeprest"
+      (default 4), and for "vanilla", "pipedream" and "spectrain" (default 1), whose stages then
+      accumulate the M gradients and update once per mini-batch (SpecTrain needs
+      version_difference="exact").
+    advice: False (default): the method runs its paper's rule with the options passed and nothing
+      else. True: the options left None (`micro_batches`, `version_difference`,
+      `spike_compensation`, `nesterov`, `delay_compensation`) take, at `compile`, what
+      `tfpipe.rules.advice` measured best for the optimizer (for "spectrain": from 4 stages M = K
+      micro-batches with Adam, 2K with momentum SGD, so a prediction spans at most one update,
+      plus Nesterov's step; at K=2 Nesterov's step). It trades speed for accuracy (more, smaller
+      micro-batches); `summary()` names what was advised. A value passed is always kept.
+    memory_budget: each device's memory, in bytes or as "3g", "512MiB". At the first fit (batch
+      size and input shapes known) every stage's peak is predicted (`memory()`); where a device's
+      stages are over the budget, the partition strategy's fastest cuts among those that fit are
+      taken and the pipeline is compiled on them (a line says so), or the fit is refused in one
+      line naming the stage and its predicted peak (also for cuts you named, which never move).
+    recompute: keep only stage inputs and recompute the forward before the backward (the
+      synchronous methods); None takes the method's rule.
+    lockstep: "ddg" and "feature_replay" only: every step ends with a barrier on all stages, as
+      the DDG paper runs them (same weights, other timing).
     profile_batch_size: the batch size at which "profile" measures layers.
-    record: keep a `TaskRecord` of every task and transfer in `self.records`
-      (what `breakdown()` reads). The threaded executor times each task in
-      Python; the compiled one profiles each epoch with `tf.profiler` and
-      reads the tasks from its timeline (`tfpipe.runtime.timeline`: this
-      process's devices only; it slows the run while it profiles).
+    record: keep a `TaskRecord` of every task and transfer in `self.records` (what `breakdown()`
+      reads; the compiled executor reads them from a `tf.profiler` profile of each epoch of this
+      process's devices, which slows the run).
     trace_dir: where `trace_steps` writes its traces.
-    trace_steps: (first, last) or "first,last": steps of each `fit` (counted
-      from 0 over its epochs) to trace into `trace_dir`: a TensorBoard profile
-      of the device ops (`tf.profiler`; with the compiled executor, of the
-      whole epochs holding those steps) and `tfpipe_trace.json`, the
-      runtime's tasks as Chrome trace events (Perfetto). Turns `record` on.
-    prediction_error: a `tfpipe.instruments.prediction_error.PredictionError` (or True
-      for one with s = 1, 2, 3) fed after every stage update: the RMSE of the
-      predicted and of the stale weights to the weights reached s updates
-      later (SpecTrain fig. 8), predicting along the optimizer's own step
-      (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW); costs a copy
-      of the stage's weights per update. Kept in `self.prediction_error`.
-    jit_compile: compile each stage task with XLA. One XLA call runs on one
-      thread (with 1 intra-op thread), so stages on logical CPU devices never
-      compete for the shared inter-op pool. None: on when every stage is on a
-      GPU (as Keras's `jit_compile="auto"`), off otherwise.
-    spike_compensation: Kosson et al.'s spike compensation: each stage's
-      update gives its delayed gradient the momentum it missed at once
-      (`tfpipe.rules.mitigations`; momentum SGD or SpecTrain).
-    delay_momentum: each stage runs with momentum max(0, gamma - D/(D+1)) for
-      its delay D (asynchrony acts as momentum, Mitliagkas et al. 2016).
-    lr_rescheduling: PipeMare's learning-rate rescheduling over this many
-      updates (the gradients of a stage with delay D start scaled by 1/D);
-      None: for "pipemare" 500 with an optimizer the rule is written for
-      (momentum SGD, SpecTrain) and off with any other (Adam, ...: PipeMare's
-      discrepancy correction still acts); else off (0). `summary()` says
-      which is in force.
-    nesterov: every stage's update looks ahead along its momentum (Nesterov's
-      step; with "pipedream", Ajanthan et al. 2025's method; momentum SGD,
-      SpecTrain, or Adam without amsgrad: NAdam's step).
-    delay_compensation: DC-ASGD's lambda (0: off): a gradient taken at the
-      forward's weights is moved to the current ones, g + lam*g*g*(W - W_read)
-      (methods whose backward reads the forward's weights).
-    batch_statistics: BatchNormalization with micro_batches > 1 normalises
-      each micro-batch by its own statistics (as GPipe does), where Keras
-      uses the mini-batch's: "warn" (default), "refuse", or "micro_batch"
-      (accept silently). With micro_batches=1 it is Keras's.
-    discrepancy_decay: "pipemare" only: the decay of the average weight
-      change its backward corrects with, in [0, 1).
-    executor: "compiled" (one `tf.function` per window of mini-batches runs
-      every stage: TensorFlow overlaps the stages; `tfpipe.runtime.compiled`)
-      or "threaded" (a Python thread per stage runs the schedule task by
-      task: the reference, for debugging). The weights are the same. None:
-      "compiled".
+    trace_steps: (first, last) or "first,last": steps of each `fit` (counted from 0 over its
+      epochs) to trace into `trace_dir`: a TensorBoard profile of the device ops (`tf.profiler`;
+      with the compiled executor, of the whole epochs holding those steps) and
+      `tfpipe_trace.json`, the runtime's tasks as Chrome trace events (Perfetto). Turns `record`
+      on.
+    prediction_error: a `tfpipe.instruments.prediction_error.PredictionError` (or True for one
+      with s = 1, 2, 3) fed after every stage update: the RMSE of the predicted and of the stale
+      weights to the weights reached s updates later (SpecTrain fig. 8), predicting along the
+      optimizer's own step (`tfpipe.rules.prediction`: SpecTrain, momentum SGD, Adam, AdamW);
+      costs a copy of the stage's weights per update. Kept in `self.prediction_error`.
+    jit_compile: compile each stage task with XLA. None: on when every stage is on a GPU (as
+      Keras's `jit_compile="auto"`), off otherwise.
+    spike_compensation: Kosson et al.'s spike compensation: each stage's update gives its delayed
+      gradient the momentum it missed at once (`tfpipe.rules.mitigations`; momentum SGD or
+      SpecTrain).
+    delay_momentum: each stage runs with momentum max(0, gamma - D/(D+1)) for its delay D
+      (asynchrony acts as momentum, Mitliagkas et al. 2016).
+    lr_rescheduling: PipeMare's learning-rate rescheduling over this many updates (a stage with
+      delay D starts at 1/D); None: 500 for "pipemare" with momentum SGD or SpecTrain, else off
+      (0). `summary()` says which is in force.
+    nesterov: every stage's update looks ahead along its momentum (Nesterov's step; with
+      "pipedream", Ajanthan et al. 2025's method; momentum SGD, SpecTrain, or Adam without
+      amsgrad: NAdam's step).
+    delay_compensation: DC-ASGD's lambda (0: off): a gradient taken at the forward's weights is
+      moved to the current ones, g + lam*g*g*(W - W_read) (methods whose backward reads the
+      forward's weights).
+    batch_statistics: BatchNormalization with micro_batches > 1 normalises each micro-batch by its
+      own statistics (as GPipe does), where Keras uses the mini-batch's: "warn" (default),
+      "refuse", or "micro_batch" (accept silently). With micro_batches=1 it is Keras's.
+    discrepancy_decay: "pipemare" only: the decay of the average weight change its backward
+      corrects with, in [0, 1).
+    executor: "compiled" (one `tf.function` per window of mini-batches runs every stage:
+      TensorFlow overlaps the stages; `tfpipe.runtime.compiled`) or "threaded" (a Python thread
+      per stage runs the schedule task by task: the reference, for debugging). The weights are the
+      same. None: "compiled".
   """
 
   AUTO_WINDOW = 16
@@ -211,15 +167,7 @@ class Pipeline:
       delay_compensation: Optional[float] = None,
       cross_device_ops: Union[tf.distribute.CrossDeviceOps, str, None] = None,
       advice: bool = False, memory_budget: Union[int, str, None] = None):
-    if not isinstance(model, keras.Model):
-      raise ValueError(f"`model` must be a keras.Model. Received: {type(model).__name__}")
-    overrides = compat.trainer_overrides(model)
-    if overrides:
-      raise ValueError(
-          f"{type(model).__name__} overrides {', '.join(overrides)}: a pipeline runs Keras's "
-          "own train step split over its stages, so it cannot run yours. Put the custom "
-          "computation in a loss, a metric or a layer, or train with model.fit")
-    self.model = model
+    self.model = assemble.checked_model(model)
     asked = options_lib.Asked(
         method=method, spectrain_backward=spectrain_backward,
         version_difference=version_difference, micro_batches=micro_batches, recompute=recompute,
@@ -250,7 +198,7 @@ class Pipeline:
     self._budget_checked = None   # (batch size, input shapes) the budget was checked at
     partition_lib.check_shared(model, self.partition, self.method, policies.SYNCHRONOUS_METHODS)
     self.jit_compile = placement.default_jit_compile(where) if jit_compile is None else jit_compile
-    self.fit_epochs = None   # the last fit's (first runtime epoch, batches per epoch, initial_epoch)
+    self.fit_epochs = None   # the last fit's first runtime epoch, batches an epoch, initial_epoch
     self.batch_size = None   # the last fit's mini-batch size, where known (`describe`)
     self.input_shapes = None   # the last fit's input shapes (`memory`)
     self.runtime = None
@@ -297,8 +245,7 @@ class Pipeline:
 
   @property
   def num_devices(self) -> int:
-    """The devices the stages' variables live on (fewer than the stages for "interleaved"
-    and "zbv", which place several stages on each device)."""
+    """The devices the stages' variables live on (fewer than the stages with V > 1)."""
     return len(set(self.devices))
 
   @property
@@ -324,35 +271,19 @@ class Pipeline:
     samples/s, its epochs to accuracy relative to synchronous training, its predicted time
     to accuracy against the chosen one's, and why a candidate is out; then the chosen
     pipeline's predicted peak memory per stage (`memory`)."""
-    if self.auto is None:
-      raise ValueError(f"plan_report() describes method='auto's choice; this pipeline runs "
-                       f"method={self.method!r}, which was not chosen")
-    if self.chosen is None:
-      raise RuntimeError("method='auto' chooses at the first fit: call fit first")
-    for line in [self.chosen.summary()] + self.chosen.lines + summary_lib.memory_lines(self):
+    for line in summary_lib.plan_lines(self):
       (print_fn or print)(line)
 
-  def _check_budget(self, verbose):
-    """With a `memory_budget`: before the first fit trains, cuts whose every device's
-    predicted peak fits (`tfpipe.training.memory_budget`), compiled again where they move."""
+  def check_memory_budget(self, verbose: Union[str, int] = 0) -> None:
+    """With a `memory_budget`, at the last fit's batch size and input shapes (`fit` checks
+    before it trains): cuts whose every device's predicted peak fits, compiled again where
+    they move (`tfpipe.training.memory_budget.recut`)."""
     key = (self.batch_size, tuple(self.input_shapes or ()))
     if self.memory_budget is None or self.batch_size is None or key == self._budget_checked:
       return
     kept = ("these cuts are yours" if self._cuts_asked else
             "the pipeline has trained on these cuts" if self.fit_epochs is not None else None)
-    cuts = memory_budget_lib.plan(self, self.batch_size, self.input_shapes, kept)
-    if cuts is not None:
-      before = list(self.partition.cuts)
-      self.partition = partition_lib.from_cuts(
-          partition_lib.cuttable(self.model, self.num_stages), cuts, self.partition.costs)
-      partition_lib.check_shared(self.model, self.partition, self.method,
-                                 policies.SYNCHRONOUS_METHODS)
-      self.compile(**self._compile_arguments)
-      memory_budget_lib.check(self, self.batch_size, self.input_shapes)
-      if verbose != 0:
-        peaks = ", ".join(memory_budget_lib.size(row["total"]) for row in self.memory())
-        print(f"memory_budget={memory_budget_lib.size(self.memory_budget)}: cut at "
-              f"{list(cuts)} (was {before}); predicted peaks per stage {peaks}")
+    memory_budget_lib.recut(self, kept, verbose)
     self._budget_checked = key
 
   def memory(self, batch_size: Optional[int] = None,
@@ -363,10 +294,6 @@ class Pipeline:
     a step's gradients and buffers). `input_shapes`: the inputs' shapes, batch axis first,
     where the model leaves a dimension unknown (default: the last fit's). Needs `compile`."""
     batch_size = self.batch_size if batch_size is None else batch_size
-    if batch_size is None:
-      raise ValueError("memory() needs a batch size: pass batch_size=, or fit first")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-      raise ValueError(f"`batch_size` must be an integer >= 1. Received: {batch_size!r}")
     return footprint.predict(self, batch_size, input_shapes or self.input_shapes)
 
   def summary(self, print_fn: Optional[Callable[[str], Any]] = None) -> None:
@@ -382,55 +309,40 @@ class Pipeline:
               steps_per_execution: Union[int, str] = "auto",
               jit_compile: Union[bool, str] = "auto", auto_scale_loss: bool = True,
               **model_arguments: Any) -> None:
-    """`keras.Model.compile` for the pipeline: each stage gets its own copy of `optimizer`
-    (same config, and its `exclude_from_weight_decay`), the last stage Keras's own loss and
-    metric containers (`tfpipe.stage.keras_step.KerasStep`: `loss_weights`, `metrics` unweighted,
+    """`keras.Model.compile` for the pipeline: each stage gets its own copy of `optimizer` (same
+    config, and its `exclude_from_weight_decay`), the last stage Keras's own loss and metric
+    containers (`tfpipe.stage.keras_step.KerasStep`: `loss_weights`, `metrics` unweighted,
     `weighted_metrics` weighted, names and "accuracy" as Keras resolves them).
 
-    `steps_per_execution` (the compiled executor): mini-batches per window, one
-    `tf.function` call each, as in Keras: batch hooks run after each window,
-    once per batch, and a stop takes effect at the window's end. "auto": one
-    when a callback besides the progress bar has batch hooks, or the
-    prediction error is recorded (hooks then see every batch as Keras's
-    default does), else `AUTO_WINDOW` (`AUTO_REMOTE_WINDOW` with stages on TF servers).
-    Training windows end on multiples of the window when a callback besides the progress
-    bar reads batch hooks; otherwise where the steady state allows, so an epoch's last
-    distinct window is the drain alone (fewer ops to trace; `plan.windows.drained_firsts`).
-    `run_eagerly=True` is refused (use `executor="threaded"` to step through tasks);
-    `jit_compile` belongs to the Pipeline (`Pipeline(jit_compile=...)`). Optimizer options
-    that decide over the whole model at once: `global_clipnorm` is decided once per
-    mini-batch over every stage's gradient on the synchronous schedules (`tfpipe.rules.joint`) and
-    refused by name on the asynchronous ones; so is loss scaling (`LossScaleOptimizer`, or a
-    mixed_float16 model with `auto_scale_loss`, which Keras wraps in one): one scale for the
-    whole pipeline, a step skipped on every stage when any stage's gradient is not finite
-    (`loss_scale` reads the scale).
-    The optimizer, loss and metrics left out are Keras's defaults ("rmsprop", none), or
-    where the model's class has a `compile` of its own (a KerasHub task) its defaults: the
-    model's own `compile` resolves the arguments, as `model.compile` would; arguments of its
-    own (a causal LM's `sampler`) go to it.
+    `steps_per_execution` (the compiled executor): mini-batches per window, one `tf.function` call
+    each, as in Keras: batch hooks run after each window, once per batch, and a stop takes effect
+    at the window's end. "auto": one when a callback besides the progress bar has batch hooks, or
+    the prediction error is recorded (hooks then see every batch as Keras's default does), else
+    `AUTO_WINDOW` (`AUTO_REMOTE_WINDOW` with stages on TF servers). Training windows end on
+    multiples of the window when a callback besides the progress bar reads batch hooks.
+    `run_eagerly=True` is refused (use
+    `executor="threaded"` to step through tasks); `jit_compile` belongs to the Pipeline
+    (`Pipeline(jit_compile=...)`). Optimizer options that decide over the whole model at once:
+    `global_clipnorm` is decided once per mini-batch over every stage's gradient on the
+    synchronous schedules (`tfpipe.rules.joint`) and refused by name on the asynchronous ones; so
+    is loss scaling (`LossScaleOptimizer`, or a mixed_float16 model with `auto_scale_loss`, which
+    Keras wraps in one): one scale for the whole pipeline, a step skipped on every stage when any
+    stage's gradient is not finite (`loss_scale` reads the scale). The optimizer, loss and metrics
+    left out are Keras's defaults ("rmsprop", none), or where the model's class has a `compile` of
+    its own (a KerasHub task) its defaults: the model's own `compile` resolves the arguments, as
+    `model.compile` would; arguments of its own (a causal LM's `sampler`) go to it.
     """
     given = {name: value for name, value in (
         ("optimizer", optimizer), ("loss", loss), ("loss_weights", loss_weights),
         ("metrics", metrics), ("weighted_metrics", weighted_metrics)) if value is not _UNSET}
-    if compat.overrides_compile(self.model):   # a KerasHub task: its own defaults
-      resolved = compat.compile_arguments(self.model, dict(given, **model_arguments))
-    elif model_arguments:
-      raise TypeError(f"compile() got unexpected keyword arguments {sorted(model_arguments)} "
-                      f"({type(self.model).__name__} takes keras.Model.compile's)")
-    else:
-      resolved = dict({"optimizer": "rmsprop", "loss": None, "loss_weights": None,
-                       "metrics": None, "weighted_metrics": None}, **given)
+    resolved = assemble.compile_arguments(self.model, given, model_arguments)
     optimizer, loss, loss_weights = (resolved[n] for n in ("optimizer", "loss", "loss_weights"))
     metrics, weighted_metrics = resolved["metrics"], resolved["weighted_metrics"]
     assemble.check_compile_arguments(self.model, loss_weights, run_eagerly, steps_per_execution,
                                      jit_compile, auto_scale_loss)
     self.steps_per_execution = steps_per_execution
-    optimizer = compile_utils.resolve_optimizer(optimizer)
-    scaling = joint.loss_scaling(self.model, optimizer, auto_scale_loss)
-    inner = scaling[0] if scaling else optimizer
-    joint.check(inner, scaling, self.method, policies.SYNCHRONOUS_METHODS)
-    if scaling and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-      optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+    optimizer, inner, scaling = assemble.optimizers(self.model, optimizer, auto_scale_loss,
+                                                    self.method)
     self.optimizer = optimizer   # `model.optimizer` during fit, as Keras's compile leaves it
     self.inner_optimizer = inner   # the optimizer without loss scaling
     self._compile_arguments = dict(given, run_eagerly=run_eagerly,
@@ -452,8 +364,7 @@ class Pipeline:
 
   def _load_weights(self):
     """Takes the user model's current weights (it may have changed since the last call)."""
-    for p in self.programs:
-      p.load_from_model()
+    fitting.load_weights(self)
 
   def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, epochs: int = 1,
           verbose: Union[str, int] = "auto",
@@ -466,110 +377,38 @@ class Pipeline:
           restart_timeout: float = 120.0) -> keras.callbacks.History:
     """Trains epochs `initial_epoch` .. `epochs`-1; returns a `keras.callbacks.History`.
 
-    Takes `keras.Model.fit`'s arguments with their meaning (plus `seed`, the
-    shuffle seed of array data). Each epoch runs the method's schedule over
-    its batches and drains at the end, so every batch's update lands in the
-    epoch that drew it. Callbacks see Keras's hooks in Keras's order, in the
-    caller's thread: `on_train_batch_begin(b)` when the caller starts waiting
-    for batch b (with K stages up to K batches are in flight, so b may
-    already be running), `on_train_batch_end(b, logs)` with the running loss
-    and metrics once b's update is done; validation and `evaluate` send the
-    `on_test_*` hooks. `model.optimizer` is the compiled optimizer, whose
-    learning rate drives every stage (`tfpipe.training.learning_rate`).
-    `model.stop_training = True` in a hook stops after that batch: exactly
-    the L-1 batches already due finish their updates (`schedules.lead`: none
-    for sequential and gpipe, K-1 for 1F1B and DDG; they count in the
-    epoch's metrics and get no batch hooks).
-    A `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the
-    pipeline at epoch ends and, when it finds a checkpoint, resumes from it.
-    `max_restarts`: with stages on TF servers, a lost task (`cluster.WorkerLost`)
-    is brought back up to this many times (`tfpipe.training.restarts`): a server
-    this process started starts again, another is waited for up to
-    `restart_timeout` seconds; the stages are built again and `fit` resumes from
-    the newest checkpoint. Each restart is logged in one line and listed in the
-    History's `restarts`. `x` may also be a function that builds the data
-    (`y` None): it is called for each attempt, so a dataset that reshuffles
-    each iteration replays an uninterrupted run's order after a restart.
+    Takes `keras.Model.fit`'s arguments with their meaning (plus `seed`, the shuffle seed of array
+    data). Each epoch runs the method's schedule over its batches and drains at the end, so every
+    batch's update lands in the epoch that drew it. Callbacks see Keras's hooks in Keras's order,
+    in the caller's thread: `on_train_batch_begin(b)` when the caller starts waiting for batch b
+    (with K stages up to K batches are in flight, so b may already be running),
+    `on_train_batch_end(b, logs)` with the running loss and metrics once b's update is done;
+    validation and `evaluate` send the `on_test_*` hooks. `model.optimizer` is the compiled
+    optimizer, whose learning rate drives every stage (`tfpipe.training.learning_rate`).
+    `model.stop_training = True` in a hook stops after that batch: exactly the L-1 batches already
+    due finish their updates (`schedules.lead`: none for sequential and gpipe, K-1 for 1F1B and
+    DDG; they count in the epoch's metrics and get no batch hooks). A
+    `tfpipe.checkpoint.BackupAndRestore` among the callbacks saves the pipeline at epoch ends and,
+    when it finds a checkpoint, resumes from it. `max_restarts`: with stages on TF servers, a lost
+    task (`cluster.WorkerLost`) is brought back up to this many times
+    (`tfpipe.training.restarts`): a server this process started starts again, another is waited
+    for up to `restart_timeout` seconds; the stages are built again and `fit` resumes from the
+    newest checkpoint. Each restart is logged in one line and listed in the History's `restarts`.
+    `x` may also be a function that builds the data (`y` None): it is called for each attempt, so
+    a dataset that reshuffles each iteration replays an uninterrupted run's order after a restart.
     """
     self._check_compiled()
     restarts.check(max_restarts, restart_timeout, callbacks, x, y)
-    return restarts.fit(self, lambda: self._fit_once(
-        restarts.made(x), y, batch_size, epochs, verbose, callbacks, validation_split, validation_data,
-        shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch, validation_steps,
-        validation_batch_size, validation_freq, seed), max_restarts, restart_timeout, callbacks)
+    return restarts.fit(self, lambda: fitting.fit_once(
+        self, restarts.made(x), y, batch_size, epochs, verbose, callbacks, validation_split,
+        validation_data, shuffle, class_weight, sample_weight, initial_epoch, steps_per_epoch,
+        validation_steps, validation_batch_size, validation_freq, seed), max_restarts,
+        restart_timeout, callbacks)
 
   def recompile(self) -> None:
     """Builds the stages again as last compiled (new variables on their devices: after a lost
     task's server started again), the user's model's weights loaded at the next fit."""
     self.compile(**self._compile_arguments)
-
-  def _fit_once(self, x, y, batch_size, epochs, verbose, callbacks, validation_split,
-                validation_data, shuffle, class_weight, sample_weight, initial_epoch,
-                steps_per_epoch, validation_steps, validation_batch_size, validation_freq, seed):
-    # A KerasHub task's preprocessor: strings in, as task.fit takes them.
-    validation_data = preprocessing.validation(self.model, validation_data,
-                                               validation_batch_size or batch_size)
-    x, y, sample_weight, batch_size = preprocessing.preprocessed(self.model, x, y,
-                                                                 sample_weight, batch_size)
-    fit_data.check_fit_arguments(self, epochs, initial_epoch, validation_freq, batch_size)
-    if self.choosing and data.is_iterable_data(x):
-      raise ValueError(f"method='auto' reads the first batch before training (to profile it), "
-                       f"which would take it from the {type(x).__name__}: give the first fit "
-                       "arrays or a tf.data.Dataset, or name a method")
-    x, class_weight, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps_per_epoch,
-                                               shuffle, class_weight)
-    if validation_split and validation_data is None:
-      (x, y, sample_weight), validation_data = data.validation_split(
-          x, y, sample_weight, validation_split)
-    if self.auto is not None:
-      self.auto.before_fit(self, x, y, batch_size, steps_per_epoch, sample_weight, class_weight,
-                           verbose, epochs - initial_epoch)
-    dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps_per_epoch, shuffle,
-                                            seed, sample_weight=sample_weight,
-                                            class_weight=class_weight,
-                                            micro_batches=self.micro_batches)
-    self.batch_size = batch_size or fit_data.batch_size_of(dataset) or self.batch_size
-    self.input_shapes = fit_data.input_shapes(dataset) or self.input_shapes
-    self._check_budget(verbose)
-    validation = None
-    if validation_data is not None:
-      validation, validation_hooks = fit_data.validation(
-          self, validation_data, batch_size, validation_batch_size, validation_steps)
-      data_hooks += validation_hooks
-    verbose = 1 if verbose == "auto" else verbose
-    callbacks = [checkpoint_lib.BackupAndRestore.from_keras(cb)
-                 if isinstance(cb, keras.callbacks.BackupAndRestore) else cb
-                 for cb in callbacks or []]
-    callbacks = data_hooks + callbacks
-    with learning_rate.driving(self.model, self.optimizer, self.metrics):
-      cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
-                                         model=self.model, verbose=verbose, epochs=epochs,
-                                         steps=num_batches)
-      with self._watched():   # remote assignments: a task lost meanwhile is named too
-        self._load_weights()
-        initial_epoch = max(initial_epoch, fit_loop.restore(self, callbacks))
-      link = learning_rate.LearningRateLink(self.optimizer, [p.optimizer for p in self.programs],
-                                            lambda: self.runtime.updates[-1])
-      with link, self._watched():
-        history = fit_loop.train(self, dataset, num_batches, cbs, link, epochs,
-                                 initial_epoch, steps_per_epoch, validation, validation_freq,
-                                 watch=self.auto and self.auto.watch())
-    if self.auto is not None:
-      self.auto.after_fit(self, num_batches)
-    return history
-
-  @contextlib.contextmanager
-  def _watched(self):
-    """The body's remote calls: a hung server is named within seconds (`cluster.guard`), a
-    task that died raises `cluster.WorkerLost` naming it."""
-    try:
-      with cluster.guard(self.remote_stages()):
-        yield
-    except tf.errors.OpError as e:
-      lost = cluster.describe_lost(e, self.remote_stages()) if self.remote_stages() else None
-      if lost is None:
-        raise
-      raise lost from e
 
   def evaluate(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None,
                verbose: Union[str, int] = "auto", sample_weight: Any = None,
@@ -579,13 +418,7 @@ class Pipeline:
     """Loss and metrics over the data with the current weights, pipelined forward only
     (`keras.Model.evaluate`'s arguments and return value)."""
     self._check_compiled()
-    x, y, sample_weight, batch_size = preprocessing.preprocessed(self.model, x, y,
-                                                                 sample_weight, batch_size)
-    x, _, data_hooks = data.adapted(x, y, sample_weight, batch_size, steps, use="test")
-    dataset, num_batches = fit_data.dataset(self, x, y, batch_size, steps,
-                                            sample_weight=sample_weight)
-    logs = self._forward_only(fit_loop.evaluate, dataset, num_batches,
-                              data_hooks + list(callbacks or []), verbose, test_hooks=True)
+    logs = fitting.evaluate(self, x, y, batch_size, verbose, sample_weight, steps, callbacks)
     return logs if return_dict else (list(logs.values()) if len(logs) > 1 else logs["loss"])
 
   def predict(self, x: Any, batch_size: Optional[int] = None, verbose: Union[str, int] = "auto",
@@ -594,24 +427,4 @@ class Pipeline:
     """The model's outputs for `x` (arrays or a dataset of inputs), as a numpy array, with the
     `on_predict_*` hooks (`keras.Model.predict`'s arguments)."""
     self._check_compiled()
-    x, _, _, batch_size = preprocessing.preprocessed(self.model, x, batch_size=batch_size)
-    x, _, data_hooks = data.adapted(x, batch_size=batch_size, steps=steps, use="predict")
-    if isinstance(x, tf.data.Dataset) and isinstance(x.element_spec, tuple):
-      x = x.map(lambda *element: element[0])   # Keras: a tuple element is (x, y, sample_weight)
-    dataset, num_batches = fit_data.dataset(self, x, None, batch_size, steps, labels=False)
-    return self._forward_only(fit_loop.predict, dataset, num_batches,
-                              data_hooks + list(callbacks or []), verbose)
-
-  def _forward_only(self, run, dataset, num_batches, callbacks, verbose, test_hooks=False):
-    """`run` (`fit_loop.evaluate` or `fit_loop.predict`) over `dataset` with the user model's
-    weights, Keras's progress bar and `callbacks`; `test_hooks`: the window follows whether
-    a callback reads every test batch."""
-    self._load_weights()
-    verbose = 1 if verbose == "auto" else verbose
-    with learning_rate.driving(self.model, self.optimizer, self.metrics):
-      cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, model=self.model,
-                                         verbose=verbose, epochs=1, steps=num_batches)
-      if test_hooks:
-        fit_loop.choose_window(self, fit_loop.reads_batches(cbs, "test"))
-      with self._watched():
-        return run(self, dataset, num_batches, cbs)
+    return fitting.predict(self, x, batch_size, verbose, steps, callbacks)

@@ -33,6 +33,17 @@ def lines(pipe):
   return out + memory_lines(pipe)
 
 
+def plan_lines(pipe):
+  """`Pipeline.plan_report`'s lines: method="auto"'s choice, its candidates, and the chosen
+  pipeline's predicted memory per stage."""
+  if pipe.auto is None:
+    raise ValueError(f"plan_report() describes method='auto's choice; this pipeline runs "
+                     f"method={pipe.method!r}, which was not chosen")
+  if pipe.chosen is None:
+    raise RuntimeError("method='auto' chooses at the first fit: call fit first")
+  return [pipe.chosen.summary()] + pipe.chosen.lines + memory_lines(pipe)
+
+
 def memory_lines(pipe):
   """Each stage's predicted peak memory (`Pipeline.memory`), where the pipeline is compiled
   and its batch size and input shapes are known; else nothing."""
