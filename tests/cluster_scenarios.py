@@ -18,7 +18,7 @@ import tensorflow as tf  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfpipe  # noqa: E402
-from tfpipe.cluster import servers as cluster  # noqa: E402
+from tfpipe.cluster import local as local_cluster, servers as cluster  # noqa: E402
 from tfpipe.rules import optimizers
 from tfpipe.training import checkpoint
 from tests import helpers  # noqa: E402
@@ -313,7 +313,7 @@ def main(name, *args):
   if name == "mwms":
     mwms(*args)
   tfpipe.create_logical_cpus(2)
-  with cluster.LocalCluster({"worker": 4 if name == "replicas" else 2}) as local:
+  with local_cluster.LocalCluster({"worker": 4 if name == "replicas" else 2}) as local:
     cluster.connect(local.spec)
     result = globals()[name](local, *args)
     print(json.dumps(result), flush=True)

@@ -52,13 +52,13 @@ def test_a_threshold_out_of_glibcs_range_is_refused_by_value(size):
 
 
 def test_the_server_command_refuses_a_bad_threshold_in_one_line(capsys):
-  from tfpipe.cluster import servers
+  from tfpipe.cluster import serving
   with pytest.raises(SystemExit):
-    servers.serve(["--spec={}", "--job=worker", "--task=0", "--mmap_threshold=-5"])
+    serving.serve(["--spec={}", "--job=worker", "--task=0", "--mmap_threshold=-5"])
   assert "mmap threshold must be a number of bytes" in capsys.readouterr().err
 
 
 def test_a_cluster_refuses_a_bad_threshold_before_starting_servers():
-  from tfpipe.cluster import servers
+  from tfpipe.cluster import local as local_cluster
   with pytest.raises(ValueError, match=r"`mmap_threshold` must be a number of bytes"):
-    servers.LocalCluster({"worker": 1}, mmap_threshold=-1)
+    local_cluster.LocalCluster({"worker": 1}, mmap_threshold=-1)

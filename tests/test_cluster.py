@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests import helpers, zygote
-from tfpipe.cluster import servers as cluster
+from tfpipe.cluster import local as local_cluster, servers as cluster
 import tfpipe
 
 # Multi-process timings: never beside another multi-process test (setup.cfg).
@@ -168,7 +168,7 @@ def test_a_task_lost_again_while_the_stages_are_built_takes_one_more_restart(mon
 
 def test_a_lost_task_this_process_did_not_start_is_waited_for_then_named():
   from tfpipe.cluster import recovery
-  address = f"127.0.0.1:{cluster.free_port()}"   # nothing listens there
+  address = f"127.0.0.1:{local_cluster.free_port()}"   # nothing listens there
   lost = cluster.WorkerLost("lost", [("worker", 7, address)])
   start = time.monotonic()
   with pytest.raises(cluster.WorkerLost, match=r"/job:worker/task:7 \(127\.0\.0\.1:\d+\) did "
@@ -244,9 +244,9 @@ def test_a_local_server_that_is_not_ready_in_time_is_named_with_its_deadline():
   start = time.monotonic()
   with pytest.raises(RuntimeError, match=r"the server of /job:worker/task:0 at 127\.0\.0\.1:\d+ "
                                          r"did not start \(not ready after 0\.5 s\)"):
-    cluster.LocalCluster({"worker": 2}, timeout=0.5)
+    local_cluster.LocalCluster({"worker": 2}, timeout=0.5)
   assert time.monotonic() - start < 10   # the deadline, then stopping what had started
-  assert cluster._LOCAL == []
+  assert local_cluster.RUNNING == []
 
 
 def test_tf_config_is_read_and_checked():
@@ -257,11 +257,11 @@ def test_tf_config_is_read_and_checked():
   with pytest.raises(ValueError, match="must be JSON with a \"cluster\" entry"):
     cluster.from_tf_config({"TF_CONFIG": "{}"})
   with pytest.raises(ValueError, match="jobs must map job names to task counts"):
-    cluster.LocalCluster({"worker": 0})
+    local_cluster.LocalCluster({"worker": 0})
 
 
 def test_multi_worker_mirrored_data_parallelism_across_two_processes():
-  addresses = ",".join(f"127.0.0.1:{cluster.free_port()}" for _ in range(2))
+  addresses = ",".join(f"127.0.0.1:{local_cluster.free_port()}" for _ in range(2))
   workers = [zygote.start(["-m", "tests.cluster_scenarios", "mwms", addresses, str(i)])
              for i in range(2)]
   ends = [worker.communicate(timeout=300) for worker in workers]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests import zygote
-from tfpipe.cluster import agent, servers as cluster
+from tfpipe.cluster import agent, local as local_cluster
 
 
 
@@ -45,7 +45,7 @@ def test_the_error_files_of_a_killed_runs_servers_are_removed(tmp_path, monkeypa
                         capture_output=True, text=True).stdout.strip()
   (tmp_path / f"tfpipe-server-{gone}-abc").write_text("")
   (tmp_path / f"tfpipe-server-{os.getpid()}-def").write_text("")   # this run's: kept
-  assert cluster.remove_leftover_files() == [str(tmp_path / f"tfpipe-server-{gone}-abc")]
+  assert local_cluster.remove_leftover_files() == [str(tmp_path / f"tfpipe-server-{gone}-abc")]
   assert sorted(p.name for p in tmp_path.iterdir()) == [f"tfpipe-server-{os.getpid()}-def"]
 
 

@@ -351,9 +351,9 @@ def test_pipeline_stages_on_local_tf_servers():
 def test_trainer_exits_naming_a_dead_worker():
   import json
   import time
-  from tfpipe.cluster import allocator, servers as cluster
+  from tfpipe.cluster import allocator, local as local_cluster
   # Servers only: this process stays local. Their malloc mmap threshold fixed where asked.
-  with cluster.LocalCluster({"worker": 2}, mmap_threshold=allocator.MEMORY_FIRST) as local:
+  with local_cluster.LocalCluster({"worker": 2}, mmap_threshold=allocator.MEMORY_FIRST) as local:
     with open(f"/proc/{local.processes[('worker', 1)].pid}/cmdline") as f:   # a fork's
       assert f"--mmap_threshold={allocator.MEMORY_FIRST}" in f.read().split("\0")
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": local.spec}))
@@ -399,8 +399,8 @@ def _until_epoch(trainer, epoch):
 def test_a_hung_worker_stops_the_trainer_and_sigint_stops_it_sooner(interrupt):
   import signal
   import time
-  from tfpipe.cluster import servers as cluster
-  with cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
+  from tfpipe.cluster import local as local_cluster
+  with local_cluster.LocalCluster({"worker": 2}) as local:   # servers only: this process stays local
     # With SIGINT the watchdog waits 10 misses (21 s): what stops the trainer is the signal.
     trainer = _trainer_on(local.spec, "--steps=20", "--epochs=500",
                           f"--liveness_misses={10 if interrupt else 2}")
@@ -477,8 +477,8 @@ def _dataparallel_workers(epochs, count=2, wait=120):
   """(addresses, processes): the first `count` of two data-parallel trainer workers of one
   TF_CONFIG cluster, each in a session of its own."""
   import json
-  from tfpipe.cluster import servers as cluster
-  addresses = [f"127.0.0.1:{cluster.free_port()}" for _ in range(2)]
+  from tfpipe.cluster import local as local_cluster
+  addresses = [f"127.0.0.1:{local_cluster.free_port()}" for _ in range(2)]
   runs = []
   for index in range(count):
     env = dict(os.environ, TF_CONFIG=json.dumps(

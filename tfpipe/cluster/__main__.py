@@ -1,8 +1,8 @@
 """`python -m tfpipe.cluster --spec=... --job=... --task=...`: TF servers of a cluster
-(`tfpipe.cluster.servers`)."""
+(`tfpipe.cluster.serving`)."""
 
 import sys
 
-from tfpipe.cluster import servers
+from tfpipe.cluster import serving
 
-servers.serve(sys.argv[1:])
+serving.serve(sys.argv[1:])

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 
-from tfpipe.cluster import emulation, servers
+from tfpipe.cluster import emulation, local, servers
 
 __all__ = ["supervise", "SUPERVISED", "REMAINING"]
 
@@ -41,7 +41,7 @@ def _relay(stream, counted):
 
 def _clean_up():
   """Removes what a program killed before its clean-up left (runs whose process is gone)."""
-  removed = servers.remove_leftover_files()
+  removed = local.remove_leftover_files()
   try:
     removed += emulation.remove_leftovers()
   except (emulation.EmulationUnavailable, OSError):

@@ -15,7 +15,7 @@ started there). Leaving the `with` block stops the servers and removes every
 namespace, link and control group.
 """
 
-from tfpipe.cluster import allocator, emulation, servers
+from tfpipe.cluster import allocator, emulation, local
 
 __all__ = ["EmulatedCluster"]
 
@@ -24,7 +24,7 @@ class EmulatedCluster:
   """TF servers for `jobs` ({job: task count}) on hosts of their own joined by links of shape
   `link` ("RATE[,DELAY[,LOSS%]]"); `memory` (bytes) and `cpus` (cpuset strings, one per task
   in `jobs` order, or one for all) cap each host; `mmap_threshold`: the servers' malloc mmap
-  threshold (`servers.LocalCluster`). `spec` is the cluster spec, `hosts` maps
+  threshold (`local.LocalCluster`). `spec` is the cluster spec, `hosts` maps
   (job, task) to its `emulation.Host`, `network` is the `emulation.Network`."""
 
   def __init__(self, jobs, link="10gbit", client_link=None, memory=None, cpus=None,
@@ -37,7 +37,7 @@ class EmulatedCluster:
     try:
       hosts = iter(self.network.hosts)
       self.hosts = {(job, task): next(hosts) for job, n in jobs.items() for task in range(n)}
-      self.servers = servers.LocalCluster(jobs, timeout=timeout, places=self.hosts,
+      self.servers = local.LocalCluster(jobs, timeout=timeout, places=self.hosts,
                                           mmap_threshold=mmap_threshold)
     except BaseException:
       self.network.close()
