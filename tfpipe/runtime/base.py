@@ -1,10 +1,12 @@
 """What every executor shares: the stage programs, update counts and hooks, records, peaks."""
 
 import collections
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
 from tfpipe.plan import verify
+from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["Executor", "Recent", "key"]
 
@@ -38,14 +40,15 @@ class Executor:
     """Per stage, how many copies of its tasks an epoch traces: one here."""
     return [1] * self.K
 
-  def __init__(self, programs, record=False, maxsize=None):
+  def __init__(self, programs: Sequence[StageProtocol], record: bool = False,
+               maxsize: Optional[int] = None):
     self.programs = programs
     self.epoch = -1                      # epochs trained so far, minus one
-    self.update_hooks = []               # hook(k, program) after updates of stage k (`count_updates`)
+    self.update_hooks: list = []         # hook(k, program) after updates of stage k (`count_updates`)
     self.K = len(programs)
     self.record = record
     self.maxsize = maxsize or self.K
-    self.records = []
+    self.records: list = []
     self.report = None                   # the verifier's report on the last schedule run
     self._verified = Recent()            # schedules verified lately (as keys): their reports
     self.schedule_key = None             # the last epoch's schedule as a key (`key`)

@@ -84,7 +84,7 @@ def raise_clearer(error):
 
 def same_shapes(items):
   """`items` (mini-batches) in runs of equal shapes, in order."""
-  runs = []
+  runs: list = []
   for item in items:
     if runs and shapes(runs[-1][0]) == shapes(item):
       runs[-1].append(item)

@@ -29,6 +29,7 @@ tasks' records come from its timeline (`tfpipe.runtime.timeline`).
 
 import collections
 import contextlib
+from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -38,6 +39,7 @@ from tfpipe.runtime import base, calls, grouped, groups, interpreter, loops, par
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.calls import StageFailed
 from tfpipe.runtime.links import concat
+from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["CompiledRuntime", "StageFailed"]
 
@@ -76,23 +78,26 @@ class CompiledRuntime(Executor):
   windowed = True
   profiles = True
 
-  def __init__(self, programs, window=16, record=False, maxsize=None, inline="auto"):
+  def __init__(self, programs: Sequence[StageProtocol], window: int = 16, record: bool = False,
+               maxsize: Optional[int] = None, inline: Union[bool, str] = "auto"):
     super().__init__(programs, record=record, maxsize=maxsize)
     if inline not in ("auto", True, False):
       raise ValueError(f"`inline` must be 'auto', True or False. Received: inline={inline!r}")
     self.window, self.inline, self.aligned = window, inline, True
-    self._forward_ops = None
+    self._forward_ops: Optional[int] = None
     self.profile_dir = None
-    self._session, self._calls, self._forwards = None, {}, {}
-    self._keys = {}   # (window key, inlined) -> its number (the traced function's argument)
-    self.numbered = []   # number -> its `_Numbered` window
+    self._session: Optional[timeline.Session] = None
+    self._calls: dict = {}
+    self._forwards: dict = {}
+    self._keys: dict = {}   # (window key, inlined) -> its number (the traced function's argument)
+    self.numbered: list = []   # number -> its `_Numbered` window
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
     # Per schedule, window size and way (lately run): its windows, their numbers, and the
     # flush window or None.
     self._plans = base.Recent()
-    self._plan = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
+    self._plan: tuple = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
     self.remote = any(p.remote for p in programs)   # stages on TF servers: a carry to park
     self.parked = parked.Parked()   # the carry made on TF servers, kept there between calls
     # Per batch size; any sequence length.
@@ -169,8 +174,10 @@ class CompiledRuntime(Executor):
   def _train_windows(self, plan, numbers, batches, M, on_result, before):
     """Runs the windows of `plan`; hands on their results once per `self.window` mini-batches
     (`CALL_WINDOW`: a window may run as several calls), or when not `aligned` as each ends."""
-    feed, carry, done = calls.Feed(batches, labelled=True), {"x": {}, "saved": {}, "g": {}}, 0
-    pending, boundary = [], self.window
+    feed, done = calls.Feed(batches, labelled=True), 0
+    carry: dict = {"x": {}, "saved": {}, "g": {}}
+    pending: list = []
+    boundary = self.window
     group = self.grouped.group_of(plan, numbers)
     for w, window in enumerate(plan):
       if group is not None:
@@ -363,7 +370,8 @@ class CompiledRuntime(Executor):
     traced = self._train.tracing_count()
     with context:
       try:
-        slot, args = None, (carry, inputs, labels, M)   # every stage in this process
+        slot = None
+        args: tuple = (carry, inputs, labels, M)   # every stage in this process
         if self.remote:
           slot = (self._train.key(inputs, 0), number)
           args = (slot, self.parked.shapes_of(carry)) + args

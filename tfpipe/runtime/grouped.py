@@ -1,10 +1,15 @@
 """Window groups run: every window of an epoch's plan as a branch of one traced function
 (`tfpipe.runtime.groups` says how a carry fits every branch)."""
 
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.runtime import calls, groups
+
+if TYPE_CHECKING:
+  from tfpipe.runtime.compiled import CompiledRuntime
 
 __all__ = ["GroupedWindows", "Group"]
 
@@ -13,8 +18,9 @@ class GroupedWindows:
   """The compiled executor's (`runtime`) window groups: `groups` (a plan's distinct window
   numbers -> its `Group`, or None: ungroupable) and `function` (the traced group)."""
 
-  def __init__(self, runtime):
-    self.runtime, self.groups = runtime, {}
+  def __init__(self, runtime: "CompiledRuntime"):
+    self.runtime: "CompiledRuntime" = runtime
+    self.groups: dict = {}
     self.function = compat.own_function(self._traced, autograph=False)
 
   def group_of(self, plan, numbers):
@@ -76,12 +82,12 @@ class GroupedWindows:
     group's carry; returns (the carry rebased and fitted to the template, `size` results)."""
     graph = tf.compat.v1.get_default_graph()
     group = self.groups[numbers]
-    like = [None]
+    like: list = [None]
 
     def branch_of(i, number):
       def run():
         if i == 0:
-          carry = {part: {} for part in groups.PARTS}
+          carry: dict = {part: {} for part in groups.PARTS}
         else:
           carry = groups.pack(group.template, compat.call_time_value(
               graph, group.carry_values, group.specs, key="tfpipe_carry"))
@@ -109,7 +115,8 @@ class Group:
 
   def __init__(self, numbers, inputs, labels, size):
     self.numbers, self.inputs, self.labels, self.size = numbers, inputs, labels, size
-    self.template = self.specs = self.fillers = self.carry = self._zeros = None
+    self.template = self.fillers = self.carry = self._zeros = None
+    self.specs: list = []
 
   def set_template(self, carry):
     self.template = carry

@@ -58,7 +58,7 @@ def fit(template, carry, out):
   """The rebased carry `out` of a branch traced on `carry` (the template's placeholders), in
   the template's structure (see the module's docstring)."""
   passed = {id(t) for part in PARTS for t in _leaves(carry[part])}
-  fitted = {}
+  fitted: dict = {}
   for part in PARTS:
     items = out.get(part, {})
     for key, value in items.items():

@@ -11,6 +11,7 @@ import collections
 import time
 
 from tfpipe.plan import records
+from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["Saved", "Held", "Stage", "Moves", "run"]
 
@@ -30,9 +31,12 @@ class Stage:
   weight half reads (`halves`), per mini-batch the loss of its micro-batches so far
   (`losses`), and the running logs of its latest step (`logs`)."""
 
-  def __init__(self, k, program, last):
+  def __init__(self, k: int, program: StageProtocol, last: bool):
     self.k, self.program, self.last = k, program, last
-    self.saved, self.held, self.halves, self.losses = {}, {}, {}, {}
+    self.saved: dict = {}
+    self.held: dict = {}
+    self.halves: dict = {}
+    self.losses: dict = {}
     self.logs = None
 
 
@@ -68,7 +72,7 @@ class Moves:
   def barrier(self, b):
     """An S task: every stage meets (lockstep); nothing where data orders it."""
 
-  def update(self, program, b):
+  def update(self, program: StageProtocol, b: int) -> None:
     """Applies stage `program`'s accumulated gradients of mini-batch b."""
     program.update(self.inline)
 

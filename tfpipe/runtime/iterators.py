@@ -26,7 +26,7 @@ EXIT_WAIT = 60.0
 # The deleting threads' name: they end once their iterator is deleted, which may outlast a fit.
 THREAD_NAME = "tfpipe-iterator-release"
 
-_THREADS = []   # the deleting threads started, until `wait` finds them ended
+_THREADS: list = []   # the deleting threads started, until `wait` finds them ended
 
 
 def release(iterator):

@@ -38,7 +38,8 @@ class Channel:
   """A bounded FIFO whose blocking put/get give up when `stop` is set."""
 
   def __init__(self, stop, maxsize=0, poll=0.05):
-    self._queue, self._stop, self._poll = queue.Queue(maxsize), stop, poll
+    self._queue: queue.Queue = queue.Queue(maxsize)
+    self._stop, self._poll = stop, poll
 
   def put(self, item):
     while True:
@@ -195,7 +196,7 @@ class Links:
     self.labels = Channel(self.stop, 0, poll)   # stage 0 -> last stage
     self.results = Channel(self.stop, 0, poll)  # last stage -> caller (the gate bounds it)
     self.gate = Gate(self.stop, lead, poll)
-    self._pieces = collections.deque()          # stage 0: the current mini-batch's micro-batches
+    self._pieces: collections.deque = collections.deque()   # stage 0: the current mini-batch's micro-batches
 
   def cancel(self, b):
     """The cancel test of a blocking call for batch b."""
@@ -264,4 +265,5 @@ def spawn(stop):
       thread.join()
   if errors:
     _, error, traceback = errors[0]
+    assert error is not None
     raise error.with_traceback(traceback)

@@ -3,11 +3,15 @@ runs each window of W mini-batches as one call that loops over them, so its grap
 mini-batch's tasks whatever W is."""
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
 from tfpipe.plan import schedules
 from tfpipe.runtime import calls
+
+if TYPE_CHECKING:
+  from tfpipe.runtime.compiled import CompiledRuntime
 
 __all__ = ["LoopWindows"]
 
@@ -15,7 +19,7 @@ __all__ = ["LoopWindows"]
 class LoopWindows:
   """The compiled executor's (`runtime`) loop windows: `function` (the traced loop)."""
 
-  def __init__(self, runtime):
+  def __init__(self, runtime: "CompiledRuntime"):
     self.runtime = runtime
     self.functions = calls.Relaxed(self._traced)   # per batch size; any sequence length
 
@@ -75,7 +79,7 @@ class LoopWindows:
     the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
     key, inline, _ = self.runtime.numbered[number]
     names = list(self.runtime.programs[-1].reports.results())
-    empty = {"x": {}, "saved": {}, "g": {}}
+    empty: dict = {"x": {}, "saved": {}, "g": {}}
 
     def body(i, losses, logs):
       at = lambda t: tf.gather(t, i)

@@ -15,12 +15,14 @@ caller re-raises that first exception with its traceback.
 """
 
 import time
+from typing import Optional, Sequence
 
 from tfpipe.plan import schedules, verify
 from tfpipe.plan.records import TaskRecord
 from tfpipe.runtime import interpreter
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.links import Countdown, Links, Skipped, concat, copy_to, spawn
+from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["Runtime"]
 
@@ -34,7 +36,8 @@ class Runtime(Executor):
   receiver queue): `link_capacity`.
   """
 
-  def __init__(self, programs, record=False, poll=0.05, maxsize=None):
+  def __init__(self, programs: Sequence[StageProtocol], record: bool = False,
+               poll: float = 0.05, maxsize: Optional[int] = None):
     super().__init__(programs, record=record, maxsize=maxsize)
     self.poll = poll
 
@@ -111,7 +114,7 @@ class Runtime(Executor):
         else:
           results.put((b, program.forward(xs, training=False)))
 
-    sent = [(list(range(num_batches)), []) for _ in range(K - 1)]
+    sent: list = [(list(range(num_batches)), []) for _ in range(K - 1)]
     self._execute(links, worker, num_batches, on_result, sent, before)
 
   def _execute(self, links, worker, num_batches, on_result, sent, before=None, record=False,
@@ -142,11 +145,13 @@ class Runtime(Executor):
       for k in range(workers or self.K):   # a worker per stage, or per device (its lane)
         launch(lambda k=k: worker(k), f"tfpipe-{'device' if workers else 'stage'}{k}")
       for k in range(self.K - 1):
-        launch(lambda k=k: transfer(*links.forward[k], self._receivers(k + 1, forward=True),
-                                    sent[k][0], k, "XF"), f"tfpipe-fwd{k}")
+        launch(lambda k=k: transfer(links.forward[k][0], links.forward[k][1],
+                                    self._receivers(k + 1, forward=True), sent[k][0], k, "XF"),
+               f"tfpipe-fwd{k}")
         if sent[k][1]:
-          launch(lambda k=k: transfer(*links.backward[k], self._receivers(k, forward=False),
-                                      sent[k][1], k + 1, "XB"), f"tfpipe-bwd{k}")
+          launch(lambda k=k: transfer(links.backward[k][0], links.backward[k][1],
+                                      self._receivers(k, forward=False), sent[k][1], k + 1,
+                                      "XB"), f"tfpipe-bwd{k}")
       for b in range(num_batches):
         if before is not None:
           before(b)
@@ -184,7 +189,7 @@ class _LinkMoves(interpreter.Moves):
   def barrier(self, b):
     self.links.barrier.wait(self.links.cancel(b))
 
-  def update(self, program, b):
+  def update(self, program: StageProtocol, b: int) -> None:
     if self.countdown is None:
       program.update()
       return

@@ -88,7 +88,7 @@ class Session:
   def __init__(self, keep_in=None, run_suffix=""):
     self.keep_in, self.run_suffix = keep_in, run_suffix
     self._entered = {}   # call n -> time.perf_counter() when it began
-    self.active, self.logdir = False, None
+    self.active, self.logdir = False, ""
 
   def start(self):
     self.logdir = tempfile.mkdtemp(prefix="tfpipe_profile_")
@@ -161,7 +161,9 @@ def task_records(events, calls, tasks, epoch):
     i = _task_index(name, backward_of)
     return (i, entries[i]) if i is not None and i < len(entries) and entries[i] else (None, None)
 
-  ops, moves, carried = collections.defaultdict(list), {}, {}
+  ops: dict = collections.defaultdict(list)
+  moves: dict = {}
+  carried: dict = {}
   for e in events:
     n = call_of(e.start)
     if n is None or n not in tasks:
@@ -203,7 +205,7 @@ def task_records(events, calls, tasks, epoch):
 
 def _runs(spans):
   """`spans` (start, end) merged into runs: a pause longer than `MERGE_GAP` starts a new run."""
-  runs = []
+  runs: list = []
   for start, end in sorted(spans):
     if runs and start <= runs[-1][1] + MERGE_GAP:
       runs[-1][1] = max(runs[-1][1], end)
