@@ -64,22 +64,23 @@ def test_backward_halves_equal_the_whole_backward(method, inline):
   Traced inline (both halves in one graph), a kept tape is not persistent: the input half
   takes the weight gradients in the same walk and hands them to the weight half."""
   whole, split, x, dys, one, expected = _whole_backward(method)
-  _, kept = split.forward(x, 1, split=True, inline=inline)
-  tape = whole.ops["F"].keeps == "tape"
-  assert (kept.tape is not None) == tape
-  if tape:
-    assert kept.tape._persistent == (not inline)
-  before = [v.numpy() for v in split.trainable]
-  done = split.backward_input([kept], dys, 1, one, inline=inline)
-  got = done.dxs
-  for a, b in zip(before, split.trainable):   # no update yet
-    np.testing.assert_array_equal(a, b.numpy())
-  if inline and tape:
-    assert len(done.kept.grads) == len(split.trainable) and done.kept.tape is None
-    kept = done.kept
-  else:
-    assert done.kept is None
-  assert split.backward_weights([kept], dys, 1, one, False, inline=inline) is None
+  with split.inlined(inline):
+    _, kept = split.forward(x, 1, split=True)
+    tape = whole.ops["F"].keeps == "tape"
+    assert (kept.tape is not None) == tape
+    if tape:
+      assert kept.tape._persistent == (not inline)
+    before = [v.numpy() for v in split.trainable]
+    done = split.backward_input([kept], dys, 1, one)
+    got = done.dxs
+    for a, b in zip(before, split.trainable):   # no update yet
+      np.testing.assert_array_equal(a, b.numpy())
+    if inline and tape:
+      assert len(done.kept.grads) == len(split.trainable) and done.kept.tape is None
+      kept = done.kept
+    else:
+      assert done.kept is None
+    assert split.backward_weights([kept], dys, 1, one, False) is None
   helpers.assert_close(got[0].numpy(), expected[0].numpy(), rtol=1e-6)
   helpers.assert_weights_close([v.numpy() for v in split.trainable],
                                [v.numpy() for v in whole.trainable], rtol=1e-6)

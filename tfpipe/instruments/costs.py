@@ -318,8 +318,9 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       if program.is_last:
         def step(inputs, program=program, n=len(xs)):
           own = (tf.nest.pack_sequence_as(labels[0], inputs[n + 1:]), None)
-          kept = program.forward(inputs[:n], labels=own, inline=inline)[1]
-          return program.backward([kept], None, 0, inputs[n], accumulate, inline=inline).dxs
+          with program.inlined(inline):
+            kept = program.forward(inputs[:n], labels=own)[1]
+            return program.backward([kept], None, 0, inputs[n], accumulate).dxs
         inputs = xs + [scale] + tf.nest.flatten(labels[0])
         tasks["step"] = start((program.index, "step"), step, inputs, device)
         works.append((step, inputs, device))
@@ -327,14 +328,15 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         ys = _outputs(program, xs, n, traced)
 
         def forward_backward(inputs, program=program, s=s):
-          outputs, kept = program.forward(inputs[:-1], s, inline=inline)
-          return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
-                                  accumulate, inline=inline).dxs
+          with program.inlined(inline):
+            outputs, kept = program.forward(inputs[:-1], s)
+            return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
+                                    accumulate).dxs
         tasks["fb"] = start((program.index, "fb"), forward_backward, xs + [scale], device)
         works.append((forward_backward, xs + [scale], device))
         if not quick:
           tasks["f"] = start((program.index, "f"), lambda inputs, program=program, s=s:
-                             program.forward(inputs, s, inline=inline)[0], xs, device)
+                             _inlined_forward(program, inputs, s, inline), xs, device)
         following = pipe.programs[program.index + 1].device
 
         def move(inputs, following=following):
@@ -345,7 +347,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
         xs = ys
       if accumulate and update is None and program.index in updated:
         tasks["update"] = start((program.index, "update"),
-                                lambda inputs, program=program: program.update(inline=True),
+                                lambda inputs, program=program: _inlined_update(program),
                                 [], device)
       pending.append((program, tasks))
     for _, tasks in pending:   # no first call still running on the pool while a task is timed
@@ -436,3 +438,15 @@ def predict(costs: simulator.Costs, method: str, batch_size: int, micro_batches:
                                        recompute=policy.recompute,
                                        virtual_stages=virtual_stages)
   return timeline.samples_per_second(batch_size)
+
+
+def _inlined_forward(program, inputs, s, inline):
+  """`program`'s forward outputs on `inputs`, its tasks traced `inline` or as calls."""
+  with program.inlined(inline):
+    return program.forward(inputs, s)[0]
+
+
+def _inlined_update(program):
+  """`program`'s update, traced inline."""
+  with program.inlined(True):
+    return program.update()

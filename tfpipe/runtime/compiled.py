@@ -428,8 +428,10 @@ class CompiledRuntime(Executor):
     # across a call keeps constant exponents constant (`compat.constant_exponents`).
     marked = self._marked() if not inline else contextlib.nullcontext()
     with compat.optimised_calls(), compat.calls_inferred_once(), compat.constant_exponents(), \
-        marked:
-      return self._traced_tasks(key, inline, carry, inputs, labels, M)
+        marked, contextlib.ExitStack() as stack:
+      for program in self.programs:   # the tracing mode: each stage's tasks in place, or calls
+        stack.enter_context(program.inlined(inline))
+      return self._traced_tasks(key, carry, inputs, labels, M)
 
   def _marked(self):
     """`compat.calls_marked` for the stages' devices; nothing when a stage runs under XLA."""
@@ -437,8 +439,8 @@ class CompiledRuntime(Executor):
       return contextlib.nullcontext()
     return compat.calls_marked([p.device for p in self.programs])
 
-  def _traced_tasks(self, key, inline, carry, inputs, labels, M):
-    moves = _WindowMoves(self, carry, inputs, labels, M, inline)
+  def _traced_tasks(self, key, carry, inputs, labels, M):
+    moves = _WindowMoves(self, carry, inputs, labels, M)
     stages = [interpreter.Stage(k, p, k == self.K - 1) for k, p in enumerate(self.programs)]
     for (k, b, micro), (kept, share) in carry["saved"].items():
       stages[k].saved[(b, micro)] = interpreter.Saved(kept, None, share)
@@ -498,9 +500,8 @@ class _WindowMoves(interpreter.Moves):
   outputs and gradients in flight are kept by unit, with those carried in from the window
   before (`carry`); shares are float64 tensors; a mini-batch's result is its loss and logs."""
 
-  def __init__(self, runtime, carry, inputs, labels, M, inline):
-    self.runtime, self.inputs, self.labels, self.M, self.inline = (runtime, inputs, labels, M,
-                                                                   inline)
+  def __init__(self, runtime, carry, inputs, labels, M):
+    self.runtime, self.inputs, self.labels, self.M = runtime, inputs, labels, M
     self.outputs, self.gradients = dict(carry["x"]), dict(carry["g"])
     self.pieces, self.results = {}, {}
 

@@ -43,12 +43,9 @@ class Stage:
 class Moves:
   """How values move between stages and actions: what an executor provides `run`.
 
-  `inline`: stage tasks traced into the caller's graph (the compiled executor's small stages).
   A share is a micro-batch's fraction of its mini-batch as the executor carries it (a float,
   or a float64 tensor); `weight` makes it what a stage task takes.
   """
-  inline = False
-
   def take_input(self, k, b, micro):
     """(inputs, share, labels) of stage k's forward of unit (b, micro); labels: (labels,
     sample weights) at the last stage, else None."""
@@ -74,7 +71,7 @@ class Moves:
 
   def update(self, program: StageProtocol, b: int) -> None:
     """Applies stage `program`'s accumulated gradients of mini-batch b."""
-    program.update(self.inline)
+    program.update()
 
   def weight(self, k, share):
     return share
@@ -125,7 +122,7 @@ def run(action, stage, moves):
   if op in ("hold", "forward"):
     xs, share, labels = moves.take_input(k, b, micro)
     start = time.perf_counter()
-    ys, kept = program.forward(xs, s, labels, inline=moves.inline)
+    ys, kept = program.forward(xs, s, labels)
     if op == "hold":   # the last stage runs its forward and loss with the backward (its step)
       stage.held[unit] = Held(kept, share, s)
       moves.saved(stage)
@@ -151,13 +148,12 @@ def run(action, stage, moves):
     _step(op, k, task, units, stage, moves, start)
   elif op == "step_weights":   # a split step's weight half
     part = stage.saved.pop(unit)
-    program.backward_weights([part.kept], None, s, moves.weight(k, part.share), True,
-                             moves.inline)
+    program.backward_weights([part.kept], None, s, moves.weight(k, part.share), True)
     moves.record(k, "W", task, part.version, s, start)
   elif op == "backward_weights":   # a split backward's weight half: its B kept state and dys
     part = stage.saved.pop(unit)
     program.backward_weights([part.kept], stage.halves.pop(unit), s,
-                             moves.weight(k, part.share), True, moves.inline)
+                             moves.weight(k, part.share), True)
     moves.record(k, "W", task, _version(program, [part], k, moves), s, start)
   else:   # "backward", or a split backward's input half ("backward_input")
     dys = moves.take_gradient(k, b, micro)
@@ -167,13 +163,12 @@ def run(action, stage, moves):
     kept, share = [p.kept for p in parts], moves.total([p.share for p in parts])
     if split:
       stage.halves[unit] = dys
-      done = program.backward_input(kept, dys, s, moves.weight(k, share), moves.inline)
+      done = program.backward_input(kept, dys, s, moves.weight(k, share))
       if done.kept is not None:   # it took the weight gradients too: its weight half's
         stage.saved[unit] = stage.saved[unit]._replace(kept=done.kept)
       dxs = done.dxs
     else:
-      dxs = program.backward(kept, dys, s, moves.weight(k, share), micro is not None,
-                             moves.inline).dxs
+      dxs = program.backward(kept, dys, s, moves.weight(k, share), micro is not None).dxs
     moves.record(k, "B", task, _version(program, parts, k, moves), s, start)
     if micro is None:
       moves.updated(k)
@@ -192,11 +187,10 @@ def _step(op, k, task, units, stage, moves, start):
   version = moves.version(k, s)
   step = [parts[0].kept._replace(xs=xs, labels=labels)]
   if op == "step_input":   # a split step: its W takes the weight gradients
-    done = program.backward_input(step, None, s, moves.weight(k, share), moves.inline)
+    done = program.backward_input(step, None, s, moves.weight(k, share))
     stage.saved[(b, micro)] = Saved(done.kept, version, share)
   else:
-    done = program.backward(step, None, s, moves.weight(k, share), micro is not None,
-                            moves.inline)
+    done = program.backward(step, None, s, moves.weight(k, share), micro is not None)
   loss, dxs, logs = done.loss, done.dxs, done.logs
   stage.logs = logs
   moves.record(k, records.STEP, task, version, s, start)

@@ -22,8 +22,8 @@ class StageProtocol(Protocol):
   and `backward_weights` (a zero-bubble schedule's B and W), `update` (U). `s` is a task's
   version difference, `scale` a micro-batch's share of its mini-batch (a scalar tensor),
   `accumulate` whether weight gradients go to the accumulators (micro-batches) rather than
-  into an update. `inline`: the task is traced into the caller's graph (the compiled
-  executor's small stages) rather than called as the stage's own function.
+  into an update. How the tasks trace is a context the compiled executor enters
+  (`inlined`), not an argument of each operation.
   """
 
   # Read-only properties the executors read.
@@ -76,27 +76,29 @@ class StageProtocol(Protocol):
   # Operations.
 
   def forward(self, xs: Any, s: int = 0, labels: Any = None, training: bool = True,
-              inline: bool = False, split: bool = False) -> Any:
+              split: bool = False) -> Any:
     """Task F. Training: (outputs, what its backward needs). `training=False`: the outputs
     (at the last stage with `labels`, the running logs)."""
 
-  def backward(self, parts: List[Any], dys: Any, s: int, scale: Any, accumulate: bool,
-               inline: bool = False) -> Any:
+  def backward(self, parts: List[Any], dys: Any, s: int, scale: Any, accumulate: bool) -> Any:
     """Task B over the forwards `parts` given the outputs' gradients `dys`: the input
     gradients (and at the last stage the loss and logs)."""
 
-  def backward_input(self, parts: List[Any], dys: Any, s: int, scale: Any,
-                     inline: bool = False) -> Any:
+  def backward_input(self, parts: List[Any], dys: Any, s: int, scale: Any) -> Any:
     """A split backward's input half: no update."""
 
-  def backward_weights(self, parts: List[Any], dys: Any, s: int, scale: Any, accumulate: bool,
-                       inline: bool = False) -> None:
+  def backward_weights(self, parts: List[Any], dys: Any, s: int, scale: Any,
+                       accumulate: bool) -> None:
     """A split backward's weight half: the update (or accumulation)."""
 
-  def update(self, inline: bool = False) -> Any:
+  def update(self) -> Any:
     """Task U: one update with the accumulated gradients."""
 
   # What the compiled executor asks of how a stage traces.
+
+  def inlined(self, on: bool = True) -> ContextManager[None]:
+    """While on, the operations trace their tasks' bodies into the caller's graph (a
+    window's small stages) rather than call the stage's own traced functions."""
 
   def carried(self, kept: Any) -> Any:
     """`kept` as a compiled window carries it into the next."""

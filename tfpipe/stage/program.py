@@ -206,6 +206,7 @@ class StageProgram:
                                            placed=self.remote)
     self._residual_calls = {}   # concrete forward's name -> its `compat.ResidualCall`
     self._inlined_residuals = False   # `residuals_inlined`
+    self._inline = False   # `inlined`: the operations trace their tasks' bodies in place
 
   def _row_weights(self, synchronous, jit_compile):
     """The indices of this stage's weights an `Embedding` reads by rows: with a synchronous
@@ -495,7 +496,18 @@ class StageProgram:
   # The stage's operations (`tfpipe.plan.tasks`): what every executor calls, eagerly (the
   # threaded executor) or while tracing a window (the compiled one; `inline`: see `task`).
 
-  def forward(self, xs, s=0, labels=None, training=True, inline=False, split=False):
+  @contextlib.contextmanager
+  def inlined(self, on=True):
+    """While on, the operations trace their tasks' bodies into the caller's graph (the
+    compiled executor's small stages, and a profile of them) rather than call the stage's
+    own traced functions: the tracing mode a window is traced in."""
+    before, self._inline = self._inline, bool(on)
+    try:
+      yield
+    finally:
+      self._inline = before
+
+  def forward(self, xs, s=0, labels=None, training=True, split=False):
     """Task F: the forward on the weights it reads (s: its version difference).
 
     Training: returns (outputs, `Kept`: what its backward needs, as the table's `keeps`
@@ -516,6 +528,7 @@ class StageProgram:
     `training=False` (inference, current weights): the outputs; at the last stage with
     `labels`, the loss and metrics of the batch added to the running logs, which it returns.
     """
+    inline = self._inline
     if not training:
       if labels is None:
         return self.task("infer", inline)(xs)
@@ -583,13 +596,14 @@ class StageProgram:
       self._residual_calls[concrete.name] = compat.ResidualCall(concrete)
     return self._residual_calls[concrete.name]
 
-  def backward(self, parts, dys, s, scale, accumulate, inline=False):
+  def backward(self, parts, dys, s, scale, accumulate):
     """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
     mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
     says (`s`: the task's version difference); updates with the weight gradients (adds
     them to the accumulators with `accumulate`). Returns `Backward`: the input gradients,
     and at the last stage (one part: its inputs and labels; `dys` None) the loss and the
     running logs."""
+    inline = self._inline
     if self._steps:
       (part,) = parts
       y, sample_weight = part.labels
@@ -599,13 +613,14 @@ class StageProgram:
     return Backward(self._backward(self._opened(parts), dys, s, scale, accumulate, "both",
                                    inline))
 
-  def backward_input(self, parts, dys, s, scale, inline=False):
+  def backward_input(self, parts, dys, s, scale):
     """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
-    tape must be persistent (`forward(..., split=True)`) unless `inline`, or the forward kept
+    tape must be persistent (`forward(..., split=True)`) unless traced `inlined`, or the forward kept
     its residuals: then it takes the weight gradients too, in the same walk (one call of the
     forward's backward), and `Backward.kept` holds them (`Kept.grads`) for the weight half.
     At the last stage, `Backward.kept` holds the persistent tape its weight half takes the
     weight gradients from (eagerly), or (in a window's graph) the weight gradients."""
+    inline = self._inline
     if self._steps:
       return self._step_input(parts, s, scale, inline)
     parts = self._opened(parts)
@@ -624,9 +639,10 @@ class StageProgram:
                       kept=kept._replace(tape=None, grads=grads[:n], residuals=None))
     return Backward(self._backward(parts, dys, s, scale, False, "inputs", inline))
 
-  def backward_weights(self, parts, dys, s, scale, accumulate, inline=False):
+  def backward_weights(self, parts, dys, s, scale, accumulate):
     """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update (at
     the last stage, `parts` is its input half's `Backward.kept` and `dys` None)."""
+    inline = self._inline
     if len(parts) == 1 and parts[0].grads is not None:   # taken by the input half
       (kept,) = parts
       with tf.device(self.device):
@@ -643,9 +659,9 @@ class StageProgram:
       return
     self._backward(self._opened(parts), dys, s, scale, accumulate, "weights", inline)
 
-  def update(self, inline=False):
+  def update(self):
     """Task U: one update with the accumulated gradients, which it clears."""
-    return self.task("apply_accumulated", inline)()
+    return self.task("apply_accumulated", self._inline)()
 
   @property
   def _steps(self):
