@@ -6,7 +6,6 @@ functions read the weights explicitly through `keras.Model.stateless_call`,
 so current, stashed and predicted weights all run the same compiled code.
 """
 
-import collections
 import contextlib
 
 import keras
@@ -18,70 +17,14 @@ from tfpipe.rules import mitigations, prediction
 from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reduction, tracing
 from tfpipe.stage import mirrors as mirrors_lib, placement, updates as updates_lib
 from tfpipe.stage import weights as weights_lib
+from tfpipe.stage.bodies import TaskBodies
+from tfpipe.stage.kept import Backward, Kept, embedding_layers, embeds, is_float, scaled
+from tfpipe.stage.residuals import KeptResiduals
 
 __all__ = ["StageProgram", "Kept", "Backward", "embeds"]
 
-_NONE = tf.UnconnectedGradients.NONE
-# The traced task functions (`StageProgram.task`).
-Kept = collections.namedtuple(
-    "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels", "grads", "residuals"],
-    defaults=(None, None, None, None, None, None, None, None))
-Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
-inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
-replays); the `weights` it read (for "tape" and "weights"); for "tape" also the gradient
-`tape` (persistent when the backward runs as two halves) with its outputs `ys` and
-regularisation `reg`, or, for a forward called from a compiled window's graph, its
-`residuals`: the forward's tensors its gradient reads, which the call output
-(`compat.ResidualCall`), so the backward needs no tape and may run in a later window.
-`StageProgram.carried` is what a compiled window carries across its boundary: the residuals
-packed into one tensor, or without a tape the inputs, state and weights, from which the
-backward then recomputes the forward (the same values). The last stage's forward keeps its inputs and `labels`
-((labels, sample weights)) for its step. After a split backward's input half traced into
-one graph with its weight half (`inline`), `grads`: the weight gradients it took in the same
-walk of the tape, which the weight half applies."""
 
-Backward = collections.namedtuple("Backward", ["dxs", "loss", "logs", "kept"],
-                                  defaults=(None, None, None))
-Backward.__doc__ = """What a backward returns: the input gradients `dxs`; at the last stage
-also the step's `loss` and the running `logs`, and after a split step's input half the
-`kept` tape its weight half reads."""
-
-
-def _scaled(grad, scale):
-  """`grad` (a tensor or IndexedSlices) times `scale`, in the gradient's dtype."""
-  if isinstance(scale, (int, float)) and scale == 1:
-    return grad
-  if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(grad.values * tf.cast(scale, grad.values.dtype), grad.indices,
-                            grad.dense_shape)
-  return grad * tf.cast(scale, grad.dtype)
-
-
-def _summed(grads):
-  """The sum of one weight's gradients from several parts; IndexedSlices (an embedding's)
-  join as the tape joins them (their rows concatenated)."""
-  if all(isinstance(g, tf.IndexedSlices) for g in grads):
-    return tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
-                            tf.concat([g.indices for g in grads], 0), grads[0].dense_shape)
-  return tf.add_n([tf.convert_to_tensor(g) for g in grads])
-
-
-def _is_float(t):
-  return tf.as_dtype(t.dtype).is_floating
-
-
-def _embeddings(model):
-  """The trainable `Embedding` layers of `model`, nested ones too."""
-  return [layer for layer in compat.all_layers(model)
-          if isinstance(layer, keras.layers.Embedding) and layer.trainable]
-
-
-def embeds(model):
-  """Whether `model` (a stage) has a trainable embedding, whose gradient comes as rows."""
-  return bool(_embeddings(model))
-
-
-class StageProgram:
+class StageProgram(TaskBodies, KeptResiduals):
   """Stage k of a pipeline: its variables on `device` and its task functions.
 
   Its operations (`forward`, `backward` or its halves `backward_input` and
@@ -94,7 +37,9 @@ class StageProgram:
   and do is delegated: `sources` (`tfpipe.stage.weights`: the weights a task
   reads), `updates` (`tfpipe.stage.updates`: the step with the stage's rule,
   accumulation, whole-model decisions), `reports` (`tfpipe.stage.logs`: the
-  last stage's loss and metrics) and `functions` (`tfpipe.stage.tracing`).
+  last stage's loss and metrics) and `functions` (`tfpipe.stage.tracing`). Its task bodies
+  are written in `tfpipe.stage.bodies` (`TaskBodies`), what a called forward keeps in
+  `tfpipe.stage.residuals` (`KeptResiduals`), and `Kept` in `tfpipe.stage.kept`.
 
   Backwards of micro-batches add their weight gradients into accumulators
   (`accumulate=True`); `update` then updates once. `scale` (a
@@ -166,8 +111,8 @@ class StageProgram:
     self.groups_in = R if grouped and not self.is_first else 1   # input lists, one per replica
     self.groups_out = R if grouped and not self.is_last else 1
     self.grouped_in, self.grouped_out = self.groups_in > 1, self.groups_out > 1
-    self._float_in = [_is_float(t) for t in model.inputs] * self.groups_in
-    self._float_out = [_is_float(t) for t in model.outputs] * self.groups_out
+    self._float_in = [is_float(t) for t in model.inputs] * self.groups_in
+    self._float_out = [is_float(t) for t in model.outputs] * self.groups_out
     # The model's outputs (the last stage's, in this order) as Keras's loss and metrics take
     # them: one tensor, or a list or dict of several (their labels arrive as a tuple).
     self.reports = logs_lib.Logs(loss, metrics, loss_tracker, reg_trackers, output_structure,
@@ -214,7 +159,7 @@ class StageProgram:
     asynchronous methods' rules are written for dense gradients; XLA wants static shapes."""
     if not synchronous or jit_compile:
       return ()
-    embedded = {id(layer.embeddings) for layer in _embeddings(self.model)}
+    embedded = {id(layer.embeddings) for layer in embedding_layers(self.model)}
     return tuple(j for j, (src, _) in enumerate(self._pairs[:len(self.trainable)])
                  if id(src) in embedded)
 
@@ -247,254 +192,8 @@ class StageProgram:
             "apply_accumulated": self.updates.apply_accumulated, "last_step": self._last_step,
             "step_on": self._step_on, "infer": self._infer, "evaluate_last": self._evaluate_last}
 
-  # Weights and the stage call.
-
-  def _call(self, weights, xs, training, update_state=True, state=None):
-    """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
-
-    `state`: the non-trainable values to read (None: the variables'). Random
-    layers draw from their seed generators' state, which is part of it: a
-    recomputation passes the state its forward read and so draws the same
-    masks (docs/architecture.md).
-    """
-    if state is None:
-      state = [tf.convert_to_tensor(v) for v in self.non_trainable]
-    moved = self._model_split() != self._split   # a layer's `trainable` changed since compile
-    call_weights, call_state = self._as_model_split(weights, state) if moved else (weights, state)
-    if len(self.replica_devices) > 1:
-      ys, new_state, losses = reduction.replicated_call(
-          self.model, call_weights, call_state, xs, training, self.replica_devices,
-          self.cross_device_ops, self.groups_in, self.groups_out)
-    else:
-      inputs = xs[0] if len(xs) == 1 else list(xs)
-      ys, new_state, losses = self.model.stateless_call(
-          call_weights, call_state, inputs, training=training, return_losses=True)
-      ys = tf.nest.flatten(ys)
-    if moved:
-      new_state = self._from_model_split(new_state, state)
-    if training and update_state:
-      for v, value in zip(self.non_trainable, new_state):
-        v.assign(value)
-    # Keras adds each additional loss summed, in floatx (Trainer._aggregate_additional_loss).
-    losses = [tf.reduce_sum(tf.cast(l, keras.backend.floatx()) if not l.dtype.is_floating else l)
-              for l in losses]
-    reg = tf.add_n(losses) if losses else tf.zeros((), dtype=tf.float32)
-    if losses and update_state and self.reg_tracker is not None:
-      size = len(xs) // self.groups_in   # the samples of every replica's inputs
-      self.reg_tracker.update_state(
-          reg, sample_weight=tf.add_n([tf.shape(x)[0] for x in xs[::size]]))
-    return ys, reg, state
-
-  def _model_split(self):
-    """Which of this stage's variables Keras now lists as trainable (ids, in its order)."""
-    return ([id(v) for v in self.model.trainable_variables],
-            [id(v) for v in self.model.non_trainable_variables])
-
-  def _as_model_split(self, weights, state):
-    """`weights` and `state` (the compile-time split) as Keras's lists are after a layer's
-    `trainable` changed: predict and evaluate still read every variable's own value
-    (`Pipeline.fit` asks for a new compile)."""
-    values = {id(src): value for (src, _), value in zip(self._pairs, list(weights) + list(state))}
-    return ([values[id(v)] for v in self.model.trainable_variables],
-            [values[id(v)] for v in self.model.non_trainable_variables])
-
-  def _from_model_split(self, new_state, state):
-    """The non-trainable values after a call, back in the compile-time order."""
-    values = {id(v): value for v, value in zip(self.model.non_trainable_variables, new_state)}
-    sources = [src for src, _ in self._pairs[len(self.trainable):]]
-    return [values.get(id(src), old) for src, old in zip(sources, state)]
-
-  def _float_inputs(self, xs):
-    return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
-
-  def _gradient(self, tape, targets, sources, n_weights, output_gradients=None):
-    """`tape.gradient(targets, sources)`, where the first `n_weights` sources are the stage's
-    weights (`_connected`)."""
-    grads = tape.gradient(targets, sources, output_gradients=output_gradients,
-                          unconnected_gradients=_NONE)
-    return self._connected(grads, sources, n_weights)
-
-  def _connected(self, grads, sources, n_weights):
-    """`grads` of `sources` with zeros where a source is unconnected; a weight among the
-    first `n_weights` that the loss does not depend on is noted (`Updates.unused`): Keras's
-    optimizer gives it no step, not a step with a zero gradient (which moves it under Adam's
-    momentum or AdamW's decay)."""
-    out = []
-    for j, (g, t) in enumerate(zip(grads, sources)):
-      if g is None:
-        if j < n_weights:
-          self.updates.unused.add(j)
-        g = tf.zeros_like(t)
-      out.append(g)
-    return out
-
-  def _input_grads(self, grads):
-    """Gradients for every stage input (None for integer inputs); none for stage 0."""
-    if self.is_first:
-      return []
-    grads = iter(grads)
-    return [next(grads) if f else None for f in self._float_in]
-
-  def _targets(self, ys, dys, reg, scale):
-    pairs = [(y, dy if dy is not None else tf.zeros_like(y))
-             for y, dy, f in zip(ys, dys, self._float_out) if f]
-    # The regularisation's gradient weighs as the loss's: the micro-batch's share, and the
-    # loss scale where the loss is scaled (the output gradients `dys` carry it already).
-    return ([y for y, _ in pairs] + [reg],
-            [dy for _, dy in pairs] + [self._loss_scaled(tf.ones_like(reg)
-                                                         * tf.cast(scale, reg.dtype))])
-
-  # Task functions (traced once per signature; `task` gives them to the executors).
-
-  def _read_weights(self, s):
-    """The forward's weights as tensors of their own: what a kept forward or a blend reads
-    (the last stage: its step's)."""
-    with tf.device(self.device):
-      return [tf.identity(w) for w in self.sources.forward(s)]
-
-  def _forward(self, xs, s):
-    """The training forward on the weights it reads: (outputs, regularisation, the
-    non-trainable state read: kept for a recompute)."""
-    with tf.device(self.device):
-      return self._call(self.sources.read(s, self.ops["F"].reads), xs, training=True)
-
-  def _forward_on(self, weights, xs):
-    """The training forward on `weights` (tensors): (outputs, regularisation, state read)."""
-    with tf.device(self.device):
-      return self._call(weights, xs, training=True)
-
-  def _backward_on(self, kept_weights, parts, dys, s, scale, accumulate, wrt, inline=False):
-    """Recomputes the forwards of `parts` [(inputs, state read)] on the backward's weights
-    (`_backward_read`) and takes their gradients `wrt` ("both", "inputs", "weights"); the
-    weight gradients update (or accumulate); returns the input gradients ([] for "weights").
-
-    Each part replays its own forward's random draws; outputs (and input gradients) of
-    several parts (a TiMePReSt mini-batch) join along the batch axis. Regularisation losses
-    are the first part's (weight penalties count once). Several parts run as calls of one
-    traced `part_grads` (its body, `inline`), their weight gradients summed: one trace of the
-    stage for all the parts, not one per part.
-    """
-    with tf.device(self.device):
-      weights = self.sources.backward(kept_weights, s)
-      if len(parts) > 1 and not (self.grouped_in or self.grouped_out):
-        weight_grads, input_grads = self._summed_grads(weights, parts, dys, scale, wrt, inline)
-      else:
-        weight_grads, input_grads = self._joined_grads(weights, parts, dys, scale, wrt)
-      if wrt == "weights":
-        self.updates.update(weight_grads, accumulate, self.updates.read(weights))
-        return []
-      if wrt == "both":
-        self.updates.update_after(input_grads, weight_grads, accumulate, weights)
-      return self._input_grads(input_grads)
-
-  def _joined_grads(self, weights, parts, dys, scale, wrt):
-    """(weight gradients, input gradients) of the parts' forwards traced side by side, their
-    outputs joined along the batch axis."""
-    float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
-    with tf.GradientTape() as tape:
-      tape.watch(list(weights) + float_xs)
-      outs = [self._call(weights, xs, training=True, update_state=False, state=state)
-              for xs, state in parts]
-      ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
-                                              for y in zip(*[o[0] for o in outs])]
-      targets, out_grads = self._targets(ys, dys, outs[0][1], scale)
-    sources = ((list(weights) if wrt != "inputs" else []) +
-               (float_xs if wrt != "weights" else []))
-    n_weights = len(weights) if wrt != "inputs" else 0
-    grads = self._gradient(tape, targets, sources, n_weights, out_grads)
-    if wrt == "weights":
-      return grads, []
-    n = len(float_xs) // len(parts)
-    per_part = [grads[n_weights + i * n:n_weights + (i + 1) * n] for i in range(len(parts))]
-    joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
-    return grads[:n_weights], joined
-
-  def _summed_grads(self, weights, parts, dys, scale, wrt, inline):
-    """(weight gradients, input gradients) of the parts' forwards, one `part_grads` call
-    each: the weight gradients summed, the input gradients joined along the batch axis."""
-    sizes = [tf.shape(xs[0])[0] for xs, _ in parts]
-    dys = [[None] * len(parts) if dy is None else tf.split(dy, sizes) for dy in dys]
-    call = self.task("part_grads", inline)
-    zero = tf.zeros((), tf.float32)
-    results = [call(weights, xs, state, [dy[i] for dy in dys],
-                    tf.cast(scale, tf.float32) if i == 0 else zero, wrt)
-               for i, (xs, state) in enumerate(parts)]
-    weight_grads = [_summed(list(g)) for g in zip(*[r[0] for r in results])]
-    input_grads = [tf.concat(list(g), 0) for g in zip(*[r[1] for r in results])]
-    return weight_grads, input_grads
-
-  def _part_grads(self, weights, xs, state, dys, reg_scale, wrt):
-    """One part of a recomputing backward (`_joined_grads` of that part alone): its forward
-    on `weights` replaying `state`, then (weight gradients, input gradients) `wrt`, its
-    regularisation weighted by `reg_scale` (0: a later part's, counted by the first)."""
-    with tf.device(self.device):
-      return self._joined_grads(weights, [(xs, state)], dys, reg_scale, wrt)
-
-  def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
-    """The last stage's forward, loss, backward and update: returns (loss, input gradients,
-    the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
-    with tf.device(self.device):
-      weights = self.sources.read(s, self.ops["B"].reads)
-      float_xs = self._float_inputs(xs)
-      with tf.GradientTape() as tape:
-        tape.watch(weights + float_xs)
-        ys, reg, _ = self._call(weights, xs, training=True)
-        y_true, y_pred = self.reports.structured(ys, y)
-        loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
-        total = loss + tf.cast(reg, loss.dtype)
-        same = total.dtype == ys[0].dtype
-        scaled = self._loss_scaled(total * tf.cast(scale, total.dtype) if same else total)
-      with self._replicas_scaled(None if same else scale):
-        grads = self._gradient(tape, scaled, weights + float_xs, len(weights))
-      if not same:
-        # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
-        # scales its gradients in float64, not rounded to float32 (1e-8 relative).
-        grads = [_scaled(g, scale) for g in grads]
-      self.updates.update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
-      self.reports.update(y_true, y_pred, total, sample_weight)
-      return total, self._input_grads(grads[len(weights):]), self.reports.results(in_task=True)
-
-  def _step_on(self, weights, xs, y, sample_weight, scale):
-    """The last stage's forward, loss and metrics on `weights` (tensors), for a split step
-    (`last_step_input`): (the target of its gradients, the loss, the running logs)."""
-    with tf.device(self.device):
-      ys, reg, _ = self._call(weights, xs, training=True)
-      y_true, y_pred = self.reports.structured(ys, y)
-      loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
-      total = loss + tf.cast(reg, loss.dtype)
-      # As `_last_step`: a loss of another dtype than the outputs scales the gradients.
-      self._step_scales_loss = total.dtype == ys[0].dtype
-      target = self._loss_scaled(total * tf.cast(scale, total.dtype) if self._step_scales_loss
-                                 else total)
-      self.reports.update(y_true, y_pred, total, sample_weight)
-      return target, total, self.reports.results(in_task=True)
-
-  def _replicas_scaled(self, scale):
-    """The replicas' own gradients (`mirrors`) scaled as this stage's are after the tape."""
-    if self.mirrors is None or scale is None:
-      return contextlib.nullcontext()
-    return self.mirrors.scaled(scale)
-
-  def _loss_scaled(self, loss):
-    """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.rules.joint`), if any."""
-    joint = self.updates.joint
-    return joint.scaled_loss(loss) if joint is not None else loss
-
-  def _infer(self, xs):
-    with tf.device(self.device):
-      return self._call(self.sources.read(0, "current"), xs, training=False)[0]
-
-  def _evaluate_last(self, xs, y, sample_weight):
-    """Loss and metrics of a batch with the current weights; returns the running logs."""
-    with tf.device(self.device):
-      ys, reg, _ = self._call(self.sources.read(0, "current"), xs, training=False)
-      y_true, y_pred = self.reports.structured(ys, y)
-      loss = self.loss(y_true, y_pred, sample_weight=sample_weight) + reg
-      self.reports.update(y_true, y_pred, loss, sample_weight)
-      return self.reports.results(in_task=True)
-
   # The stage's operations (`tfpipe.plan.tasks`): what every executor calls, eagerly (the
-  # threaded executor) or while tracing a window (the compiled one; `inline`: see `task`).
+  # threaded executor) or while tracing a window (the compiled one, `inlined` or not).
 
   @contextlib.contextmanager
   def inlined(self, on=True):
@@ -560,42 +259,6 @@ class StageProgram:
       ys, reg, state = self.task("forward_on", inline)(weights, xs)
     return ys, Kept(xs, state, list(weights), tape, ys, reg)
 
-  @contextlib.contextmanager
-  def residuals_inlined(self, on=True):
-    """While on, a forward traced inline whose backward reads its tape is instead a call of
-    the forward traced once per signature (`TaskFunctions.inlined_forward`) that outputs its
-    residuals, which TensorFlow inlines when the graph runs, and its backward a call of that
-    forward's backward (`compat.ResidualCall`): a window graph that holds M copies of the
-    stage's tasks traces the forward and its gradient once, not M times. For the compiled
-    executor's loop windows, where each forward's backward is in the same graph (a
-    zero-bubble backward's input half takes both gradients from the residuals, as a
-    window of calls does). Measured (`bench/startup.py`, 12-layer Llama, K=4, M=4,
-    first-epoch extra / second epoch, s): 1f1b 16.7 / 1.67 traced inline, 11.3 / 1.67 so;
-    gpipe 18.4 / 1.73, 11.3 / 1.68 (Keras's extra 9.4 s); zb (first epoch, 6 epochs'
-    steady, alternating processes) 19.1, 19.3 / 1.64, 1.84, so 13.1, 12.9 / 1.85, 1.69
-    (each process runs at one of two steady speeds, either way)."""
-    before, self._inlined_residuals = self._inlined_residuals, on
-    try:
-      yield
-    finally:
-      self._inlined_residuals = before
-
-  def _residual_call(self, weights, xs, inline=False):
-    """The forward's `compat.ResidualCall` for these arguments, when a window's graph calls
-    the traced forward (not eagerly, not under XLA); else None. `inline`: of the forward
-    TensorFlow inlines when the graph runs (`residuals_inlined`), else of the one that stays
-    a call. Under XLA on CPU, measured
-    (`bench/steady_state.py --methods=spectrain --variants=xla`, two runs each): first-epoch
-    extra 15.7-16.7 s against 19.9-20.5 s recomputing, but steady epochs 2.93-3.09 s against
-    2.37-2.40 s (cores busy 1.15 against 1.41): recomputed there."""
-    if tf.executing_eagerly() or self.jit_compile:
-      return None
-    forward = self.functions.inlined_forward if inline else self.functions.traced["forward_on"]
-    concrete = forward.get_concrete_function(weights, xs)
-    if concrete.name not in self._residual_calls:
-      self._residual_calls[concrete.name] = compat.ResidualCall(concrete)
-    return self._residual_calls[concrete.name]
-
   def backward(self, parts, dys, s, scale, accumulate):
     """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
     mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
@@ -654,7 +317,7 @@ class StageProgram:
         with self._replicas_scaled(None if self._step_scales_loss else scale):
           grads = self._gradient(kept.tape, kept.ys[0], kept.weights, len(kept.weights))
         if not self._step_scales_loss:
-          grads = [_scaled(g, scale) for g in grads]
+          grads = [scaled(g, scale) for g in grads]
         self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
       return
     self._backward(self._opened(parts), dys, s, scale, accumulate, "weights", inline)
@@ -687,7 +350,7 @@ class StageProgram:
         grads = self._gradient(tape, target, (weights if together else []) + float_xs,
                                len(weights) if together else 0)
       if not self._step_scales_loss:
-        grads = [_scaled(g, scale) for g in grads]
+        grads = [scaled(g, scale) for g in grads]
     n = len(weights) if together else 0
     kept = (Kept(part.xs, None, weights, grads=grads[:n]) if together else
             Kept(part.xs, None, weights, tape, [target], None))
@@ -728,59 +391,6 @@ class StageProgram:
       return self._from_residuals(kept, dys, scale, sources, n_weights, inline)
     targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
     return self._gradient(kept.tape, targets, sources, n_weights, out_grads)
-
-  def carried(self, kept):
-    """`kept` as a compiled window carries it into the next: without its tape, and its
-    residuals (if any) packed with the weights it read into one tensor (its `weights` then
-    None, one per weight), which the backward unpacks (`_opened`). A window's carry passes
-    each of its tensors through the window function, and each costs the call: measured, a
-    12-layer Llama's stage kept about 300 residuals, and carrying them one by one cost more
-    than the recompute they spare; with the weights packed too, spectrain's carry at K=4
-    went from 228 tensors to 24. A stage on a TF server carries them one by one, each parked
-    on its task (`tfpipe.runtime.parked`): a function's optional output came back to this
-    program wherever it was made (measured)."""
-    residuals, weights = kept.residuals, kept.weights
-    if residuals is not None and not isinstance(residuals, tf.Tensor) and not self.remote:
-      with tf.device(self.device):
-        residuals = tf.raw_ops.OptionalFromValue(components=list(weights) + list(residuals))
-      weights = [None] * len(weights)
-    return Kept(kept.xs, kept.state, weights, labels=kept.labels, residuals=residuals)
-
-  def _opened(self, parts):
-    """`parts` with any residuals a window carried packed (`carried`) unpacked: the weights
-    the forward read and its residuals, as tensors again."""
-    return [self._opened_one(kept) for kept in parts]
-
-  def _opened_one(self, kept):
-    if not isinstance(kept.residuals, tf.Tensor):
-      return kept
-    specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
-    call = self._residual_call(specs, kept.xs)
-    with tf.device(self.device):
-      values = tf.raw_ops.OptionalGetValue(
-          optional=kept.residuals, output_types=[s.dtype for s in specs] + call.residual_types,
-          output_shapes=[s.shape for s in specs] + call.residual_shapes)
-    n = len(specs)
-    return kept._replace(weights=list(values[:n]), residuals=list(values[n:]))
-
-  def _replays(self, kept, dys):
-    """Whether the backward of `kept` takes its gradients from its residuals: it has them
-    and every float output has its gradient (else the forward is recomputed)."""
-    return kept.residuals is not None and all(
-        dy is not None for dy, f in zip(dys, self._float_out) if f)
-
-  def _from_residuals(self, kept, dys, scale, sources, n_weights, inline=False):
-    """`_walk` for a forward that kept its residuals (`Kept.residuals`), not a tape."""
-    call = self._residual_call(kept.weights, kept.xs, inline)
-    residuals = kept.residuals
-    _, reg, state = call.outputs
-    reg_grad = self._loss_scaled(tf.ones([], reg.dtype) * tf.cast(scale, reg.dtype))
-    zeros = [tf.zeros(t.shape, t.dtype) if call.trainable_output(t) else None
-             for t in tf.nest.flatten(state)]
-    out_grads = [dy if f else None for dy, f in zip(dys, self._float_out)]
-    grads = call.gradients(residuals, (out_grads, reg_grad, zeros))
-    by_id = {id(t): g for t, g in zip(list(kept.weights) + list(kept.xs), grads)}
-    return self._connected([by_id[id(t)] for t in sources], sources, n_weights)
 
   def _shaped_input_grads(self, grads, float_xs):
     """The input gradients `grads` of `float_xs`, each given its input's shape: through a
