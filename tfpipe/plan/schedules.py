@@ -4,7 +4,8 @@ K: stages, k: stage index (0 holds the input), N: mini-batches in an epoch,
 b: mini-batch index, M: micro-batches per mini-batch, i: micro-batch index,
 d = K-1-k: the depth of the pipeline below stage k.
 
-A schedule is a list of K task lists. Stage k runs its list in order; a task
+A schedule is a list of K task lists (`tfpipe.plan.schedule_types`; the schedules with several
+stages per device are in `tfpipe.plan.virtual`). Stage k runs its list in order; a task
 waits only for its data (see `tfpipe.plan.verify`). Task kinds:
 
   F(b[, i])  forward of a mini-batch (or of one of its micro-batches);
@@ -26,52 +27,20 @@ weight version a task reads depends on its stage's order alone, never on
 thread timing: the runtime and the slow reference loop agree exactly.
 """
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Set
 
 from tfpipe.plan import names
+from tfpipe.plan.schedule_types import (Action, Lane, Lists, Schedule, Task, Unit, backward_of,
+                                        check_sizes, forward_units, is_update, jointly_updated,
+                                        lanes)
+from tfpipe.plan.virtual import interleaved, zero_bubble_v
 
-__all__ = ["Task", "Action", "Schedule", "lanes", "sequential", "one_f_one_b", "gpipe", "one_f_one_b_flush",
-           "interleaved", "zero_bubble_h1", "zero_bubble_v", "device_of", "jointly_updated",
+__all__ = ["Task", "Unit", "Lists", "Lane", "Action", "Schedule", "lanes", "sequential",
+           "one_f_one_b", "gpipe", "one_f_one_b_flush", "interleaved", "zero_bubble_h1", "zero_bubble_v", "device_of", "jointly_updated",
            "ddg", "ddg_lockstep", "timeprest", "build",
            "SCHEDULES", "ScheduleKind", "kind_of", "check_virtual_stages", "is_update",
            "micro_batches",
            "micro_sizes"]
-
-
-class Task(NamedTuple):
-  """One task of one stage: kind "F", "B", "W", "U", "R" or "S", a mini-batch (S: a step), and a
-  micro-batch or None."""
-  kind: str
-  batch: int
-  micro: Optional[int] = None
-
-  def __str__(self) -> str:
-    return f"{self.kind}{self.batch}" + ("" if self.micro is None else f".{self.micro}")
-
-
-Unit = Tuple[int, Optional[int]]   # a forward unit: (mini-batch, micro-batch or None)
-Lists = List[List[Task]]   # a schedule: each stage's task list
-Lane = List[Tuple[int, Task]]   # one device's (stage, task) order
-
-
-class Action(NamedTuple):
-  """A task of stage `stage` as the executors run it (`tfpipe.runtime.interpreter`): with its
-  version difference `s` and, for a backward, the forward units (batch, micro) it covers."""
-  stage: int
-  task: Task
-  s: int
-  units: Tuple[Unit, ...]
-
-
-def is_update(task: Task) -> bool:
-  """True for the tasks that apply an update: U(b), and B(b) of a whole mini-batch."""
-  return task.kind == "U" or (task.kind == "B" and task.micro is None)
-
-
-def _check(K: int, N: int, M: int = 1) -> None:
-  for label, value in (("K", K), ("N", N), ("M", M)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"`{label}` must be a positive integer. Received: {label}={value!r}")
 
 
 def sequential(K: int, N: int) -> Lists:
@@ -85,22 +54,8 @@ def sequential(K: int, N: int) -> Lists:
   stage 2: .  .  F0B0 .  .  .  F1B1 .  .
   ```
   """
-  _check(K, N)
+  check_sizes(K, N)
   return [[t for b in range(N) for t in (Task("F", b), Task("B", b))] for _ in range(K)]
-
-
-def _units(N: int, M: int) -> List[Unit]:
-  """Forward units in order: mini-batches, or (b, i) micro-batches when M > 1."""
-  if M == 1:
-    return [(b, None) for b in range(N)]
-  return [(b, i) for b in range(N) for i in range(M)]
-
-
-def _backward(b: int, i: Optional[int], M: int, tasks: List[Task]) -> None:
-  """B of a unit; with micro-batches, the update U(b) follows the last one."""
-  tasks.append(Task("B", b, i))
-  if i is not None and i == M - 1:
-    tasks.append(Task("U", b))
 
 
 def one_f_one_b(K: int, N: int, M: int = 1) -> Lists:
@@ -119,8 +74,8 @@ def one_f_one_b(K: int, N: int, M: int = 1) -> Lists:
   micro-batches; each stage accumulates their gradients and updates once
   per mini-batch, after the backward of its last micro-batch.
   """
-  _check(K, N, M)
-  units = _units(N, M)
+  check_sizes(K, N, M)
+  units = forward_units(N, M)
   stages = []
   for k in range(K):
     warm = min(K - 1 - k, len(units))
@@ -128,7 +83,7 @@ def one_f_one_b(K: int, N: int, M: int = 1) -> Lists:
     for n, (b, i) in enumerate(units):
       if n + warm < len(units):
         tasks.append(Task("F", *units[n + warm]))
-      _backward(b, i, M, tasks)
+      backward_of(b, i, M, tasks)
     stages.append(tasks)
   return stages
 
@@ -146,7 +101,7 @@ def gpipe(K: int, N: int, M: int) -> Lists:
   No update happens inside a mini-batch: every micro-batch reads the same
   weights, and the result equals training on whole mini-batches.
   """
-  _check(K, N, M)
+  check_sizes(K, N, M)
   stages = []
   for k in range(K):
     tasks = []
@@ -176,7 +131,7 @@ def one_f_one_b_flush(K: int, N: int, M: int) -> Lists:
   and the bubble is the same, (K-1)/(M+K-1); but stage k keeps at most min(K-k, M)
   micro-batches' activations instead of M.
   """
-  _check(K, N, M)
+  check_sizes(K, N, M)
   return [_flushed_1f1b(k, K, N, M, None) for k in range(K)]
 
 
@@ -216,90 +171,8 @@ def zero_bubble_h1(K: int, N: int, M: int) -> Lists:
   most (their forward run, their W not yet), at most min(K, M): 1F1B's peak at stage 0.
   The update follows the last W.
   """
-  _check(K, N, M)
+  check_sizes(K, N, M)
   return [_flushed_1f1b(k, K, N, M, lag=k) for k in range(K)]
-
-
-class Schedule(List[List[Task]]):
-  """A schedule (a list of per-stage task lists) whose stages share devices: `lanes[d]` is
-  the order in which device d runs its stages' tasks, as (stage, task) pairs; each stage's
-  list is its tasks in that order. Plain lists run one stage per device."""
-
-  def __init__(self, stages: Lists, lanes: Optional[List[Lane]], joint: bool = False) -> None:
-    super().__init__(stages)
-    self.lanes = lanes
-    self.joint = joint
-
-
-def jointly_updated(schedule: Lists) -> "Schedule":
-  """`schedule` with joint updates: no stage's update U(b) runs before every stage's
-  backwards (B and W) of b have run (`tfpipe.plan.verify`, the executors), so a decision over
-  the whole model's gradient (`tfpipe.rules.joint`) can be made before any stage applies it. For a
-  synchronous schedule with U tasks; it costs nothing there: the next mini-batch waits for
-  every update anyway."""
-  if not any(t.kind == "U" for tasks in schedule for t in tasks):
-    raise ValueError("joint updates need a schedule whose updates are U tasks (micro-batch "
-                     "backwards accumulated, then applied)")
-  return Schedule([list(tasks) for tasks in schedule], getattr(schedule, "lanes", None),
-                  joint=True)
-
-
-def lanes(schedule: Lists) -> List[Lane]:
-  """Per device, the (stage, task) order it runs: `Schedule.lanes`, else one stage each."""
-  return getattr(schedule, "lanes", None) or [[(k, t) for t in tasks]
-                                              for k, tasks in enumerate(schedule)]
-
-
-def interleaved(S: int, N: int, M: int, V: int) -> "Schedule":
-  """Interleaved 1F1B (Megatron-LM, Narayanan et al. SC'21), with a flush per mini-batch: S =
-  K x V stages on K devices, device d holding the V chunks d, d + K, ..., (V-1)K + d.
-
-  Each device runs its chunks' micro-batches in groups of K: forwards take chunk 0's
-  micro-batches 0..K-1, then chunk 1's, ..., then chunk 0's K..2K-1; backwards the same with
-  the chunks reversed. Device d warms up with min((K-1-d) x 2 + (V-1) x K, MV) forwards, then
-  alternates one forward and one backward, then runs the backwards left; one update per chunk.
-  K = 2, V = 2 (S = 4), N = 1, M = 2, as device lanes ("s.t": task t of stage s):
-
-  ```
-  device 0: 0.F0.0 0.F0.1 2.F0.0 2.F0.1 2.B0.0 2.B0.1 0.B0.0 0.B0.1 0.U0 2.U0
-  device 1: 1.F0.0 1.F0.1 3.F0.0 3.B0.0 3.F0.1 3.B0.1 1.B0.0 1.B0.1 1.U0 3.U0
-  ```
-  The bubble is (K-1)/(VM + K-1) with equal chunk times, V times smaller than 1F1B's for
-  M >> K, for V times the transfers. M must be a multiple of K.
-  """
-  _check(S, N, M)
-  if not isinstance(V, int) or isinstance(V, bool) or V < 1 or S % V:
-    raise ValueError(f"`virtual_stages` must be a positive integer dividing the {S} stages. "
-                     f"Received: virtual_stages={V!r}")
-  K = S // V
-  if M % K:
-    raise ValueError(f"the interleaved schedule runs micro-batches in groups of one per device: "
-                     f"micro_batches must be a multiple of the {K} devices. Received: "
-                     f"micro_batches={M}")
-
-  def unit(i: int, backward: bool) -> Tuple[int, int]:
-    chunk = (i // K) % V
-    return ((V - 1 - chunk) if backward else chunk), (i // (K * V)) * K + i % K
-
-  device_lanes = []
-  for d in range(K):
-    warm, lane = min((K - 1 - d) * 2 + (V - 1) * K, M * V), []   # type: int, Lane
-    for b in range(N):
-
-      def forward(i: int, b: int = b) -> Tuple[int, Task]:
-        return unit(i, False)[0] * K + d, Task("F", b, unit(i, False)[1])
-
-      def backward(i: int, b: int = b) -> Tuple[int, Task]:
-        return unit(i, True)[0] * K + d, Task("B", b, unit(i, True)[1])
-
-      lane += [forward(i) for i in range(warm)]
-      for i in range(M * V - warm):
-        lane += [forward(warm + i), backward(i)]
-      lane += [backward(i) for i in range(M * V - warm, M * V)]
-      lane += [(v * K + d, Task("U", b)) for v in range(V)]
-    device_lanes.append(lane)
-  stages = [[t for lane in device_lanes for s, t in lane if s == k] for k in range(S)]
-  return Schedule(stages, device_lanes)
 
 
 def device_of(name: str, S: int, V: int) -> List[int]:
@@ -310,85 +183,6 @@ def device_of(name: str, S: int, V: int) -> List[int]:
   if kind_of(name).placement == "v":
     return [s if s < K else 2 * K - 1 - s for s in range(S)]
   return [s % K for s in range(S)]
-
-
-def zero_bubble_v(S: int, N: int, M: int) -> "Schedule":
-  """ZB-V (Qi et al., ICLR 2024), with a flush per mini-batch: S = 2K stages on K devices in a
-  V (device d holds stages d and 2K-1-d: the forward goes down the devices and back up), each
-  backward split into B and W as in `zero_bubble_h1`.
-
-  The order is the paper's (section 6): per device a warm-up of forwards, then the steady
-  state F B W of the first chunk and F B W of the second, then a cool-down that fills the
-  flush with the deferred W tasks (`_zbv_order`). Each stage runs its F, B and W tasks in
-  micro-batch order, so every link stays FIFO. K = 2, N = 1, M = 2, as device lanes ("s.t":
-  task t of stage s):
-
-  ```
-  device 0: 0.F0.0 0.F0.1 3.F0.0 3.B0.0 3.W0.0 3.F0.1 3.B0.1 3.W0.1 0.B0.0 0.W0.0 0.B0.1 0.W0.1 0.U0 3.U0
-  device 1: 1.F0.0 2.F0.0 1.F0.1 2.F0.1 2.B0.0 2.W0.0 1.B0.0 1.W0.0 2.B0.1 2.W0.1 1.B0.1 1.W0.1 1.U0 2.U0
-  ```
-  Simulated with F, B and W of equal length: K = 4, M = 8 idles 2.0% (ZB-H1 11.1%, 1F1B
-  27.3%), K = 4, M = 16 1.0%, K = 8, M = 16 2.4%; a device keeps at most 2K forwards
-  without their W (K micro-batches of its whole layers: 1F1B's peak).
-  """
-  _check(S, N, M)
-  if S % 2:
-    raise ValueError(f"ZB-V places two stages on each device: the stage count must be even. "
-                     f"Received: {S} stages")
-  K = S // 2
-  order = _zbv_order(S, M)
-  lanes: List[Lane] = [[] for _ in range(K)]
-  for b in range(N):
-    for d, tasks in enumerate(order):
-      lanes[d] += [(s, Task(kind, b, i)) for s, kind, i in tasks]
-      lanes[d] += [(s, Task("U", b)) for s in sorted({s for s, _, _ in tasks})]
-  stages = [[t for lane in lanes for s, t in lane if s == k] for k in range(S)]
-  return Schedule(stages, lanes)
-
-
-def _zbv_order(S: int, M: int) -> List[List[Tuple[int, str, int]]]:
-  """Per device, [(stage, kind, micro)] of one mini-batch in the paper's ZB-V order (section 6,
-  figure 8), for n = max(M, 2K-1) micro-batches with those past M left out. Device d (chunk a:
-  stage d, chunk b: stage 2K-1-d): warm-up with 2(K-d)-1 forwards of a, then d pairs Fb Fa,
-  then K-d triples Fb Bb Wb; the steady state repeats Fa Ba Wa Fb Bb Wb until every forward
-  ran; the cool-down runs d pairs Ba Bb, then K-d pairs Ba Wa (the oldest W of a), then the
-  W left of b, then of a."""
-  K, order = S // 2, []
-  n = max(M, 2 * K - 1)
-  for d in range(K):
-    a, b = d, S - 1 - d
-    count = {(s, kind): 0 for s in (a, b) for kind in "FBW"}
-    tasks = []
-
-    def run(s: int, kind: str, micro: Optional[int] = None) -> None:
-      i = count[(s, kind)] if micro is None else micro
-      count[(s, kind)] += 1
-      if i < M:
-        tasks.append((s, kind, i))
-
-    def runs(*steps: Tuple[int, str]) -> None:
-      for s, kind in steps:
-        run(s, kind)
-
-    for _ in range(2 * (K - d) - 1):
-      run(a, "F")
-    for _ in range(d):
-      runs((b, "F"), (a, "F"))
-    for _ in range(K - d):
-      runs((b, "F"), (b, "B"), (b, "W"))
-    while count[(b, "F")] < count[(a, "F")] or count[(a, "F")] < n:
-      if count[(a, "F")] < n:
-        run(a, "F")
-      runs((a, "B"), (a, "W"), (b, "F"), (b, "B"), (b, "W"))
-    for _ in range(d):
-      runs((a, "B"), (b, "B"))
-    for _ in range(K - d):
-      runs((a, "B"), (a, "W"))
-    for s in (b, a):
-      while count[(s, "W")] < count[(s, "B")]:
-        run(s, "W")
-    order.append(tasks)
-  return order
 
 
 def ddg(K: int, N: int, lockstep: bool = False) -> Lists:
@@ -414,7 +208,7 @@ def ddg(K: int, N: int, lockstep: bool = False) -> Lists:
   starts when the slowest stage ends its step, T_F + T_B/K. The weights each
   task reads are the same either way.
   """
-  _check(K, N)
+  check_sizes(K, N)
   stages = []
   for k in range(K):
     d, tasks, received = K - 1 - k, [], set()
@@ -454,8 +248,8 @@ def timeprest(K: int, N: int, M: int) -> Lists:
   stage 1: .    F0.0 F0.1B0 F1.0 F1.1B1
   ```
   """
-  _check(K, N, M)
-  units = _units(N, M) if M > 1 else [(b, 0) for b in range(N)]
+  check_sizes(K, N, M)
+  units = forward_units(N, M) if M > 1 else [(b, 0) for b in range(N)]
   stages = []
   for k in range(K):
     d, tasks, done = K - 1 - k, [], 0
@@ -528,7 +322,7 @@ def build(name: str, K: int, N: int, M: int = 1, V: int = 1) -> Lists:
   """The schedule called `name` for K stages, N mini-batches and M micro-batches each (V:
   stages per device)."""
   kind = kind_of(name)
-  _check(K, N, M)
+  check_sizes(K, N, M)
   check_virtual_stages(name, V)
   if kind.micro_batches == "never" and M != 1:
     raise ValueError(f"the {name!r} schedule has no micro-batches. Received: M={M}")
