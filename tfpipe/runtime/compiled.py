@@ -34,11 +34,11 @@ from typing import Optional, Sequence, Union
 import tensorflow as tf
 
 from tfpipe import compat
-from tfpipe.plan import pieces, records, schedules, tasks as plan_tasks, windows as windows_lib
+from tfpipe.plan import records, schedules, tasks as plan_tasks, windows as windows_lib
 from tfpipe.runtime import base, calls, grouped, groups, interpreter, loops, parked, timeline
+from tfpipe.runtime import window_moves
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.calls import StageFailed
-from tfpipe.runtime.links import concat
 from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["CompiledRuntime", "StageFailed"]
@@ -440,7 +440,7 @@ class CompiledRuntime(Executor):
     return compat.calls_marked([p.device for p in self.programs])
 
   def _traced_tasks(self, key, carry, inputs, labels, M):
-    moves = _WindowMoves(self, carry, inputs, labels, M)
+    moves = window_moves.WindowMoves(self, carry, inputs, labels, M)
     stages = [interpreter.Stage(k, p, k == self.K - 1) for k, p in enumerate(self.programs)]
     for (k, b, micro), (kept, share) in carry["saved"].items():
       stages[k].saved[(b, micro)] = interpreter.Saved(kept, None, share)
@@ -494,67 +494,6 @@ class CompiledRuntime(Executor):
     return results
 
 
-class _WindowMoves(interpreter.Moves):
-  """How values move within one traced window: tensors of its graph. Stage 0 takes the
-  window's mini-batches (split into micro-batches once each), the last stage their labels;
-  outputs and gradients in flight are kept by unit, with those carried in from the window
-  before (`carry`); shares are float64 tensors; a mini-batch's result is its loss and logs."""
-
-  def __init__(self, runtime, carry, inputs, labels, M):
-    self.runtime, self.inputs, self.labels, self.M = runtime, inputs, labels, M
-    self.outputs, self.gradients = dict(carry["x"]), dict(carry["g"])
-    self.pieces, self.results = {}, {}
-
-  def _piece(self, source, name, b, micro):
-    """Unit (b, micro) of mini-batch b's inputs or (labels, sample weights): the mini-batch,
-    or its micro-batch (`tfpipe.plan.pieces`), and its share."""
-    if (name, b) not in self.pieces:
-      self.pieces[(name, b)] = pieces.split(source[b], self.M if micro is not None else 1,
-                                            cut=tf.split)
-    return self.pieces[(name, b)][0 if micro is None else micro]
-
-  def take_input(self, k, b, micro):
-    if k > 0:
-      xs, share = self.outputs.pop((k, b, micro))
-    else:
-      xs, share = self._piece(self.inputs, "inputs", b, micro)
-      share = self.runtime.share(0, share)
-    last = k == self.runtime.K - 1
-    return xs, share, self._piece(self.labels, "labels", b, micro)[0] if last else None
-
-  def take_gradient(self, k, b, micro):
-    return self.gradients.pop((k, b, micro))
-
-  def send_output(self, k, b, micro, ys, share):
-    self.outputs[(k + 1, b, micro)] = (ys, share)
-
-  def send_gradient(self, k, b, micro, dxs):
-    self.gradients[(k - 1, b, micro)] = dxs
-
-  def total(self, shares):
-    return _join(shares)
-
-  def join(self, values):
-    return _join(values)
-
-  def add_loss(self, total, loss, share):
-    weighted = tf.cast(loss, tf.float64) * share
-    return weighted if total is None else total + weighted
-
-  def finished(self, b, loss, logs):
-    self.results[b] = (loss, logs)
-
-
 class _Numbered(collections.namedtuple("_Numbered", ["key", "inline", "shift"])):
   """A numbered window: its key, whether its tasks are inlined, and its mini-batches (what
   its carry is rebased by for the next window)."""
-
-
-def _join(values):
-  """One unit's value, or several units' joined: tensors (lists) along the batch axis, their
-  shares (scalars) added."""
-  if len(values) == 1 or values[0] is None:
-    return values[0]
-  if getattr(values[0], "shape", None) is not None and values[0].shape.rank == 0:
-    return tf.add_n(values)
-  return concat(values)
