@@ -43,18 +43,10 @@ def median_seconds(fn, repeats, untimed=2, quantile=0.5):
 
 
 # The works run at once are timed at the fastest quarter of TOGETHER_REPEATS calls (at
-# least), after as many untimed (in one graph): calls of one graph of every stage's runs
-# (K = 4 logical CPUs on 2 cores, `bench/sync_schedules.py`'s GPipe) took ~19 ms for the
-# first ~10 calls of the process's first such graph, then either ~12 ms (both cores busy)
-# or ~19 ms, call by call, as the executor happened to order the ops: a median of 5 after 2
-# untimed read 1.1-1.4 cores in 3 of 10 profiles (predicting 43% under the measured
-# samples/s), where training's many calls of a window keep ~1.9 busy. Some graphs stay in
-# the slow order for every call (`bench/sync_schedules.py`: one of five methods at ~1.1-1.2
-# cores in 4 of 6 runs, -38% to -48%): the full profile takes the higher of two readings, the
-# stages in one graph and their own graphs called at once from threads (`_at_once`), since
-# either only errs low (a core left idle). Then, three runs: all 15 profiles at 1.71-2.00
-# cores, errors -23% to +10%; `bench/predicted_speed.py`'s MLP rows 16 of 16 within 20%,
-# median error 3% (6% before).
+# least), after as many untimed: a graph's calls run either with both cores busy or in a
+# slow op order, call by call, so the full profile takes the higher of two readings (the
+# stages in one graph, and their graphs called at once from threads), since either only errs
+# low (bench/results/history.md, the profile's cores).
 TOGETHER_QUANTILE = 0.25
 TOGETHER_REPEATS = 12
 
@@ -241,16 +233,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
   M = micro_batches or pipe.micro_batches
-  if isinstance(x, dict):   # the model's inputs in its order, as `fit` feeds them
-    x = [x[name] for name in (t.name for t in pipe.model.inputs)]
-  flat = tf.nest.flatten(x)
-  n = int(np.shape(flat[0])[0]) // M
-  if n < 1:
-    raise ValueError(f"a mini-batch of {int(np.shape(flat[0])[0])} samples cannot be cut "
-                     f"into {M} micro-batches")
-  xs = [tf.convert_to_tensor(t[:n]) for t in flat]
-  labels = (tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:n], y), None)
-  scale = tf.constant(1.0 / M, tf.float64)
+  xs, labels, n = _micro_batch(pipe, x, y, M)
   if method is None:
     schedule = policies.build_schedule(pipe.policy, pipe.num_stages, num_batches, M)
     diffs = policies.version_differences(pipe.policy, schedule,
@@ -262,15 +245,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   crossing = pipe.runtime.crossing(schedule, diffs, num_batches)
   if traced is not None and not quick:
     raise ValueError("`traced` keeps a quick profile's tasks: pass quick=True with it")
-  if quick:   # one call's dispatch: taken off each timed call, and what a task call pays
-    kept = traced if traced is not None else {}
-    if "dispatch" not in kept:
-      kept["dispatch"] = dispatch_seconds(pipe.programs[0].device, repeats=20)
-    dispatch = kept["dispatch"]
-    per_task, less = (0.0 if inline else dispatch), dispatch
-  else:
-    per_task = 0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)
-    less = 0.0
+  per_task, less = _dispatch(pipe, quick, traced, inline, repeats)
   timed = set(range(pipe.num_stages) if stages is None else stages)
   for program in pipe.programs[:max(timed) + 1]:
     # With accumulators (M > 1) a backward adds its gradients and an update applies them;
@@ -279,87 +254,179 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       program.updates.build_accumulators()
   # What the profile's updates change, put back after it (with the weights, from the model).
   before = [v.numpy() for v in _updated_state(pipe)]
-  updated = timed
-  if quick:   # an update timed on one stage: the timed stage of the median weights
-    by_size = sorted(timed, key=lambda k: sum(int(np.prod(v.shape))
-                                              for v in pipe.programs[k].trainable))
-    updated = {by_size[len(by_size) // 2]}
-  # Every task is traced first, then all are timed; quick, each graph's first call starts on
-  # a thread beside the next trace.
-  pool = concurrent.futures.ThreadPoolExecutor(1) if quick else None
-  pending, works = [], []   # per stage timed: (program, {task: its _Runs}), its work
-
-  # Inlined tasks run in a window's graph, optimised as the executor's inlined windows are.
-  light = (any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in pipe.devices)
-           if inline else None)
-
-  def start(key, body, inputs, device):
-    if traced is None:
-      return _Runs([(body, inputs, device)], runs_per_call, pool=pool, light=light)
-    key = (key, inline)
-    if key in traced:   # traced for any batch size: fed this one
-      traced[key].use(inputs)
-    else:
-      traced[key] = _Runs([(body, inputs, device)], runs_per_call, pool=pool, relaxed=True,
-                          light=light)
-    return traced[key]
+  profile = _Profile(pipe, inline, quick, traced, runs_per_call, labels, M)
   try:
+    profile.trace(xs, n, timed, update is None, stages is None)
+    seconds = profile.seconds(repeats, less)
+  finally:
+    profile.close()
+  forward, backward, transfer, updates = _split(profile.pending, seconds, crossing, M,
+                                                pipe.num_stages)
+  most = shared_cores(pipe.devices)
+  if cores is None and most is not None and stages is None:
+    # How much of the stages' work the cores do at once.
+    stage_runs = [t.get("step", t.get("fb")) for _, t in profile.pending]
+    at_once = sum(r.call_seconds for r in stage_runs) / _at_once(stage_runs, repeats)
+    if quick:
+      ratio = at_once
+    else:   # the higher of two readings: each errs low only (TOGETHER_QUANTILE's comment)
+      alone = sum(t.get("step", t.get("fb")) for t in seconds)
+      ratio = max(at_once, alone / _in_graph(profile.works, repeats, runs_per_call,
+                                             chained=False))
+    cores = min(float(most), max(1.0, ratio))
+  for program in pipe.programs:   # undo the profile's updates
+    program.load_from_model()
+  for v, value in zip(_updated_state(pipe), before):
+    v.assign(value)
+  if update is None:
+    update = float(np.median(updates)) if updates else 0.0
+  # A split backward's halves (zero-bubble B and W): traced into the compiled executor's
+  # windows (without XLA) B takes both gradients, from the tape or the residuals, and W
+  # applies them (`StageProgram.forward`'s `split`), so B holds the whole backward.
+  whole = pipe.runtime.windowed and not pipe.jit_compile
+  return simulator.Costs(forward, backward, transfer, update, input_share=1.0 if whole else 0.5,
+                         per_task=per_task, cores=cores, ordered=not inline)
+
+
+def _micro_batch(pipe, x, y, M):
+  """(inputs, (labels, None), n): the first micro-batch (n samples) of the mini-batch `x`,
+  `y` at M micro-batches."""
+  if isinstance(x, dict):   # the model's inputs in its order, as `fit` feeds them
+    x = [x[name] for name in (t.name for t in pipe.model.inputs)]
+  flat = tf.nest.flatten(x)
+  n = int(np.shape(flat[0])[0]) // M
+  if n < 1:
+    raise ValueError(f"a mini-batch of {int(np.shape(flat[0])[0])} samples cannot be cut "
+                     f"into {M} micro-batches")
+  xs = [tf.convert_to_tensor(t[:n]) for t in flat]
+  labels = (tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:n], y), None)
+  return xs, labels, n
+
+
+def _dispatch(pipe, quick, traced, inline, repeats):
+  """(what a task call pays besides its work, what is taken off each timed call): quick,
+  one call's dispatch (kept in `traced`) for both; else the least call on a stage's device,
+  and nothing taken off."""
+  if quick:
+    kept = traced if traced is not None else {}
+    if "dispatch" not in kept:
+      kept["dispatch"] = dispatch_seconds(pipe.programs[0].device, repeats=20)
+    dispatch = kept["dispatch"]
+    return (0.0 if inline else dispatch), dispatch
+  return (0.0 if inline else min(dispatch_seconds(p.device) for p in pipe.programs)), 0.0
+
+
+class _Profile:
+  """`measure`'s tasks: traced first (quick: each graph's first call on a thread beside the
+  next trace), then timed. `pending`: per stage timed, (program, {task: its `_Runs`});
+  `works`: each stage's work (body, inputs, device)."""
+
+  def __init__(self, pipe, inline, quick, traced, runs_per_call, labels, M):
+    self.pipe, self.inline, self.quick, self.traced = pipe, inline, quick, traced
+    self.runs_per_call, self.labels = runs_per_call, labels
+    self.scale = tf.constant(1.0 / M, tf.float64)
+    self.pool = concurrent.futures.ThreadPoolExecutor(1) if quick else None
+    self.pending, self.works = [], []
+    # Inlined tasks run in a window's graph, optimised as the executor's inlined windows are.
+    self.light = (any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in pipe.devices)
+                  if inline else None)
+
+  def start(self, key, body, inputs, device):
+    """The runs of task `key` (traced now, or kept in `traced` and fed `inputs`)."""
+    if self.traced is None:
+      return _Runs([(body, inputs, device)], self.runs_per_call, pool=self.pool,
+                   light=self.light)
+    key = (key, self.inline)
+    if key in self.traced:   # traced for any batch size: fed this one
+      self.traced[key].use(inputs)
+    else:
+      self.traced[key] = _Runs([(body, inputs, device)], self.runs_per_call, pool=self.pool,
+                               relaxed=True, light=self.light)
+    return self.traced[key]
+
+  def trace(self, xs, n, timed, time_update, moves):
+    """Traces the tasks of the stages `timed` on the micro-batch `xs` (n samples), each
+    stage's inputs the outputs of the one before: the update (where `time_update`) on one
+    stage (quick: the timed stage of the median weights; else every timed stage), and the
+    moves to the next stage where `moves`."""
+    pipe = self.pipe
+    updated = timed
+    if self.quick:
+      by_size = sorted(timed, key=lambda k: sum(int(np.prod(v.shape))
+                                                for v in pipe.programs[k].trainable))
+      updated = {by_size[len(by_size) // 2]}
     for program in pipe.programs[:max(timed) + 1]:
-      # A prediction reads its stage's version difference under 1F1B (K-1-k).
-      accumulate = program.updates.accumulators is not None
-      s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
-      device = program.device
       if program.index not in timed:
-        xs = _outputs(program, xs, n, traced)
+        xs = _outputs(program, xs, n, self.traced)
         continue
-      tasks = {}
-      # The labels and the gradients' scale are inputs (not captured): a task traced for
-      # any batch size is fed other micro-batches.
-      if program.is_last:
-        def step(inputs, program=program, n=len(xs)):
-          own = (tf.nest.pack_sequence_as(labels[0], inputs[n + 1:]), None)
-          with program.inlined(inline):
-            kept = program.forward(inputs[:n], labels=own)[1]
-            return program.backward([kept], None, 0, inputs[n], accumulate).dxs
-        inputs = xs + [scale] + tf.nest.flatten(labels[0])
-        tasks["step"] = start((program.index, "step"), step, inputs, device)
-        works.append((step, inputs, device))
-      else:
-        ys = _outputs(program, xs, n, traced)
+      tasks, xs = self._stage_tasks(program, xs, n, moves)
+      accumulate = program.updates.accumulators is not None
+      if accumulate and time_update and program.index in updated:
+        tasks["update"] = self.start((program.index, "update"),
+                                     lambda inputs, program=program: _inlined_update(program),
+                                     [], program.device)
+      self.pending.append((program, tasks))
 
-        def forward_backward(inputs, program=program, s=s):
-          with program.inlined(inline):
-            outputs, kept = program.forward(inputs[:-1], s)
-            return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
-                                    accumulate).dxs
-        tasks["fb"] = start((program.index, "fb"), forward_backward, xs + [scale], device)
-        works.append((forward_backward, xs + [scale], device))
-        if not quick:
-          tasks["f"] = start((program.index, "f"), lambda inputs, program=program, s=s:
-                             _inlined_forward(program, inputs, s, inline), xs, device)
-        following = pipe.programs[program.index + 1].device
+  def _stage_tasks(self, program, xs, n, moves):
+    """({task: runs} of `program` on its inputs `xs`, the next stage's inputs). The labels
+    and the gradients' scale are inputs (not captured): a task traced for any batch size is
+    fed other micro-batches."""
+    pipe, inline, labels, tasks = self.pipe, self.inline, self.labels, {}
+    accumulate = program.updates.accumulators is not None
+    # A prediction reads its stage's version difference under 1F1B (K-1-k).
+    s = pipe.num_stages - 1 - program.index if pipe.policy.predicts else 0
+    device = program.device
+    if program.is_last:
+      def step(inputs, program=program, n=len(xs)):
+        own = (tf.nest.pack_sequence_as(labels[0], inputs[n + 1:]), None)
+        with program.inlined(inline):
+          kept = program.forward(inputs[:n], labels=own)[1]
+          return program.backward([kept], None, 0, inputs[n], accumulate).dxs
+      inputs = xs + [self.scale] + tf.nest.flatten(labels[0])
+      tasks["step"] = self.start((program.index, "step"), step, inputs, device)
+      self.works.append((step, inputs, device))
+      return tasks, xs
+    ys = _outputs(program, xs, n, self.traced)
 
-        def move(inputs, following=following):
-          with tf.device(following):
-            return [tf.identity(t) for t in inputs]
-        if not (quick and shared_cores([device, following]) is not None) and stages is None:
-          tasks["move"] = start((program.index, "move"), move, ys, device)
-        xs = ys
-      if accumulate and update is None and program.index in updated:
-        tasks["update"] = start((program.index, "update"),
-                                lambda inputs, program=program: _inlined_update(program),
-                                [], device)
-      pending.append((program, tasks))
-    for _, tasks in pending:   # no first call still running on the pool while a task is timed
+    def forward_backward(inputs, program=program, s=s):
+      with program.inlined(inline):
+        outputs, kept = program.forward(inputs[:-1], s)
+        return program.backward([kept], [tf.ones_like(t) for t in outputs], s, inputs[-1],
+                                accumulate).dxs
+    tasks["fb"] = self.start((program.index, "fb"), forward_backward, xs + [self.scale], device)
+    self.works.append((forward_backward, xs + [self.scale], device))
+    if not self.quick:
+      tasks["f"] = self.start((program.index, "f"), lambda inputs, program=program, s=s:
+                              _inlined_forward(program, inputs, s, inline), xs, device)
+    following = pipe.programs[program.index + 1].device
+
+    def move(inputs, following=following):
+      with tf.device(following):
+        return [tf.identity(t) for t in inputs]
+    if not (self.quick and shared_cores([device, following]) is not None) and moves:
+      tasks["move"] = self.start((program.index, "move"), move, ys, device)
+    return tasks, ys
+
+  def seconds(self, repeats, less):
+    """Per stage timed, {task: seconds a run}, once no first call still runs on the pool."""
+    for _, tasks in self.pending:
       for t in tasks.values():
         t.wait()
-    seconds = [{task: t.seconds(repeats, less) for task, t in tasks.items()}
-               for _, tasks in pending]
-  finally:
-    if pool is not None:
-      pool.shutdown()
-  forward, backward = [0.0] * pipe.num_stages, [0.0] * pipe.num_stages
-  transfer, updates = [0.0] * (pipe.num_stages - 1), []
+    return [{task: t.seconds(repeats, less) for task, t in tasks.items()}
+            for _, tasks in self.pending]
+
+  def close(self):
+    if self.pool is not None:
+      self.pool.shutdown()
+
+
+def _split(pending, seconds, crossing, M, K):
+  """(forward, backward, transfer per stage, the updates timed) of a mini-batch from each
+  stage's timed tasks: the last stage's step 1/3 forward, 2/3 backward; a backward is its
+  forward and backward less its forward, plus the share of its forward it recomputes
+  (`crossing`)."""
+  forward, backward = [0.0] * K, [0.0] * K
+  transfer, updates = [0.0] * (K - 1), []
   for (program, _), times in zip(pending, seconds):
     k = program.index
     if "step" in times:
@@ -375,29 +442,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
       transfer[k] = times.get("move", 0.0) * M
     if "update" in times:
       updates.append(times["update"])
-  most = shared_cores(pipe.devices)
-  if cores is None and most is not None and stages is None:
-    # How much of the stages' work the cores do at once.
-    stage_runs = [t.get("step", t.get("fb")) for _, t in pending]
-    at_once = sum(r.call_seconds for r in stage_runs) / _at_once(stage_runs, repeats)
-    if quick:
-      ratio = at_once
-    else:   # the higher of two readings: each errs low only (TOGETHER_QUANTILE's comment)
-      alone = sum(t.get("step", t.get("fb")) for t in seconds)
-      ratio = max(at_once, alone / _in_graph(works, repeats, runs_per_call, chained=False))
-    cores = min(float(most), max(1.0, ratio))
-  for program in pipe.programs:   # undo the profile's updates
-    program.load_from_model()
-  for v, value in zip(_updated_state(pipe), before):
-    v.assign(value)
-  if update is None:
-    update = float(np.median(updates)) if updates else 0.0
-  # A split backward's halves (zero-bubble B and W): traced into the compiled executor's
-  # windows (without XLA) B takes both gradients, from the tape or the residuals, and W
-  # applies them (`StageProgram.forward`'s `split`), so B holds the whole backward.
-  whole = pipe.runtime.windowed and not pipe.jit_compile
-  return simulator.Costs(forward, backward, transfer, update, input_share=1.0 if whole else 0.5,
-                         per_task=per_task, cores=cores, ordered=not inline)
+  return forward, backward, transfer, updates
 
 
 def _updated_state(pipe):
