@@ -196,55 +196,79 @@ def format_grid(schedule: Any, width: int = 16) -> str:
 
 def _verify(schedule: schedules.Lists, capacity: Optional[float]) -> Report:
   _structure(schedule)
-  K = len(schedule)
   capacity = float("inf") if capacity is None else capacity
   if capacity < 1:
     raise ScheduleError(f"link capacity must be at least 1. Received: {capacity}")
-  fwd: List[Deque[schedules.Unit]] = [collections.deque() for _ in range(K - 1)]
-  bwd: List[Deque[schedules.Unit]] = [collections.deque() for _ in range(K - 1)]
-  cover = [covered_units(tasks) for tasks in schedule]
-  micro_backwards = [_micro_backwards(tasks) for tasks in schedule]
-  halves = [_weight_halves(tasks) for tasks in schedule]
-  split = [{(w.batch, w.micro) for ws in h.values() for w in ws} for h in halves]
-  done: List[Set[schedules.Task]] = [set() for _ in range(K)]
-  received: List[Set[schedules.Unit]] = [set() for _ in range(K)]
-  pos = [0] * K
-  held: List[Dict[schedules.Unit, int]] = [{} for _ in range(K)]   # unit -> updates at its F
-  updates = [0] * K
-  peaks = dict(states=[0] * K, versions=[0] * K, stale=[0] * K)
-  in_flight = [[0, 0] for _ in range(K - 1)]
-  order = []
-  joint = getattr(schedule, "joint", False)   # `schedules.jointly_updated`
-  accumulations = collections.defaultdict(list)   # b -> every stage's (k, B or W of b)
-  for j, tasks in enumerate(schedule):
-    for o in tasks:
-      if o.kind in ("B", "W"):
-        accumulations[o.batch].append((j, o))
+  play = _PlayOut(schedule, capacity)
+  play.run_lanes()
+  return Report(play.order, play.peaks["states"], play.peaks["versions"], play.peaks["stale"],
+                [(a, b) for a, b in play.in_flight])
 
-  def blocked(k: int, t: schedules.Task) -> Optional[str]:
+
+class _PlayOut:
+  """`schedule` played out task by task on links of `capacity` items: what each stage has
+  done, the units on each link, the forwards each stage holds (with the updates it had made
+  at each), and the peaks `Report` gives."""
+
+  def __init__(self, schedule: schedules.Lists, capacity: float) -> None:
+    K = self.K = len(schedule)
+    self.schedule, self.capacity = schedule, capacity
+    self.fwd: List[Deque[schedules.Unit]] = [collections.deque() for _ in range(K - 1)]
+    self.bwd: List[Deque[schedules.Unit]] = [collections.deque() for _ in range(K - 1)]
+    self.cover = [covered_units(tasks) for tasks in schedule]
+    self.micro_backwards = [_micro_backwards(tasks) for tasks in schedule]
+    self.halves = [_weight_halves(tasks) for tasks in schedule]
+    self.split = [{(w.batch, w.micro) for ws in h.values() for w in ws} for h in self.halves]
+    self.done: List[Set[schedules.Task]] = [set() for _ in range(K)]
+    self.received: List[Set[schedules.Unit]] = [set() for _ in range(K)]
+    self.pos = [0] * K
+    self.held: List[Dict[schedules.Unit, int]] = [{} for _ in range(K)]   # unit -> updates at F
+    self.updates = [0] * K
+    self.peaks = dict(states=[0] * K, versions=[0] * K, stale=[0] * K)
+    self.in_flight = [[0, 0] for _ in range(K - 1)]
+    self.order: List[Tuple[int, schedules.Task]] = []
+    self.joint = getattr(schedule, "joint", False)   # `schedules.jointly_updated`
+    # b -> every stage's (k, B or W of b)
+    self.accumulations: Dict[int, List[Tuple[int, schedules.Task]]] = collections.defaultdict(
+        list)
+    for j, tasks in enumerate(schedule):
+      for o in tasks:
+        if o.kind in ("B", "W"):
+          self.accumulations[o.batch].append((j, o))
+
+  def blocked(self, k: int, t: schedules.Task) -> Optional[str]:
     """Why task t of stage k cannot run now (None when it can)."""
-    unit = (t.batch, t.micro)
     if t.kind == "S":
-      for j in range(K):
-        if t not in done[j] and (pos[j] >= len(schedule[j]) or schedule[j][pos[j]] != t):
+      for j in range(self.K):
+        if t not in self.done[j] and (self.pos[j] >= len(self.schedule[j])
+                                      or self.schedule[j][self.pos[j]] != t):
           return f"waits for stage {j} to reach the barrier"
       return None
     if t.kind == "F":
-      if k > 0:
-        if not fwd[k - 1]:
-          return f"waits for stage {k - 1}'s {t}"
-        if fwd[k - 1][0] != unit:
-          raise ScheduleError(
-              f"stage {k} expects {t} but stage {k - 1} sent "
-              f"{schedules.Task('F', *fwd[k - 1][0])} first (the links are FIFO)")
-      if k < K - 1 and len(fwd[k]) >= capacity:
-        return f"its output link to stage {k + 1} is full"
-      return None
+      return self._forward_blocked(k, t)
+    return self._backward_blocked(k, t)
+
+  def _forward_blocked(self, k: int, t: schedules.Task) -> Optional[str]:
+    fwd, unit = self.fwd, (t.batch, t.micro)
+    if k > 0:
+      if not fwd[k - 1]:
+        return f"waits for stage {k - 1}'s {t}"
+      if fwd[k - 1][0] != unit:
+        raise ScheduleError(
+            f"stage {k} expects {t} but stage {k - 1} sent "
+            f"{schedules.Task('F', *fwd[k - 1][0])} first (the links are FIFO)")
+    if k < self.K - 1 and len(fwd[k]) >= self.capacity:
+      return f"its output link to stage {k + 1} is full"
+    return None
+
+  def _backward_blocked(self, k: int, t: schedules.Task) -> Optional[str]:
+    """Why a B, W, U or R task cannot run now (None when it can)."""
+    bwd, done, unit = self.bwd, self.done, (t.batch, t.micro)
     if t.kind == "B":
-      for u in cover[k][t]:
+      for u in self.cover[k][t]:
         if ("F",) + u not in done[k]:   # a Task equals (and hashes as) its tuple
           return f"waits for its own {schedules.Task('F', *u)}"
-    if t.kind == "R" or (t.kind == "B" and k < K - 1 and unit not in received[k]):
+    if t.kind == "R" or (t.kind == "B" and k < self.K - 1 and unit not in self.received[k]):
       if not bwd[k]:
         return f"waits for stage {k + 1}'s B{t.batch}" + ("" if t.micro is None else f".{t.micro}")
       if bwd[k][0] != unit:
@@ -252,83 +276,84 @@ def _verify(schedule: schedules.Lists, capacity: Optional[float]) -> Report:
             f"stage {k} expects the gradient of {schedules.Task('B', *unit)} but stage {k + 1} "
             f"sent {schedules.Task('B', *bwd[k][0])} first (the links are FIFO)")
     if t.kind == "B":
-      if k > 0 and len(bwd[k - 1]) >= capacity:
+      if k > 0 and len(bwd[k - 1]) >= self.capacity:
         return f"its output link to stage {k - 1} is full"
     if t.kind == "W" and ("B",) + unit not in done[k]:
       return f"waits for its own {schedules.Task('B', *unit)}"
     if t.kind == "U":
-      for o in micro_backwards[k][t.batch] + halves[k][t.batch]:
+      for o in self.micro_backwards[k][t.batch] + self.halves[k][t.batch]:
         if o not in done[k]:
           return f"waits for its own {o}"
-      if joint:
-        for j, o in accumulations[t.batch]:
+      if self.joint:
+        for j, o in self.accumulations[t.batch]:
           if o not in done[j]:
             return f"waits for stage {j}'s {o} (joint updates)"
     return None
 
-  def run(k: int, t: schedules.Task) -> None:
-    unit = (t.batch, t.micro)
+  def run(self, k: int, t: schedules.Task) -> None:
+    """Runs task t of stage k: its links, held forwards, updates and the peaks."""
+    unit, fwd, bwd, held, peaks = (t.batch, t.micro), self.fwd, self.bwd, self.held, self.peaks
     if t.kind == "F":
       if k > 0:
         fwd[k - 1].popleft()
-      if k < K - 1:
+      if k < self.K - 1:
         fwd[k].append(unit)
-        in_flight[k][0] = max(in_flight[k][0], len(fwd[k]))
-      held[k][unit] = updates[k]
+        self.in_flight[k][0] = max(self.in_flight[k][0], len(fwd[k]))
+      held[k][unit] = self.updates[k]
       peaks["states"][k] = max(peaks["states"][k], len(held[k]))
       peaks["versions"][k] = max(peaks["versions"][k], len(set(held[k].values())))
     elif t.kind == "R":
       bwd[k].popleft()
-      received[k].add(unit)
+      self.received[k].add(unit)
     elif t.kind == "B":
-      if k < K - 1 and unit not in received[k]:
+      if k < self.K - 1 and unit not in self.received[k]:
         bwd[k].popleft()
       if k > 0:
         bwd[k - 1].append(unit)
-        in_flight[k - 1][1] = max(in_flight[k - 1][1], len(bwd[k - 1]))
-      for u in cover[k][t]:
-        peaks["stale"][k] = max(peaks["stale"][k], updates[k] - held[k][u])
-        if u not in split[k]:   # a split backward's state stays until its W
+        self.in_flight[k - 1][1] = max(self.in_flight[k - 1][1], len(bwd[k - 1]))
+      for u in self.cover[k][t]:
+        peaks["stale"][k] = max(peaks["stale"][k], self.updates[k] - held[k][u])
+        if u not in self.split[k]:   # a split backward's state stays until its W
           del held[k][u]
     elif t.kind == "W":
       del held[k][unit]
     if schedules.is_update(t):
-      updates[k] += 1
-    done[k].add(t)
-    order.append((k, t))
+      self.updates[k] += 1
+    self.done[k].add(t)
+    self.order.append((k, t))
 
-  # Each device runs its lane in order (a stage per device, or several: `schedules.Schedule`).
-  lanes = schedules.lanes(schedule)
-  shared = len(lanes) != K
-  lane_of = {k: d for d, lane in enumerate(lanes) for k, _ in lane}
-  at = [0] * len(lanes)
-  pending, queued = collections.deque(range(len(lanes))), set(range(len(lanes)))
-  while pending:
-    d = pending.popleft()
-    queued.discard(d)
-    progressed, barrier, ran = False, False, set()
-    while at[d] < len(lanes[d]) and blocked(*lanes[d][at[d]]) is None:
-      k, t = lanes[d][at[d]]
-      barrier = barrier or t.kind == "S"
-      run(k, t)
-      pos[k] += 1
-      at[d] += 1
-      progressed = True
-      ran.add(k)
-    if progressed:
-      wake = (range(len(lanes)) if barrier or shared else
-              {lane_of[j] for k in ran for j in (k - 1, k + 1) if 0 <= j < K})
-      for j in wake:
-        if j not in queued:
-          pending.append(j)
-          queued.add(j)
-  if any(at[d] < len(lane) for d, lane in enumerate(lanes)):
-    heads = [lane[at[d]] for d, lane in enumerate(lanes) if at[d] < len(lane)]
-    stuck = "; ".join(f"stage {k} at {t} ({blocked(k, t)})" for k, t in heads)
-    raise ScheduleError(f"schedule deadlocks: no stage can run its next task: {stuck}")
-  return Report(order, peaks["states"], peaks["versions"], peaks["stale"],
-                [tuple(p) for p in in_flight])
-
+  def run_lanes(self) -> None:
+    """Each device runs its lane in order (a stage per device, or several:
+    `schedules.Schedule`) as far as its next task can run, waking its neighbours; raises
+    where every device is stuck before its lane's end (a deadlock)."""
+    K, lanes = self.K, schedules.lanes(self.schedule)
+    shared = len(lanes) != K
+    lane_of = {k: d for d, lane in enumerate(lanes) for k, _ in lane}
+    at = [0] * len(lanes)
+    pending, queued = collections.deque(range(len(lanes))), set(range(len(lanes)))
+    while pending:
+      d = pending.popleft()
+      queued.discard(d)
+      progressed, barrier, ran = False, False, set()
+      while at[d] < len(lanes[d]) and self.blocked(*lanes[d][at[d]]) is None:
+        k, t = lanes[d][at[d]]
+        barrier = barrier or t.kind == "S"
+        self.run(k, t)
+        self.pos[k] += 1
+        at[d] += 1
+        progressed = True
+        ran.add(k)
+      if progressed:
+        wake = (range(len(lanes)) if barrier or shared else
+                {lane_of[j] for k in ran for j in (k - 1, k + 1) if 0 <= j < K})
+        for j in wake:
+          if j not in queued:
+            pending.append(j)
+            queued.add(j)
+    if any(at[d] < len(lane) for d, lane in enumerate(lanes)):
+      heads = [lane[at[d]] for d, lane in enumerate(lanes) if at[d] < len(lane)]
+      stuck = "; ".join(f"stage {k} at {t} ({self.blocked(k, t)})" for k, t in heads)
+      raise ScheduleError(f"schedule deadlocks: no stage can run its next task: {stuck}")
 
 
 def memory_table(K: int, M: int = 4, N: Optional[int] = None,
