@@ -161,6 +161,35 @@ def _take_core(cores: List[List[Tuple[float, float]]], ready: float, seconds: fl
   return start
 
 
+def _send(transfers: List[Tuple[int, str, schedules.Unit, float, float]], link: List[float],
+          k: int, ready: float, seconds: float, what: Tuple[int, str, schedules.Unit]) -> float:
+  """Sends over `link[k]` once it is free and `ready`, for `seconds`; records the transfer
+  `what` (sender, kind, unit) with its start and end in `transfers`; returns its end."""
+  start = max(ready, link[k])
+  link[k] = start + seconds
+  transfers.append(what + (start, link[k]))
+  return link[k]
+
+
+def _seconds(costs: Costs, K: int, k: int, task: schedules.Task, share: float, split: bool,
+             recompute: bool) -> float:
+  """The compute seconds of `task` of stage k on a unit of `share` of its mini-batch (the
+  per-task dispatch left out): the last stage's forward and backward run as one at its B;
+  `split`: its backward runs as two halves, B (`input_share`) and W; `recompute`: a backward
+  runs its forward again first."""
+  if task.kind == "F":
+    return costs.forward[k] * share if k < K - 1 else 0.0
+  if task.kind == "B":
+    part = costs.input_share if split else 1.0
+    if k == K - 1:
+      return (costs.forward[k] + costs.backward[k] * part) * share
+    return (costs.backward[k] * part + (costs.forward[k] if recompute else 0.0)) * share
+  if task.kind == "W":   # a split backward's weight half (it recomputes too)
+    again = costs.forward[k] if recompute and k < K - 1 else 0.0
+    return (costs.backward[k] * (1.0 - costs.input_share) + again) * share
+  return costs.update if task.kind == "U" else 0.0
+
+
 def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -> Timeline:
   """Plays `schedule` out with `costs` (a `Costs`); returns its `Timeline`."""
   K = len(schedule)
@@ -193,47 +222,25 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
   reduce = costs.reduce or [0.0] * K
   feed_done = 0.0   # when the client's feed link is next free
 
-  def send(link: List[float], k: int, ready: float, seconds: float, sender: int, kind: str,
-           unit: schedules.Unit) -> float:
-    start = max(ready, link[k])
-    link[k] = start + seconds
-    transfers.append((sender, kind, unit, start, link[k]))
-    return link[k]
-
   for k, task in order:
     unit = (task.batch, task.micro)
-    start, seconds = free[device[k]], 0.0
+    share = _share(covers[k][task] if task.kind == "B" else [unit], M)
+    start = free[device[k]]
     if dataflow:   # what the task reads: its weights' last update, its own earlier halves
       start = {"F": written[device[k]], "U": gradients[device[k]],
                "W": done.get((k, "B", unit), 0.0)}.get(task.kind, 0.0)
       if task.kind == "B" and k == K - 1:
         start = max(done.get((k, "F", u), 0.0) for u in covers[k][task])
-    if task.kind == "F":
-      if k > 0:
-        start = max(start, arrived_fwd.pop((k - 1, unit)))
-      elif costs.feed:   # the input, sent ahead from the client one unit after another
-        feed_done += costs.feed * _share([unit], M)
-        start = max(start, feed_done)
-      if k < K - 1:
-        seconds = costs.forward[k] * _share([unit], M)
-    elif task.kind == "R":
+    if task.kind == "F" and k > 0:
+      start = max(start, arrived_fwd.pop((k - 1, unit)))
+    elif task.kind == "F" and costs.feed:   # the input, sent ahead from the client unit by unit
+      feed_done += costs.feed * share
+      start = max(start, feed_done)
+    elif task.kind == "R" or (task.kind == "B" and (k, unit) in arrived_bwd):
       start = max(start, arrived_bwd.pop((k, unit)))
-    elif task.kind == "B":
-      share = _share(covers[k][task], M)
-      part = costs.input_share if split[k] else 1.0
-      if k == K - 1:
-        seconds = (costs.forward[k] + costs.backward[k] * part) * share
-      else:
-        if (k, unit) in arrived_bwd:
-          start = max(start, arrived_bwd.pop((k, unit)))
-        seconds = (costs.backward[k] * part + (costs.forward[k] if recompute else 0.0)) * share
-    elif task.kind == "W":   # a split backward's weight half (it recomputes too)
-      again = costs.forward[k] if recompute and k < K - 1 else 0.0
-      seconds = (costs.backward[k] * (1.0 - costs.input_share) + again) * _share([unit], M)
-    elif task.kind == "U":
-      seconds = costs.update
     elif task.kind == "S":  # every stage has run its tasks before S(t) when the first one passes
       start = barrier.setdefault(task, max(free))
+    seconds = _seconds(costs, K, k, task, share, split[k], recompute)
     if seconds or task.kind == "U":
       seconds += costs.per_task
       if shared:   # the task computes once a core is free for as long as it takes
@@ -251,12 +258,11 @@ def simulate(schedule: schedules.Lists, costs: Costs, recompute: bool = False) -
       written[device[k]] = max(written[device[k]], end)
     tasks.append((k, task, start, end))
     if task.kind == "F" and k < K - 1:
-      arrived_fwd[(k, unit)] = send(fwd_link, k, end, transfer[k] * _share([unit], M),
-                                    k, "XF", unit)
+      arrived_fwd[(k, unit)] = _send(transfers, fwd_link, k, end, transfer[k] * share,
+                                     (k, "XF", unit))
     if task.kind == "B" and k > 0:
-      arrived_bwd[(k - 1, unit)] = send(bwd_link, k - 1, end,
-                                        transfer[k - 1] * _share(covers[k][task], M),
-                                        k, "XB", unit)
+      arrived_bwd[(k - 1, unit)] = _send(transfers, bwd_link, k - 1, end,
+                                         transfer[k - 1] * share, (k, "XB", unit))
   N = len({t.batch for t in schedule[0]})
   makespan = max(free)
   if shared and costs.cores:   # the cores give `cores` devices' worth of compute at most
