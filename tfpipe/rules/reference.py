@@ -166,15 +166,13 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     weights the task read (for a prediction: the count it was made at).
   """
   policy = policies.policy_for(method, spectrain_backward, recompute, lockstep)
-  K, N = len(stage_models), len(batches)
+  K = len(stage_models)
   rule_optimizer = optimizer if optimizer is not None else optimizers.SpecTrain(learning_rate,
                                                                                 momentum)
   batch_norm = any(advice_lib.batch_norm_layers(m) for m in stage_models)
   M = ((advice and advice_lib.micro_batches(policy, rule_optimizer, K, micro_batches,
                                           version_difference, batch_norm))
        or policies.micro_batches_for(policy, micro_batches, K))
-  W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
-  A = [[np.zeros_like(w) for w in ws] for ws in W]
   delays = mitigations.delays_for(policy.schedule, K, M, policy.virtual_stages)
   asked = {"version_difference": version_difference, "spike_compensation": spike_compensation,
            "nesterov": nesterov, "delay_compensation": delay_compensation}
@@ -191,134 +189,168 @@ def reference_train(stage_models, loss_fn, batches, method, learning_rate, momen
     discrepancy_decay = mitigations.DEFAULT_DISCREPANCY_DECAY
   decay = discrepancy_decay if policy.corrects else None
   rules = []
+  W = [[v.numpy().copy() for v in m.trainable_variables] for m in stage_models]
   for k, d in enumerate(delays):
     rule = _Rule(optimizer, learning_rate, momentum, d, spike_compensation, lr_rescheduling, decay,
                  W[k], nesterov)
     if delay_momentum:
       rule.gamma = mitigations.delay_momentum(rule.gamma, d)
     rules.append(rule)
-  S = [[tf.convert_to_tensor(v) for v in m.non_trainable_variables] for m in stage_models]
-  ops = [tasks.ops(policy, last=k == K - 1) for k in range(K)]   # the executors' table
-  updates = [0] * K
-  log = []
+  replay = _Replay(stage_models, loss_fn, policy, M, W, rules, delay_compensation)
+  for _ in range(epochs):
+    replay.epoch(batches, version_difference)
+  return replay.W, replay.log
 
-  P = [[w.copy() for w in ws] for ws in W]   # 2BW: each stage's weights before its last update
-  # DC-ASGD with micro-batches: per stage, the sum and count of the weights their gradients read.
-  R, reads_seen = [[np.zeros_like(w) for w in ws] for ws in W], [0] * len(W)
 
-  def compensate(g, current, read_weights):
-    return mitigations.compensate(np.asarray(delay_compensation, g.dtype), g, current,
+class _Replay:
+  """The rule played out task by task: per stage k its weights `W[k]`, accumulated gradients
+  `A[k]`, weights before its last update `P[k]` (2BW), the sum and count of the weights its
+  micro-batches' gradients read (`R[k]`, `reads_seen[k]`: DC-ASGD), its update rule, its
+  non-trainable state `S[k]`, the table's ops for it and its update count; `log` (see
+  `reference_train`)."""
+
+  def __init__(self, stage_models, loss_fn, policy, M, W, rules, delay_compensation):
+    K = self.K = len(stage_models)
+    self.models, self.loss_fn, self.policy, self.M = stage_models, loss_fn, policy, M
+    self.W, self.rules, self.delay_compensation = W, rules, delay_compensation
+    self.A = [[np.zeros_like(w) for w in ws] for ws in W]
+    self.P = [[w.copy() for w in ws] for ws in W]
+    self.R, self.reads_seen = [[np.zeros_like(w) for w in ws] for ws in W], [0] * K
+    self.S = [[tf.convert_to_tensor(v) for v in m.non_trainable_variables] for m in stage_models]
+    self.ops = [tasks.ops(policy, last=k == K - 1) for k in range(K)]   # the executors' table
+    self.updates = [0] * K
+    self.log = []
+
+  def compensate(self, g, current, read_weights):
+    return mitigations.compensate(np.asarray(self.delay_compensation, g.dtype), g, current,
                                   read_weights)
 
-  def read(k, source, s):
+  def read(self, k, source, s):
     if source == "predicted" and s:
-      return rules[k].predict(W[k], s)
+      return self.rules[k].predict(self.W[k], s)
     if source == "corrected":
-      return [(w - s * e).astype(w.dtype) for w, e in zip(W[k], rules[k].E)]
+      return [(w - s * e).astype(w.dtype) for w, e in zip(self.W[k], self.rules[k].E)]
     if source == "delayed" and not s:
-      return [p.copy() for p in P[k]]
-    return [w.copy() for w in W[k]]
+      return [p.copy() for p in self.P[k]]
+    return [w.copy() for w in self.W[k]]
 
-  def version(k, source, s):
+  def version(self, k, source, s):
     """The update count of the weights `read` gives (2BW's second buffer: one less)."""
-    return updates[k] - (source == "delayed" and not s and updates[k] > 0)
+    return self.updates[k] - (source == "delayed" and not s and self.updates[k] > 0)
 
-  def update(k, grads):
-    P[k] = [w.copy() for w in W[k]]
-    rules[k].update(W[k], grads)
-    updates[k] += 1
+  def update(self, k, grads):
+    self.P[k] = [w.copy() for w in self.W[k]]
+    self.rules[k].update(self.W[k], grads)
+    self.updates[k] += 1
 
-  for _ in range(epochs):
-    schedule = policies.build_schedule(policy, K, N, M)
-    diffs = policies.version_differences(policy, schedule, version_difference)
-    covers = [verify.covered_units(stage_tasks) for stage_tasks in schedule]
-    split = {b: _micro_batches(x, y, M) for b, (x, y) in enumerate(batches)}
-    outputs, inputs, used, grads_out, halves = {}, {}, {}, {}, {}
+  def epoch(self, batches, version_difference):
+    """One epoch of `batches` in the method's task order."""
+    K, M = self.K, self.M
+    schedule = policies.build_schedule(self.policy, K, len(batches), M)
+    self.diffs = policies.version_differences(self.policy, schedule, version_difference)
+    self.covers = [verify.covered_units(stage_tasks) for stage_tasks in schedule]
+    self.split = {b: _micro_batches(x, y, M) for b, (x, y) in enumerate(batches)}
+    self.outputs, self.inputs, self.used, self.grads_out, self.halves = {}, {}, {}, {}, {}
     for k, task in verify.verify(schedule).order:
       kind, b, i = task
-      unit, s, model = (b, i), diffs[k][task], stage_models[k]
+      unit = (b, i)
       if kind == "F":
-        xs = split[b][i or 0][0] if k == 0 else outputs.pop((k - 1, unit))
-        source = ops[k]["F"].reads or ops[k]["B"].reads   # "hold": the step's weights
-        w = read(k, source, s)
-        used[(k, unit)] = (w, version(k, source, s), s)
-        if k < K - 1:
-          log.append((k, "F", b, i, version(k, source, s)))
-          inputs[(k, unit)] = (xs, S[k])
-          ys, S[k] = _run(model, [tf.constant(a) for a in w], S[k], xs)
-          outputs[(k, unit)] = [y.numpy() for y in ys]
-        else:
-          inputs[(k, unit)] = (xs, None)   # the last stage runs its forward with the backward
-        continue
-      if kind in ("R", "S"):
-        continue
-      if kind == "W":   # a split backward's weight half: what its B computed, accumulated
-        A[k] = [a + g for a, g in zip(A[k], halves.pop((k, unit)))]
-        continue
-      if kind == "U":
-        if delay_compensation:   # the mini-batch's gradient, from the mean of its reads
-          mean = [r / max(1, reads_seen[k]) for r in R[k]]
-          A[k] = [compensate(g, c, r) for g, c, r in zip(A[k], W[k], mean)]
-          R[k], reads_seen[k] = [np.zeros_like(r) for r in R[k]], 0
-        update(k, A[k])
-        A[k] = [np.zeros_like(a) for a in A[k]]
-        continue
-      units = covers[k][task]
-      parts = [inputs.pop((k, u)) for u in units]
-      share = sum(split[b][u[1] or 0][2] for u in units)
-      forward_w, forward_version, forward_s = used.pop((k, units[0]))
-      for u in units[1:]:
-        used.pop((k, u))
-      reads = ops[k]["B"].reads
-      if k == K - 1:  # forward and backward as one step, with the forward's weights
-        w, read_version = read(k, reads, forward_s), version(k, reads, forward_s)
-        log.append((k, "F", b, i, read_version))
-        parts = [([np.concatenate(p) for p in zip(*[xs for xs, _ in parts])], S[k])]
-      elif reads == "kept":
-        w, read_version = forward_w, forward_version
-      elif reads == "blend":
-        sigma = mitigations.blend_factor(updates[k] - forward_version)
-        w = [(sigma * f + (1.0 - sigma) * c).astype(c.dtype) for f, c in zip(forward_w, W[k])]
-        read_version = updates[k]
+        self._forward(k, task)
+      elif kind == "W":   # a split backward's weight half: what its B computed, accumulated
+        self.A[k] = [a + g for a, g in zip(self.A[k], self.halves.pop((k, unit)))]
+      elif kind == "U":
+        if self.delay_compensation:   # the mini-batch's gradient, from the mean of its reads
+          mean = [r / max(1, self.reads_seen[k]) for r in self.R[k]]
+          self.A[k] = [self.compensate(g, c, r) for g, c, r in zip(self.A[k], self.W[k], mean)]
+          self.R[k], self.reads_seen[k] = [np.zeros_like(r) for r in self.R[k]], 0
+        self.update(k, self.A[k])
+        self.A[k] = [np.zeros_like(a) for a in self.A[k]]
+      elif kind == "B":
+        self._backward(k, task)
+
+  def _forward(self, k, task):
+    kind, b, i = task
+    unit, s = (b, i), self.diffs[k][task]
+    xs = self.split[b][i or 0][0] if k == 0 else self.outputs.pop((k - 1, unit))
+    source = self.ops[k]["F"].reads or self.ops[k]["B"].reads   # "hold": the step's weights
+    w = self.read(k, source, s)
+    self.used[(k, unit)] = (w, self.version(k, source, s), s)
+    if k < self.K - 1:
+      self.log.append((k, "F", b, i, self.version(k, source, s)))
+      self.inputs[(k, unit)] = (xs, self.S[k])
+      ys, self.S[k] = _run(self.models[k], [tf.constant(a) for a in w], self.S[k], xs)
+      self.outputs[(k, unit)] = [y.numpy() for y in ys]
+    else:
+      self.inputs[(k, unit)] = (xs, None)   # the last stage runs its forward with the backward
+
+  def _backward_weights(self, k, task, units):
+    """(the weights a backward of `units` reads, their update count): at the last stage its
+    forward's, else as the table's `reads` says."""
+    _, b, i = task
+    forward_w, forward_version, forward_s = self.used.pop((k, units[0]))
+    for u in units[1:]:
+      self.used.pop((k, u))
+    reads = self.ops[k]["B"].reads
+    if k == self.K - 1:  # forward and backward as one step, with the forward's weights
+      w, read_version = self.read(k, reads, forward_s), self.version(k, reads, forward_s)
+      self.log.append((k, "F", b, i, read_version))
+    elif reads == "kept":
+      w, read_version = forward_w, forward_version
+    elif reads == "blend":
+      sigma = mitigations.blend_factor(self.updates[k] - forward_version)
+      w = [(sigma * f + (1.0 - sigma) * c).astype(c.dtype) for f, c in zip(forward_w, self.W[k])]
+      read_version = self.updates[k]
+    else:
+      d = self.updates[k] - forward_version if reads == "corrected" else self.diffs[k][task]
+      w, read_version = self.read(k, reads, d), self.updates[k]
+    return w, read_version
+
+  def _backward(self, k, task):
+    K, (_, b, i) = self.K, task
+    unit, units = (b, i), self.covers[k][task]
+    parts = [self.inputs.pop((k, u)) for u in units]
+    share = sum(self.split[b][u[1] or 0][2] for u in units)
+    w, read_version = self._backward_weights(k, task, units)
+    if k == K - 1:
+      parts = [([np.concatenate(p) for p in zip(*[xs for xs, _ in parts])], self.S[k])]
+    self.log.append((k, "B", b, i, read_version))
+    w_t = [tf.constant(a) for a in w]
+    parts = [([tf.constant(x) for x in xs], state) for xs, state in parts]
+    floats = [x for xs, _ in parts for x in xs if x.dtype.is_floating] if k > 0 else []
+    with tf.GradientTape() as tape:
+      tape.watch(w_t + floats)
+      runs = [_run(self.models[k], w_t, state, xs) for xs, state in parts]
+      ys = [tf.concat(list(y), 0) for y in zip(*[r[0] for r in runs])]
+      if k == K - 1:
+        self.S[k] = runs[0][1]
+        target = self._loss([self.split[b][u[1] or 0][1] for u in units], ys, share)
       else:
-        d = updates[k] - forward_version if reads == "corrected" else s
-        w, read_version = read(k, reads, d), updates[k]
-      log.append((k, "B", b, i, read_version))
-      w_t = [tf.constant(a) for a in w]
-      parts = [([tf.constant(x) for x in xs], state) for xs, state in parts]
-      floats = [x for xs, _ in parts for x in xs if x.dtype.is_floating] if k > 0 else []
-      with tf.GradientTape() as tape:
-        tape.watch(w_t + floats)
-        runs = [_run(model, w_t, state, xs) for xs, state in parts]
-        ys = [tf.concat(list(y), 0) for y in zip(*[r[0] for r in runs])]
-        if k == K - 1:
-          S[k] = runs[0][1]
-          labels = [split[b][u[1] or 0][1] for u in units]
-          if isinstance(labels[0], tuple):   # several outputs: a tuple of labels, one each
-            y_true = tuple(tf.constant(np.concatenate(p)) for p in zip(*labels))
-            target = loss_fn(y_true, ys) * tf.constant(share, ys[0].dtype)
-          else:
-            y_true = np.concatenate(labels)
-            target = loss_fn(tf.constant(y_true), ys[0]) * tf.constant(share, ys[0].dtype)
-        else:
-          target = tf.add_n([tf.reduce_sum(y * tf.constant(g, y.dtype))
-                             for y, g in zip(ys, grads_out.pop((k, unit)))])
-      grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      # Dense, also an embedding's (IndexedSlices): the update rules are written for arrays.
-      weight_grads = [tf.convert_to_tensor(g).numpy() for g in grads[:len(w_t)]]
-      if ops[k]["B"].op in ("backward_input", "step_input"):   # its W adds them
-        halves[(k, unit)] = weight_grads
-      elif i is None:
-        if delay_compensation:   # DC-ASGD: from the weights read to the current ones
-          weight_grads = [compensate(g, c, r) for g, c, r in zip(weight_grads, W[k], w)]
-        update(k, weight_grads)
-      else:
-        A[k] = [a + g for a, g in zip(A[k], weight_grads)]
-        if delay_compensation:
-          R[k], reads_seen[k] = [r + x for r, x in zip(R[k], w)], reads_seen[k] + 1
-      if k > 0:
-        n = len(floats) // len(parts)
-        per_part = [grads[len(w_t) + j * n:len(w_t) + (j + 1) * n] for j in range(len(parts))]
-        grads_out[(k - 1, unit)] = [np.concatenate([g.numpy() for g in gs])
-                                    for gs in zip(*per_part)]
-  return W, log
+        target = tf.add_n([tf.reduce_sum(y * tf.constant(g, y.dtype))
+                           for y, g in zip(ys, self.grads_out.pop((k, unit)))])
+    grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # Dense, also an embedding's (IndexedSlices): the update rules are written for arrays.
+    weight_grads = [tf.convert_to_tensor(g).numpy() for g in grads[:len(w_t)]]
+    if self.ops[k]["B"].op in ("backward_input", "step_input"):   # its W adds them
+      self.halves[(k, unit)] = weight_grads
+    elif i is None:
+      if self.delay_compensation:   # DC-ASGD: from the weights read to the current ones
+        weight_grads = [self.compensate(g, c, r) for g, c, r in zip(weight_grads, self.W[k], w)]
+      self.update(k, weight_grads)
+    else:
+      self.A[k] = [a + g for a, g in zip(self.A[k], weight_grads)]
+      if self.delay_compensation:
+        self.R[k] = [r + x for r, x in zip(self.R[k], w)]
+        self.reads_seen[k] += 1
+    if k > 0:
+      n = len(floats) // len(parts)
+      per_part = [grads[len(w_t) + j * n:len(w_t) + (j + 1) * n] for j in range(len(parts))]
+      self.grads_out[(k - 1, unit)] = [np.concatenate([g.numpy() for g in gs])
+                                       for gs in zip(*per_part)]
+
+  def _loss(self, labels, ys, share):
+    """The last stage's loss on `labels` (its units'), weighted by their `share`."""
+    if isinstance(labels[0], tuple):   # several outputs: a tuple of labels, one each
+      y_true = tuple(tf.constant(np.concatenate(p)) for p in zip(*labels))
+      return self.loss_fn(y_true, ys) * tf.constant(share, ys[0].dtype)
+    y_true = np.concatenate(labels)
+    return self.loss_fn(tf.constant(y_true), ys[0]) * tf.constant(share, ys[0].dtype)
