@@ -245,62 +245,10 @@ def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
     raise ValueError("`sample_weight` and `class_weight` cannot both be given (as in Keras): "
                      "fold the class weights into the sample weights")
   if isinstance(x, tf.data.Dataset):
-    if y is not None:
-      raise ValueError("`y` must be None when `x` is a tf.data.Dataset (it yields (x, y) pairs)")
-    if sample_weight is not None:
-      raise ValueError("`sample_weight` must be None when `x` is a tf.data.Dataset (it yields "
-                       "(x, y, sample_weight))")
-    if batch_size is not None:
-      raise ValueError(
-          f"`batch_size` must be None for a tf.data.Dataset (batch the dataset). "
-          f"Received: batch_size={batch_size}")
-    dataset = x
-    first = dataset.element_spec[0] if isinstance(dataset.element_spec, tuple) else (
-        dataset.element_spec)
-    if isinstance(first, dict):
-      dataset = dataset.map(_by_name(names))
-    if class_weight is not None:
-      if not labels:
-        raise ValueError("`class_weight` needs labels")
-      dataset = dataset.map(_class_weight_map(class_weight))
+    dataset = _given_dataset(x, y, batch_size, labels, sample_weight, class_weight, names)
   else:
-    if x is None:
-      raise ValueError("no input data: `x` is None")
-    if labels and y is None:
-      raise ValueError("`y` is needed with array inputs when training or evaluating")
-    batch_size = 32 if batch_size is None else batch_size
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-      raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
-    features = feature_arrays(x, names)
-    n = len(features[0])
-    if n == 0:
-      raise ValueError("`x` is empty (0 samples): nothing to train or evaluate on")
-    if any(len(a) != n for a in features):
-      raise ValueError(f"every input array needs the same number of samples. Received: "
-                       f"{[len(a) for a in features]}")
-    if labels:
-      if isinstance(y, (list, tuple, dict)):   # several outputs' labels (tf.data: a tuple)
-        y = keras.tree.map_structure(np.asarray, y)
-        y = tuple(y) if isinstance(y, (list, tuple)) else y
-      lengths = {len(a) for a in keras.tree.flatten(y)}
-      if lengths != {n}:
-        raise ValueError(f"`x` and `y` must have the same length. Received: {n} and "
-                         f"{sorted(lengths) if len(lengths) > 1 else lengths.pop()}")
-    if class_weight is not None:
-      sample_weight = class_weights(y, class_weight)
-    if sample_weight is not None:
-      sample_weight = np.asarray(sample_weight)
-      if len(sample_weight) != n:
-        raise ValueError(f"`sample_weight` needs one weight per sample ({n}). Received: "
-                         f"{len(sample_weight)}")
-    features = features[0] if len(features) == 1 else features   # one input stays bare
-    data = (features,) + ((y if isinstance(y, (list, tuple, dict)) else np.asarray(y),)
-                          if labels else ()) + (
-        (sample_weight,) if sample_weight is not None and labels else ())
-    dataset = tf.data.Dataset.from_tensor_slices(data if labels else features)
-    if shuffle:
-      dataset = dataset.shuffle(n, seed=seed, reshuffle_each_iteration=True)
-    dataset = dataset.batch(batch_size).prefetch(2)
+    dataset = _array_dataset(x, y, batch_size, shuffle, seed, labels, sample_weight,
+                             class_weight, names)
   if steps is not None:
     return dataset, steps
   cardinality = int(dataset.cardinality())
@@ -311,6 +259,73 @@ def as_dataset(x, y=None, batch_size=None, steps=None, shuffle=False, seed=None,
   if cardinality == 0:
     raise ValueError("the dataset is empty")
   return dataset, cardinality
+
+
+def _given_dataset(x, y, batch_size, labels, sample_weight, class_weight, names):
+  """`as_dataset` for a batched tf.data.Dataset `x`: named inputs put in order, class weights
+  mapped in."""
+  if y is not None:
+    raise ValueError("`y` must be None when `x` is a tf.data.Dataset (it yields (x, y) pairs)")
+  if sample_weight is not None:
+    raise ValueError("`sample_weight` must be None when `x` is a tf.data.Dataset (it yields "
+                     "(x, y, sample_weight))")
+  if batch_size is not None:
+    raise ValueError(
+        f"`batch_size` must be None for a tf.data.Dataset (batch the dataset). "
+        f"Received: batch_size={batch_size}")
+  dataset = x
+  first = dataset.element_spec[0] if isinstance(dataset.element_spec, tuple) else (
+      dataset.element_spec)
+  if isinstance(first, dict):
+    dataset = dataset.map(_by_name(names))
+  if class_weight is not None:
+    if not labels:
+      raise ValueError("`class_weight` needs labels")
+    dataset = dataset.map(_class_weight_map(class_weight))
+  return dataset
+
+
+def _array_dataset(x, y, batch_size, shuffle, seed, labels, sample_weight, class_weight,
+                   names):
+  """`as_dataset` for arrays: checked, then batched (`batch_size`, default 32)."""
+  if x is None:
+    raise ValueError("no input data: `x` is None")
+  if labels and y is None:
+    raise ValueError("`y` is needed with array inputs when training or evaluating")
+  batch_size = 32 if batch_size is None else batch_size
+  if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+    raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+  features = feature_arrays(x, names)
+  n = len(features[0])
+  if n == 0:
+    raise ValueError("`x` is empty (0 samples): nothing to train or evaluate on")
+  if any(len(a) != n for a in features):
+    raise ValueError(f"every input array needs the same number of samples. Received: "
+                     f"{[len(a) for a in features]}")
+  if labels:
+    if isinstance(y, (list, tuple, dict)):   # several outputs' labels (tf.data: a tuple)
+      y = keras.tree.map_structure(np.asarray, y)
+      y = tuple(y) if isinstance(y, (list, tuple)) else y
+    lengths = {len(a) for a in keras.tree.flatten(y)}
+    if lengths != {n}:
+      raise ValueError(f"`x` and `y` must have the same length. Received: {n} and "
+                       f"{sorted(lengths) if len(lengths) > 1 else lengths.pop()}")
+  if class_weight is not None:
+    sample_weight = class_weights(y, class_weight)
+  if sample_weight is not None:
+    sample_weight = np.asarray(sample_weight)
+    if len(sample_weight) != n:
+      raise ValueError(f"`sample_weight` needs one weight per sample ({n}). Received: "
+                       f"{len(sample_weight)}")
+  features = features[0] if len(features) == 1 else features   # one input stays bare
+  data = (features,) + ((y if isinstance(y, (list, tuple, dict)) else np.asarray(y),)
+                        if labels else ()) + (
+      (sample_weight,) if sample_weight is not None and labels else ())
+  dataset = tf.data.Dataset.from_tensor_slices(data if labels else features)
+  if shuffle:
+    dataset = dataset.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+  dataset = dataset.batch(batch_size).prefetch(2)
+  return dataset
 
 
 def flat_labels(dataset, output_names):
