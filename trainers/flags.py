@@ -9,6 +9,16 @@ FLAGS = flags.FLAGS
 
 
 def define_flags():
+  """Defines the trainer's flags (once per process)."""
+  _where_flags()
+  _method_flags()
+  _training_flags()
+  _run_flags()
+  _validators()
+
+
+def _where_flags():
+  """What trains where: the model, data and method, the stages, devices and cluster, the layout."""
   flags.DEFINE_string("model", "snn", f"model: {', '.join(models.MODELS)}")
   flags.DEFINE_string("dataset", "digits", f"dataset: {', '.join(datasets.DATASETS)}")
   flags.DEFINE_string("method", "spectrain", f"method: {', '.join(tfpipe.METHODS)}")
@@ -52,6 +62,10 @@ def define_flags():
   flags.DEFINE_integer("virtual_stages", None,
                        "--method=interleaved: model chunks per device (default 2); the model "
                        "is cut into num_stages x virtual_stages stages")
+
+
+def _method_flags():
+  """The method's options: the cuts, micro-batches, recomputation, the executor, the mitigations."""
   flags.DEFINE_string("partition", "uniform", "stage balancing: uniform, params, profile")
   flags.DEFINE_string("spectrain_backward", "reuse", "spectrain backward weights: reuse, repredict")
   flags.DEFINE_string("version_difference", None,
@@ -103,6 +117,10 @@ def define_flags():
   flags.DEFINE_float("discrepancy_decay", None,
                      "--method=pipemare: decay of the average weight change its backward "
                      "corrects with (default 0.9)")
+
+
+def _training_flags():
+  """The optimizer, precision and training loop; the data and the models' sizes."""
   flags.DEFINE_enum("optimizer", "spectrain", ["spectrain", "sgd", "adam", "adamw"],
                     "spectrain: v = g*v + (1-g)*grad, w -= lr*v; sgd: Keras momentum SGD; adam, "
                     "adamw: Keras's (spectrain's prediction follows each one's own step)")
@@ -131,6 +149,10 @@ def define_flags():
   flags.DEFINE_integer("sequence_length", 20,
                        "imdb_reviews, synthetic_text: words (token ids) per example; "
                        "grammar_text, tiny_shakespeare: characters a language model reads")
+
+
+def _run_flags():
+  """What a run records, keeps and survives: traces, checkpoints, restarts; threads and output."""
   flags.DEFINE_string("trace_steps", None,
                       "FIRST,LAST: trace these steps (TensorBoard profile, and for pipelines "
                       "tfpipe_trace.json for Perfetto) into --trace_dir")
@@ -163,6 +185,9 @@ def define_flags():
   flags.DEFINE_integer("intra_op_threads", 1, "threads per op (1: one core per logical CPU)")
   flags.DEFINE_integer("verbose", 2, "0: silent, 1: progress bar, 2: one line per epoch")
 
+
+def _validators():
+  """Each flag refused in one line where its value cannot work."""
   flags.register_validator("num_stages", lambda v: v >= 1, "--num_stages must be >= 1")
   flags.register_validator("data_parallel", lambda v: v >= 1, "--data_parallel must be >= 1")
   flags.register_validator("virtual_stages", lambda v: v is None or v >= 1,
