@@ -218,27 +218,7 @@ def _train(config, tools, spec=None):
   keras.mixed_precision.set_global_policy(config.precision)   # before the model is built
   model = models.build_model(config, data.input_shape, data.num_classes, data.vocab_size)
   kind = tfpipe.methods.kind(config.method)
-  if kind.parameter_servers:
-    if config.checkpoint_dir:
-      raise ValueError("--checkpoint_dir is not supported with --method=asgd yet")
-    # The data as arrays, read before joining the cluster (which strands local tensors).
-    data = data._replace(train=_arrays(data.train), validation=_arrays(data.validation))
-    # Built again, not cloned: a KerasHub layer's get_config may fail (Llama's in 0.32).
-    trainer = tfpipe.create(model, "asgd", spec=spec, build=lambda: models.build_model(
-        config, data.input_shape, data.num_classes, data.vocab_size))
-  elif _multi_worker(config):
-    if config.checkpoint_dir:
-      raise ValueError("--checkpoint_dir is not supported with --cluster=tf_config "
-                       "dataparallel (MultiWorkerMirroredStrategy) yet")
-    # Built again, not cloned: a KerasHub layer's get_config may fail (Llama's in 0.32).
-    trainer = tfpipe.multi_worker.MultiWorkerDataParallel(model, build=lambda: models.build_model(
-        config, data.input_shape, data.num_classes, data.vocab_size))
-  else:
-    if config.layout == "auto":
-      config = _chosen_layout(config, model)
-    trainer = tfpipe.create(model, config.method, devices=config.devices,
-                            num_stages=None if config.devices else _num_stages(config),
-                            **_method_options(config, tools))
+  config, data, trainer = _trainer(config, tools, spec, model, data, kind)
   if config.max_restarts and not isinstance(trainer, tfpipe.Pipeline):
     raise ValueError(f"--max_restarts brings back a pipeline's lost stage host; "
                      f"--method={config.method} is not a pipeline")
@@ -290,6 +270,36 @@ def _train(config, tools, spec=None):
     lines.append(f"restarts: {len(restarts)} of at most {config.max_restarts}"
                  + "".join(f"\n  {line}" for line in restarts))
   return history.history, trainer, lines
+
+
+def _trainer(config, tools, spec, model, data, kind):
+  """(config, data, the trainer of `config.method` for `model`): ASGD's parameter servers
+  (the data read as arrays first), multi-worker data parallelism, or a pipeline (its layout
+  chosen first with --layout=auto)."""
+  import tfpipe
+  from trainers import models
+  if kind.parameter_servers:
+    if config.checkpoint_dir:
+      raise ValueError("--checkpoint_dir is not supported with --method=asgd yet")
+    # The data as arrays, read before joining the cluster (which strands local tensors).
+    data = data._replace(train=_arrays(data.train), validation=_arrays(data.validation))
+    # Built again, not cloned: a KerasHub layer's get_config may fail (Llama's in 0.32).
+    trainer = tfpipe.create(model, "asgd", spec=spec, build=lambda: models.build_model(
+        config, data.input_shape, data.num_classes, data.vocab_size))
+  elif _multi_worker(config):
+    if config.checkpoint_dir:
+      raise ValueError("--checkpoint_dir is not supported with --cluster=tf_config "
+                       "dataparallel (MultiWorkerMirroredStrategy) yet")
+    # Built again, not cloned: a KerasHub layer's get_config may fail (Llama's in 0.32).
+    trainer = tfpipe.multi_worker.MultiWorkerDataParallel(model, build=lambda: models.build_model(
+        config, data.input_shape, data.num_classes, data.vocab_size))
+  else:
+    if config.layout == "auto":
+      config = _chosen_layout(config, model)
+    trainer = tfpipe.create(model, config.method, devices=config.devices,
+                            num_stages=None if config.devices else _num_stages(config),
+                            **_method_options(config, tools))
+  return config, data, trainer
 
 
 def _attempts(first, config):
