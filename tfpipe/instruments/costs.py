@@ -201,35 +201,32 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
             cores: Optional[float] = None, method: Optional[str] = None,
             stages: Optional[Sequence[int]] = None,
             traced: Optional[dict] = None) -> simulator.Costs:
-  """Each stage's costs per mini-batch on `pipe` (compiled) with the mini-batch `x`, `y`
-  (arrays, tensors or a dict of them; a mini-batch of the size `fit` will take), measured
-  at the micro-batch size of `micro_batches` (default: the method's M). `inline`: whether
-  the executor traces the tasks into its graphs (None: as `pipe`'s executor would for its
-  method over `num_batches` mini-batches); else the tasks are timed as calls of the
-  stage's traced functions and each pays a call besides (`dispatch_seconds`).
-  A stage's backward is its forward and backward less its forward, plus the share of its
-  forward it recomputes when that forward ran in an earlier window (the executor's
-  `crossing`); the last stage's step is split as 1/3 forward, 2/3 backward (the simulator
-  runs the two as one step there).
-  Where the devices share the cores (`shared_cores`), the stages' work is also run all at
-  once: `Costs.cores` is the work alone over the time together (at most the cores; not
-  quick, the higher of the stages run in one graph and their graphs called from threads).
-  `repeats` timed calls of `runs_per_call` runs each, per task. `quick` (a trace per stage
-  rather than three): a forward is taken as a third of forward and backward, and moving
-  a tensor between two logical CPUs as free; `update`: an update's seconds, known (else
-  timed, with micro-batches); `cores`: `Costs.cores`, known (else measured); `method`: the
-  method whose epoch decides `inline` and the recomputed forwards (default: `pipe`'s; the
-  tasks timed are `pipe`'s). Quick, every task is traced before any is timed, each graph's
-  first call (its optimisation) running on a thread beside the next trace; each timed call's
-  dispatch is taken off its seconds; and the stages' work together is timed by calling
-  their traced runs at once, each from its own thread (no trace more). `stages`: the stages
-  timed (default: all); the others' times are 0, and neither the cores nor the transfers
-  are timed then. `traced` (a dict, quick only): the tasks traced for a batch of any size and
-  kept there, so a later call at another micro-batch size traces none (each stage's tasks
-  traced once for every M; with accumulators at M = 1 too, whose update is then timed
-  apart: a backward's seconds hold the accumulation, not the update); and each stage's
-  outputs, whose first rows feed the next stage at a smaller micro-batch. Quick, the update
-  is timed on one stage, the one of the median weights."""
+  """Each stage's costs per mini-batch on `pipe` (compiled) with the mini-batch `x`, `y` (arrays,
+  tensors or a dict of them; a mini-batch of the size `fit` will take), measured at the micro-batch
+  size of `micro_batches` (default: the method's M). `inline`: whether the executor traces the
+  tasks into its graphs (None: as `pipe`'s executor would for its method over `num_batches` mini-
+  batches); else the tasks are timed as calls of the stage's traced functions and each pays a call
+  besides (`dispatch_seconds`). A stage's backward is its forward and backward less its forward,
+  plus the share of its forward it recomputes when that forward ran in an earlier window (the
+  executor's `crossing`); the last stage's step is split as 1/3 forward, 2/3 backward (the
+  simulator runs the two as one step there). Where the devices share the cores (`shared_cores`),
+  the stages' work is also run all at once: `Costs.cores` is the work alone over the time together
+  (at most the cores; not quick, the higher of the stages run in one graph and their graphs called
+  from threads). `repeats` timed calls of `runs_per_call` runs each, per task. `quick` (a trace per
+  stage rather than three): a forward is taken as a third of forward and backward, and moving a
+  tensor between two logical CPUs as free; `update`: an update's seconds, known (else timed, with
+  micro-batches); `cores`: `Costs.cores`, known (else measured); `method`: the method whose epoch
+  decides `inline` and the recomputed forwards (default: `pipe`'s; the tasks timed are `pipe`'s).
+  Quick, every task is traced before any is timed, each graph's first call (its optimisation)
+  running on a thread beside the next trace; each timed call's dispatch is taken off its seconds;
+  and the stages' work together is timed by calling their traced runs at once, each from its own
+  thread (no trace more). `stages`: the stages timed (default: all); the others' times are 0, and
+  neither the cores nor the transfers are timed then. `traced` (a dict, quick only): the tasks
+  traced for a batch of any size and kept there, so a later call at another micro-batch size traces
+  none (each stage's tasks traced once for every M; with accumulators at M = 1 too, whose update is
+  then timed apart: a backward's seconds hold the accumulation, not the update); and each stage's
+  outputs, whose first rows feed the next stage at a smaller micro-batch. Quick, the update is
+  timed on one stage, the one of the median weights."""
   if getattr(pipe, "programs", None) is None:
     raise RuntimeError("call `compile(optimizer, loss)` before measuring the costs")
   M = micro_batches or pipe.micro_batches
@@ -264,16 +261,7 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
                                                 pipe.num_stages)
   most = shared_cores(pipe.devices)
   if cores is None and most is not None and stages is None:
-    # How much of the stages' work the cores do at once.
-    stage_runs = [t.get("step", t.get("fb")) for _, t in profile.pending]
-    at_once = sum(r.call_seconds for r in stage_runs) / _at_once(stage_runs, repeats)
-    if quick:
-      ratio = at_once
-    else:   # the higher of two readings: each errs low only (TOGETHER_QUANTILE's comment)
-      alone = sum(t.get("step", t.get("fb")) for t in seconds)
-      ratio = max(at_once, alone / _in_graph(profile.works, repeats, runs_per_call,
-                                             chained=False))
-    cores = min(float(most), max(1.0, ratio))
+    cores = _cores(profile, seconds, most, repeats, runs_per_call)
   for program in pipe.programs:   # undo the profile's updates
     program.load_from_model()
   for v, value in zip(_updated_state(pipe), before):
@@ -286,6 +274,18 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   whole = pipe.runtime.windowed and not pipe.jit_compile
   return simulator.Costs(forward, backward, transfer, update, input_share=1.0 if whole else 0.5,
                          per_task=per_task, cores=cores, ordered=not inline)
+
+
+def _cores(profile, seconds, most, repeats, runs_per_call):
+  """How much of the stages' work the `most` cores they share do at once: quick, their runs
+  called at once from threads; else the higher of that and the stages in one graph (each
+  reading errs low only: TOGETHER_QUANTILE's comment)."""
+  stage_runs = [t.get("step", t.get("fb")) for _, t in profile.pending]
+  ratio = sum(r.call_seconds for r in stage_runs) / _at_once(stage_runs, repeats)
+  if not profile.quick:
+    alone = sum(t.get("step", t.get("fb")) for t in seconds)
+    ratio = max(ratio, alone / _in_graph(profile.works, repeats, runs_per_call, chained=False))
+  return min(float(most), max(1.0, ratio))
 
 
 def _micro_batch(pipe, x, y, M):
