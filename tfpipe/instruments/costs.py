@@ -204,11 +204,11 @@ def measure(pipe, x, y, micro_batches: Optional[int] = None, inline: Optional[bo
   """Each stage's costs per mini-batch on `pipe` (compiled) with the mini-batch `x`, `y` (arrays,
   tensors or a dict of them; a mini-batch of the size `fit` will take), measured at the micro-batch
   size of `micro_batches` (default: the method's M). `inline`: whether the executor traces the
-  tasks into its graphs (None: as `pipe`'s executor would for its method over `num_batches` mini-
-  batches); else the tasks are timed as calls of the stage's traced functions and each pays a call
-  besides (`dispatch_seconds`). A stage's backward is its forward and backward less its forward,
-  plus the share of its forward it recomputes when that forward ran in an earlier window (the
-  executor's `crossing`); the last stage's step is split as 1/3 forward, 2/3 backward (the
+  tasks into its graphs (None: as `pipe`'s executor would for its method over `num_batches`
+  mini-batches); else the tasks are timed as calls of the stage's traced functions and each pays a
+  call besides (`dispatch_seconds`). A stage's backward is its forward and backward less its
+  forward, plus the share of its forward it recomputes when that forward ran in an earlier window
+  (the executor's `crossing`); the last stage's step is split as 1/3 forward, 2/3 backward (the
   simulator runs the two as one step there). Where the devices share the cores (`shared_cores`),
   the stages' work is also run all at once: `Costs.cores` is the work alone over the time together
   (at most the cores; not quick, the higher of the stages run in one graph and their graphs called
