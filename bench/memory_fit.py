@@ -8,7 +8,7 @@ A KerasHub Llama (from config, random weights) trained with momentum SGD on toke
      --cap, its TF server holding only its stages' weights, slots and activations; this
      program (the client, uncapped) holds the Keras model as built, as a GPU user's host
      memory does. Each host's peak (its control group) beside its stage's peak predicted
-     before training (`tfpipe.stage.footprint.predict`), and the largest difference of the
+     before training (`tfpipe.training.footprint.predict`), and the largest difference of the
      final weights from Keras's, relative to the weights' scale.
 Emulated hosts need root (network namespaces, memory control groups).
 
@@ -112,7 +112,7 @@ def _pipeline(out):
   """The pipeline on capped emulated hosts, this process their client."""
   import numpy as np
   import tfpipe
-  from tfpipe.stage import footprint
+  from tfpipe.training import footprint
   cap = parse_bytes(FLAGS.cap)
   with tfpipe.cluster.EmulatedCluster({"worker": FLAGS.hosts}, link="10gbit",
                                       memory=cap) as hosts:

@@ -2,7 +2,7 @@
 
 For each --models model and --methods method: a pipeline on --hosts emulated hosts (each
 server a process of its own in a memory control group), compiled, its per-stage memory
-predicted (`tfpipe.stage.footprint.predict`), then trained; each host's measured peak above
+predicted (`tfpipe.training.footprint.predict`), then trained; each host's measured peak above
 what its idle server held (the control group's peak less its usage once connected) is set
 beside the prediction of the stages it holds. Each run is a process of its own, on hosts of
 its own. Emulated hosts need root (network namespaces, memory control groups).
@@ -107,7 +107,7 @@ def _run(model_name, method, threshold, out):
   import tensorflow as tf
   import tfpipe
   from tfpipe.cluster import allocator
-  from tfpipe.stage import footprint
+  from tfpipe.training import footprint
   threshold = allocator.MMAP_THRESHOLD if threshold < 0 else threshold
   with tfpipe.cluster.EmulatedCluster({"worker": FLAGS.hosts}, link="10gbit", memory=64 << 30,
                                       mmap_threshold=threshold) as hosts:
@@ -196,7 +196,7 @@ def main(argv):
   except ValueError:
     raise app.UsageError(f"--mmap_thresholds takes integers. Received: "
                          f"{FLAGS.mmap_thresholds}") from None
-  from tfpipe.stage import footprint
+  from tfpipe.training import footprint
   folder = tempfile.mkdtemp(prefix="tfpipe-memory-predicted-")
   table, side, results = [], [], []
   try:
@@ -235,7 +235,7 @@ def main(argv):
       f"--micro_batches={FLAGS.micro_batches} --batch_size={FLAGS.batch_size} "
       f"--steps={FLAGS.steps} --optimizer={FLAGS.optimizer} "
       f"--mmap_thresholds={','.join(FLAGS.mmap_thresholds)}`. MiB per host: predicted before "
-      "training (the sum of its stages' `tfpipe.stage.footprint.predict` totals, buffers "
+      "training (the sum of its stages' `tfpipe.training.footprint.predict` totals, buffers "
       f"{footprint.BUFFERS} x trainable bytes), measured as the control group's peak less the "
       f"idle server's usage, the servers' malloc mmap threshold "
       f"{_threshold_words(thresholds[0])}.", ""]

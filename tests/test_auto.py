@@ -12,7 +12,7 @@ import tfpipe
 from tfpipe.instruments import costs as costs_lib
 from tfpipe.plan import auto, policies, simulator
 from tfpipe.rules import epochs
-from tfpipe.stage import assemble
+from tfpipe.training import assemble
 from tests import helpers
 
 
@@ -341,7 +341,8 @@ def test_a_candidates_start_up_counts_the_copies_of_each_stages_tasks_its_epoch_
 def test_the_profiles_trace_without_autograph_as_the_executor_does(compiled_pipe, monkeypatch):
   # AutoGraph converting the stage code was over half of a profile's seconds.
   from tensorflow.python.autograph.impl import api
-  from tfpipe.stage import layer_profile, partition
+  from tfpipe.stage import partition
+  from tfpipe.training import layer_profile
   converted = []
   convert = api._convert_actual
   monkeypatch.setattr(api, "_convert_actual",

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe.stage import footprint
+from tfpipe.training import footprint
 from tests import helpers
 
 

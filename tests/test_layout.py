@@ -175,7 +175,7 @@ def _executor_type_tests(tree):
 def test_no_caller_tests_an_executors_type_it_reads_what_the_executor_declares():
   # `tfpipe.runtime.base.Executor` declares what callers use (windowed, profiles, window,
   # inlines, crossing, traced_copies); building the executor a name asks for is the one place
-  # a name is read (stage/assemble.py).
+  # a name is read (training/assemble.py).
   found = [f"{path}:{line} {text}" for path, tree in _modules()
            if "runtime" not in pathlib.Path(path).parts and not str(path).endswith("assemble.py")
            for line, text in _executor_type_tests(tree)]

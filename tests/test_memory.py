@@ -7,7 +7,7 @@ import pytest
 
 import tfpipe
 from tfpipe.instruments import memory
-from tfpipe.stage import footprint
+from tfpipe.training import footprint
 from tfpipe.rules import optimizers
 from tests import helpers
 
@@ -25,7 +25,7 @@ def _memory(method, **options):
 
 def _the_prediction_held(pipe, before, after):
   """The plan predicted the kept forwards and weight versions the run counted, and the
-  variables it then held (`tfpipe.stage.footprint`)."""
+  variables it then held (`tfpipe.training.footprint`)."""
   states, versions, _ = footprint.counts(pipe)
   assert (states, versions) == (pipe.runtime.peak_saved, pipe.runtime.peak_versions)
   for field in ("weights", "optimizer", "accumulators", "versions"):

@@ -6,7 +6,8 @@ import pytest
 
 from tests import helpers
 from tfpipe import compat
-from tfpipe.stage import layer_profile, partition
+from tfpipe.stage import partition
+from tfpipe.training import layer_profile
 
 
 def _compose(stages, x):

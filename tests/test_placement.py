@@ -1,10 +1,11 @@
-"""Where a Pipeline's stages run (`tfpipe.stage.placement`), checked before any TensorFlow work."""
+"""Where a Pipeline's stages run (`tfpipe.training.placement`), checked before any TensorFlow work."""
 
 import pytest
 
+import tfpipe
 from tests.conftest import DEVICES
 from tfpipe.plan import policies
-from tfpipe.stage import placement
+from tfpipe.training import placement
 
 
 def _policy(method, virtual_stages=None):
@@ -34,6 +35,6 @@ def test_keras_auto_jit_compile_needs_one_gpu_per_stage():
 def test_remote_devices_need_a_connected_cluster(monkeypatch):
   monkeypatch.setattr(placement.cluster, "connected_spec", lambda: None)   # whatever ran before
   remote = ["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"]
-  assert placement.remote([[DEVICES[0]], remote]) == remote
+  assert tfpipe.devices.remote([[DEVICES[0]], remote]) == remote
   with pytest.raises(ValueError, match="'/job:worker/task:0/device:CPU:0' is remote: connect"):
     placement.place(remote, None, _policy("spectrain"))

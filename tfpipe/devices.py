@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-__all__ = ["create_logical_cpus", "ensure_logical_cpus", "default_devices", "resolve_devices",
+__all__ = ["remote", "create_logical_cpus", "ensure_logical_cpus", "default_devices", "resolve_devices",
            "parse_stage_replicas", "resolve_stage_devices", "resolve_pipeline_replicas"]
 
 
@@ -192,3 +192,9 @@ def resolve_pipeline_replicas(devices, num_stages, replicas):
   _refuse_shared(flat)
   return [[flat[r * K + k] for r in range(replicas)] for k in range(K)]
 
+
+def remote(stage_devices):
+  """The devices of `stage_devices` (a list of each stage's devices) on TF servers (not this
+  process's)."""
+  return [d for ds in stage_devices for d in ds
+          if tf.DeviceSpec.from_string(d).job not in (None, "localhost")]

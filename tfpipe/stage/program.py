@@ -11,11 +11,11 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tfpipe import compat
+from tfpipe import compat, devices as devices_lib
 from tfpipe.plan import policies, tasks
 from tfpipe.rules import mitigations, prediction
 from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reduction, tracing
-from tfpipe.stage import mirrors as mirrors_lib, placement, updates as updates_lib
+from tfpipe.stage import mirrors as mirrors_lib, updates as updates_lib
 from tfpipe.stage import weights as weights_lib
 from tfpipe.stage.bodies import TaskBodies
 from tfpipe.stage.kept import Backward, Kept, embedding_layers, embeds, is_float, scaled
@@ -84,7 +84,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     # (`Partition.unread`): the model and checkpoints take that stage's copy.
     self.unread = frozenset(unread)
     self.replica_devices = list(replica_devices or [device])
-    self.remote = bool(placement.remote([self.replica_devices]))   # on TF servers
+    self.remote = bool(devices_lib.remote([self.replica_devices]))   # on TF servers
     synchronous = policy.method in policies.SYNCHRONOUS_METHODS
     if cross_device_ops == reduction.RING and not synchronous:
       raise ValueError(f"cross_device_ops='ring' keeps each replica's weights equal through "

@@ -2,6 +2,12 @@
 
   pipeline:      `Pipeline`, the Keras-like model of a pipelined method;
   options:       its options, resolved once at `compile`;
+  assemble:      its stage programs and executor, built at `compile`;
+  placement:     each stage's devices, checked against the method and the cluster;
+  footprint:     each stage's memory, predicted before training;
+  layer_profile: each layer's measured forward and backward time;
+  chooser:       `method="auto"` as one object (`probe`: its probe; `auto`: its choice);
+  fitting:       a fit's set-up; `evaluate` and `predict`;
   fit_loop:      the epoch loop (callbacks, History, progress);
   fit_data:      `fit`'s arguments checked and made into datasets;
   data:          Keras's input forms as batched datasets;

@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 from tfpipe.instruments import costs as costs_lib
 from tfpipe.plan import auto as auto_plan, policies, windows as windows_lib
 from tfpipe.rules import advice, epochs as epochs_lib
-from tfpipe.stage import assemble
+from tfpipe.training import assemble
 from tfpipe.training.probe import Probe, probe_candidate
 
 __all__ = ["Choice", "choose", "kept_probe", "simulated_batches"]

@@ -10,7 +10,7 @@ from typing import Any, Optional, Tuple
 import tensorflow as tf
 
 from tfpipe.plan import auto as auto_plan
-from tfpipe.stage import assemble
+from tfpipe.training import assemble
 from tfpipe.training import auto as auto_lib, fit_data, options as options_lib, probe as probe_lib
 
 __all__ = ["Chooser", "asked_for", "refuse_chosen_options"]

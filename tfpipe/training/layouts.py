@@ -23,7 +23,8 @@ import tensorflow as tf
 from tfpipe.cluster import probe
 from tfpipe.instruments.costs import dispatch_seconds, median_seconds
 from tfpipe.plan import layouts as plan, network
-from tfpipe.stage import layer_profile, partition
+from tfpipe.stage import partition
+from tfpipe.training import layer_profile
 
 __all__ = ["LayoutChoice", "choose_layout", "model_costs"]
 

@@ -1,7 +1,7 @@
 """`Pipeline(memory_budget=...)`: cuts whose every device's predicted peak fits its memory.
 
 At the first fit (the batch size and input shapes known) each stage's peak is predicted
-(`tfpipe.stage.footprint`). Where a device's stages are over the budget, the partitioner's
+(`tfpipe.training.footprint`). Where a device's stages are over the budget, the partitioner's
 dynamic program (`tfpipe.plan.balance.min_max`, on the strategy's own layer costs) takes the
 fastest cuts among those whose every stage fits, from each layer's predicted share
 (`footprint.LayerCosts`); the pipeline is then compiled again on them, and the prediction
@@ -12,7 +12,8 @@ refused, as is a budget no cuts meet, in one line naming the stage and its predi
 import re
 
 from tfpipe.plan import balance, policies, tasks as task_table
-from tfpipe.stage import footprint, partition as partition_lib
+from tfpipe.stage import partition as partition_lib
+from tfpipe.training import footprint
 
 __all__ = ["parse", "plan", "check", "recut", "size", "over"]
 

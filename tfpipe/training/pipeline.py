@@ -4,7 +4,7 @@ K: stages. `Pipeline(model, ...)` cuts the model, `compile` gives every stage
 its own optimizer (built from the user's config) on its device, and
 `fit`/`evaluate`/`predict` run the schedule of the chosen method. After
 `fit` the trained weights are in the user's model. This module is the face:
-the options live in `tfpipe.training.options`, `compile`'s work in `tfpipe.stage.assemble`,
+the options live in `tfpipe.training.options`, `compile`'s work in `tfpipe.training.assemble`,
 the data in `tfpipe.training.fit_data`, a fit's set-up in `tfpipe.training.fitting`, the
 epoch loop in `tfpipe.training.fit_loop`, `method="auto"` in `tfpipe.training.chooser`.
 """
@@ -14,14 +14,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
+from tfpipe import devices as devices_lib
 from tfpipe.instruments import prediction_error as prediction_error_lib
 from tfpipe.plan import policies
 from tfpipe.plan.auto import AUTO
-from tfpipe.stage import assemble, footprint, keras_step as compile_utils, layer_profile
-from tfpipe.stage import partition as partition_lib, placement, reduction
-from tfpipe.training import auto as auto_lib, chooser, fit_loop, fitting
-from tfpipe.training import memory_budget as memory_budget_lib, options as options_lib
-from tfpipe.training import restarts, summary as summary_lib
+from tfpipe.stage import keras_step as compile_utils, partition as partition_lib, reduction
+from tfpipe.training import assemble, auto as auto_lib, chooser, fit_loop, fitting, footprint
+from tfpipe.training import layer_profile, memory_budget as memory_budget_lib
+from tfpipe.training import options as options_lib, placement, restarts, summary as summary_lib
 
 __all__ = ["Pipeline"]
 
@@ -213,7 +213,7 @@ class Pipeline:
 
   def remote_stages(self) -> List[str]:
     """The devices of stages on TF servers (empty: every stage in this process)."""
-    return placement.remote(self.stage_devices)
+    return devices_lib.remote(self.stage_devices)
 
   @property
   def stage_models(self):
@@ -289,7 +289,7 @@ class Pipeline:
   def memory(self, batch_size: Optional[int] = None,
              input_shapes: Optional[Sequence[Sequence[Optional[int]]]] = None) -> List[dict]:
     """Each stage's memory predicted before training at `batch_size` (default: the last
-    fit's), as a list of {field: bytes} with its "total" (`tfpipe.stage.footprint.predict`:
+    fit's), as a list of {field: bytes} with its "total" (`tfpipe.training.footprint.predict`:
     weights, optimizer slots, gradient accumulators, kept weight versions, kept activations,
     a step's gradients and buffers). `input_shapes`: the inputs' shapes, batch axis first,
     where the model leaves a dimension unknown (default: the last fit's). Needs `compile`."""

@@ -14,7 +14,7 @@ from tfpipe import devices as devices_lib
 from tfpipe.cluster import servers as cluster
 from tfpipe.plan import schedules
 
-__all__ = ["Placement", "place", "remote", "default_jit_compile"]
+__all__ = ["Placement", "place", "default_jit_compile"]
 
 # stage_devices: per stage its devices, the variables' first; stage_replicas: {stage: R} of
 # hybrid stages; data_parallel: R replicas of the whole pipeline.
@@ -39,14 +39,8 @@ def place(devices, num_stages, policy, stage_replicas=None, data_parallel=1):
   else:
     result = Placement(*devices_lib.resolve_stage_devices(devices, num_stages, stage_replicas),
                        data_parallel)
-  _check_cluster(remote(result.stage_devices))
+  _check_cluster(devices_lib.remote(result.stage_devices))
   return result
-
-
-def remote(stage_devices):
-  """The devices of `stage_devices` on TF servers (not this process's)."""
-  return [d for ds in stage_devices for d in ds
-          if tf.DeviceSpec.from_string(d).job not in (None, "localhost")]
 
 
 def default_jit_compile(placement):
