@@ -76,10 +76,10 @@ class Chooser:
     self.verbose = verbose
     if not self.choosing:
       return
-    probe, num_batches = fit_data.dataset(pipe, x, y, batch_size, steps,
-                                          sample_weight=sample_weight,
-                                          class_weight=class_weight)
-    first = next(iter(probe))
+    dataset, num_batches = fit_data.dataset(pipe, x, y, batch_size, steps,
+                                            sample_weight=sample_weight,
+                                            class_weight=class_weight)
+    first = next(iter(dataset))
     features, labels = first[0], first[1]
     size = int(tf.nest.flatten(features)[0].shape[0])
     last = fit_data.last_batch(pipe, x, batch_size, steps)
