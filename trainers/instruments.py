@@ -37,22 +37,27 @@ class Instruments:
       raise ValueError("--transfer_share traces the TF servers of emulated hosts: give "
                        f"--cluster=emulated:R,K,LINK. Received: --cluster={config.cluster}")
 
-  def trace_one_more_epoch(self, fit):
+  def trace_one_more_epoch(self, fit, barrier=None):
     """--transfer_share: `fit(callbacks)` trains one more epoch while every host's server is
     traced over it (`transfers.HostTrace`, for `TRACE_EPOCHS` times the last epoch's seconds;
     `self.transfers`). A worker that traces nothing (`hosts` None: not the first of several)
-    trains the epoch, then keeps its server up while the first worker's trace lasts (a server
-    gone before the trace ends fails it)."""
+    trains the epoch, then keeps its server up until the first worker's trace has ended (a
+    server gone before it ends fails the trace, and a server shut down while its profiler
+    sends its trace crashed): `barrier()`, which every worker calls once its part is done
+    (data parallelism's workers), else for as long as the trace lasts."""
     from tfpipe.instruments import transfers
     seconds = self.TRACE_EPOCHS * self._epoch_seconds
     if self.hosts is None:
       fit([])
-      time.sleep(transfers.HostTrace.LEAD + seconds)
-      return
-    tracer = transfers.HostTrace(self.hosts, seconds)
-    fit([tracer])
-    self.transfers = tracer.result
-    self._trace_error = tracer.error
+      if barrier is None:
+        time.sleep(transfers.HostTrace.LEAD + seconds)
+    else:
+      tracer = transfers.HostTrace(self.hosts, seconds)
+      fit([tracer])
+      self.transfers = tracer.result
+      self._trace_error = tracer.error
+    if barrier is not None:
+      barrier()
 
   @property
   def trace_dir(self):

@@ -255,7 +255,8 @@ def _train(config, tools, spec=None):
   if config.transfer_share and not (guard is not None and guard.stopped):
     tools.trace_one_more_epoch(lambda cbs: trainer.fit(
         *(train if isinstance(train, tuple) else (train,)), **fit_options, epochs=1,
-        steps_per_epoch=config.steps, callbacks=cbs, verbose=0))
+        steps_per_epoch=config.steps, callbacks=cbs, verbose=0),
+        barrier=trainer.barrier if _multi_worker(config) else None)
   if guard is not None and guard.stopped:
     epoch, loss = guard.stopped
     kept = getattr(saver, "manager", None)

@@ -84,6 +84,16 @@ class MultiWorkerDataParallel:
       self.optimizer.build(self._trained.trainable_variables)
     self.loss = compile_utils.resolve_loss(loss)
 
+  def barrier(self):
+    """Returns once every worker has called it (a collective sum of one value over the
+    workers): a worker done with its own work waits there for the others, its server up (the
+    trainer's first worker tracing every host's server, `--transfer_share`)."""
+    @tf.function
+    def meet():
+      ones = self.strategy.run(lambda: tf.constant(1.0))
+      return self.strategy.reduce("sum", ones, axis=None)
+    return float(meet())
+
   def _slices(self, dataset):
     """Each worker's slice of every global batch: rows i, i+P, i+2P, ..."""
     P = self.workers
