@@ -45,9 +45,12 @@ def test_the_table_gives_each_method_its_weight_rule(method):
   assert (forward.reads, forward.keeps, backward.reads) == RULES[method]
   assert tasks.keeps_weights(policy) == (RULES[method][1] != "inputs")
   last = tasks.ops(policy, last=True)
-  assert (last["F"].op, last["B"].op, last["B"].reads) == (
-      "hold", "step_input" if split else "step", RULES[method][0])
-  assert last["W"] == tasks.StageOp("step_weights", RULES[method][0])
+  # The last stage's operations are every stage's: its forward keeps inputs (and labels) and
+  # reads nothing; its backward (the step) reads the forward's rule.
+  assert (last["F"], last["B"].op, last["B"].reads) == (
+      tasks.StageOp("forward", keeps="inputs"), "backward_input" if split else "backward",
+      RULES[method][0])
+  assert last["W"] == tasks.StageOp("backward_weights", RULES[method][0])
   assert [tasks.op(policy, kind).op for kind in "URS"] == ["update", "receive", "barrier"]
 
 

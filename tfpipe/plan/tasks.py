@@ -9,15 +9,14 @@ Task kinds (`tfpipe.plan.schedules.Task`): F forward, B backward (with the
 update, or adding into the accumulators for a micro-batch), W the weight half
 of a split backward (zero-bubble schedules: their B gives the stage input's
 gradient only), U apply the accumulated gradients, R receive a gradient early,
-S a barrier. At the last
-stage a forward only holds its input: it runs with its backward as one step
-(forward, loss, backward, update).
+S a barrier. The last stage is an ordinary stage with the same operations: its forward
+keeps its inputs and labels (it reads no weights), and its backward computes the loss in
+the stage program, as one step (forward, loss, backward, update) on the weights its
+`reads` names: the forward's rule, so a stash or a prediction is read once.
 
 `StageOp` fields:
-  op:    "forward" | "hold" (the last stage's forward) | "backward" |
-         "backward_input" and "backward_weights" (a split backward's B and W) |
-         "step" (the last stage's backward; split: "step_input" and
-         "step_weights") | "update" | "receive" | "barrier";
+  op:    "forward" | "backward" | "backward_input" and "backward_weights" (a split
+         backward's B and W) | "update" | "receive" | "barrier": every stage's;
   reads: the weights read (docs/methods.md): "current"; "predicted"
          (s updates ahead); "kept" (the very weights the forward read: a stash
          or a reused prediction); "corrected" (current minus d times the
@@ -74,11 +73,9 @@ def op(policy: WeightPolicy, kind: str, last: bool = False) -> StageOp:
   reads, keeps = BACKWARD_READS[policy.backward]
   if last:   # one step: forward and backward on the forward's weights (split: B, then W)
     if kind == "F":
-      return StageOp("hold", keeps="inputs")
-    if kind == "W":
-      return StageOp("step_weights", policy.forward)
-    return StageOp("step_input" if policy.splits_backward else "step", policy.forward)
-  if kind == "F":
+      return StageOp("forward", keeps="inputs")
+    reads = policy.forward
+  elif kind == "F":
     return StageOp("forward", policy.forward, keeps)
   if kind == "W":
     return StageOp("backward_weights", reads)

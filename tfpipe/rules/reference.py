@@ -272,7 +272,7 @@ class _Replay:
     kind, b, i = task
     unit, s = (b, i), self.diffs[k][task]
     xs = self.split[b][i or 0][0] if k == 0 else self.outputs.pop((k - 1, unit))
-    source = self.ops[k]["F"].reads or self.ops[k]["B"].reads   # "hold": the step's weights
+    source = self.ops[k]["F"].reads or self.ops[k]["B"].reads   # the last: its step's weights
     w = self.read(k, source, s)
     self.used[(k, unit)] = (w, self.version(k, source, s), s)
     if k < self.K - 1:
@@ -330,7 +330,7 @@ class _Replay:
     grads = tape.gradient(target, w_t + floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     # Dense, also an embedding's (IndexedSlices): the update rules are written for arrays.
     weight_grads = [tf.convert_to_tensor(g).numpy() for g in grads[:len(w_t)]]
-    if self.ops[k]["B"].op in ("backward_input", "step_input"):   # its W adds them
+    if self.ops[k]["B"].op == "backward_input":   # its W adds them
       self.halves[(k, unit)] = weight_grads
     elif i is None:
       if self.delay_compensation:   # DC-ASGD: from the weights read to the current ones

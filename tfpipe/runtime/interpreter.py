@@ -119,11 +119,11 @@ def run(action, stage, moves):
   program, unit = stage.program, (b, micro)
   op = program.ops[kind].op   # tfpipe.plan.tasks
   start = time.perf_counter()
-  if op in ("hold", "forward"):
+  if op == "forward":
     xs, share, labels = moves.take_input(k, b, micro)
     start = time.perf_counter()
     ys, kept = program.forward(xs, s, labels)
-    if op == "hold":   # the last stage runs its forward and loss with the backward (its step)
+    if stage.last:   # it kept its inputs and labels: its backward runs forward and loss too
       stage.held[unit] = Held(kept, share, s)
       moves.saved(stage)
       return
@@ -144,9 +144,9 @@ def run(action, stage, moves):
     moves.updated(k)
     if stage.last:
       moves.finished(b, stage.losses.pop(b), stage.logs)
-  elif op in ("step", "step_input"):
+  elif stage.last and op in ("backward", "backward_input"):
     _step(op, k, task, units, stage, moves, start)
-  elif op == "step_weights":   # a split step's weight half
+  elif stage.last and op == "backward_weights":   # a split step's weight half
     part = stage.saved.pop(unit)
     program.backward_weights([part.kept], None, s, moves.weight(k, part.share), True)
     moves.record(k, "W", task, part.version, s, start)
@@ -186,7 +186,7 @@ def _step(op, k, task, units, stage, moves, start):
   share, s = moves.total([p.share for p in parts]), parts[0].s
   version = moves.version(k, s)
   step = [parts[0].kept._replace(xs=xs, labels=labels)]
-  if op == "step_input":   # a split step: its W takes the weight gradients
+  if op == "backward_input":   # a split step: its W takes the weight gradients
     done = program.backward_input(step, None, s, moves.weight(k, share))
     stage.saved[(b, micro)] = Saved(done.kept, version, share)
   else:

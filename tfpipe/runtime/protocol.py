@@ -19,10 +19,11 @@ class StageProtocol(Protocol):
 
   Operations (each one task of the schedule; `tfpipe.plan.tasks` says what a task runs for
   the stage's policy, `ops`): `forward` (F), `backward` (B) or its halves `backward_input`
-  and `backward_weights` (a zero-bubble schedule's B and W), `update` (U). `s` is a task's
-  version difference, `scale` a micro-batch's share of its mini-batch (a scalar tensor),
-  `accumulate` whether weight gradients go to the accumulators (micro-batches) rather than
-  into an update. How the tasks trace is a context the compiled executor enters
+  and `backward_weights` (a zero-bubble schedule's B and W), `update` (U): every stage's,
+  the last one's too (its forward keeps its inputs and labels, its backward computes the
+  loss in the program: the step). `s` is a task's version difference, `scale` a
+  micro-batch's share of its mini-batch (a scalar tensor), `accumulate` whether weight
+  gradients go to the accumulators (micro-batches) rather than into an update. How the tasks trace is a context the compiled executor enters
   (`inlined`), not an argument of each operation.
   """
 

@@ -239,7 +239,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     if self.remote:   # what it keeps stays here, not where it came from (this program)
       with tf.device(self.device):
         xs = tf.nest.map_structure(tf.identity, xs)
-    if self.ops["F"].op == "hold":
+    if self.is_last:   # its inputs and labels, for its backward's step
       return None, Kept(xs, labels=labels)
     if keeps == "inputs":
       ys, _, state = self.task("forward", inline)(xs, s)
@@ -267,7 +267,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     and at the last stage (one part: its inputs and labels; `dys` None) the loss and the
     running logs."""
     inline = self._inline
-    if self._steps:
+    if self.is_last:
       (part,) = parts
       y, sample_weight = part.labels
       loss, dxs, logs = self.task("last_step", inline)(part.xs, y, sample_weight, s, scale,
@@ -284,7 +284,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     At the last stage, `Backward.kept` holds the persistent tape its weight half takes the
     weight gradients from (eagerly), or (in a window's graph) the weight gradients."""
     inline = self._inline
-    if self._steps:
+    if self.is_last:
       return self._step_input(parts, s, scale, inline)
     parts = self._opened(parts)
     if len(parts) == 1 and (inline and parts[0].tape is not None or
@@ -311,7 +311,7 @@ class StageProgram(TaskBodies, KeptResiduals):
       with tf.device(self.device):
         self.task("update", inline)(kept.grads, accumulate, self.updates.read(kept.weights))
       return
-    if self._steps:
+    if self.is_last:
       (kept,) = parts
       with tf.device(self.device):
         with self._replicas_scaled(None if self._step_scales_loss else scale):
@@ -325,11 +325,6 @@ class StageProgram(TaskBodies, KeptResiduals):
   def update(self):
     """Task U: one update with the accumulated gradients, which it clears."""
     return self.task("apply_accumulated", self._inline)()
-
-  @property
-  def _steps(self):
-    """Whether this stage's backward is the last stage's step (forward, loss, backward)."""
-    return self.ops["B"].op in ("step", "step_input")
 
   def _step_input(self, parts, s, scale, inline):
     """A split step's input half: the last stage's forward, loss, metrics and input
