@@ -1,4 +1,5 @@
-"""Where a Pipeline's stages run (`tfpipe.training.placement`), checked before any TensorFlow work."""
+"""Where a Pipeline's stages run (`tfpipe.training.placement`), checked before any TensorFlow
+work."""
 
 import pytest
 

@@ -2,8 +2,9 @@
 
 import tensorflow as tf
 
-__all__ = ["remote", "create_logical_cpus", "ensure_logical_cpus", "default_devices", "resolve_devices",
-           "parse_stage_replicas", "resolve_stage_devices", "resolve_pipeline_replicas"]
+__all__ = ["remote", "create_logical_cpus", "ensure_logical_cpus", "default_devices",
+           "resolve_devices", "parse_stage_replicas", "resolve_stage_devices",
+           "resolve_pipeline_replicas"]
 
 
 def create_logical_cpus(n, intra_op_threads=1):

@@ -36,7 +36,8 @@ from tfpipe.plan.schedule_types import (Action, Lane, Lists, Schedule, Task, Uni
 from tfpipe.plan.virtual import interleaved, zero_bubble_v
 
 __all__ = ["Task", "Unit", "Lists", "Lane", "Action", "Schedule", "lanes", "sequential",
-           "one_f_one_b", "gpipe", "one_f_one_b_flush", "interleaved", "zero_bubble_h1", "zero_bubble_v", "device_of", "jointly_updated",
+           "one_f_one_b", "gpipe", "one_f_one_b_flush", "interleaved", "zero_bubble_h1",
+           "zero_bubble_v", "device_of", "jointly_updated",
            "ddg", "ddg_lockstep", "timeprest", "build",
            "SCHEDULES", "ScheduleKind", "kind_of", "check_virtual_stages", "is_update",
            "micro_batches",

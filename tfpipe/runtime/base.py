@@ -44,7 +44,7 @@ class Executor:
                maxsize: Optional[int] = None):
     self.programs = programs
     self.epoch = -1                      # epochs trained so far, minus one
-    self.update_hooks: list = []         # hook(k, program) after updates of stage k (`count_updates`)
+    self.update_hooks: list = []   # hook(k, program) after updates of stage k (`count_updates`)
     self.K = len(programs)
     self.record = record
     self.maxsize = maxsize or self.K
@@ -71,9 +71,9 @@ class Executor:
 
   def _start_epoch(self, schedule, continuing=False):
     """Verifies `schedule` (a broken one is refused) and counts the epoch (not where the call
-    is `continuing` the last one, stopped part way: `method="auto"` handing over). A schedule verified
-    lately (`Recent`) is not verified again: the verifier plays out every task in Python (at
-    K=4, M=4 0.15 ms a mini-batch: a fifth of a tiny model's step)."""
+    is `continuing` the last one, stopped part way: `method="auto"` handing over). A schedule
+    verified lately (`Recent`) is not verified again: the verifier plays out every task in
+    Python (at K=4, M=4 0.15 ms a mini-batch: a fifth of a tiny model's step)."""
     self.schedule_key = key(schedule)   # also what an executor keeps its own plans under
     self.report = self._verified.get((self.schedule_key, self.link_capacity),
                                      lambda: verify.verify(schedule, self.link_capacity))

@@ -97,7 +97,7 @@ class CompiledRuntime(Executor):
     # Per schedule, window size and way (lately run): its windows, their numbers, and the
     # flush window or None.
     self._plans = base.Recent()
-    self._plan: tuple = (None, None, None, None)   # the last epoch's: (key, windows, numbers, flush)
+    self._plan: tuple = (None, None, None, None)   # last epoch's (key, windows, numbers, flush)
     self.remote = any(p.remote for p in programs)   # stages on TF servers: a carry to park
     self.parked = parked.Parked()   # the carry made on TF servers, kept there between calls
     # Per batch size; any sequence length.

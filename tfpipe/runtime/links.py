@@ -196,7 +196,8 @@ class Links:
     self.labels = Channel(self.stop, 0, poll)   # stage 0 -> last stage
     self.results = Channel(self.stop, 0, poll)  # last stage -> caller (the gate bounds it)
     self.gate = Gate(self.stop, lead, poll)
-    self._pieces: collections.deque = collections.deque()   # stage 0: the current mini-batch's micro-batches
+    # stage 0: the current mini-batch's micro-batches
+    self._pieces: collections.deque = collections.deque()
 
   def cancel(self, b):
     """The cancel test of a blocking call for batch b."""

@@ -23,8 +23,9 @@ class StageProtocol(Protocol):
   the last one's too (its forward keeps its inputs and labels, its backward computes the
   loss in the program: the step). `s` is a task's version difference, `scale` a
   micro-batch's share of its mini-batch (a scalar tensor), `accumulate` whether weight
-  gradients go to the accumulators (micro-batches) rather than into an update. How the tasks trace is a context the compiled executor enters
-  (`inlined`), not an argument of each operation.
+  gradients go to the accumulators (micro-batches) rather than into an update. How the tasks
+  trace is a context the compiled executor enters (`inlined`), not an argument of each
+  operation.
   """
 
   # Read-only properties the executors read.
