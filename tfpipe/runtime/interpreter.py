@@ -80,10 +80,6 @@ class Moves:
     """The share of several units together."""
     return sum(shares)
 
-  def join(self, values):
-    """Several units' inputs or labels (lists of tensors, or tensors) as one batch."""
-    raise NotImplementedError
-
   def add_loss(self, total, loss, share):
     """A mini-batch's loss so far (None: nothing yet) with a micro-batch's loss added."""
     raise NotImplementedError
@@ -177,15 +173,14 @@ def run(action, stage, moves):
 
 
 def _step(op, k, task, units, stage, moves, start):
-  """The last stage's step: its held forwards' inputs joined, forward, loss and backward."""
+  """The last stage's step: forward, loss and backward of its held forwards (the program
+  joins several into one batch)."""
   kind, b, micro = task
   program = stage.program
   parts = [stage.held.pop(u) for u in units]
-  xs = moves.join([p.kept.xs for p in parts])
-  labels = tuple(moves.join([p.kept.labels[i] for p in parts]) for i in (0, 1))
   share, s = moves.total([p.share for p in parts]), parts[0].s
   version = moves.version(k, s)
-  step = [parts[0].kept._replace(xs=xs, labels=labels)]
+  step = [p.kept for p in parts]
   if op == "backward_input":   # a split step: its W takes the weight gradients
     done = program.backward_input(step, None, s, moves.weight(k, share))
     stage.saved[(b, micro)] = Saved(done.kept, version, share)

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tfpipe.plan import pieces
 
 __all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Countdown", "Gate", "Links", "spawn",
-           "concat", "copy_to"]
+           "copy_to"]
 
 
 class Stopped(Exception):
@@ -154,16 +154,6 @@ class Gate:
     """True when batch b will never be trained (a stop came before it)."""
     limit = self.limit
     return limit is not None and b >= limit
-
-
-def concat(values):
-  """Pieces (tensors or tensor lists: micro-batches, `tfpipe.plan.pieces`) joined along the
-  batch axis."""
-  if values[0] is None:
-    return None
-  if isinstance(values[0], (list, tuple)):
-    return [None if parts[0] is None else tf.concat(parts, 0) for parts in zip(*values)]
-  return tf.concat(values, 0)
 
 
 def copy_to(device, payload):

@@ -8,10 +8,10 @@ share of the mini-batch (the `scale` of its loss). Forward outputs go into a
 bounded channel; a transfer thread copies them onto stage k+1's device and
 hands them on; gradients flow back the same way. At the last stage a
 backward follows the forwards it covers and runs with them as one compiled
-step (on their concatenation, for a TiMePReSt mini-batch). The first exception in any thread sets a
-shared stop
-event: every blocked thread wakes within `poll` seconds and exits, and the
-caller re-raises that first exception with its traceback.
+step (the stage joins a TiMePReSt mini-batch's). The first exception in any
+thread sets a shared stop event: every blocked thread wakes within `poll`
+seconds and exits, and the caller re-raises that first exception with its
+traceback.
 """
 
 import time
@@ -21,7 +21,7 @@ from tfpipe.plan import schedules, verify
 from tfpipe.plan.records import TaskRecord
 from tfpipe.runtime import interpreter
 from tfpipe.runtime.base import Executor
-from tfpipe.runtime.links import Countdown, Links, Skipped, concat, copy_to, spawn
+from tfpipe.runtime.links import Countdown, Links, Skipped, copy_to, spawn
 from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["Runtime"]
@@ -205,9 +205,6 @@ class _LinkMoves(interpreter.Moves):
 
   def weight(self, k, share):
     return self.runtime.share(k, share)
-
-  def join(self, values):
-    return values[0] if len(values) == 1 else concat(values)
 
   def add_loss(self, total, loss, share):
     return (total or 0.0) + share * float(loss)

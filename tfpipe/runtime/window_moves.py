@@ -6,7 +6,6 @@ import tensorflow as tf
 
 from tfpipe.plan import pieces
 from tfpipe.runtime import interpreter
-from tfpipe.runtime.links import concat
 
 __all__ = ["WindowMoves"]
 
@@ -49,10 +48,8 @@ class WindowMoves(interpreter.Moves):
     self.gradients[(k - 1, b, micro)] = dxs
 
   def total(self, shares):
-    return _join(shares)
-
-  def join(self, values):
-    return _join(values)
+    """Several units' shares (float64 scalars) added."""
+    return shares[0] if len(shares) == 1 else tf.add_n(shares)
 
   def add_loss(self, total, loss, share):
     weighted = tf.cast(loss, tf.float64) * share
@@ -60,13 +57,3 @@ class WindowMoves(interpreter.Moves):
 
   def finished(self, b, loss, logs):
     self.results[b] = (loss, logs)
-
-
-def _join(values):
-  """One unit's value, or several units' joined: tensors (lists) along the batch axis, their
-  shares (scalars) added."""
-  if len(values) == 1 or values[0] is None:
-    return values[0]
-  if getattr(values[0], "shape", None) is not None and values[0].shape.rank == 0:
-    return tf.add_n(values)
-  return concat(values)

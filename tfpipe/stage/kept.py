@@ -9,7 +9,8 @@ import tensorflow as tf
 
 from tfpipe import compat
 
-__all__ = ["Kept", "Backward", "scaled", "summed", "is_float", "embeds", "embedding_layers"]
+__all__ = ["Kept", "Backward", "joined", "scaled", "summed", "is_float", "embeds",
+           "embedding_layers"]
 
 Kept = collections.namedtuple(
     "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels", "grads", "residuals"],
@@ -33,6 +34,22 @@ Backward = collections.namedtuple("Backward", ["dxs", "loss", "logs", "kept"],
 Backward.__doc__ = """What a backward returns: the input gradients `dxs`; at the last stage
 also the step's `loss` and the running `logs`, and after a split step's input half the
 `kept` tape its weight half reads."""
+
+
+def joined(parts):
+  """The last stage's kept forwards `parts` as one batch (a TiMePReSt mini-batch's step
+  covers several): their inputs and labels concatenated along the batch axis."""
+  if len(parts) == 1:
+    return parts[0]
+
+  def cat(values):
+    if values[0] is None:
+      return None
+    if isinstance(values[0], (list, tuple)):
+      return [None if p[0] is None else tf.concat(p, 0) for p in zip(*values)]
+    return tf.concat(values, 0)
+  return parts[0]._replace(xs=cat([p.xs for p in parts]),
+                           labels=tuple(cat([p.labels[i] for p in parts]) for i in (0, 1)))
 
 
 def scaled(grad, scale):

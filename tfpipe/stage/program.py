@@ -18,7 +18,7 @@ from tfpipe.stage import keras_step as compile_utils, logs as logs_lib, reductio
 from tfpipe.stage import mirrors as mirrors_lib, updates as updates_lib
 from tfpipe.stage import weights as weights_lib
 from tfpipe.stage.bodies import TaskBodies
-from tfpipe.stage.kept import Backward, Kept, embedding_layers, embeds, is_float, scaled
+from tfpipe.stage.kept import Backward, Kept, embedding_layers, embeds, is_float, joined, scaled
 from tfpipe.stage.residuals import KeptResiduals
 
 __all__ = ["StageProgram", "Kept", "Backward", "embeds"]
@@ -264,11 +264,12 @@ class StageProgram(TaskBodies, KeptResiduals):
     mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
     says (`s`: the task's version difference); updates with the weight gradients (adds
     them to the accumulators with `accumulate`). Returns `Backward`: the input gradients,
-    and at the last stage (one part: its inputs and labels; `dys` None) the loss and the
-    running logs."""
+    and at the last stage (its forwards' inputs and labels, joined; `dys` None) the loss and
+    the running logs."""
     inline = self._inline
     if self.is_last:
-      (part,) = parts
+      with tf.device(self.device):
+        part = joined(parts)
       y, sample_weight = part.labels
       loss, dxs, logs = self.task("last_step", inline)(part.xs, y, sample_weight, s, scale,
                                                        accumulate)
@@ -330,7 +331,8 @@ class StageProgram(TaskBodies, KeptResiduals):
     """A split step's input half: the last stage's forward, loss, metrics and input
     gradients, no update, under a persistent tape its weight half reads when they run
     eagerly (in a window's graph: the weight gradients taken in the same walk)."""
-    (part,) = parts
+    with tf.device(self.device):
+      part = joined(parts)
     together = inline or not tf.executing_eagerly()
     y, sample_weight = part.labels
     weights = list(self.task("read_weights", inline)(s))
