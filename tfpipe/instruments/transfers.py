@@ -104,9 +104,6 @@ def shares(events: Iterable[Event]) -> Shares:
   (events with a "long_name" "NAME:TYPE"; not the server's handling of a request, which
   spans the function it runs) and the asynchronous kernels' starts and callbacks (matched by
   step, node and kernel, in order)."""
-  events = list(events)
-  if not events:
-    return Shares(0.0, 0.0, 0.0)
   compute, moving = [], []
   started: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
   for name, start, end, args in sorted(events, key=lambda e: e[1]):

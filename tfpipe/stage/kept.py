@@ -16,18 +16,18 @@ Kept = collections.namedtuple(
     "Kept", ["xs", "state", "weights", "tape", "ys", "reg", "labels", "grads", "residuals"],
     defaults=(None, None, None, None, None, None, None, None))
 Kept.__doc__ = """What a forward keeps for its backward (`tfpipe.plan.tasks` `keeps`): its
-inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute
-replays); the `weights` it read (for "tape" and "weights"); for "tape" also the gradient
-`tape` (persistent when the backward runs as two halves) with its outputs `ys` and
-regularisation `reg`, or, for a forward called from a compiled window's graph, its
-`residuals`: the forward's tensors its gradient reads, which the call output
-(`compat.ResidualCall`), so the backward needs no tape and may run in a later window.
-`StageProgram.carried` is what a compiled window carries across its boundary: the residuals
-packed into one tensor, or without a tape the inputs, state and weights, from which the
-backward then recomputes the forward (the same values). The last stage's forward keeps its inputs and `labels`
-((labels, sample weights)) for its step. After a split backward's input half traced into
-one graph with its weight half (`inline`), `grads`: the weight gradients it took in the same
-walk of the tape, which the weight half applies."""
+inputs `xs` and the non-trainable `state` it read (its random draws, which a recompute replays);
+the `weights` it read (for "tape" and "weights"); for "tape" also the gradient `tape`
+(persistent when the backward runs as two halves) with its outputs `ys` and regularisation
+`reg`, or, for a forward called from a compiled window's graph, its `residuals`: the forward's
+tensors its gradient reads, which the call output (`compat.ResidualCall`), so the backward needs
+no tape and may run in a later window. `StageProgram.carried` is what a compiled window carries
+across its boundary: the residuals packed into one tensor, or without a tape the inputs, state
+and weights, from which the backward then recomputes the forward (the same values). The last
+stage's forward keeps its inputs and `labels` ((labels, sample weights)) for its step. After a
+split backward's input half traced into one graph with its weight half (`StageProgram.inlined`),
+`grads`: the weight gradients it took in the same walk of the tape, which the weight half
+applies."""
 
 Backward = collections.namedtuple("Backward", ["dxs", "loss", "logs", "kept"],
                                   defaults=(None, None, None))

@@ -184,7 +184,8 @@ class _EpochLoop:
 
   def __init__(self, pipe, hooks, num_batches, epochs, initial_epoch, tracer, watch):
     self.pipe, self.hooks, self.num_batches = pipe, hooks, num_batches
-    self.epochs, self.initial_epoch, self.tracer, self.watch = epochs, initial_epoch, tracer, watch
+    self.epochs, self.initial_epoch = epochs, initial_epoch
+    self.tracer, self.watch = tracer, watch
     self.plan = epoch_plan(pipe, num_batches)
 
   def run(self, epoch, iterator):

@@ -46,14 +46,13 @@ def trains_first(pipe, batch_size: int, last_batch: int = 0) -> bool:
 
 
 class Probe:
-  """The probe training first: its windows (of the executor's window of mini-batches, given
-  at each epoch's start) timed as they end (the first holds its start-up; the mark restarts with each
-  epoch, so validation is not counted; windows handed on together time as one), and at the
-  end of its second the verdict, "profile" where the profile
-  (`PROFILE_PER_START` times the probe's start-up) costs at most `PROFILE_SHARE` of the rest
-  of the fit at the probe's speed, else "keep". `features`, `labels`: the first mini-batch,
-  for the profile; `last_batch`: the fit's smaller last batch (0: none), which a choice's
-  micro-batches must fit in."""
+  """The probe training first: its windows (of the executor's window of mini-batches, given at
+  each epoch's start) timed as they end (the first holds its start-up; the mark restarts with
+  each epoch, so validation is not counted; windows handed on together time as one), and at the
+  end of its second the verdict, "profile" where the profile (`PROFILE_PER_START` times the
+  probe's start-up) costs at most `PROFILE_SHARE` of the rest of the fit at the probe's speed,
+  else "keep". `features`, `labels`: the first mini-batch, for the profile; `last_batch`: the
+  fit's smaller last batch (0: none), which a choice's micro-batches must fit in."""
 
   def __init__(self, features, labels, batch_size: int, last_batch: int = 0):
     self.features, self.labels, self.last_batch = features, labels, last_batch
