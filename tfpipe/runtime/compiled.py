@@ -447,7 +447,7 @@ class CompiledRuntime(Executor):
     for i, action in enumerate(key):
       with timeline.scope(i):   # names the task's ops in the profile
         interpreter.run(action, stages[action.stage], moves)
-    if any(stage.held or stage.losses or stage.halves for stage in stages):
+    if any(stage.losses or stage.halves or stage.last and stage.saved for stage in stages):
       raise AssertionError("a window cut a last-stage step or a split backward apart")   # windows.plan prevents it
     # Forwards still waiting cross into the next window with the residuals their calls output
     # (`StageProgram.carried`), or, inlined, without their tapes: their backward then recomputes them

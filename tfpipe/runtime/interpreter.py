@@ -13,28 +13,25 @@ import time
 from tfpipe.plan import records
 from tfpipe.runtime.protocol import StageProtocol
 
-__all__ = ["Saved", "Held", "Stage", "Moves", "run"]
+__all__ = ["Saved", "Stage", "Moves", "run"]
 
-Saved = collections.namedtuple("Saved", ["kept", "version", "share"])
+Saved = collections.namedtuple("Saved", ["kept", "version", "share", "s"], defaults=[0])
 Saved.__doc__ = """A forward waiting for its backward: what the stage kept
 (`tfpipe.stage.program.Kept`), the weight version it read (None where the executor does not
-count versions) and the micro-batch's share of its mini-batch."""
-
-Held = collections.namedtuple("Held", ["kept", "share", "s"])
-Held.__doc__ = """A last-stage forward held for its step: what it kept (inputs and (labels,
-sample weights)), share of the mini-batch and version difference."""
+count versions, and at the last stage, whose backward reads the weights: its step), the
+micro-batch's share of its mini-batch and the forward's version difference (which the last
+stage's step reads)."""
 
 
 class Stage:
-  """What one stage keeps between its actions: forwards waiting for their backward (`saved`),
-  last-stage forwards held for their step (`held`), the output gradients a split backward's
-  weight half reads (`halves`), per mini-batch the loss of its micro-batches so far
-  (`losses`), and the running logs of its latest step (`logs`)."""
+  """What one stage keeps between its actions: forwards waiting for their backward (`saved`;
+  at the last stage its inputs and labels, which its backward steps on), the output gradients
+  a split backward's weight half reads (`halves`), per mini-batch the loss of its
+  micro-batches so far (`losses`), and the running logs of its latest step (`logs`)."""
 
   def __init__(self, k: int, program: StageProtocol, last: bool):
     self.k, self.program, self.last = k, program, last
     self.saved: dict = {}
-    self.held: dict = {}
     self.halves: dict = {}
     self.losses: dict = {}
     self.logs = None
@@ -109,7 +106,12 @@ class Moves:
 
 
 def run(action, stage, moves):
-  """Runs `action` (`schedules.Action`) on `stage` (`Stage`), moving values with `moves`."""
+  """Runs `action` (`schedules.Action`) on `stage` (`Stage`), moving values with `moves`.
+
+  Every stage runs the same ops. The last one's forward only keeps its inputs and labels, so
+  it is not recorded and sends nothing; its backward (its step: forward, loss and backward)
+  takes no output gradients, reads the forward's version difference, and ends its mini-batch's
+  loss."""
   k, task, s, units = action
   kind, b, micro = task
   program, unit = stage.program, (b, micro)
@@ -119,15 +121,12 @@ def run(action, stage, moves):
     xs, share, labels = moves.take_input(k, b, micro)
     start = time.perf_counter()
     ys, kept = program.forward(xs, s, labels)
-    if stage.last:   # it kept its inputs and labels: its backward runs forward and loss too
-      stage.held[unit] = Held(kept, share, s)
-      moves.saved(stage)
-      return
-    version = moves.version(k, s)
-    stage.saved[unit] = Saved(kept, version, share)
+    version = None if stage.last else moves.version(k, s)
+    stage.saved[unit] = Saved(kept, version, share, s)
     moves.saved(stage)
-    moves.record(k, "F", task, version, s, start)
-    moves.send_output(k, b, micro, ys, share)
+    if not stage.last:
+      moves.record(k, "F", task, version, s, start)
+      moves.send_output(k, b, micro, ys, share)
   elif op == "receive":
     moves.receive(k, b, micro)
     moves.record(k, "R", task, moves.current(k), s, start)
@@ -140,63 +139,49 @@ def run(action, stage, moves):
     moves.updated(k)
     if stage.last:
       moves.finished(b, stage.losses.pop(b), stage.logs)
-  elif stage.last and op in ("backward", "backward_input"):
-    _step(op, k, task, units, stage, moves, start)
-  elif stage.last and op == "backward_weights":   # a split step's weight half
-    part = stage.saved.pop(unit)
-    program.backward_weights([part.kept], None, s, moves.weight(k, part.share), True)
-    moves.record(k, "W", task, part.version, s, start)
   elif op == "backward_weights":   # a split backward's weight half: its B kept state and dys
     part = stage.saved.pop(unit)
     program.backward_weights([part.kept], stage.halves.pop(unit), s,
                              moves.weight(k, part.share), True)
-    moves.record(k, "W", task, _version(program, [part], k, moves), s, start)
+    version = part.version if stage.last else _version(program, [part], k, moves)
+    moves.record(k, "W", task, version, s, start)
   else:   # "backward", or a split backward's input half ("backward_input")
-    dys = moves.take_gradient(k, b, micro)
-    start = time.perf_counter()
-    split = op == "backward_input"
-    parts = [stage.saved[u] if split else stage.saved.pop(u) for u in units]
-    kept, share = [p.kept for p in parts], moves.total([p.share for p in parts])
-    if split:
-      stage.halves[unit] = dys
-      done = program.backward_input(kept, dys, s, moves.weight(k, share))
-      if done.kept is not None:   # it took the weight gradients too: its weight half's
-        stage.saved[unit] = stage.saved[unit]._replace(kept=done.kept)
-      dxs = done.dxs
-    else:
-      dxs = program.backward(kept, dys, s, moves.weight(k, share), micro is not None).dxs
-    moves.record(k, "B", task, _version(program, parts, k, moves), s, start)
-    if micro is None:
-      moves.updated(k)
-    if k > 0:
-      moves.send_gradient(k, b, micro, dxs)
+    _backward(op, action, stage, moves, start)
 
 
-def _step(op, k, task, units, stage, moves, start):
-  """The last stage's step: forward, loss and backward of its held forwards (the program
-  joins several into one batch)."""
+def _backward(op, action, stage, moves, start):
+  """A backward (the last stage's step) or a split backward's input half."""
+  k, task, s, units = action
   kind, b, micro = task
-  program = stage.program
-  parts = [stage.held.pop(u) for u in units]
-  share, s = moves.total([p.share for p in parts]), parts[0].s
-  version = moves.version(k, s)
-  step = [p.kept for p in parts]
-  if op == "backward_input":   # a split step: its W takes the weight gradients
-    done = program.backward_input(step, None, s, moves.weight(k, share))
-    stage.saved[(b, micro)] = Saved(done.kept, version, share)
+  program, split, unit = stage.program, op == "backward_input", (b, micro)
+  dys = None if stage.last else moves.take_gradient(k, b, micro)
+  start = start if stage.last else time.perf_counter()
+  parts = [stage.saved[u] if split else stage.saved.pop(u) for u in units]
+  kept, share = [p.kept for p in parts], moves.total([p.share for p in parts])
+  if stage.last:   # the step reads the weights now, at its forward's version difference
+    s = parts[0].s
+    version = moves.version(k, s)
   else:
-    done = program.backward(step, None, s, moves.weight(k, share), micro is not None)
-  loss, dxs, logs = done.loss, done.dxs, done.logs
-  stage.logs = logs
-  moves.record(k, records.STEP, task, version, s, start)
+    version = _version(program, parts, k, moves)
+  if split:
+    stage.halves[unit] = dys
+    done = program.backward_input(kept, dys, s, moves.weight(k, share))
+    if done.kept is not None:   # it took the weight gradients too: its weight half's
+      part = stage.saved[unit]._replace(kept=done.kept)
+      stage.saved[unit] = part._replace(version=version) if stage.last else part
+  else:
+    done = program.backward(kept, dys, s, moves.weight(k, share), micro is not None)
+  moves.record(k, records.STEP if stage.last else "B", task, version, s, start)
   if micro is None:
     moves.updated(k)
   if k > 0:
-    moves.send_gradient(k, b, micro, dxs)
-  if micro is None:
-    moves.finished(b, loss, logs)
-  else:
-    stage.losses[b] = moves.add_loss(stage.losses.get(b), loss, share)
+    moves.send_gradient(k, b, micro, done.dxs)
+  if stage.last:
+    stage.logs = done.logs
+    if micro is None:
+      moves.finished(b, done.loss, done.logs)
+    else:
+      stage.losses[b] = moves.add_loss(stage.losses.get(b), done.loss, share)
 
 
 def _version(program, parts, k, moves):

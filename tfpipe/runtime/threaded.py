@@ -233,7 +233,7 @@ class _LinkMoves(interpreter.Moves):
     (stashed) or the prediction (v, s) of that forward; inputs-only states, and the last
     stage's forwards held for its step, hold none."""
     k, runtime = stage.k, self.runtime
-    runtime.peak_saved[k] = max(runtime.peak_saved[k], len(stage.saved) + len(stage.held))
+    runtime.peak_saved[k] = max(runtime.peak_saved[k], len(stage.saved))
     versions = {(part.version, self.diffs[k].get(schedules.Task("F", *unit), 0))
                 for unit, part in stage.saved.items() if part.kept.weights is not None}
     runtime.peak_versions[k] = max(runtime.peak_versions[k], len(versions))

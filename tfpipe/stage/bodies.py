@@ -215,13 +215,11 @@ class TaskBodies:
         y_true, y_pred = self.reports.structured(ys, y)
         loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
         total = loss + tf.cast(reg, loss.dtype)
-        same = total.dtype == ys[0].dtype
-        target = self._loss_scaled(total * tf.cast(scale, total.dtype) if same else total)
-      with self._replicas_scaled(None if same else scale):
+        in_tape = self._scales_loss(total.dtype, ys)
+        target = self._loss_scaled(total * tf.cast(scale, total.dtype) if in_tape else total)
+      with self._replicas_scaled(None if in_tape else scale):
         grads = self._gradient(tape, target, weights + float_xs, len(weights))
-      if not same:
-        # Keras's CompileLoss returns floatx (float32): a float64 model's share (like 5/18)
-        # scales its gradients in float64, not rounded to float32 (1e-8 relative).
+      if not in_tape:
         grads = [scaled(g, scale) for g in grads]
       self.updates.update_after(grads[len(weights):], grads[:len(weights)], accumulate, weights)
       self.reports.update(y_true, y_pred, total, sample_weight)
@@ -236,11 +234,22 @@ class TaskBodies:
       loss = self.loss(y_true, y_pred, sample_weight=sample_weight)
       total = loss + tf.cast(reg, loss.dtype)
       # As `_last_step`: a loss of another dtype than the outputs scales the gradients.
-      self._step_scales_loss = total.dtype == ys[0].dtype
-      target = self._loss_scaled(total * tf.cast(scale, total.dtype) if self._step_scales_loss
-                                 else total)
+      in_tape = self._scales_loss(total.dtype, ys)
+      target = self._loss_scaled(total * tf.cast(scale, total.dtype) if in_tape else total)
       self.reports.update(y_true, y_pred, total, sample_weight)
       return target, total, self.reports.results(in_task=True)
+
+  def _scales_loss(self, loss_dtype, ys=None):
+    """Whether the last stage's step scales its loss by the micro-batch's share inside the
+    tape (a loss in the outputs' dtype) or its gradients after it: Keras's CompileLoss
+    returns floatx (float32), and a float64 model's share (like 5/18) then scales its
+    gradients in float64, not rounded to float32 (1e-8 relative). Read from the stage's
+    outputs as built, so a split step's halves decide alike; `ys`, the outputs traced, must
+    agree."""
+    if ys is not None and ys[0].dtype != self._outputs_dtype:
+      raise AssertionError(f"stage {self.index} outputs {ys[0].dtype}, built as "
+                           f"{self._outputs_dtype}")
+    return tf.as_dtype(loss_dtype) == self._outputs_dtype
 
   def _replicas_scaled(self, scale):
     """The replicas' own gradients (`mirrors`) scaled as this stage's are after the tape."""

@@ -113,6 +113,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     self.grouped_in, self.grouped_out = self.groups_in > 1, self.groups_out > 1
     self._float_in = [is_float(t) for t in model.inputs] * self.groups_in
     self._float_out = [is_float(t) for t in model.outputs] * self.groups_out
+    self._outputs_dtype = tf.as_dtype(model.outputs[0].dtype)   # the step's scaling reads it
     # The model's outputs (the last stage's, in this order) as Keras's loss and metrics take
     # them: one tensor, or a list or dict of several (their labels arrive as a tuple).
     self.reports = logs_lib.Logs(loss, metrics, loss_tracker, reg_trackers, output_structure,
@@ -315,9 +316,10 @@ class StageProgram(TaskBodies, KeptResiduals):
     if self.is_last:
       (kept,) = parts
       with tf.device(self.device):
-        with self._replicas_scaled(None if self._step_scales_loss else scale):
+        in_tape = self._scales_loss(kept.ys[0].dtype)
+        with self._replicas_scaled(None if in_tape else scale):
           grads = self._gradient(kept.tape, kept.ys[0], kept.weights, len(kept.weights))
-        if not self._step_scales_loss:
+        if not in_tape:
           grads = [scaled(g, scale) for g in grads]
         self.task("update", inline)(grads, accumulate, self.updates.read(kept.weights))
       return
@@ -343,10 +345,11 @@ class StageProgram(TaskBodies, KeptResiduals):
                                                         scale)
     with tf.device(self.device):
       # In one graph with the weight half: both gradients in one walk of the tape.
-      with self._replicas_scaled(None if self._step_scales_loss else scale):
+      in_tape = self._scales_loss(target.dtype)
+      with self._replicas_scaled(None if in_tape else scale):
         grads = self._gradient(tape, target, (weights if together else []) + float_xs,
                                len(weights) if together else 0)
-      if not self._step_scales_loss:
+      if not in_tape:
         grads = [scaled(g, scale) for g in grads]
     n = len(weights) if together else 0
     kept = (Kept(part.xs, None, weights, grads=grads[:n]) if together else
