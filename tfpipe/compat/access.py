@@ -15,6 +15,7 @@ TensorFlow may move these: `missing()` names what the installed versions lack (w
 """
 
 import logging
+from typing import Any, Dict, List, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -107,7 +108,7 @@ def missing():
   return gone
 
 
-def functional_graph(model):
+def functional_graph(model: Any) -> Any:
   """The functional graph of `model` (a Sequential's own), or None for a subclassed model."""
   if isinstance(model, keras.Sequential):
     return getattr(model, "_functional", None)
@@ -116,7 +117,7 @@ def functional_graph(model):
   return None
 
 
-def call_nodes(graph):
+def call_nodes(graph: Any) -> List[Any]:
   """The call nodes of a functional graph in topological order, without its input nodes (a
   layer called twice has two)."""
   return [node for depth in sorted(graph._nodes_by_depth, reverse=True)
@@ -124,16 +125,16 @@ def call_nodes(graph):
           if node.operation is not None and not node.is_input]
 
 
-def _operations(graph):
+def _operations(graph: Any) -> List[Any]:
   return [node.operation for node in call_nodes(graph)]
 
 
-def all_layers(model):
+def all_layers(model: Any) -> List[Any]:
   """Every layer of `model`, those of nested layers and models too (Keras's own walk)."""
   return list(model._flatten_layers(include_self=False))  # noqa: SLF001
 
 
-def variables_read(node):
+def variables_read(node: Any) -> List[Any]:
   """The Keras variables a functional graph's call `node` reads: its call traced once in a
   graph, with placeholders of its symbolic arguments' shapes and dtypes, under a tape that
   sees each variable read (a layer called twice may read different weights each time, as a
@@ -158,7 +159,7 @@ def variables_read(node):
   return [v for v in node.operation.weights if id(getattr(v, "_value", v)) in handles]
 
 
-def nested_models(model):
+def nested_models(model: Any) -> List[Any]:
   """The functional (or Sequential) models `model`'s graph calls as layers: a KerasHub task's
   backbone, say."""
   graph = functional_graph(model)
@@ -167,7 +168,7 @@ def nested_models(model):
   return [op for op in _operations(graph) if isinstance(op, keras.Model) and functional_graph(op)]
 
 
-def flattened(model):
+def flattened(model: Any) -> Any:
   """A functional model computing what `model` computes, with every nested functional model
   (a KerasHub task's backbone) replaced by its own layers, called on the outer tensors: the
   same layer objects, so the same variables. Its inputs keep `model`'s names and order."""
@@ -217,7 +218,8 @@ def data_adapter(x, steps=None, shuffle=False, class_weight=None):
                                          class_weight=class_weight)
 
 
-def copy_weight_decay_exclusions(source, target, variable_pairs):
+def copy_weight_decay_exclusions(source: Any, target: Any,
+                                 variable_pairs: Sequence[Tuple[Any, Any]]) -> None:
   """Gives `target` (a stage's optimizer, not built yet) the weight-decay exclusions set on
   `source` with `exclude_from_weight_decay`: the variables of `source` map to the stage's
   copies through `variable_pairs` [(model variable, stage variable)]; names match as they
@@ -238,14 +240,14 @@ def trainer_overrides(model):
           if getattr(type(model), name, None) is not getattr(keras.Model, name, None)]
 
 
-def is_derived(error):
+def is_derived(error: BaseException) -> bool:
   """Whether a TensorFlow error only followed another one (TensorFlow marks it derived): a
   function that calls others across devices may report such a cancellation instead of the
   first error."""
   return _DERIVED in (getattr(error, "experimental_payloads", None) or {})
 
 
-def per_replica(values):
+def per_replica(values: Sequence[Any]) -> Any:
   """`values` (one tensor per replica device) as the `tf.distribute.DistributedValues` that a
   `tf.distribute.CrossDeviceOps` reduces (`tfpipe.stage.reduction`)."""
   return _tf_distribute_values.PerReplica(values)
@@ -294,14 +296,14 @@ def model_metrics(model):
 
 # The profiler.
 
-def _profiler_modules():
+def _profiler_modules() -> Tuple[Any, Any]:
   # pylint: disable=g-import-not-at-top
   from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
   from tensorflow.tsl.profiler.protobuf import trace_events_pb2
   return plugin, trace_events_pb2
 
 
-def profile_trace_events(path):
+def profile_trace_events(path: str) -> List[Tuple[str, int, int, Dict[str, Any]]]:
   """The trace events of one `.xplane.pb` profile file, through TensorFlow's own converter:
   [(name, start ps, duration ps, args)]."""
   plugin, trace_events_pb2 = _profiler_modules()
@@ -366,7 +368,7 @@ class _ReductionNotices(logging.Filter):
 _NOTICES = _ReductionNotices()
 
 
-def drop_reduction_notices():
+def drop_reduction_notices() -> None:
   """Keeps TensorFlow's logger from printing a line per traced cross-device reduction."""
   logger = tf.get_logger()
   if _NOTICES not in logger.filters:

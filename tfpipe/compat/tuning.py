@@ -13,6 +13,7 @@ retraces (by code object). `missing()` names what the installed TensorFlow lacks
 import contextlib
 import functools
 import threading
+from typing import Any, Callable, List, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2 as _tf_attr_value_pb2
@@ -33,7 +34,7 @@ __all__ = ["NOT_INLINED", "own_function", "unoptimised_calls", "optimised_calls"
 NOT_INLINED = {"_noinline": True}
 
 
-def own_function(fn, **options):
+def own_function(fn: Callable[..., Any], **options: Any) -> Any:
   """`tf.function(fn, **options)` whose traces TensorFlow counts for this function alone.
 
   TensorFlow warns that a function retraces ("5 out of the last 5 calls to ... triggered
@@ -349,7 +350,7 @@ class ResidualCall:
   concrete function (`tf.function.get_concrete_function` of the arguments picks it).
   """
 
-  def __init__(self, concrete):
+  def __init__(self, concrete: Any) -> None:
     self._concrete = concrete
     rewrite = self._concrete._delayed_rewrite_functions  # noqa: SLF001
     self._forward, self._backward = rewrite.forward_backward()
@@ -369,7 +370,7 @@ class ResidualCall:
     self.residual_shapes = [t.shape for t in residual]
     self.num_args = len(graph.inputs) - len(self._concrete.captured_inputs)
 
-  def call(self, args):
+  def call(self, args: Any) -> Tuple[Any, List[Any]]:
     """(the function's structured outputs, the residuals: a list of tensors)."""
     bound = _tf_function_type_utils.canonicalize_function_inputs(
         args, {}, self._concrete.function_type)
@@ -379,16 +380,16 @@ class ResidualCall:
     return structured, [outs[s] for s in self._sources if isinstance(s, int)]
 
   @property
-  def outputs(self):
+  def outputs(self) -> Any:
     """The function's outputs as it returns them (its graph's tensors: dtypes and shapes)."""
     return self._concrete.structured_outputs
 
   @staticmethod
-  def trainable_output(tensor):
+  def trainable_output(tensor: Any) -> bool:
     """Whether an output of this dtype takes a gradient (`gradients` reads it)."""
     return _tf_backprop_util.IsTrainable(tensor)
 
-  def gradients(self, residuals, doutputs):
+  def gradients(self, residuals: Sequence[Any], doutputs: Any) -> List[Any]:
     """The gradients of the function's flat arguments (None: none), given the call's
     `residuals` and its outputs' gradients `doutputs` (`outputs`' structure; those of
     outputs that take none, `trainable_output` False, are ignored)."""
@@ -415,7 +416,7 @@ def missing():
   return [f"{type(owner).__name__}.{name}" for owner, name in needs if not hasattr(owner, name)]
 
 
-def untracked_variable(dtype, device):
+def untracked_variable(dtype: Any, device: str) -> Any:
   """A variable of any shape (a variant: any value) on `device`, made now even while a
   `tf.function` traces again (whose variable creators refuse new variables after its first
   trace): a buffer that lives outside every trace (`tfpipe.runtime.parked`), not a weight."""
@@ -424,7 +425,7 @@ def untracked_variable(dtype, device):
         empty_value(dtype), trainable=False, shape=tf.TensorShape(None), name="tfpipe_carry")
 
 
-def empty_value(dtype):
+def empty_value(dtype: Any) -> Any:
   """An empty value of `dtype`: no elements, or for a variant an empty list of tensors (what
   a while loop accumulates)."""
   if dtype == tf.variant:
@@ -433,7 +434,8 @@ def empty_value(dtype):
   return tf.zeros([0], dtype)
 
 
-def call_time_value(graph, closure, specs, key):
+def call_time_value(graph: Any, closure: Callable[[], Any], specs: Sequence[Any],
+                    key: str) -> Any:
   """Placeholders in `graph` (a `tf.function`'s graph being traced) of `specs`, fed with
   `closure()` (tensors) each time the function is called: an input that its signature does
   not carry, so the signature can be fixed before the input's shapes are known (the compiled

@@ -29,7 +29,8 @@ tasks' records come from its timeline (`tfpipe.runtime.timeline`).
 
 import collections
 import contextlib
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
+from typing import Tuple, Union
 
 import tensorflow as tf
 
@@ -42,6 +43,8 @@ from tfpipe.runtime.calls import StageFailed
 from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["CompiledRuntime", "StageFailed"]
+
+Key = Tuple[schedules.Action, ...]   # a window's tasks, batches counted from its first
 
 
 class CompiledRuntime(Executor):
@@ -79,25 +82,27 @@ class CompiledRuntime(Executor):
   profiles = True
 
   def __init__(self, programs: Sequence[StageProtocol], window: int = 16, record: bool = False,
-               maxsize: Optional[int] = None, inline: Union[bool, str] = "auto"):
+               maxsize: Optional[int] = None, inline: Union[bool, str] = "auto") -> None:
     super().__init__(programs, record=record, maxsize=maxsize)
     if inline not in ("auto", True, False):
       raise ValueError(f"`inline` must be 'auto', True or False. Received: inline={inline!r}")
     self.window, self.inline, self.aligned = window, inline, True
     self._forward_ops: Optional[int] = None
-    self.profile_dir = None
+    self.profile_dir: Optional[str] = None
     self._session: Optional[timeline.Session] = None
-    self._calls: dict = {}
-    self._forwards: dict = {}
-    self._keys: dict = {}   # (window key, inlined) -> its number (the traced function's argument)
-    self.numbered: list = []   # number -> its `_Numbered` window
+    self._calls: Dict[int, Any] = {}   # window call n -> `timeline.describe`'s
+    self._forwards: Dict[Any, Any] = {}
+    # (window key, inlined) -> its number (the traced function's argument)
+    self._keys: Dict[Tuple[Key, bool], int] = {}
+    self.numbered: List[_Numbered] = []   # number -> its `_Numbered` window
     # The profiler sees this process's devices only: stages on TF servers get no records.
     self._profiled = [tf.DeviceSpec.from_string(p.device).job in (None, "localhost")
                       for p in programs]
     # Per schedule, window size and way (lately run): its windows, their numbers, and the
     # flush window or None.
     self._plans = base.Recent()
-    self._plan: tuple = (None, None, None, None)   # last epoch's (key, windows, numbers, flush)
+    # The last epoch's (key, windows, numbers, flush).
+    self._plan: Tuple[Any, ...] = (None, None, None, None)
     self.remote = any(p.remote for p in programs)   # stages on TF servers: a carry to park
     self.parked = parked.Parked()   # the carry made on TF servers, kept there between calls
     # Per batch size; any sequence length.
@@ -114,15 +119,16 @@ class CompiledRuntime(Executor):
     self._local_cpus = all(s.device_type == "CPU" and s.job in (None, "localhost")
                            for s in specs)
 
-  def set_window(self, window, aligned=True):
+  def set_window(self, window: int, aligned: bool = True) -> None:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
       raise ValueError(f"a window holds a positive number of mini-batches. Received: {window!r}")
     self.window, self.aligned = window, bool(aligned)
 
   # Training.
 
-  def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None,
-                  continuing=False):
+  def train_epoch(self, schedule: schedules.Lists, diffs: windows_lib.Diffs,
+                  batches: Iterator[Any], num_batches: int, on_result: base.OnResult,
+                  before: base.Before = None, continuing: bool = False) -> int:
     """Runs one epoch of `schedule` over `num_batches` mini-batches from `batches`.
 
     After each window, for every mini-batch b it finished in order:
@@ -142,7 +148,7 @@ class CompiledRuntime(Executor):
     key = (self.schedule_key, tuple(tuple(sorted(d.items())) for d in diffs), size, inlined,
            self.aligned)
 
-    def planned():
+    def planned() -> Tuple[List[windows_lib.Window], List[int], Optional[windows_lib.Window]]:
       plan = windows_lib.plan(schedule, diffs, size, self.aligned)
       return (plan, [self._number(window, inlined) for window in plan],
               windows_lib.flush_window(schedule, diffs))
@@ -171,12 +177,14 @@ class CompiledRuntime(Executor):
         self._session = None
         self.records += timeline.task_records(events, calls, self._calls, self.epoch)
 
-  def _train_windows(self, plan, numbers, batches, M, on_result, before):
+  def _train_windows(self, plan: List[windows_lib.Window], numbers: List[int],
+                     batches: Iterator[Any], M: int, on_result: base.OnResult,
+                     before: base.Before) -> int:
     """Runs the windows of `plan`; hands on their results once per `self.window` mini-batches
     (`CALL_WINDOW`: a window may run as several calls), or when not `aligned` as each ends."""
     feed, done = calls.Feed(batches, labelled=True), 0
-    carry: dict = {"x": {}, "saved": {}, "g": {}}
-    pending: list = []
+    carry: groups.Carry = {"x": {}, "saved": {}, "g": {}}
+    pending: List[Tuple[int, Any]] = []
     boundary = self.window
     group = self.grouped.group_of(plan, numbers)
     for w, window in enumerate(plan):
@@ -211,7 +219,7 @@ class CompiledRuntime(Executor):
         break
     return done
 
-  def _number(self, window, inline):
+  def _number(self, window: windows_lib.Window, inline: bool) -> int:
     """The number of `window`'s key and `inline` (whether its tasks' bodies are traced into it,
     `_inlined`): what the traced function takes
     instead of the key (a large Python argument is hashed by tf.function on every call;
@@ -221,7 +229,8 @@ class CompiledRuntime(Executor):
       self.numbered.append(_Numbered(window.key, inline, window.last + 1 - window.first))
     return number
 
-  def inlines(self, schedule, diffs, num_batches, loops=None):
+  def inlines(self, schedule: schedules.Lists, diffs: windows_lib.Diffs, num_batches: int,
+              loops: Optional[bool] = None) -> bool:
     """Whether an epoch of `schedule` (version differences `diffs`) over `num_batches`
     mini-batches traces its tasks' bodies into its graphs (else each task calls its stage's
     traced function): what a task costs besides its ops (`tfpipe.instruments.costs`).
@@ -230,7 +239,8 @@ class CompiledRuntime(Executor):
       return self._inlined_loop(schedules.micro_batches(schedule))
     return self._inlined(num_batches, schedules.micro_batches(schedule))
 
-  def crossing(self, schedule, diffs, num_batches):
+  def crossing(self, schedule: schedules.Lists, diffs: windows_lib.Diffs,
+               num_batches: int) -> List[float]:
     """Per stage, the share of its backwards that recompute their forward because it ran in
     an earlier window (`tfpipe.plan.windows.crossing`) in an epoch of `schedule` over
     `num_batches` mini-batches, cut as `train_epoch` cuts it: what the profile adds to a
@@ -246,7 +256,8 @@ class CompiledRuntime(Executor):
     return windows_lib.crossing(windows_lib.plan(schedule, diffs, self.window, self.aligned),
                                 self.K)
 
-  def traced_copies(self, schedule, diffs, num_batches, loops=None):
+  def traced_copies(self, schedule: schedules.Lists, diffs: windows_lib.Diffs,
+                    num_batches: int, loops: Optional[bool] = None) -> List[int]:
     """Per stage, how many copies of its tasks an epoch of `schedule` (version differences
     `diffs`) over `num_batches` mini-batches traces and optimises: a loop window inlined, its
     M micro-batches; inlined windows, the forwards in the distinct windows (the steady ones
@@ -262,14 +273,15 @@ class CompiledRuntime(Executor):
     return windows_lib.traced_forwards(
         windows_lib.plan(schedule, diffs, self.window, self.aligned), self.K)
 
-  def _loops(self, schedule, diffs, loops=None):
+  def _loops(self, schedule: schedules.Lists, diffs: windows_lib.Diffs,
+           loops: Optional[bool] = None) -> bool:
     """Whether an epoch of `schedule` runs as a loop window (`loops`: whether it would, if
     known): one that finishes each mini-batch before the next, unless recorded."""
     if loops is None:
       loops = windows_lib.flush_window(schedule, diffs) is not None
     return loops and not self.record
 
-  def _window_size(self, M, inlined, num_batches):
+  def _window_size(self, M: int, inlined: bool, num_batches: int) -> int:
     """Mini-batches a window of an epoch of `num_batches` traces: `window` inlined, or as
     calls of small stages with one batch per update on this process's CPUs (`INLINE_OPS`:
     the calls' cost is a window's, spread over its mini-batches), else at most CALL_WINDOW
@@ -278,17 +290,17 @@ class CompiledRuntime(Executor):
       return self.window
     return min(self.window, self.CALL_WINDOW if M == 1 else self.CALL_WINDOW_MICRO)
 
-  def _small(self, num_batches, M):
+  def _small(self, num_batches: int, M: int) -> bool:
     """Whether the stages are small: an inlined window of the epoch (W mini-batches, or the
     epoch's when it is shorter, of M micro-batches each) would hold at most `INLINE_OPS`."""
     return self._inlined_ops(min(self.window, num_batches) * M) <= self.INLINE_OPS
 
-  def _calls_small(self, M):
+  def _calls_small(self, M: int) -> bool:
     """Whether small stages call their functions (in whole windows) rather than inline their
     tasks: with one batch per update, every stage a logical CPU of this process."""
     return M == 1 and self._local_cpus
 
-  def _inlined(self, num_batches, M):
+  def _inlined(self, num_batches: int, M: int) -> bool:
     """Whether an epoch of `num_batches` mini-batches of M micro-batches traces each task's
     body into its windows' graphs rather than a call of the stage's traced function: when
     profiled (the timeline reads each op's task scope), else as `inline` says; "auto": on
@@ -302,26 +314,26 @@ class CompiledRuntime(Executor):
     if self.record:
       return True
     if self.inline != "auto":
-      return self.inline
+      return self.inline is True
     if self._loops_on_servers():
       return False
     if self._replicas_on_servers():
       return True
     return self._small(num_batches, M) and not self._calls_small(M)
 
-  def _inlined_loop(self, M):
+  def _inlined_loop(self, M: int) -> bool:
     """Whether a loop window (one mini-batch of M micro-batches, `loops`) traces its tasks'
     bodies inline: as `inline` says; "auto": when that graph is small (`INLINE_LOOP_OPS`),
     unless `_loops_on_servers` (calls) or `_replicas_on_servers` (inline)."""
     if self.inline != "auto":
-      return self.inline
+      return self.inline is True
     if self._loops_on_servers():
       return False
     if self._replicas_on_servers():
       return True
     return self._inlined_ops(M) <= self.INLINE_LOOP_OPS
 
-  def _loops_on_servers(self):
+  def _loops_on_servers(self) -> bool:
     """Whether stages on TF servers run a while loop of their own (a recurrent layer): their
     windows call them, placed on their devices, rather than inline them. Inlined, the
     residual LSTM's stages on 2 loopback servers moved 3.1 GB a step through the loopback
@@ -330,7 +342,7 @@ class CompiledRuntime(Executor):
     likely runs off its stage's device."""
     return self.remote and any(p.forward_loops() for p in self.programs)
 
-  def _replicas_on_servers(self):
+  def _replicas_on_servers(self) -> bool:
     """Whether a stage's replicas (`data_parallel`) are on TF servers: windows then inline
     their tasks. A replicated stage's task as a call is one function placed on its first
     replica's device, so the other replicas' outputs and kept residuals (the weights they
@@ -338,14 +350,14 @@ class CompiledRuntime(Executor):
     (measured: bench/results/history.md)."""
     return self.remote and any(len(p.replica_devices) > 1 for p in self.programs)
 
-  def _inlined_ops(self, forwards):
+  def _inlined_ops(self, forwards: int) -> int:
     """About the ops an inlined graph of `forwards` forwards on every stage holds: 3 x each
     forward's (its backward and update), the stages' forward ops counted once per runtime."""
     if self._forward_ops is None:
       self._forward_ops = sum(p.forward_ops() for p in self.programs)
     return 3 * self._forward_ops * forwards
 
-  def call(self, function, number, *args):
+  def call(self, function: Callable[..., Any], number: int, *args: Any) -> Any:
     """Calls a window function: an inlined window as it is (its graph optimised as a whole, by
     the lighter Grappler of `compat.light_calls`);
     a window of task calls without optimising its own graph (its trace makes the task calls
@@ -356,7 +368,8 @@ class CompiledRuntime(Executor):
     with compat.unoptimised_calls():
       return function(number, *args)
 
-  def _run(self, window, number, carry, feed, M):
+  def _run(self, window: windows_lib.Window, number: int, carry: groups.Carry, feed: calls.Feed,
+         M: int) -> Tuple[groups.Carry, List[Any]]:
     """Calls the window's function (`number`: `_number(window, inline)`); returns (carry
     rebased to the next window, results)."""
     inputs, labels = self.data(window, feed)
@@ -371,7 +384,7 @@ class CompiledRuntime(Executor):
     with context:
       try:
         slot = None
-        args: tuple = (carry, inputs, labels, M)   # every stage in this process
+        args: Tuple[Any, ...] = (carry, inputs, labels, M)   # every stage in this process
         if self.remote:
           slot = (self._train.key(inputs, 0), number)
           args = (slot, self.parked.shapes_of(carry)) + args
@@ -382,7 +395,8 @@ class CompiledRuntime(Executor):
     self.finished(window, feed)
     return groups.rebase(self.parked.unpark(slot, out), window.last + 1 - window.first), results
 
-  def data(self, window, feed):
+  def data(self, window: windows_lib.Window,
+         feed: calls.Feed) -> Tuple[Dict[int, Any], Dict[int, Any]]:
     """(inputs, labels) of `window`: {batch counted from its first: stage 0's inputs} and
     {batch: (labels, sample weights)} of the last stage's forwards."""
     inputs, labels = {}, {}
@@ -395,7 +409,7 @@ class CompiledRuntime(Executor):
           labels[task.batch - window.first] = (y, sample_weight)
     return inputs, labels
 
-  def finished(self, window, feed):
+  def finished(self, window: windows_lib.Window, feed: calls.Feed) -> None:
     """After `window` ran: its mini-batches' data is dropped, its updates counted."""
     feed.drop_before(window.last + 1)   # finished: their labels were used too
     updates = [0] * self.K
@@ -405,20 +419,24 @@ class CompiledRuntime(Executor):
       if count:
         self.count_updates(k, count)
 
-  def _train_window(self, number, carry, inputs, labels, M):
+  def _train_window(self, number: int, carry: groups.Carry, inputs: Dict[int, Any],
+                  labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
     (carry, per-batch results)."""
     key, inline, _ = self.numbered[number]
     return self.trace_tasks(key, inline, carry, inputs, labels, M)
 
-  def _parked_window(self, number, slot, shapes, carry, inputs, labels, M):
+  def _parked_window(self, number: int, slot: Tuple[Any, ...], shapes: Any, carry: groups.Carry,
+                   inputs: Dict[int, Any], labels: Dict[int, Any],
+                   M: int) -> Tuple[groups.Carry, List[Any]]:
     """`_train_window` with stages on TF servers: the carry's tensors made there stay there,
     in the variables of `slot` (`tfpipe.runtime.parked`; `shapes`: those read, as traced)."""
     carry, reads = self.parked.read(carry, shapes)
     out, results = self._train_window(number, carry, inputs, labels, M)
     return self.parked.park(slot, out, reads), results
 
-  def trace_tasks(self, key, inline, carry, inputs, labels, M):
+  def trace_tasks(self, key: Key, inline: bool, carry: groups.Carry, inputs: Dict[int, Any],
+                labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
     """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as
     calls of the stages' traced functions."""
     # The task calls' options: their functions are optimised. Their outputs' shapes are
@@ -433,13 +451,14 @@ class CompiledRuntime(Executor):
         stack.enter_context(program.inlined(inline))
       return self._traced_tasks(key, carry, inputs, labels, M)
 
-  def _marked(self):
+  def _marked(self) -> ContextManager[Any]:
     """`compat.calls_marked` for the stages' devices; nothing when a stage runs under XLA."""
     if any(p.jit_compile for p in self.programs):
       return contextlib.nullcontext()
     return compat.calls_marked([p.device for p in self.programs])
 
-  def _traced_tasks(self, key, carry, inputs, labels, M):
+  def _traced_tasks(self, key: Key, carry: groups.Carry, inputs: Dict[int, Any],
+                  labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
     moves = window_moves.WindowMoves(self, carry, inputs, labels, M)
     stages = [interpreter.Stage(k, p, k == self.K - 1) for k, p in enumerate(self.programs)]
     for (k, b, micro), (kept, share) in carry["saved"].items():
@@ -448,10 +467,11 @@ class CompiledRuntime(Executor):
       with timeline.scope(i):   # names the task's ops in the profile
         interpreter.run(action, stages[action.stage], moves)
     if any(stage.losses or stage.halves or stage.last and stage.saved for stage in stages):
-      raise AssertionError("a window cut a last-stage step or a split backward apart")   # windows.plan prevents it
+      # windows.plan prevents it
+      raise AssertionError("a window cut a last-stage step or a split backward apart")
     # Forwards still waiting cross into the next window with the residuals their calls output
-    # (`StageProgram.carried`), or, inlined, without their tapes: their backward then recomputes them
-    # on the kept inputs, weights and random state (the same values).
+    # (`StageProgram.carried`), or, inlined, without their tapes: their backward then
+    # recomputes them on the kept inputs, weights and random state (the same values).
     saved = {(stage.k,) + unit: (stage.program.carried(part.kept), part.share)
              for stage in stages for unit, part in stage.saved.items()}
     return ({"x": moves.outputs, "saved": saved, "g": moves.gradients},
@@ -459,7 +479,8 @@ class CompiledRuntime(Executor):
 
   # Inference.
 
-  def infer_epoch(self, batches, num_batches, on_result, with_labels, before=None):
+  def infer_epoch(self, batches: Iterator[Any], num_batches: int, on_result: base.OnResult,
+                with_labels: bool, before: base.Before = None) -> None:
     """Forward-only pass with current weights (evaluate and predict), a window at a time.
 
     With labels, the last stage updates the loss and metrics and `on_result`
@@ -479,7 +500,7 @@ class CompiledRuntime(Executor):
           before(first + i)
         on_result(first + i, result)
 
-  def _infer_window(self, inputs, labels):
+  def _infer_window(self, inputs: List[Any], labels: Optional[List[Any]]) -> List[Any]:
     results = []
     # Each stage's calls alike: their shapes inferred once; marked as a training window's.
     with compat.calls_inferred_once(), self._marked():

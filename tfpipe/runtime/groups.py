@@ -22,25 +22,29 @@ executor then runs it a window per function). Results are padded to the
 group's largest window.
 """
 
+from typing import Any, Dict, List, Sequence, Tuple
+
 import tensorflow as tf
 
 __all__ = ["Ungroupable", "PARTS", "rebase", "specs", "fit", "pad_results", "flat",
-           "pack", "zeros"]
+           "pack", "zeros", "Carry"]
 
 PARTS = ("x", "saved", "g")   # the carry's parts (`tfpipe.runtime.compiled`)
+# What a window hands the next: per part, by unit (stage, batch, micro-batch), its values.
+Carry = Dict[str, Dict[Tuple[Any, ...], Any]]
 
 
 class Ungroupable(Exception):
   """A window's carry does not fit the group's template: run the plan a window per function."""
 
 
-def rebase(carry, shift):
+def rebase(carry: Carry, shift: int) -> Carry:
   """`carry` with its units' batches counted from the next window's first batch."""
   return {part: {(key[0], key[1] - shift) + key[2:]: value for key, value in items.items()}
           for part, items in carry.items()}
 
 
-def specs(carry):
+def specs(carry: Carry) -> List[tf.TensorSpec]:
   """The `tf.TensorSpec`s of the carry's tensors (`flat` order); every shape known."""
   found = []
   for t in _leaves(carry):
@@ -50,15 +54,15 @@ def specs(carry):
   return found
 
 
-def _leaves(value):
+def _leaves(value: Any) -> List[tf.Tensor]:
   return [t for t in tf.nest.flatten(value) if t is not None]
 
 
-def fit(template, carry, out):
+def fit(template: Carry, carry: Carry, out: Carry) -> Carry:
   """The rebased carry `out` of a branch traced on `carry` (the template's placeholders), in
   the template's structure (see the module's docstring)."""
   passed = {id(t) for part in PARTS for t in _leaves(carry[part])}
-  fitted: dict = {}
+  fitted: Carry = {}
   for part in PARTS:
     items = out.get(part, {})
     for key, value in items.items():
@@ -81,7 +85,7 @@ def fit(template, carry, out):
   return fitted
 
 
-def zeros(shape, dtype):
+def zeros(shape: Any, dtype: tf.DType) -> tf.Tensor:
   """A value of `shape` and `dtype` no window reads: zeros, or for a variant (a forward's
   residuals packed into one tensor, `tfpipe.stage.program.StageProgram.carried`) an empty
   optional."""
@@ -90,18 +94,18 @@ def zeros(shape, dtype):
   return tf.zeros(shape, dtype)
 
 
-def pad_results(results, size):
+def pad_results(results: Sequence[Any], size: int) -> List[Any]:
   """A window's per-batch results padded with zeros to `size` (the group's largest window)."""
   zeros = tf.nest.map_structure(tf.zeros_like, results[0])
   return list(results) + [zeros] * (size - len(results))
 
 
-def flat(value):
+def flat(value: Any) -> List[tf.Tensor]:
   """The tensors of `value` (None left out): what a branch returns."""
   return _leaves(value)
 
 
-def pack(like, tensors):
+def pack(like: Any, tensors: Sequence[tf.Tensor]) -> Any:
   """`tensors` (from `flat`) in the structure of `like`, its None where it has them."""
-  tensors = iter(tensors)
-  return tf.nest.map_structure(lambda t: None if t is None else next(tensors), like)
+  flowing = iter(tensors)
+  return tf.nest.map_structure(lambda t: None if t is None else next(flowing), like)

@@ -9,11 +9,14 @@ threads, the compiled executor's tensors within one traced window.
 
 import collections
 import time
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-from tfpipe.plan import records
+from tfpipe.plan import records, schedules
 from tfpipe.runtime.protocol import StageProtocol
 
-__all__ = ["Saved", "Stage", "Moves", "run"]
+__all__ = ["Saved", "Stage", "Moves", "run", "Micro"]
+
+Micro = Optional[int]   # a unit's micro-batch (None: the whole mini-batch)
 
 Saved = collections.namedtuple("Saved", ["kept", "version", "share", "s"], defaults=[0])
 Saved.__doc__ = """A forward waiting for its backward: what the stage kept
@@ -31,10 +34,10 @@ class Stage:
 
   def __init__(self, k: int, program: StageProtocol, last: bool):
     self.k, self.program, self.last = k, program, last
-    self.saved: dict = {}
-    self.halves: dict = {}
-    self.losses: dict = {}
-    self.logs = None
+    self.saved: Dict[schedules.Unit, Saved] = {}
+    self.halves: Dict[schedules.Unit, Any] = {}   # a split backward's output gradients
+    self.losses: Dict[int, Any] = {}
+    self.logs: Any = None
 
 
 class Moves:
@@ -43,69 +46,70 @@ class Moves:
   A share is a micro-batch's fraction of its mini-batch as the executor carries it (a float,
   or a float64 tensor); `weight` makes it what a stage task takes.
   """
-  def take_input(self, k, b, micro):
+  def take_input(self, k: int, b: int, micro: Micro) -> Tuple[Any, Any, Any]:
     """(inputs, share, labels) of stage k's forward of unit (b, micro); labels: (labels,
     sample weights) at the last stage, else None."""
     raise NotImplementedError
 
-  def take_gradient(self, k, b, micro):
+  def take_gradient(self, k: int, b: int, micro: Micro) -> Any:
     """The output gradients of stage k's backward of unit (b, micro)."""
     raise NotImplementedError
 
-  def send_output(self, k, b, micro, ys, share):
+  def send_output(self, k: int, b: int, micro: Micro, ys: Any, share: Any) -> None:
     """Stage k's forward outputs of (b, micro), to stage k + 1."""
     raise NotImplementedError
 
-  def send_gradient(self, k, b, micro, dxs):
+  def send_gradient(self, k: int, b: int, micro: Micro, dxs: Any) -> None:
     """Stage k's input gradients of (b, micro), to stage k - 1."""
     raise NotImplementedError
 
-  def receive(self, k, b, micro):
+  def receive(self, k: int, b: int, micro: Micro) -> None:
     """An R task: stage k takes its output gradients early (DDG); nothing where data orders it."""
 
-  def barrier(self, b):
+  def barrier(self, b: int) -> None:
     """An S task: every stage meets (lockstep); nothing where data orders it."""
 
   def update(self, program: StageProtocol, b: int) -> None:
     """Applies stage `program`'s accumulated gradients of mini-batch b."""
     program.update()
 
-  def weight(self, k, share):
+  def weight(self, k: int, share: Any) -> Any:
     return share
 
-  def total(self, shares):
+  def total(self, shares: Sequence[Any]) -> Any:
     """The share of several units together."""
     return sum(shares)
 
-  def add_loss(self, total, loss, share):
+  def add_loss(self, total: Any, loss: Any, share: Any) -> Any:
     """A mini-batch's loss so far (None: nothing yet) with a micro-batch's loss added."""
     raise NotImplementedError
 
-  def finished(self, b, loss, logs):
+  def finished(self, b: int, loss: Any, logs: Any) -> None:
     """Mini-batch b's loss and the running logs, once its last stage is done with it."""
     raise NotImplementedError
 
   # Bookkeeping of the executors that count versions and time tasks (the threaded one).
 
-  def version(self, k, s):
+  def version(self, k: int, s: int) -> Any:
     """The weight version a task of stage k with version difference s reads, or None."""
     return None
 
-  def current(self, k):
+  def current(self, k: int) -> Optional[int]:
     """Stage k's update count now, or None."""
     return None
 
-  def updated(self, k):
+  def updated(self, k: int) -> None:
     """Stage k applied an update."""
 
-  def record(self, k, kind, action, version, s, start):
+  def record(self, k: int, kind: str, action: schedules.Task, version: Any, s: int,
+             start: float) -> None:
     """Task `action` ran as `kind` (`tfpipe.plan.records.TaskRecord`'s kinds) from `start`."""
 
-  def saved(self, stage):
+  def saved(self, stage: Stage) -> None:
     """Stage `stage` kept a forward, or held one for its step (its peak of kept forwards)."""
 
 
-def run(action, stage, moves):
+def run(action: schedules.Action, stage: Stage, moves: Moves) -> None:
   """Runs `action` (`schedules.Action`) on `stage` (`Stage`), moving values with `moves`.
 
   Every stage runs the same ops. The last one's forward only keeps its inputs and labels, so
@@ -149,7 +153,8 @@ def run(action, stage, moves):
     _backward(op, action, stage, moves, start)
 
 
-def _backward(op, action, stage, moves, start):
+def _backward(op: str, action: schedules.Action, stage: Stage, moves: Moves,
+              start: float) -> None:
   """A backward (the last stage's step) or a split backward's input half."""
   k, task, s, units = action
   kind, b, micro = task
@@ -184,6 +189,6 @@ def _backward(op, action, stage, moves, start):
       stage.losses[b] = moves.add_loss(stage.losses.get(b), done.loss, share)
 
 
-def _version(program, parts, k, moves):
+def _version(program: StageProtocol, parts: Sequence[Saved], k: int, moves: Moves) -> Any:
   """The weight version a backward read: its forward's (a kept tape) or the current one."""
   return parts[0].version if program.ops["B"].reads == "kept" else moves.current(k)

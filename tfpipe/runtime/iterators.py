@@ -15,6 +15,7 @@ import atexit
 import sys
 import threading
 import time
+from typing import Any, List
 
 __all__ = ["release", "wait", "THREAD_NAME", "EXIT_WAIT"]
 
@@ -26,10 +27,11 @@ EXIT_WAIT = 60.0
 # The deleting threads' name: they end once their iterator is deleted, which may outlast a fit.
 THREAD_NAME = "tfpipe-iterator-release"
 
-_THREADS: list = []   # the deleting threads started, until `wait` finds them ended
+# The deleting threads started, until `wait` finds them ended.
+_THREADS: List[threading.Thread] = []
 
 
-def release(iterator):
+def release(iterator: Any) -> None:
   """Hands `iterator` (or None) to a daemon thread of its own, which deletes it once the
   caller's references are gone; returns None, for `iterator = release(iterator)`."""
   if iterator is not None:
@@ -41,7 +43,7 @@ def release(iterator):
   return None
 
 
-def wait(timeout=60.0):
+def wait(timeout: float = 60.0) -> None:
   """Waits (at most `timeout` seconds in all) until every iterator released so far is deleted:
   before this program connects to a cluster, which resets TensorFlow's eager context under
   any deletion still running."""
@@ -51,7 +53,7 @@ def wait(timeout=60.0):
   _THREADS[:] = [t for t in _THREADS if t.is_alive()]
 
 
-def _delete(box):
+def _delete(box: List[Any]) -> None:
   item = box.pop()
   deadline = time.monotonic() + WAIT
   # 2: `item` and getrefcount's argument; more while the caller still holds it.
@@ -61,6 +63,6 @@ def _delete(box):
 
 
 @atexit.register
-def _wait_at_exit():
+def _wait_at_exit() -> None:
   """Python's exit waits for the deletions still running (at most EXIT_WAIT seconds)."""
   wait(EXIT_WAIT)

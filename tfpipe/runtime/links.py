@@ -12,14 +12,17 @@ import contextlib
 import queue
 import sys
 import threading
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
 
-from tfpipe.plan import pieces
+from tfpipe.plan import pieces, schedules
 
-__all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Countdown", "Gate", "Links", "spawn",
-           "copy_to"]
+__all__ = ["Stopped", "Skipped", "OutOfData", "Channel", "Barrier", "Countdown", "Gate", "Links",
+           "spawn", "copy_to", "Cancel"]
+
+Cancel = Optional[Callable[[], bool]]   # a blocking call gives up once it is true
 
 
 class Stopped(Exception):
@@ -37,11 +40,11 @@ class OutOfData(Exception):
 class Channel:
   """A bounded FIFO whose blocking put/get give up when `stop` is set."""
 
-  def __init__(self, stop, maxsize=0, poll=0.05):
-    self._queue: queue.Queue = queue.Queue(maxsize)
+  def __init__(self, stop: threading.Event, maxsize: int = 0, poll: float = 0.05) -> None:
+    self._queue: "queue.Queue[Any]" = queue.Queue(maxsize)
     self._stop, self._poll = stop, poll
 
-  def put(self, item):
+  def put(self, item: Any) -> None:
     while True:
       if self._stop.is_set():
         raise Stopped()
@@ -50,7 +53,7 @@ class Channel:
       except queue.Full:
         pass
 
-  def get(self, cancel=None):
+  def get(self, cancel: Cancel = None) -> Any:
     """The next item; raises Skipped once `cancel()` is true and nothing has come."""
     while True:
       if self._stop.is_set():
@@ -65,12 +68,12 @@ class Channel:
 class Barrier:
   """All `parties` threads wait in `wait()` until the last arrives; gives up when `stop` is set."""
 
-  def __init__(self, parties, stop, poll=0.05):
+  def __init__(self, parties: int, stop: threading.Event, poll: float = 0.05) -> None:
     self._parties, self._stop, self._poll = parties, stop, poll
     self._cond = threading.Condition()
     self._arrived, self._generation = 0, 0
 
-  def wait(self, cancel=None):
+  def wait(self, cancel: Cancel = None) -> None:
     with self._cond:
       generation = self._generation
       self._arrived += 1
@@ -92,19 +95,20 @@ class Countdown:
   updates (`schedules.jointly_updated`) an update of b `wait`s until none of b's is left;
   gives up when `stop` is set."""
 
-  def __init__(self, schedule, stop, poll=0.05):
+  def __init__(self, schedule: schedules.Lists, stop: threading.Event,
+             poll: float = 0.05) -> None:
     self._left = collections.Counter(t.batch for tasks in schedule for t in tasks
                                      if t.kind in ("B", "W"))
     self._stop, self._poll = stop, poll
     self._cond = threading.Condition()
 
-  def done(self, b):
+  def done(self, b: int) -> None:
     with self._cond:
       self._left[b] -= 1
       if self._left[b] <= 0:
         self._cond.notify_all()
 
-  def wait(self, b, cancel=None):
+  def wait(self, b: int, cancel: Cancel = None) -> None:
     with self._cond:
       while self._left[b] > 0:
         if self._stop.is_set():
@@ -128,12 +132,14 @@ class Gate:
   depends on stage 0 admitting it. `lead=None` admits at once (evaluate, predict).
   """
 
-  def __init__(self, stop, lead=None, poll=0.05):
-    self.lead, self.limit, self._stop, self._poll = lead, None, stop, poll
+  def __init__(self, stop: threading.Event, lead: Optional[int] = None,
+             poll: float = 0.05) -> None:
+    self.lead, self._stop, self._poll = lead, stop, poll
+    self.limit: Optional[int] = None
     self._handled = -1
     self._cond = threading.Condition()
 
-  def admit(self, b):
+  def admit(self, b: int) -> bool:
     """Stage 0, before reading batch b: waits for batch b-L's hooks; True to train b."""
     with self._cond:
       while self.lead is not None and self.limit is None and self._handled < b - self.lead:
@@ -142,7 +148,7 @@ class Gate:
         self._cond.wait(self._poll)
       return self.limit is None or b < self.limit
 
-  def handled(self, b, stop=False):
+  def handled(self, b: int, stop: bool = False) -> None:
     """The caller, after batch b's hooks; `stop`: train no batch from b + L on."""
     with self._cond:
       self._handled = b
@@ -150,13 +156,13 @@ class Gate:
         self.limit = b + (self.lead or 1)
       self._cond.notify_all()
 
-  def gone(self, b):
+  def gone(self, b: int) -> bool:
     """True when batch b will never be trained (a stop came before it)."""
     limit = self.limit
     return limit is not None and b >= limit
 
 
-def copy_to(device, payload):
+def copy_to(device: Union[str, Sequence[str]], payload: Any) -> Any:
   """Copies a payload's tensors onto `device`: a tensor list or (tensor list, scale). With a
   list of R devices (replicas of a pipeline) the list is R equal groups, group r to device r."""
   tensors, meta = payload if isinstance(payload, tuple) else (payload, None)
@@ -177,9 +183,12 @@ class Links:
   their own channel.
   """
 
-  def __init__(self, K, poll, maxsize, micro_batches=1, lead=None):
+  def __init__(self, K: int, poll: float, maxsize: int, micro_batches: int = 1,
+             lead: Optional[int] = None) -> None:
     self.K, self.stop, self.micro_batches = K, threading.Event(), micro_batches
-    pair = lambda: (Channel(self.stop, maxsize, poll), Channel(self.stop, maxsize, poll))
+
+    def pair() -> Tuple[Channel, Channel]:
+      return Channel(self.stop, maxsize, poll), Channel(self.stop, maxsize, poll)
     self.forward = [pair() for _ in range(K - 1)]
     self.backward = [pair() for _ in range(K - 1)]
     self.barrier = Barrier(K, self.stop, poll)  # S tasks (lock-step steps)
@@ -187,13 +196,14 @@ class Links:
     self.results = Channel(self.stop, 0, poll)  # last stage -> caller (the gate bounds it)
     self.gate = Gate(self.stop, lead, poll)
     # stage 0: the current mini-batch's micro-batches
-    self._pieces: collections.deque = collections.deque()
+    self._pieces: "collections.deque[Any]" = collections.deque()
 
-  def cancel(self, b):
+  def cancel(self, b: int) -> Callable[[], bool]:
     """The cancel test of a blocking call for batch b."""
     return lambda: self.gate.gone(b)
 
-  def inputs(self, k, batches, labelled, b, micro=None):
+  def inputs(self, k: int, batches: Iterator[Any], labelled: bool, b: int,
+           micro: Optional[int] = None) -> Tuple[List[Any], Any, Any]:
     """Stage k's next inputs, their share of the mini-batch, and at the last stage the
     labels and sample weights (y, sample_weight).
 
@@ -223,7 +233,7 @@ class Links:
 
 
 @contextlib.contextmanager
-def spawn(stop):
+def spawn(stop: threading.Event) -> Iterator[Callable[[Callable[[], None], str], None]]:
   """Starts threads with `launch(fn, name)`; always joins them; re-raises the first error.
 
   The body runs in the caller's thread (it may consume results); an exception
@@ -231,8 +241,8 @@ def spawn(stop):
   """
   threads, errors = [], []
 
-  def launch(fn, name):
-    def run():
+  def launch(fn: Callable[[], None], name: str) -> None:
+    def run() -> None:
       try:
         fn()
       except Stopped:

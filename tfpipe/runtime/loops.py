@@ -1,14 +1,16 @@
-"""Loop windows: a schedule whose mini-batches finish one by one (`tfpipe.plan.windows.flush_window`)
-runs each window of W mini-batches as one call that loops over them, so its graph holds one
-mini-batch's tasks whatever W is."""
+"""Loop windows: a schedule whose mini-batches finish one by one
+(`tfpipe.plan.windows.flush_window`) runs each window of W mini-batches as one call that loops
+over them, so its graph holds one mini-batch's tasks whatever W is."""
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
 
 import tensorflow as tf
 
-from tfpipe.plan import schedules
+from tfpipe.plan import schedules, windows
 from tfpipe.runtime import calls
+from tfpipe.runtime.groups import Carry
+from tfpipe.runtime.base import Before, OnResult
 
 if TYPE_CHECKING:
   from tfpipe.runtime.compiled import CompiledRuntime
@@ -19,11 +21,12 @@ __all__ = ["LoopWindows"]
 class LoopWindows:
   """The compiled executor's (`runtime`) loop windows: `function` (the traced loop)."""
 
-  def __init__(self, runtime: "CompiledRuntime"):
+  def __init__(self, runtime: "CompiledRuntime") -> None:
     self.runtime = runtime
     self.functions = calls.Relaxed(self._traced)   # per batch size; any sequence length
 
-  def train(self, flush, number, batches, num_batches, M, on_result, before):
+  def train(self, flush: windows.Window, number: int, batches: Iterator[Any], num_batches: int,
+          M: int, on_result: OnResult, before: Before) -> int:
     """Runs a schedule whose mini-batches finish one by one (`windows.flush_window`): each
     window of W mini-batches is one call that loops over them (`tf.while_loop`, one
     iteration at a time), so its graph holds one mini-batch's tasks whatever W is."""
@@ -51,7 +54,7 @@ class LoopWindows:
         break
     return done
 
-  def _run(self, number, items, M):
+  def _run(self, number: int, items: List[Any], M: int) -> List[Tuple[Any, Dict[str, Any]]]:
     """One loop call over `items` (mini-batches of one shape): [(loss, logs)] per batch.
     They are stacked into W slots (the last repeated), so every call of one batch shape
     has one signature and traces once; the loop runs len(items) iterations."""
@@ -74,14 +77,16 @@ class LoopWindows:
     return [(losses[i], {name: values[i] for name, values in logs.items()})
             for i in range(count)]
 
-  def _traced(self, number, n, xs, y, weights, M):
+  def _traced(self, number: int, n: tf.Tensor, xs: Any, y: Any, weights: Any,
+            M: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """The loop of `_train_loops`: one iteration for each of the first `n` mini-batches, each
     the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
     key, inline, _ = self.runtime.numbered[number]
     names = list(self.runtime.programs[-1].reports.results())
-    empty: dict = {"x": {}, "saved": {}, "g": {}}
+    empty: Carry = {"x": {}, "saved": {}, "g": {}}
 
-    def body(i, losses, logs):
+    def body(i: tf.Tensor, losses: tf.TensorArray,
+         logs: List[tf.TensorArray]) -> Tuple[tf.Tensor, tf.TensorArray, List[tf.TensorArray]]:
       at = lambda t: tf.gather(t, i)
       inputs = {0: tf.nest.map_structure(at, xs)}
       labels = {0: (tf.nest.map_structure(at, y),
@@ -95,7 +100,9 @@ class LoopWindows:
               [ta.write(i, tf.cast(batch_logs[name], tf.float64))
                for ta, name in zip(logs, names)])
 
-    arrays = lambda: tf.TensorArray(tf.float64, size=n)   # n <= W: what is stacked
+    def arrays() -> tf.TensorArray:
+      return tf.TensorArray(tf.float64, size=n)   # n <= W: what is stacked
+
     _, losses, logs = tf.while_loop(
         lambda i, *_: i < n, body, (tf.constant(0), arrays(), [arrays() for _ in names]),
         parallel_iterations=1)

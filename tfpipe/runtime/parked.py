@@ -11,6 +11,8 @@ shape), and the next window reads the variable: the carry handed between calls h
 variables instead of tensors. Tensors made in this process are carried as they are.
 """
 
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
 import tensorflow as tf
 
 from tfpipe import compat
@@ -18,12 +20,12 @@ from tfpipe import compat
 __all__ = ["Parked"]
 
 
-def _remote(device):
+def _remote(device: str) -> bool:
   """Whether `device` (a graph tensor's device string) names a task of a TF server."""
   return bool(device) and tf.DeviceSpec.from_string(device).job not in (None, "localhost")
 
 
-def _static(shape):
+def _static(shape: tf.TensorShape) -> Optional[Tuple[Optional[int], ...]]:
   """A hashable form of a static shape (None: unknown rank)."""
   return None if shape.rank is None else tuple(shape.as_list())
 
@@ -35,10 +37,12 @@ class Parked:
   was last traced to hold, which the reading window's trace takes as a Python argument (a
   carry of other shapes traces again, as a tensor carry would)."""
 
-  def __init__(self):
-    self.variables, self.written, self.shapes = {}, {}, {}
+  def __init__(self) -> None:
+    self.variables: Dict[Tuple[Any, int], tf.Variable] = {}   # (slot, position)
+    self.written: Dict[Any, List[Tuple[int, tf.Variable]]] = {}   # slot: (position, variable)
+    self.shapes: Dict[Any, Any] = {}   # a variable's ref: the static shape it holds
 
-  def park(self, slot, carry, reads):
+  def park(self, slot: Optional[Tuple[Any, ...]], carry: Any, reads: List[tf.Tensor]) -> Any:
     """In a window's trace: `carry` with each tensor made on a TF server written to its
     variable and replaced by None (what the function returns). Each write follows `reads`
     (what `read` returned): a window of the steady state reads the variables it then
@@ -61,12 +65,12 @@ class Parked:
     self.written[slot] = written
     return tf.nest.pack_sequence_as(carry, leaves)
 
-  def _variable(self, key, value):
+  def _variable(self, key: Tuple[Any, int], value: tf.Tensor) -> tf.Variable:
     if key not in self.variables:
       self.variables[key] = compat.untracked_variable(value.dtype, value.device)
     return self.variables[key]
 
-  def unpark(self, slot, carry):
+  def unpark(self, slot: Optional[Tuple[Any, ...]], carry: Any) -> Any:
     """After a call of window function `slot`: its returned `carry` with the variables it
     wrote in their places (`slot` None: `carry` as it is)."""
     if slot is None:
@@ -76,28 +80,28 @@ class Parked:
       leaves[i] = variable
     return tf.nest.pack_sequence_as(carry, leaves)
 
-  def shapes_of(self, carry):
+  def shapes_of(self, carry: Any) -> Tuple[Any, ...]:
     """The Python argument that goes with `carry` into a window call: the static shapes of its
     variables, in order."""
     return tuple(self.shapes[leaf.ref()] for leaf in tf.nest.flatten(carry)
                  if isinstance(leaf, tf.Variable))
 
-  def read(self, carry, shapes):
+  def read(self, carry: Any, shapes: Sequence[Any]) -> Tuple[Any, List[tf.Tensor]]:
     """In a window's trace: (`carry` with each variable read on its device, at the static
     shape `shapes` gives it (`shapes_of`), the reads)."""
-    shapes = iter(shapes)
+    static = iter(shapes)
     leaves, reads = [], []
     for leaf in tf.nest.flatten(carry):
       if isinstance(leaf, tf.Variable):
         with tf.device(leaf.device):
           leaf = leaf.read_value()
         reads.append(leaf)
-        shape = next(shapes)
+        shape = next(static)
         leaf.set_shape(None if shape is None else tf.TensorShape(list(shape)))
       leaves.append(leaf)
     return tf.nest.pack_sequence_as(carry, leaves), reads
 
-  def release(self):
+  def release(self) -> None:
     """Frees what the variables hold (an epoch's end: nothing is carried past it)."""
     for variable in self.variables.values():
       with tf.device(variable.device):

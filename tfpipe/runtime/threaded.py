@@ -14,14 +14,16 @@ seconds and exits, and the caller re-raises that first exception with its
 traceback.
 """
 
+import functools
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from tfpipe.plan import schedules, verify
+from tfpipe.plan import schedules, verify, windows
 from tfpipe.plan.records import TaskRecord
 from tfpipe.runtime import interpreter
-from tfpipe.runtime.base import Executor
-from tfpipe.runtime.links import Countdown, Links, Skipped, copy_to, spawn
+from tfpipe.runtime.interpreter import Micro
+from tfpipe.runtime.base import Before, Executor, OnResult
+from tfpipe.runtime.links import Channel, Countdown, Links, Skipped, copy_to, spawn
 from tfpipe.runtime.protocol import StageProtocol
 
 __all__ = ["Runtime"]
@@ -37,12 +39,13 @@ class Runtime(Executor):
   """
 
   def __init__(self, programs: Sequence[StageProtocol], record: bool = False,
-               poll: float = 0.05, maxsize: Optional[int] = None):
+               poll: float = 0.05, maxsize: Optional[int] = None) -> None:
     super().__init__(programs, record=record, maxsize=maxsize)
     self.poll = poll
 
-  def train_epoch(self, schedule, diffs, batches, num_batches, on_result, before=None,
-                  continuing=False):
+  def train_epoch(self, schedule: schedules.Lists, diffs: windows.Diffs, batches: Iterator[Any],
+                  num_batches: int, on_result: OnResult, before: Before = None,
+                  continuing: bool = False) -> int:
     """Runs one epoch of `schedule` (verified) over `num_batches` mini-batches from `batches`.
 
     `diffs[k][task]` is the version difference of each task. In the caller's
@@ -66,7 +69,7 @@ class Runtime(Executor):
                  else None)
     covers = [verify.covered_units(tasks) for tasks in schedule]
 
-    def worker(d):
+    def worker(d: int) -> None:
       moves = _LinkMoves(self, links, batches, diffs, countdown)
       stages = {k: interpreter.Stage(k, self.programs[k], k == K - 1)
                 for k in {k for k, _ in lanes[d]}}
@@ -86,14 +89,15 @@ class Runtime(Executor):
     return self._execute(links, worker, num_batches, on_result, sent, before, record=True,
                          workers=len(lanes))
 
-  def _receivers(self, k, forward):
+  def _receivers(self, k: int, forward: bool) -> Union[str, Sequence[str]]:
     """Where stage k takes what crosses a cut: its device, or its replicas' devices when the
     items travel as one group per replica (data-parallel pipelines)."""
     program = self.programs[k]
     grouped = program.grouped_in if forward else program.grouped_out
     return program.replica_devices if grouped else program.device
 
-  def infer_epoch(self, batches, num_batches, on_result, with_labels, before=None):
+  def infer_epoch(self, batches: Iterator[Any], num_batches: int, on_result: OnResult,
+                  with_labels: bool, before: Before = None) -> None:
     """Forward-only pipeline with current weights (evaluate and predict).
 
     With labels, the last stage updates the loss and metrics and `on_result`
@@ -103,7 +107,7 @@ class Runtime(Executor):
     K, links = self.K, Links(self.K, self.poll, self.maxsize)
     fwd, results = links.forward, links.results
 
-    def worker(k):
+    def worker(k: int) -> None:
       program = self.programs[k]
       for b in range(num_batches):
         xs, y, _ = links.inputs(k, batches, labelled=with_labels, b=b)
@@ -114,18 +118,21 @@ class Runtime(Executor):
         else:
           results.put((b, program.forward(xs, training=False)))
 
-    sent: list = [(list(range(num_batches)), []) for _ in range(K - 1)]
+    sent: List[Tuple[List[int], List[int]]] = [(list(range(num_batches)), []) for _ in range(K - 1)]
     self._execute(links, worker, num_batches, on_result, sent, before)
 
-  def _execute(self, links, worker, num_batches, on_result, sent, before=None, record=False,
-               workers=None):
+  def _execute(self, links: Links, worker: Callable[[int], None], num_batches: int,
+               on_result: OnResult, sent: Sequence[Tuple[List[int], List[int]]],
+               before: Before = None, record: bool = False,
+               workers: Optional[int] = None) -> int:
     """Runs the stage workers and the transfer threads; hands results to `on_result`.
 
     `sent[k]`: the batch of every item that crosses cut k forward and backward
     this epoch, in order; `record`: log the transfers (when the runtime
     records). Returns the number of results handed on.
     """
-    def transfer(src, dst, device, batches, k, kind):
+    def transfer(src: Channel, dst: Channel, device: Union[str, Sequence[str]],
+                 batches: List[int], k: int, kind: str) -> None:
       for b in batches:
         if links.gate.gone(b):
           return
@@ -143,15 +150,15 @@ class Runtime(Executor):
     done = 0
     with spawn(links.stop) as launch:
       for k in range(workers or self.K):   # a worker per stage, or per device (its lane)
-        launch(lambda k=k: worker(k), f"tfpipe-{'device' if workers else 'stage'}{k}")
+        launch(functools.partial(worker, k), f"tfpipe-{'device' if workers else 'stage'}{k}")
       for k in range(self.K - 1):
-        launch(lambda k=k: transfer(links.forward[k][0], links.forward[k][1],
-                                    self._receivers(k + 1, forward=True), sent[k][0], k, "XF"),
+        launch(functools.partial(transfer, links.forward[k][0], links.forward[k][1],
+                                 self._receivers(k + 1, forward=True), sent[k][0], k, "XF"),
                f"tfpipe-fwd{k}")
         if sent[k][1]:
-          launch(lambda k=k: transfer(links.backward[k][0], links.backward[k][1],
-                                      self._receivers(k, forward=False), sent[k][1], k + 1,
-                                      "XB"), f"tfpipe-bwd{k}")
+          launch(functools.partial(transfer, links.backward[k][0], links.backward[k][1],
+                                   self._receivers(k, forward=False), sent[k][1], k + 1, "XB"),
+                 f"tfpipe-bwd{k}")
       for b in range(num_batches):
         if before is not None:
           before(b)
@@ -170,23 +177,25 @@ class _LinkMoves(interpreter.Moves):
   mini-batches; shares are floats until a task takes them; versions are counted and tasks
   timed (`TaskRecord`s); a mini-batch's result goes to the caller's thread."""
 
-  def __init__(self, runtime, links, batches, diffs, countdown):
+  def __init__(self, runtime: Runtime, links: Links, batches: Iterator[Any],
+             diffs: windows.Diffs, countdown: Optional[Countdown]) -> None:
     self.runtime, self.links, self.batches, self.diffs = runtime, links, batches, diffs
-    self.countdown, self.gradients = countdown, {}
+    self.countdown = countdown
+    self.gradients: Dict[Tuple[int, int, Micro], Any] = {}   # received early (R tasks)
 
-  def take_input(self, k, b, micro):
+  def take_input(self, k: int, b: int, micro: Micro) -> Tuple[Any, Any, Any]:
     xs, labels, share = self.links.inputs(k, self.batches, labelled=True, b=b, micro=micro)
     return xs, share, labels
 
-  def take_gradient(self, k, b, micro):
+  def take_gradient(self, k: int, b: int, micro: Micro) -> Any:
     if (k, b, micro) in self.gradients:   # received early (an R task)
       return self.gradients.pop((k, b, micro))
     return self.links.backward[k][1].get(self.links.cancel(b))[1]
 
-  def receive(self, k, b, micro):
+  def receive(self, k: int, b: int, micro: Micro) -> None:
     self.gradients[(k, b, micro)] = self.links.backward[k][1].get(self.links.cancel(b))[1]
 
-  def barrier(self, b):
+  def barrier(self, b: int) -> None:
     self.links.barrier.wait(self.links.cancel(b))
 
   def update(self, program: StageProtocol, b: int) -> None:
@@ -197,37 +206,38 @@ class _LinkMoves(interpreter.Moves):
     with program.updates.joint.lock:   # the first update of b decides for every stage
       program.update()
 
-  def send_output(self, k, b, micro, ys, share):
+  def send_output(self, k: int, b: int, micro: Micro, ys: Any, share: Any) -> None:
     self.links.forward[k][0].put(((b, micro), (ys, share)))
 
-  def send_gradient(self, k, b, micro, dxs):
+  def send_gradient(self, k: int, b: int, micro: Micro, dxs: Any) -> None:
     self.links.backward[k - 1][0].put(((b, micro), dxs))
 
-  def weight(self, k, share):
+  def weight(self, k: int, share: Any) -> Any:
     return self.runtime.share(k, share)
 
-  def add_loss(self, total, loss, share):
+  def add_loss(self, total: Any, loss: Any, share: Any) -> Any:
     return (total or 0.0) + share * float(loss)
 
-  def finished(self, b, loss, logs):
+  def finished(self, b: int, loss: Any, logs: Any) -> None:
     self.links.results.put((b, loss, logs))
 
-  def version(self, k, s):
+  def version(self, k: int, s: int) -> Any:
     return self.runtime.programs[k].sources.version(self.runtime.updates[k], s)
 
-  def current(self, k):
+  def current(self, k: int) -> Optional[int]:
     return self.runtime.updates[k]
 
-  def updated(self, k):
+  def updated(self, k: int) -> None:
     self.runtime.count_updates(k)
 
-  def record(self, k, kind, task, version, s, start):
+  def record(self, k: int, kind: str, task: schedules.Task, version: Any, s: int,
+             start: float) -> None:
     if self.runtime.record:
       self.runtime.records.append(TaskRecord(k, kind, task.batch, version, s, start,
                                              time.perf_counter(), task.micro,
                                              self.runtime.epoch))
 
-  def saved(self, stage):
+  def saved(self, stage: interpreter.Stage) -> None:
     """Tracks the peak count of kept forward states and of the weight versions they hold: a
     kept tape (or a blend's kept weights) holds the weights its forward read, version v
     (stashed) or the prediction (v, s) of that forward; inputs-only states, and the last

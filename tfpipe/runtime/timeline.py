@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -49,14 +50,19 @@ _CARRY = "carry"   # the window function's argument of values carried in from th
 
 Event = collections.namedtuple("Event", ["name", "start", "end", "args"])
 Event.__doc__ = "One profiled event: `start` and `end` in seconds on the profile's clock."
+Spans = Dict[int, Tuple[float, float]]   # per window call n: (start, end)
+# A task as `describe` gives it: (k, kind, batch, micro, version, s), None: not recorded.
+Task = Tuple[int, str, int, Optional[int], Any, Any]
+Entry = Optional[Task]
+Described = Tuple[List[Entry], Dict[int, int]]   # (entries, backward_of) of a window
 
 
-def scope(i):
+def scope(i: int) -> Any:
   """The name scope of a window's task i (its place in the window's trace)."""
   return tf.name_scope(f"{_SCOPE}{i}")
 
 
-def _task_index(op_name, backward_of):
+def _task_index(op_name: str, backward_of: Dict[int, int]) -> Optional[int]:
   """i of the task that ran an op: the op was traced under `scope(i)`; or, for a gradient op
   named after forward i's op ("gradient_tape/" + its name), the task `backward_of[i]` that
   took the gradient through i's kept tape. None for ops of no task."""
@@ -68,7 +74,7 @@ def _task_index(op_name, backward_of):
   return backward_of.get(i, i) if gradient else i
 
 
-def _read_trace(path):
+def _read_trace(path: str) -> List[Event]:
   """The profile's trace events (`Event`s) of one `.xplane.pb` file."""
   return [Event(name, start * 1e-12, (start + duration) * 1e-12, args)
           for name, start, duration, args in compat.profile_trace_events(path)]
@@ -85,12 +91,12 @@ class Session:
   (`plugins/profile/<run>/`, the run named by the time and `run_suffix`).
   """
 
-  def __init__(self, keep_in=None, run_suffix=""):
+  def __init__(self, keep_in: Optional[str] = None, run_suffix: str = "") -> None:
     self.keep_in, self.run_suffix = keep_in, run_suffix
-    self._entered = {}   # call n -> time.perf_counter() when it began
+    self._entered: Dict[int, float] = {}   # call n -> time.perf_counter() when it began
     self.active, self.logdir = False, ""
 
-  def start(self):
+  def start(self) -> bool:
     self.logdir = tempfile.mkdtemp(prefix="tfpipe_profile_")
     try:
       tf.profiler.experimental.start(self.logdir)
@@ -102,12 +108,12 @@ class Session:
     self.active = True
     return True
 
-  def window(self, n):
+  def window(self, n: int) -> Any:
     """The context of window call n."""
     self._entered[n] = time.perf_counter()
     return tf.profiler.experimental.Trace(_WINDOW, step_num=n, _r=1)
 
-  def stop(self):
+  def stop(self) -> Tuple[List[Event], Spans]:
     """(events, {n: (start, end)}), both on `time.perf_counter`'s clock; ([], {}) if inactive."""
     if not self.active:
       return [], {}
@@ -125,7 +131,7 @@ class Session:
         shutil.move(written[0], os.path.join(run, os.path.basename(written[0])))
     finally:
       shutil.rmtree(self.logdir, ignore_errors=True)
-    calls = {}
+    calls: Spans = {}
     for e in events:
       if e.name.startswith(_WINDOW):
         n = int(e.args.get("step_num", e.name[len(_WINDOW):].strip() or -1))
@@ -138,7 +144,8 @@ class Session:
     return events, {n: (a + shift, b + shift) for n, (a, b) in calls.items()}
 
 
-def task_records(events, calls, tasks, epoch):
+def task_records(events: List[Event], calls: Spans, tasks: Dict[int, Described],
+                 epoch: int) -> List[TaskRecord]:
   """TaskRecords of the profiled window calls.
 
   calls: {n: (start, end)} (`Session.stop`); tasks: {n: (entries,
@@ -152,49 +159,59 @@ def task_records(events, calls, tasks, epoch):
   spans = sorted((start, end, n) for n, (start, end) in calls.items())
   starts = [s for s, _, _ in spans]
 
-  def call_of(t):
+  def call_of(t: float) -> Optional[int]:
     j = bisect.bisect_right(starts, t) - 1
     return spans[j][2] if j >= 0 and t <= spans[j][1] else None
 
-  def entry(n, name):
+  def entry(n: int, name: str) -> Optional[Tuple[int, Task]]:
     entries, backward_of = tasks[n]
     i = _task_index(name, backward_of)
-    return (i, entries[i]) if i is not None and i < len(entries) and entries[i] else (None, None)
+    task = entries[i] if i is not None and i < len(entries) else None
+    return None if i is None or task is None else (i, task)
 
-  ops: dict = collections.defaultdict(list)
-  moves: dict = {}
-  carried: dict = {}
+  ops: Dict[Tuple[int, int], List[Tuple[float, float]]] = collections.defaultdict(list)
+  moves: Dict[Tuple[int, int, int], Tuple[float, float]] = {}
+  carried: Dict[Tuple[int, int], Tuple[float, float]] = {}
   for e in events:
     n = call_of(e.start)
     if n is None or n not in tasks:
       continue
-    i, task = entry(n, e.args.get("long_name") or e.args.get("tf_op") or "")
-    if task is None:
+    found = entry(n, e.args.get("long_name") or e.args.get("tf_op") or "")
+    if found is None:
       if e.name == "_Send" and e.args.get("from", "").startswith(_CARRY):
         # A value carried in from the window before (outputs, gradients) moves to the device
         # of the task that takes it when this call starts: the transfer of the stage before
         # (a forward's or step's input) or after (a backward's output gradients).
-        j, to = entry(n, e.args.get("to", ""))
-        if to is not None:
+        taker = entry(n, e.args.get("to", ""))
+        if taker is not None:
+          j = taker[0]
           lo, hi = carried.get((n, j), (e.start, e.end))
           carried[(n, j)] = (min(lo, e.start), max(hi, e.end))
       continue
+    i, task = found
     ops[(n, i)].append((e.start, e.end))
-    _, to = entry(n, e.args.get("to", "")) if e.name == "_Send" else (None, None)
-    if to is not None and abs(to[0] - task[0]) == 1:
-      lo, hi = moves.get((n, i, to[0]), (e.start, e.end))
-      moves[(n, i, to[0])] = (min(lo, e.start), max(hi, e.end))
+    receiver = entry(n, e.args.get("to", "")) if e.name == "_Send" else None
+    if receiver is not None and abs(receiver[1][0] - task[0]) == 1:
+      key = (n, i, receiver[1][0])
+      lo, hi = moves.get(key, (e.start, e.end))
+      moves[key] = (min(lo, e.start), max(hi, e.end))
+
+  def task_at(n: int, i: int) -> Task:
+    found = tasks[n][0][i]
+    assert found is not None   # `entry` found it
+    return found
+
   out = []
   for (n, i), spans_of_task in ops.items():
-    k, kind, batch, micro, version, s = tasks[n][0][i]
+    k, kind, batch, micro, version, s = task_at(n, i)
     out += [TaskRecord(k, kind, batch, version, s, start, end, micro, epoch)
             for start, end in _runs(spans_of_task)]
   for (n, i, to), (start, end) in moves.items():
-    k, _, batch, micro, _, _ = tasks[n][0][i]
+    k, _, batch, micro, _, _ = task_at(n, i)
     out.append(TaskRecord(k, "XF" if to == k + 1 else "XB", batch, None, None, start, end,
                           micro, epoch))
   for (n, j), (start, end) in carried.items():
-    k, kind, batch, micro, _, _ = tasks[n][0][j]
+    k, kind, batch, micro, _, _ = task_at(n, j)
     # A backward's gradients come from the stage after (the last stage has none: its step
     # is "FB"); any other task's input from the stage before (stage 0's are no stage's).
     sender, direction = (k + 1, "XB") if kind == "B" else (k - 1, "XF")
@@ -203,9 +220,9 @@ def task_records(events, calls, tasks, epoch):
   return sorted(out, key=lambda r: r.start)
 
 
-def _runs(spans):
+def _runs(spans: List[Tuple[float, float]]) -> List[Tuple[float, ...]]:
   """`spans` (start, end) merged into runs: a pause longer than `MERGE_GAP` starts a new run."""
-  runs: list = []
+  runs: List[List[float]] = []
   for start, end in sorted(spans):
     if runs and start <= runs[-1][1] + MERGE_GAP:
       runs[-1][1] = max(runs[-1][1], end)
@@ -214,7 +231,8 @@ def _runs(spans):
   return [tuple(r) for r in runs]
 
 
-def describe(window, updates, kept, profiled, forwards):
+def describe(window: Any, updates: Sequence[int], kept: Sequence[bool], profiled: Sequence[bool],
+             forwards: Dict[Tuple[int, int, Optional[int]], Any]) -> Described:
   """(entries, backward_of) of a compiled `window` for `task_records`: per task in trace order
   (k, kind, batch, micro, version, s) as the threaded executor records it (version: updates of
   stage k whose weights the task read; `updates`: each stage's count before the window), None
