@@ -49,6 +49,7 @@ SpecTrain form (v = gamma*v + (1-gamma)*g; W -= lr*v) and for Keras's SGD
 
 import dataclasses
 import math
+from typing import Any, Collection, Sequence
 
 import keras
 import tensorflow as tf
@@ -90,7 +91,7 @@ def lr_factor(delay, step, warmup):
   return max(1.0, float(delay)) ** -p
 
 
-def blend_factor(d):
+def blend_factor(d: float) -> float:
   """I-TiMePReSt's weight of the stale (forward) version, d updates old."""
   return math.exp(-d)
 
@@ -160,7 +161,8 @@ class StageRule:
       return momentum, 1.0
     return None
 
-  def apply(self, optimizer, grads, variables, deltas, unused=()):
+  def apply(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any],
+            deltas: Sequence[Any], unused: Collection[int] = ()) -> None:
     """One update of `variables` with `grads` (inside a tf.function). `unused`: the indices of
     variables the loss does not depend on (no gradient), which Keras's optimizer leaves
     alone (no step, no weight decay, their slots untouched): so do we."""

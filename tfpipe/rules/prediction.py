@@ -19,6 +19,8 @@ References:
   Multi-GPU DNN Training, 2019.
 """
 
+from typing import Any, List, Sequence
+
 import keras
 from keras import ops
 
@@ -67,7 +69,7 @@ def adam_rate(optimizer, dtype, lr):
   return ops.where(t > 0, rate, ops.zeros_like(rate))
 
 
-def predict_all(optimizer, variables, s):
+def predict_all(optimizer: Any, variables: Sequence[Any], s: Any) -> List[Any]:
   """The weights of `variables` predicted `s` updates ahead (tensors), by the table above."""
   if hasattr(optimizer, "predict_all"):
     return optimizer.predict_all(variables, s)

@@ -3,6 +3,7 @@
 """
 
 import collections
+from typing import Any, List, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -36,13 +37,13 @@ also the step's `loss` and the running `logs`, and after a split step's input ha
 `kept` tape its weight half reads."""
 
 
-def joined(parts):
+def joined(parts: Sequence[Kept]) -> Kept:
   """The last stage's kept forwards `parts` as one batch (a TiMePReSt mini-batch's step
   covers several): their inputs and labels concatenated along the batch axis."""
   if len(parts) == 1:
     return parts[0]
 
-  def cat(values):
+  def cat(values: Sequence[Any]) -> Any:
     if values[0] is None:
       return None
     if isinstance(values[0], (list, tuple)):
@@ -52,7 +53,7 @@ def joined(parts):
                            labels=tuple(cat([p.labels[i] for p in parts]) for i in (0, 1)))
 
 
-def scaled(grad, scale):
+def scaled(grad: Any, scale: Any) -> Any:
   """`grad` (a tensor or IndexedSlices) times `scale`, in the gradient's dtype."""
   if isinstance(scale, (int, float)) and scale == 1:
     return grad
@@ -62,7 +63,7 @@ def scaled(grad, scale):
   return grad * tf.cast(scale, grad.dtype)
 
 
-def summed(grads):
+def summed(grads: Sequence[Any]) -> Any:
   """The sum of one weight's gradients from several parts; IndexedSlices (an embedding's)
   join as the tape joins them (their rows concatenated)."""
   if all(isinstance(g, tf.IndexedSlices) for g in grads):
@@ -71,16 +72,16 @@ def summed(grads):
   return tf.add_n([tf.convert_to_tensor(g) for g in grads])
 
 
-def is_float(t):
-  return tf.as_dtype(t.dtype).is_floating
+def is_float(t: Any) -> bool:
+  return bool(tf.as_dtype(t.dtype).is_floating)
 
 
-def embedding_layers(model):
+def embedding_layers(model: Any) -> List[Any]:
   """The trainable `Embedding` layers of `model`, nested ones too."""
   return [layer for layer in compat.all_layers(model)
           if isinstance(layer, keras.layers.Embedding) and layer.trainable]
 
 
-def embeds(model):
+def embeds(model: Any) -> bool:
   """Whether `model` (a stage) has a trainable embedding, whose gradient comes as rows."""
   return bool(embedding_layers(model))

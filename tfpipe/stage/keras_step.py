@@ -5,6 +5,8 @@ own `CompileLoss` and `CompileMetrics`, through `tfpipe.compat`), so a
 pipeline's loss, metric names, weighting and reduction are Keras's.
 """
 
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
 import keras
 import tensorflow as tf
 
@@ -15,7 +17,7 @@ __all__ = ["resolve_optimizer", "clone_optimizer", "resolve_loss", "resolve_metr
            "example_shape", "example_shapes"]
 
 
-def resolve_optimizer(optimizer):
+def resolve_optimizer(optimizer: Any) -> Any:
   if optimizer is None:
     raise ValueError("`optimizer` is required")
   try:
@@ -24,7 +26,7 @@ def resolve_optimizer(optimizer):
     raise ValueError(f"unknown optimizer {optimizer!r}: {e}") from None
 
 
-def clone_optimizer(optimizer, **overrides):
+def clone_optimizer(optimizer: Any, **overrides: Any) -> Any:
   """A fresh instance from the same config (with `overrides`): its own step counter and
   slots."""
   config = optimizer.get_config()
@@ -45,7 +47,8 @@ class KerasStep:
   on `device` from the labels' spec before any step is traced.
   """
 
-  def __init__(self, model, loss, metrics, weighted_metrics, loss_weights, device):
+  def __init__(self, model: Any, loss: Any, metrics: Any, weighted_metrics: Any,
+             loss_weights: Any, device: str) -> None:
     if loss is None:
       raise ValueError("`loss` is required")
     self.model, self.device = model, device
@@ -58,7 +61,7 @@ class KerasStep:
       self.loss_tracker = keras.metrics.Mean(name="loss")
     self.user_loss = loss
 
-  def build(self, label_spec):
+  def build(self, label_spec: Any) -> None:
     """Builds the loss and metrics for labels of `label_spec` (a TensorSpec), eagerly."""
     if label_spec is None or (self.loss.built and (self.metrics is None or self.metrics.built)):
       return
@@ -76,7 +79,7 @@ class KerasStep:
         self.metrics.build(y_true, y_pred)
         self.metrics.reset_state()
 
-  def structured(self, values):
+  def structured(self, values: Sequence[Any]) -> Any:
     """One tensor per model output (in its output order) in the structure Keras's loss and
     metrics take: the tensor itself for one output, else the model's output structure (a
     list, or a dict by output name)."""
@@ -85,7 +88,7 @@ class KerasStep:
       return values[0]
     return keras.tree.pack_sequence_as(self.model.output, values)
 
-  def reset(self):
+  def reset(self) -> None:
     self.loss_tracker.reset_state()
     for metric in self.loss.metrics:   # each output's loss, for several outputs
       metric.reset_state()
@@ -93,13 +96,14 @@ class KerasStep:
       self.metrics.reset_state()
 
 
-def example_shape(shape, batch=1, unknown=2):
+def example_shape(shape: Sequence[Optional[int]], batch: int = 1, unknown: int = 2) -> List[int]:
   """A concrete shape for a probe of a tensor of `shape` (its first axis the batch): `batch`
   samples, and `unknown` for every other axis that is None (a sequence of any length)."""
   return [batch] + [unknown if d is None else d for d in list(shape)[1:]]
 
 
-def example_shapes(true_shape, pred_shape, batch=1, unknown=2):
+def example_shapes(true_shape: Sequence[Optional[int]], pred_shape: Sequence[Optional[int]],
+                   batch: int = 1, unknown: int = 2) -> Tuple[List[int], List[int]]:
   """Concrete shapes for labels and outputs of `true_shape` and `pred_shape` whose axes agree
   where both are unknown or one is known (a per-token head's (None, None, V) beside labels of
   (None, 16) takes 16), as a real batch's would: what Keras's loss and metrics are built from
@@ -107,19 +111,19 @@ def example_shapes(true_shape, pred_shape, batch=1, unknown=2):
   true_shape, pred_shape = list(true_shape), list(pred_shape)
   known = [next((d for d in (t, p) if d is not None), None)
            for t, p in zip(true_shape[1:], pred_shape[1:])]
-  def fill(shape):
+  def fill(shape: Sequence[Optional[int]]) -> List[int]:
     dims = list(shape[1:])
     dims[:len(known)] = [d if d is not None else k for d, k in zip(dims, known)]
     return example_shape([None] + dims, batch, unknown)
   return fill(true_shape), fill(pred_shape)
 
 
-def loss_name(loss):
+def loss_name(loss: Any) -> str:
   """A loss object's or function's name (a function loss is named after its function)."""
   return getattr(loss, "name", None) or getattr(loss, "__name__", None) or str(loss)
 
 
-def resolve_loss(loss):
+def resolve_loss(loss: Any) -> Any:
   if loss is None:
     raise ValueError("`loss` is required")
   if isinstance(loss, keras.losses.Loss):
@@ -133,14 +137,14 @@ def resolve_loss(loss):
   return _FunctionLoss(fn)
 
 
-class _FunctionLoss(keras.losses.Loss):
+class _FunctionLoss(keras.losses.Loss):  # type: ignore[misc]  # Keras is untyped
   """A per-sample loss function averaged over the batch, as `model.compile` does."""
 
-  def __init__(self, fn):
+  def __init__(self, fn: Callable[..., Any]) -> None:
     super().__init__(name=loss_name(fn), reduction="sum_over_batch_size")
     self.fn = fn
 
-  def call(self, y_true, y_pred):
+  def call(self, y_true: Any, y_pred: Any) -> Any:
     return self.fn(y_true, y_pred)
 
 
@@ -151,7 +155,7 @@ _ACCURACY = {
 }
 
 
-def resolve_metrics(metrics, loss):
+def resolve_metrics(metrics: Optional[Sequence[Any]], loss: Any) -> List[Any]:
   """Metric objects; "accuracy" picks the accuracy that matches the loss, as Keras does."""
   out = []
   for m in metrics or []:

@@ -17,22 +17,29 @@ optimizer state to every replica (at `fit`'s start, after a restore).
 """
 
 import contextlib
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional,
+                    Sequence, Tuple)
 
 import keras
 import tensorflow as tf
 
 from tfpipe import compat
+from tfpipe.rules import mitigations
+
+if TYPE_CHECKING:
+  from tfpipe.stage.updates import Updates
 
 __all__ = ["Mirrors", "ring_all_reduce"]
 
 
-def _chunks(flat, parts):
+def _chunks(flat: tf.Tensor, parts: int) -> List[tf.Tensor]:
   n = flat.shape[0]
   sizes = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-  return tf.split(flat, sizes)
+  return list(tf.split(flat, sizes))
 
 
-def ring_all_reduce(per_replica, devices):
+def ring_all_reduce(per_replica: Sequence[Sequence[tf.Tensor]],
+                    devices: Sequence[str]) -> List[List[tf.Tensor]]:
   """The sum over replicas of each tensor, on every replica's device: `per_replica[r]` is
   replica r's list of tensors (on `devices[r]`); returns [the sums, on devices[r]] per r.
   A reduce-scatter then an all-gather round the ring r -> r+1, each R-1 steps of one chunk
@@ -73,17 +80,21 @@ class Mirrors:
   `pairs` [(model variable, stage variable)] carry weight-decay exclusions from
   `optimizer_source` (see `tfpipe.compat.copy_weight_decay_exclusions`)."""
 
-  def __init__(self, index, trainable, optimizer, rule, devices, optimizer_source=None,
-               pairs=(), summing=lambda: False, first_device=None):
+  def __init__(self, index: int, trainable: Sequence[Any], optimizer: Any,
+               rule: mitigations.StageRule, devices: Sequence[str], optimizer_source: Any = None,
+               pairs: Sequence[Tuple[Any, Any]] = (),
+               summing: Callable[[], bool] = lambda: False, *, first_device: str) -> None:
     self.first_device = first_device   # replica 0's: the stage's own
     self.devices, self.rule, self.primary = list(devices), rule, (list(trainable), optimizer)
-    self.weights, self.optimizers, self.accumulators = [], [], []
-    self._scale = None
+    self.weights: List[List[Any]] = []
+    self.optimizers: List[Any] = []
+    self.accumulators: List[List[Any]] = []
+    self._scale: Any = None
     self.summing = summing   # whether each backward sums over replicas (else: the update)
-    self._pending = {}
+    self._pending: Dict[int, Tuple[Sequence[Any], List[Any]]] = {}   # replica: (grads, squares)
     # The stage's `Updates`: its weights with no gradient (`unused`), and summing, where the
     # replicas' rows' squares go (its slice squares).
-    self.updates = None
+    self.updates: Optional["Updates"] = None
     for r, device in enumerate(self.devices, 1):
       with tf.device(device):
         weights = [keras.Variable(v.numpy(), trainable=True, name=f"s{index}_r{r}_{v.name}")
@@ -101,7 +112,12 @@ class Mirrors:
       self.weights.append(weights)
       self.optimizers.append(clone)
 
-  def values(self, after=()):
+  def _stage(self) -> "Updates":
+    """The stage's `Updates` (set once the stage has made them)."""
+    assert self.updates is not None
+    return self.updates
+
+  def values(self, after: Sequence[tf.Tensor] = ()) -> List[List[tf.Tensor]]:
     """[replica r's weights as tensors, read on its device] for r = 1..R-1, read only once
     `after` (the stage's own weights, read by the task: the executor orders that read after
     the update, which updates the replicas first) are computed."""
@@ -112,7 +128,8 @@ class Mirrors:
           out.append([tf.identity(tf.convert_to_tensor(w)) for w in weights])
     return out
 
-  def gradients(self, r, grads, squares=None):
+  def gradients(self, r: int, grads: Sequence[Any],
+              squares: Optional[Sequence[Any]] = None) -> Tuple[Sequence[Any], List[Any]]:
     """What replica r's copy returns for the gradient `grads` of its weights, as (gradient of
     its inputs, what its anchor's gradient waits for). Replica 0's runs last. `summing()`
     (a whole-model decision reads the gradients' norms before any update): replica 0 sums
@@ -136,15 +153,15 @@ class Mirrors:
     for j, own in enumerate(squares):
       if own is not None:
         with tf.device(self.first_device):
-          self.updates.sliced.add(j)
-          added.append(self.updates.slice_squares[j].assign_add(
+          self._stage().sliced.add(j)
+          added.append(self._stage().slice_squares[j].assign_add(
               tf.add_n([own] + [q[j] for _, q in pending]) * factor))
     per_replica = [grads] + [g for g, _ in pending]
     sums = ring_all_reduce(per_replica, [self.first_device] + self.devices)
     with tf.control_dependencies(self.accumulate(sums[1:]) + added):
       return [tf.identity(g) for g in sums[0]], []
 
-  def reduce(self, grads):
+  def reduce(self, grads: Sequence[Any]) -> Tuple[List[Any], List[List[Any]]]:
     """Replica 0's gradients `grads` (its own part: its accumulator, or one backward's) and
     every other replica's accumulated part summed by a ring: (replica 0's sum, [replica r's
     sum] for r = 1..R-1). The replicas' accumulators are cleared after."""
@@ -155,7 +172,8 @@ class Mirrors:
     sums = ring_all_reduce(per_replica, [self.first_device] + self.devices)
     return sums[0], sums[1:]
 
-  def accumulate(self, sums, replicas=None):
+  def accumulate(self, sums: Sequence[Sequence[Any]],
+               replicas: Optional[Iterable[int]] = None) -> List[Any]:
     """Adds `sums[r-1]` (replica r's all-reduced gradients, on its device) to its
     accumulator; returns the additions (what the stage's own gradient must wait for: a task
     whose graph is pruned to its outputs keeps them so)."""
@@ -170,7 +188,7 @@ class Mirrors:
     return added
 
   @contextlib.contextmanager
-  def scaled(self, scale):
+  def scaled(self, scale: Any) -> Iterator[None]:
     """While a tape's gradient is taken (traced): the replicas' gradients times `scale` (None:
     as they are), as the stage scales its own after the tape (a loss of another dtype)."""
     self._scale = scale
@@ -179,7 +197,8 @@ class Mirrors:
     finally:
       self._scale = None
 
-  def apply(self, factor=None, finite=None, sums=None):
+  def apply(self, factor: Any = None, finite: Any = None,
+          sums: Optional[Sequence[Sequence[Any]]] = None) -> List[tf.Tensor]:
     """Each replica's update with its accumulated gradients (or `sums`, one list per replica:
     `reduce`'s) times `factor` (none where `finite` is False), its accumulator cleared: the
     primary's update, on the same values. Returns the updated weights read back: the stage's
@@ -194,10 +213,11 @@ class Mirrors:
         if factor is not None:
           grads = [g * tf.cast(factor, g.dtype) for g in grads]
         if finite is None:
-          self.rule.apply(optimizer, grads, weights, [], self.updates.unused)
+          self.rule.apply(optimizer, grads, weights, [], self._stage().unused)
         else:
-          def step(optimizer=optimizer, grads=grads, weights=weights):
-            self.rule.apply(optimizer, grads, weights, [], self.updates.unused)
+          def step(optimizer: Any = optimizer, grads: List[Any] = grads,
+         weights: List[Any] = weights) -> tf.Tensor:
+            self.rule.apply(optimizer, grads, weights, [], self._stage().unused)
             return tf.constant(True)
           tf.cond(finite, step, lambda: tf.constant(False))
         with tf.control_dependencies([tf.convert_to_tensor(w) for w in weights]):
@@ -206,7 +226,7 @@ class Mirrors:
         done += [tf.identity(tf.convert_to_tensor(w)) for w in weights]
     return done
 
-  def sync(self):
+  def sync(self) -> None:
     """Every replica's weights and optimizer state := the primary's (the stage's)."""
     trainable, optimizer = self.primary
     for weights, clone, accumulators in zip(self.weights, self.optimizers, self.accumulators):
@@ -217,7 +237,7 @@ class Mirrors:
       for a in accumulators:
         a.assign(tf.zeros_like(a))
 
-  def state(self):
+  def state(self) -> List[Any]:
     """The replicas' variables an update changes (weights, optimizer state, accumulators)."""
     return [v for weights, clone, accumulators in
             zip(self.weights, self.optimizers, self.accumulators)

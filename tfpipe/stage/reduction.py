@@ -11,6 +11,8 @@ all-reduce when every replica is a GPU of this process, else a reduction to one 
 """
 
 import contextlib
+import functools
+from typing import Any, Callable, Collection, List, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
 
@@ -18,6 +20,11 @@ from tfpipe import compat
 from tfpipe.stage import mirrors as mirrors_lib
 
 __all__ = ["replicated_call", "check", "choose", "default", "replicate", "NAMES", "RING"]
+
+# on_gradient(gradients, squares) -> (what the tapped tensors' gradient is, what to wait for)
+OnGradient = Callable[[List[Any], List[Any]], Tuple[Sequence[Any], List[Any]]]
+# A stage's call: (weights, inputs, state) -> (outputs, new state, losses).
+Call = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], Tuple[Any, List[Any], List[Any]]]
 
 # Each replica keeps its own copy of the weights; a ring all-reduce sums the gradients
 # (`tfpipe.stage.mirrors`). Synchronous schedules only; the default across hosts (`default`).
@@ -31,7 +38,7 @@ NAMES = {
 }
 
 
-def check(ops):
+def check(ops: Any) -> None:
   """Refuses a `cross_device_ops` value that is not an instance, RING, a name of NAMES or
   None."""
   if isinstance(ops, str) and ops not in NAMES and ops != RING:
@@ -43,12 +50,13 @@ def check(ops):
 
 
 
-def _host(device):
+def _host(device: str) -> Optional[Tuple[str, int, int]]:
   spec = tf.DeviceSpec.from_string(device)
   return None if spec.job in (None, "localhost") else (spec.job, spec.replica or 0, spec.task or 0)
 
 
-def default(devices, synchronous, tied, rows=False):
+def default(devices: Sequence[str], synchronous: bool, tied: bool,
+            rows: bool = False) -> Optional[str]:
   """What `cross_device_ops=None` means for one stage's replicas on `devices`: RING where they
   are on different hosts (TF server tasks), the schedule is `synchronous` and the stage holds
   no weight `tied` to another stage's, so that no host carries another replica's weights;
@@ -62,7 +70,7 @@ def default(devices, synchronous, tied, rows=False):
   return RING if across and synchronous and not tied and not rows else None
 
 
-def choose(devices, ops=None):
+def choose(devices: Sequence[str], ops: Any = None) -> Any:
   """The `tf.distribute.CrossDeviceOps` that sums gradients over `devices` (one stage's
   replicas): `ops` (an instance, a name of NAMES, or None for MirroredStrategy's choice)."""
   check(ops)
@@ -77,7 +85,8 @@ def choose(devices, ops=None):
   return tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0])
 
 
-def replicate(weights, devices, ops, unused=frozenset()):
+def replicate(weights: Sequence[Any], devices: Sequence[str], ops: Any,
+              unused: Collection[int] = frozenset()) -> List[List[Any]]:
   """[copies of `weights` on each of `devices`]; the gradient sums the copies' gradients with
   `ops` onto `devices[0]` (a copy a replica did not use counts as zeros). `ops` a
   `mirrors.Mirrors`: replica r >= 1 reads its own copy, and a ring all-reduce sums the
@@ -92,14 +101,14 @@ def replicate(weights, devices, ops, unused=frozenset()):
     return mirrored(weights, devices, ops, unused)
   compat.drop_reduction_notices()
 
-  @tf.custom_gradient
-  def copies(*tensors):
+  @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow is untyped
+  def copies(*tensors: Any) -> Tuple[List[Any], Callable[..., List[Any]]]:
     out = []
     for device in devices:
       with tf.device(device):
         out += [tf.identity(t) for t in tensors]
 
-    def grad(*upstream):
+    def grad(*upstream: Any) -> List[Any]:
       n = len(tensors)
       per_weight, connected = [], []
       for i, t in enumerate(tensors):
@@ -122,7 +131,8 @@ def replicate(weights, devices, ops, unused=frozenset()):
   return [list(flat[r * n:(r + 1) * n]) for r in range(len(devices))]
 
 
-def mirrored(weights, devices, mirrors, unused=frozenset()):
+def mirrored(weights: Sequence[Any], devices: Sequence[str], mirrors: mirrors_lib.Mirrors,
+             unused: Collection[int] = frozenset()) -> List[List[Any]]:
   """[`weights` for replica 0, each other replica's own copy (`mirrors`)]; the gradient each
   replica's copy gets goes to its own update (`mirrors.Mirrors.gradients`): no weight, and no
   gradient outside the ring, crosses between replicas.
@@ -134,17 +144,19 @@ def mirrored(weights, devices, mirrors, unused=frozenset()):
   its gradient, and an embedding's rows would arrive dense.)"""
   weights = [tf.convert_to_tensor(w) for w in weights]   # read here: what the copies follow
   with tf.device(devices[0]):
-    *first, anchor = _tap(weights, lambda grads, squares: mirrors.gradients(0, grads, squares),
+    *first, anchor = _tap(weights, functools.partial(mirrors.gradients, 0),
                           device=devices[0], unused=unused, marker=True)
   copies = [first]
   for r, values in enumerate(mirrors.values(after=weights), 1):
     with tf.device(devices[r]):
-      copies.append(_tap(values, lambda grads, squares, r=r: mirrors.gradients(r, grads, squares),
+      copies.append(_tap(values, functools.partial(mirrors.gradients, r),
                          anchor=anchor, device=devices[r], unused=unused))
   return copies
 
 
-def _tap(tensors, on_gradient, anchor=None, device=None, unused=frozenset(), marker=False):
+def _tap(tensors: Sequence[Any], on_gradient: OnGradient, anchor: Any = None,
+         device: Optional[str] = None, unused: Collection[int] = frozenset(),
+         marker: bool = False) -> List[Any]:
   """Identities of `tensors`; their gradient goes through `on_gradient(gradients, squares)`
   (what it returns is the gradient of `tensors`; `squares`: per sparse gradient the sum of
   its rows' squares, as Keras's global norm counts them, else None), an `anchor`'s is zero.
@@ -154,20 +166,20 @@ def _tap(tensors, on_gradient, anchor=None, device=None, unused=frozenset(), mar
   for others."""
   n = len(tensors)
 
-  @tf.custom_gradient
-  def identities(*inputs):
+  @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow is untyped
+  def identities(*inputs: Any) -> Tuple[List[Any], Callable[..., List[Any]]]:
     out = [tf.identity(t) for t in inputs[:n]]
     if marker:
       out.append(tf.zeros([], tf.float32))
 
-    def grad(*upstream):
+    def grad(*upstream: Any) -> List[Any]:
       missing = [g is None or i in unused for i, g in enumerate(upstream[:n])]
       with tf.device(device) if device else contextlib.nullcontext():
         squares = [tf.reduce_sum(tf.square(tf.cast(g.values, tf.float32)))
                    if isinstance(g, tf.IndexedSlices) else None for g in upstream[:n]]
-        upstream = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
-                    for o, g in zip(out[:n], upstream)]
-      returned, waits = on_gradient(upstream, squares)
+        dense = [tf.zeros_like(o) if g is None else tf.convert_to_tensor(g)
+                 for o, g in zip(out[:n], upstream)]
+      returned, waits = on_gradient(dense, squares)
       returned = [None if m else g for g, m in zip(returned, missing)]
       if anchor is None:
         return list(returned)
@@ -179,7 +191,9 @@ def _tap(tensors, on_gradient, anchor=None, device=None, unused=frozenset(), mar
   return list(identities(*tensors, *([anchor] if anchor is not None else [])))
 
 
-def _backward_here(device, call, weights, xs, state, unused=None):
+def _backward_here(device: str, call: Call, weights: Sequence[Any], xs: Sequence[Any],
+                   state: Sequence[Any],
+                   unused: Optional[Set[int]] = None) -> Tuple[List[Any], List[Any], List[Any]]:
   """`call(weights, xs, state)` -> (ys, new_state, losses), its gradient taken on `device`.
 
   A tape's gradient ops go where the code taking the gradient places them (the stage's
@@ -191,8 +205,8 @@ def _backward_here(device, call, weights, xs, state, unused=None):
   n_w, n_x = len(weights), len(xs)
   structure = []
 
-  @tf.custom_gradient
-  def placed(*flat):
+  @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow is untyped
+  def placed(*flat: Any) -> Tuple[List[Any], Callable[..., List[Any]]]:
     w, x, st = list(flat[:n_w]), list(flat[n_w:n_w + n_x]), list(flat[n_w + n_x:])
     watched = [t for t in w + x if t.dtype.is_floating]
     # Persistent: a split backward (zb) takes the gradient twice, B's and W's.
@@ -203,7 +217,7 @@ def _backward_here(device, call, weights, xs, state, unused=None):
     structure.append((len(ys), len(new_state)))
     out = ys + list(new_state) + losses
 
-    def grad(*upstream):
+    def grad(*upstream: Any) -> List[Any]:
       pairs = [(o, g) for o, g in zip(out, upstream)
                if g is not None and o.dtype.is_floating]
       with tf.device(device):
@@ -222,8 +236,9 @@ def _backward_here(device, call, weights, xs, state, unused=None):
   return list(out[:n_y]), list(out[n_y:n_y + n_s]), list(out[n_y + n_s:])
 
 
-def replicated_call(model, weights, state, xs, training, devices, ops, groups_in=1,
-                    groups_out=1):
+def replicated_call(model: Any, weights: Sequence[Any], state: Sequence[Any], xs: Sequence[Any],
+                    training: bool, devices: Sequence[str], ops: Any, groups_in: int = 1,
+                    groups_out: int = 1) -> Tuple[List[Any], List[Any], Any]:
   """`model` (a stage) on each of `devices`: each replica on its share of the batch `xs` (the
   first n % R get one more), or with `groups_in` > 1 on its own inputs (a data-parallel
   pipeline's replicas travel apart); weights copied to each replica, their gradients summed
@@ -240,12 +255,15 @@ def replicated_call(model, weights, state, xs, training, devices, ops, groups_in
     parts = [tf.split(x, sizes, num=R) for x in xs]
     replica_inputs = [[p[r] for p in parts] for r in range(R)]
   outputs, states, first_losses = [], [], None
-  unused = set()   # the weights the replicas' backwards find unconnected
+  unused: Set[int] = set()   # the weights the replicas' backwards find unconnected
   copies = replicate(weights, devices, ops, unused)
+
+  def call(w: Sequence[Any], x: Sequence[Any], r_state: Sequence[Any]) -> Any:
+    return model.stateless_call(w, r_state, x[0] if len(x) == 1 else x, training=training,
+                                return_losses=True)
+
   for r, device in enumerate(devices):
     inputs = replica_inputs[r]
-    call = lambda w, x, r_state: model.stateless_call(
-        w, r_state, x[0] if len(x) == 1 else x, training=training, return_losses=True)
     with tf.device(device):
       if r == 0:
         ys, new_state, losses = call(copies[r], inputs, state)

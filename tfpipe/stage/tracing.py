@@ -6,10 +6,14 @@ them eagerly. Under XLA each is one compiled call, placed on the stage's device.
 """
 
 import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from tfpipe import compat
+
+if TYPE_CHECKING:
+  from tfpipe.stage.program import StageProgram
 
 __all__ = ["TaskFunctions", "check_kept_tapes", "forward_ops"]
 
@@ -20,7 +24,9 @@ class TaskFunctions:
   functions TensorFlow inlines when the graph runs (a recomputing backward's parts: measured,
   timeprest, 8 x Dense(32), K=4, 64 mini-batches, first epoch 23.5 s traced per part, 18 s so)."""
 
-  def __init__(self, bodies, device, jit_compile, inlinable=("part_grads",), placed=False):
+  def __init__(self, bodies: Dict[str, Callable[..., Any]], device: str,
+             jit_compile: Optional[bool], inlinable: Sequence[str] = ("part_grads",),
+             placed: bool = False) -> None:
     self.bodies, self.device, self.jit_compile = bodies, device, jit_compile
     self.placed = placed or jit_compile   # each call from within the device's scope
     self.inlinable = {name: compat.own_function(bodies[name], reduce_retracing=True,
@@ -38,7 +44,7 @@ class TaskFunctions:
     self.functions = {name: self._placed(fn) if self.placed else fn
                       for name, fn in self.traced.items()}
 
-  def get(self, name, inline=False):
+  def get(self, name: str, inline: bool = False) -> Callable[..., Any]:
     """Task function `name` for a larger graph: the traced function, which stays one call
     there; with `inline`, its Python body, traced into the caller (each op named in the
     caller's scopes: what the profiled timeline reads), or for the `inlinable` tasks a
@@ -49,7 +55,7 @@ class TaskFunctions:
     function = self.inlinable.get(name) or self.bodies[name]
     return self._placed(function) if self.placed else function
 
-  def _placed(self, fn):
+  def _placed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Calls `fn` from within the stage's device scope: for XLA (which places a call by its
     call site) and for a stage on a TF server (`placed`: a call TensorFlow places itself may
     land on the calling program's device, and its inputs and outputs then cross the links;
@@ -58,13 +64,13 @@ class TaskFunctions:
     Not otherwise: in this process the ops inside already carry the stage's device, and a
     call-site scope made TensorFlow run the stages' calls one at a time (measured).
     """
-    def call(*args):
+    def call(*args: Any) -> Any:
       with tf.device(self.device):
         return fn(*args)
     return call
 
 
-def _forward_trace(program):
+def _forward_trace(program: "StageProgram") -> Any:
   """The forward's trace that the executors then call (a batch of any size is a subtype)."""
   weights = [tf.TensorSpec(v.shape, v.dtype) for v in program.trainable]
   inputs = [tf.TensorSpec([None] + list(t.shape[1:]), t.dtype)
@@ -77,10 +83,11 @@ def _forward_trace(program):
 # them again (method="auto" compiles a choice that cannot keep the probe's programs; a Keras
 # user compiles again after unfreezing layers): 0.3 s of the 0.35-0.57 s compile of a
 # 4-stage transformer.
-_FORWARD_FACTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FORWARD_FACTS: "weakref.WeakKeyDictionary[Any, Dict[Tuple[Any, ...], Any]]" = (
+    weakref.WeakKeyDictionary())
 
 
-def _forward_fact(program, name, read):
+def _forward_fact(program: "StageProgram", name: str, read: Callable[[Any], Any]) -> Any:
   """`read(graph)` of `program`'s traced forward, once per stage model, placement and fact."""
   key = (name, program.device, tuple(program.replica_devices), program.groups_in,
          bool(program.jit_compile))
@@ -90,23 +97,23 @@ def _forward_fact(program, name, read):
   return facts[key]
 
 
-def forward_ops(program):
+def forward_ops(program: "StageProgram") -> int:
   """Ops in one traced forward of `program`'s stage (what an inlined task copies into a
   window)."""
-  return _forward_fact(program, "ops", lambda graph: len(graph.get_operations()))
+  return int(_forward_fact(program, "ops", lambda graph: len(graph.get_operations())))
 
 
-def forward_loops(program):
+def forward_loops(program: "StageProgram") -> bool:
   """Whether one traced forward of `program`'s stage runs a `tf.while_loop` (a recurrent
   layer's loop over time steps), in its graph or the functions it calls."""
-  def read(graph):
+  def read(graph: Any) -> bool:
     graph = graph.as_graph_def()
     nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
     return any(n.op in ("While", "StatelessWhile") for n in nodes)
-  return _forward_fact(program, "loops", read)
+  return bool(_forward_fact(program, "loops", read))
 
 
-def _py_functions(graph):
+def _py_functions(graph: Any) -> Tuple[str, ...]:
   """The names of the tf.py_function ops in `graph` and the functions it calls."""
   graph = graph.as_graph_def()
   nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
@@ -115,7 +122,7 @@ def _py_functions(graph):
   return tuple(n.name for n in nodes if n.op == "EagerPyFunc")
 
 
-def check_kept_tapes(program):
+def check_kept_tapes(program: "StageProgram") -> None:
   """Refuses a stage whose forward runs a `tf.py_function` when forward tapes are kept.
 
   TensorFlow keeps one tape per py_function op for its gradient, so two forwards in flight

@@ -7,8 +7,11 @@ update ("delayed", PipeDream-2BW's second buffer `previous`), a forward's kept w
 their blend with the current ones (I-TiMePReSt).
 """
 
+from typing import Any, List, Mapping, Optional, Sequence
+
 import tensorflow as tf
 
+from tfpipe.plan import policies, tasks
 from tfpipe.rules import mitigations, prediction
 
 __all__ = ["WeightSources"]
@@ -18,14 +21,15 @@ class WeightSources:
   """A stage's `trainable` variables and the weights derived from them; `deltas` and
   `previous` are created (on the caller's device scope) where the stage's policy reads them."""
 
-  def __init__(self, index, trainable, optimizer, policy, ops):
+  def __init__(self, index: int, trainable: List[Any], optimizer: Any,
+             policy: policies.WeightPolicy, ops: Mapping[str, tasks.StageOp]) -> None:
     self.trainable, self.optimizer, self.ops = trainable, optimizer, ops
     self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
                     for j, v in enumerate(trainable)] if ops["B"].reads == "corrected" else [])
     self.previous = ([tf.Variable(v, trainable=False, name=f"s{index}_previous{j}")
                       for j, v in enumerate(trainable)] if policy.keeps_previous else [])
 
-  def read(self, s, source):
+  def read(self, s: Any, source: Optional[str]) -> List[Any]:
     """The weights a task reads: "current"; "predicted" `s` updates ahead (the optimizer's
     own step); "corrected" back by `s` updates of the average weight change; "delayed" one
     update old (the weights before the latest update when s = 0, else the current ones).
@@ -43,11 +47,11 @@ class WeightSources:
       return [tf.convert_to_tensor(p) for p in self.previous]
     return [tf.convert_to_tensor(v) for v in self.trainable]
 
-  def forward(self, s):
+  def forward(self, s: Any) -> List[Any]:
     """What a forward (the last stage: its step) reads."""
     return self.read(s, self.ops["F"].reads or self.ops["B"].reads)
 
-  def backward(self, kept_weights, s):
+  def backward(self, kept_weights: Sequence[Any], s: Any) -> List[Any]:
     """The weights a recomputing backward reads: the forward's `kept_weights`, their blend
     with the current ones (`s`: the updates since the forward), or the policy's source `s`
     updates ahead ("predicted") or back ("corrected")."""
@@ -64,13 +68,13 @@ class WeightSources:
               for w, v in zip(kept_weights, self.trainable)]
     return self.read(s, reads)
 
-  def version(self, updates, s):
+  def version(self, updates: int, s: Any) -> int:
     """The update count of the weights a forward (the last stage: its step) reads, `updates`
     applied so far and `s` its version difference: one less from 2BW's second buffer."""
     reads = self.ops["F"].reads or self.ops["B"].reads
     return updates - (reads == "delayed" and not s and updates > 0)
 
-  def keep_previous(self):
+  def keep_previous(self) -> None:
     """2BW: the weights about to be updated become the second buffer."""
     for p, v in zip(self.previous, self.trainable):
       p.assign(v)
