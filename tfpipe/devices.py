@@ -1,5 +1,7 @@
 """Devices: GPUs when present, else logical CPU devices split from the one CPU."""
 
+from typing import List, Sequence
+
 import tensorflow as tf
 
 __all__ = ["remote", "create_logical_cpus", "ensure_logical_cpus", "default_devices",
@@ -194,7 +196,7 @@ def resolve_pipeline_replicas(devices, num_stages, replicas):
   return [[flat[r * K + k] for r in range(replicas)] for k in range(K)]
 
 
-def remote(stage_devices):
+def remote(stage_devices: Sequence[Sequence[str]]) -> List[str]:
   """The devices of `stage_devices` (a list of each stage's devices) on TF servers (not this
   process's)."""
   return [d for ds in stage_devices for d in ds

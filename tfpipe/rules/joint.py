@@ -37,6 +37,7 @@ schedules that take them.
 """
 
 import threading
+from typing import Any, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -85,7 +86,8 @@ class JointDecision:
   None. `device`: where the decision's variables live.
   """
 
-  def __init__(self, clip, scaling, device, shared=()):
+  def __init__(self, clip: Optional[float], scaling: Optional[Tuple[float, int]], device: str,
+             shared: Sequence[Sequence[Tuple[int, int]]] = ()) -> None:
     self.clip = float(clip) if clip else None
     self.scaling = scaling
     self.shared = tuple(shared)
@@ -101,11 +103,11 @@ class JointDecision:
       self.step_counter = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                       name="loss_scale_step_counter")
 
-  def state(self):
+  def state(self) -> List[Any]:
     """The decision's variables (what an update changes)."""
     return [self.decided_for, self.factor, self.finite, self.scale, self.step_counter] + self.sums
 
-  def set_programs(self, programs):
+  def set_programs(self, programs: Sequence[Any]) -> None:
     """The stages deciding together (their `tfpipe.stage.updates.Updates`); for each shared
     weight, a variable on its first stage's device that holds the sum of its copies'
     gradients once decided."""
@@ -120,13 +122,13 @@ class JointDecision:
       for member in group:
         self._group_of[member] = g
 
-  def shared_gradient(self, k, j):
+  def shared_gradient(self, k: int, j: int) -> Any:
     """The summed gradient of stage k's trainable weight j where that weight is shared (read
     after `decide`), else None."""
     g = self._group_of.get((k, j))
     return None if g is None else self.sums[g].read_value()
 
-  def _squares(self, scale):
+  def _squares(self, scale: Any) -> List[Any]:
     """The squared norms of the whole model's (unscaled) gradient, each shared weight once;
     each stage's on its own device (one scalar crosses devices, not the gradient)."""
     out = []
@@ -147,24 +149,24 @@ class JointDecision:
               out.append(tf.reduce_sum(tf.square(tf.cast(self._sum(g), tf.float32) / scale)))
     return out
 
-  def _sum(self, g):
+  def _sum(self, g: int) -> Any:
     """The summed gradient of shared weight g, on its first copy's device."""
     with tf.device(self.programs[self.shared[g][0][0]].device):
       return tf.add_n([tf.convert_to_tensor(self.programs[k].accumulators[j])
                        for k, j in self.shared[g]])
 
-  def scaled_loss(self, loss):
+  def scaled_loss(self, loss: Any) -> Any:
     """`loss` times the loss scale (the last stage's target, before its backward)."""
     if self.scaling is None:
       return loss
     return loss * tf.cast(self.scale.read_value(), loss.dtype)
 
-  def decide(self, ticket):
+  def decide(self, ticket: Any) -> Tuple[Any, Any]:
     """(factor, finite) of the mini-batch whose updates hold `ticket` (an int64 tensor: the
     updates the stage has run), decided by the first update that asks."""
     ticket = tf.cast(ticket, tf.int64)
 
-    def decide():
+    def decide() -> Tuple[Any, Any]:
       scale = self.scale.read_value()
       finite = tf.constant(True)
       if self.scaling is not None:   # each stage's verdict on its own device

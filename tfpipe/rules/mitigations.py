@@ -101,7 +101,7 @@ def spike_coefficients(momentum, delay):
   return a, (1.0 - a) / (1.0 - momentum)
 
 
-def compensate(lam, g, current, read):
+def compensate(lam: Any, g: Any, current: Any, read: Any) -> Any:
   """DC-ASGD's gradient `g` (taken at `read`) moved to the weights `current`, for numpy arrays
   or tensors alike."""
   return g + lam * g * g * (current - read)

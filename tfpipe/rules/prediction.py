@@ -31,7 +31,7 @@ __all__ = ["check", "predict_all", "adam_rate", "SUPPORTED"]
 SUPPORTED = "tfpipe.optimizers.SpecTrain, keras.optimizers.SGD (momentum > 0), Adam, AdamW"
 
 
-def check(optimizer):
+def check(optimizer: Any) -> None:
   """Raises a clear error when `optimizer` has no update direction to predict with."""
   name = type(optimizer).__name__
   if hasattr(optimizer, "predict_all"):

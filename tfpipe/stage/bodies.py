@@ -7,14 +7,26 @@ model's variables) and is not built on its own.
 """
 
 import contextlib
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 import keras
 import tensorflow as tf
 
+from tfpipe.plan import policies, tasks
 from tfpipe.stage import reduction
+from tfpipe.stage.logs import Logs
+from tfpipe.stage.updates import Updates
+from tfpipe.stage.weights import WeightSources
+
+if TYPE_CHECKING:
+  from tfpipe.stage.mirrors import Mirrors
 from tfpipe.stage.kept import scaled, summed
 
 __all__ = ["TaskBodies"]
+
+Part = Tuple[Sequence[Any], Sequence[Any]]   # a recomputed forward's (inputs, state read)
+Called = Tuple[List[Any], Any, Sequence[Any]]   # a stage call's (outputs, regularisation, state)
 
 _NONE = tf.UnconnectedGradients.NONE
 
@@ -22,9 +34,39 @@ _NONE = tf.UnconnectedGradients.NONE
 class TaskBodies:
   """The task bodies and the gradient arithmetic of a `StageProgram` (see the module)."""
 
+  # What the bodies read of the program they are part of (`StageProgram` sets them).
+  index: int
+  model: Any
+  device: str
+  replica_devices: List[str]
+  cross_device_ops: Any
+  groups_in: int
+  groups_out: int
+  grouped_in: bool
+  grouped_out: bool
+  is_first: bool
+  loss: Any
+  ops: Mapping[str, tasks.StageOp]
+  policy: policies.WeightPolicy
+  reports: Logs
+  reg_tracker: Any
+  trainable: List[Any]
+  non_trainable: List[Any]
+  sources: WeightSources
+  updates: Updates
+  mirrors: Optional["Mirrors"]
+  _pairs: List[Tuple[Any, Any]]
+  _split: Tuple[List[int], List[int]]
+  _float_in: List[bool]
+  _float_out: List[bool]
+  _outputs_dtype: Any
+  task: Callable[..., Callable[..., Any]]
+
   # Weights and the stage call.
 
-  def _call(self, weights, xs, training, update_state=True, state=None):
+  def _call(self, weights: Sequence[Any], xs: Sequence[Any], training: bool,
+          update_state: bool = True,
+          state: Optional[Sequence[Any]] = None) -> Called:
     """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
 
     `state`: the non-trainable values to read (None: the variables'). Random
@@ -60,12 +102,13 @@ class TaskBodies:
           reg, sample_weight=tf.add_n([tf.shape(x)[0] for x in xs[::size]]))
     return ys, reg, state
 
-  def _model_split(self):
+  def _model_split(self) -> Tuple[List[int], List[int]]:
     """Which of this stage's variables Keras now lists as trainable (ids, in its order)."""
     return ([id(v) for v in self.model.trainable_variables],
             [id(v) for v in self.model.non_trainable_variables])
 
-  def _as_model_split(self, weights, state):
+  def _as_model_split(self, weights: Sequence[Any],
+                    state: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
     """`weights` and `state` (the compile-time split) as Keras's lists are after a layer's
     `trainable` changed: predict and evaluate still read every variable's own value
     (`Pipeline.fit` asks for a new compile)."""
@@ -73,23 +116,24 @@ class TaskBodies:
     return ([values[id(v)] for v in self.model.trainable_variables],
             [values[id(v)] for v in self.model.non_trainable_variables])
 
-  def _from_model_split(self, new_state, state):
+  def _from_model_split(self, new_state: Sequence[Any], state: Sequence[Any]) -> List[Any]:
     """The non-trainable values after a call, back in the compile-time order."""
     values = {id(v): value for v, value in zip(self.model.non_trainable_variables, new_state)}
     sources = [src for src, _ in self._pairs[len(self.trainable):]]
     return [values.get(id(src), old) for src, old in zip(sources, state)]
 
-  def _float_inputs(self, xs):
+  def _float_inputs(self, xs: Sequence[Any]) -> List[Any]:
     return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
 
-  def _gradient(self, tape, targets, sources, n_weights, output_gradients=None):
+  def _gradient(self, tape: tf.GradientTape, targets: Any, sources: Sequence[Any], n_weights: int,
+              output_gradients: Any = None) -> List[Any]:
     """`tape.gradient(targets, sources)`, where the first `n_weights` sources are the stage's
     weights (`_connected`)."""
     grads = tape.gradient(targets, sources, output_gradients=output_gradients,
                           unconnected_gradients=_NONE)
     return self._connected(grads, sources, n_weights)
 
-  def _connected(self, grads, sources, n_weights):
+  def _connected(self, grads: Sequence[Any], sources: Sequence[Any], n_weights: int) -> List[Any]:
     """`grads` of `sources` with zeros where a source is unconnected; a weight among the
     first `n_weights` that the loss does not depend on is noted (`Updates.unused`): Keras's
     optimizer gives it no step, not a step with a zero gradient (which moves it under Adam's
@@ -103,14 +147,15 @@ class TaskBodies:
       out.append(g)
     return out
 
-  def _input_grads(self, grads):
+  def _input_grads(self, grads: Sequence[Any]) -> List[Any]:
     """Gradients for every stage input (None for integer inputs); none for stage 0."""
     if self.is_first:
       return []
-    grads = iter(grads)
-    return [next(grads) if f else None for f in self._float_in]
+    taken = iter(grads)
+    return [next(taken) if f else None for f in self._float_in]
 
-  def _targets(self, ys, dys, reg, scale):
+  def _targets(self, ys: Sequence[Any], dys: Sequence[Any], reg: Any,
+             scale: Any) -> Tuple[List[Any], List[Any]]:
     pairs = [(y, dy if dy is not None else tf.zeros_like(y))
              for y, dy, f in zip(ys, dys, self._float_out) if f]
     # The regularisation's gradient weighs as the loss's: the micro-batch's share, and the
@@ -119,24 +164,27 @@ class TaskBodies:
             [dy for _, dy in pairs] + [self._loss_scaled(tf.ones_like(reg)
                                                          * tf.cast(scale, reg.dtype))])
 
-  def _read_weights(self, s):
+  def _read_weights(self, s: Any) -> List[Any]:
     """The forward's weights as tensors of their own: what a kept forward or a blend reads
     (the last stage: its step's)."""
     with tf.device(self.device):
       return [tf.identity(w) for w in self.sources.forward(s)]
 
-  def _forward(self, xs, s):
+  def _forward(self, xs: Sequence[Any], s: Any) -> Called:
     """The training forward on the weights it reads: (outputs, regularisation, the
     non-trainable state read: kept for a recompute)."""
     with tf.device(self.device):
       return self._call(self.sources.read(s, self.ops["F"].reads), xs, training=True)
 
-  def _forward_on(self, weights, xs):
+  def _forward_on(self, weights: Sequence[Any],
+                xs: Sequence[Any]) -> Called:
     """The training forward on `weights` (tensors): (outputs, regularisation, state read)."""
     with tf.device(self.device):
       return self._call(weights, xs, training=True)
 
-  def _backward_on(self, kept_weights, parts, dys, s, scale, accumulate, wrt, inline=False):
+  def _backward_on(self, kept_weights: Optional[Sequence[Any]], parts: Sequence[Part],
+                 dys: Sequence[Any], s: Any, scale: Any, accumulate: bool, wrt: str,
+                 inline: bool = False) -> List[Any]:
     """Recomputes the forwards of `parts` [(inputs, state read)] on the backward's weights
     (`_backward_read`) and takes their gradients `wrt` ("both", "inputs", "weights"); the
     weight gradients update (or accumulate); returns the input gradients ([] for "weights").
@@ -160,7 +208,8 @@ class TaskBodies:
         self.updates.update_after(input_grads, weight_grads, accumulate, weights)
       return self._input_grads(input_grads)
 
-  def _joined_grads(self, weights, parts, dys, scale, wrt):
+  def _joined_grads(self, weights: Sequence[Any], parts: Sequence[Part], dys: Sequence[Any],
+                  scale: Any, wrt: str) -> Tuple[List[Any], List[Any]]:
     """(weight gradients, input gradients) of the parts' forwards traced side by side, their
     outputs joined along the batch axis."""
     float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
@@ -182,7 +231,8 @@ class TaskBodies:
     joined = per_part[0] if len(parts) == 1 else [tf.concat(list(g), 0) for g in zip(*per_part)]
     return grads[:n_weights], joined
 
-  def _summed_grads(self, weights, parts, dys, scale, wrt, inline):
+  def _summed_grads(self, weights: Sequence[Any], parts: Sequence[Part], dys: Sequence[Any],
+                  scale: Any, wrt: str, inline: bool) -> Tuple[List[Any], List[Any]]:
     """(weight gradients, input gradients) of the parts' forwards, one `part_grads` call
     each: the weight gradients summed, the input gradients joined along the batch axis."""
     sizes = [tf.shape(xs[0])[0] for xs, _ in parts]
@@ -196,14 +246,16 @@ class TaskBodies:
     input_grads = [tf.concat(list(g), 0) for g in zip(*[r[1] for r in results])]
     return weight_grads, input_grads
 
-  def _part_grads(self, weights, xs, state, dys, reg_scale, wrt):
+  def _part_grads(self, weights: Sequence[Any], xs: Sequence[Any], state: Sequence[Any],
+                dys: Sequence[Any], reg_scale: Any, wrt: str) -> Tuple[List[Any], List[Any]]:
     """One part of a recomputing backward (`_joined_grads` of that part alone): its forward
     on `weights` replaying `state`, then (weight gradients, input gradients) `wrt`, its
     regularisation weighted by `reg_scale` (0: a later part's, counted by the first)."""
     with tf.device(self.device):
       return self._joined_grads(weights, [(xs, state)], dys, reg_scale, wrt)
 
-  def _last_step(self, xs, y, sample_weight, s, scale, accumulate):
+  def _last_step(self, xs: Sequence[Any], y: Any, sample_weight: Any, s: Any, scale: Any,
+               accumulate: bool) -> Tuple[Any, List[Any], Dict[str, Any]]:
     """The last stage's forward, loss, backward and update: returns (loss, input gradients,
     the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
     with tf.device(self.device):
@@ -225,7 +277,8 @@ class TaskBodies:
       self.reports.update(y_true, y_pred, total, sample_weight)
       return total, self._input_grads(grads[len(weights):]), self.reports.results(in_task=True)
 
-  def _step_on(self, weights, xs, y, sample_weight, scale):
+  def _step_on(self, weights: Sequence[Any], xs: Sequence[Any], y: Any, sample_weight: Any,
+             scale: Any) -> Tuple[Any, Any, Dict[str, Any]]:
     """The last stage's forward, loss and metrics on `weights` (tensors), for a split step
     (`last_step_input`): (the target of its gradients, the loss, the running logs)."""
     with tf.device(self.device):
@@ -239,7 +292,7 @@ class TaskBodies:
       self.reports.update(y_true, y_pred, total, sample_weight)
       return target, total, self.reports.results(in_task=True)
 
-  def _scales_loss(self, loss_dtype, ys=None):
+  def _scales_loss(self, loss_dtype: Any, ys: Optional[Sequence[Any]] = None) -> bool:
     """Whether the last stage's step scales its loss by the micro-batch's share inside the
     tape (a loss in the outputs' dtype) or its gradients after it: Keras's CompileLoss
     returns floatx (float32), and a float64 model's share (like 5/18) then scales its
@@ -249,24 +302,25 @@ class TaskBodies:
     if ys is not None and ys[0].dtype != self._outputs_dtype:
       raise AssertionError(f"stage {self.index} outputs {ys[0].dtype}, built as "
                            f"{self._outputs_dtype}")
-    return tf.as_dtype(loss_dtype) == self._outputs_dtype
+    return bool(tf.as_dtype(loss_dtype) == self._outputs_dtype)
 
-  def _replicas_scaled(self, scale):
+  def _replicas_scaled(self, scale: Any) -> ContextManager[Any]:
     """The replicas' own gradients (`mirrors`) scaled as this stage's are after the tape."""
     if self.mirrors is None or scale is None:
       return contextlib.nullcontext()
     return self.mirrors.scaled(scale)
 
-  def _loss_scaled(self, loss):
-    """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.rules.joint`), if any."""
+  def _loss_scaled(self, loss: Any) -> Any:
+    """The backward's target: `loss` times the pipeline's loss scale (`tfpipe.rules.joint`),
+    if any."""
     joint = self.updates.joint
     return joint.scaled_loss(loss) if joint is not None else loss
 
-  def _infer(self, xs):
+  def _infer(self, xs: Sequence[Any]) -> List[Any]:
     with tf.device(self.device):
       return self._call(self.sources.read(0, "current"), xs, training=False)[0]
 
-  def _evaluate_last(self, xs, y, sample_weight):
+  def _evaluate_last(self, xs: Sequence[Any], y: Any, sample_weight: Any) -> Dict[str, Any]:
     """Loss and metrics of a batch with the current weights; returns the running logs."""
     with tf.device(self.device):
       ys, reg, _ = self._call(self.sources.read(0, "current"), xs, training=False)

@@ -3,7 +3,7 @@
 """
 
 import collections
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 import keras
 import tensorflow as tf

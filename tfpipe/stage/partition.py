@@ -16,6 +16,7 @@ checkpoints take the reader's.
 
 import collections
 import math
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -23,8 +24,11 @@ import tensorflow as tf
 from tfpipe import compat
 from tfpipe.plan import balance, names
 
-__all__ = ["Partition", "graph_nodes", "partition", "from_cuts", "split", "STRATEGIES", "cuttable", "live",
-           "shared_weights", "check_shared"]
+__all__ = ["Partition", "graph_nodes", "partition", "from_cuts", "split", "STRATEGIES", "cuttable",
+           "live", "shared_weights", "check_shared"]
+
+Place = Tuple[int, int]   # a weight's place: (stage, index in its trainable variables)
+Places = Tuple[Place, ...]
 
 STRATEGIES = ("uniform", "params", "profile")
 
@@ -36,7 +40,7 @@ in that stage's trainable variables), ...] (trainable weights only), and `unread
 the indices of the trainable weights it holds but does not read while another stage does."""
 
 
-def _functional(model):
+def _functional(model: Any) -> Any:
   graph = compat.functional_graph(model)
   if graph is not None:
     return graph
@@ -49,14 +53,14 @@ def _functional(model):
       f"subclassed {type(model).__name__} (its layers are not a graph tfpipe can cut)")
 
 
-def graph_nodes(model):
+def graph_nodes(model: Any) -> Tuple[List[Any], List[Any], List[Any]]:
   """The model's call nodes in topological order, without its input nodes (a layer called
   twice has two). Returns (inputs, outputs, nodes)."""
   fn = _functional(model)
   return list(fn.inputs), list(fn.outputs), compat.call_nodes(fn)
 
 
-def cuttable(model, num_stages=1, named=False):
+def cuttable(model: Any, num_stages: int = 1, named: bool = False) -> Any:
   """`model`, or the same computation with the layers of the functional models it nests as
   its own (`compat.flattened`): for a KerasHub task (its backbone is one layer of it), when
   its top level has fewer layers than `num_stages`, or when the cut names layers (`named`).
@@ -74,7 +78,7 @@ def cuttable(model, num_stages=1, named=False):
     return model
 
 
-def _held(stages):
+def _held(stages: Sequence[Any]) -> List[Tuple[Any, Places]]:
   """Per trainable weight several stages hold: [(stage, index in its trainable variables),
   ...], in stage order."""
   places = collections.defaultdict(list)
@@ -86,7 +90,7 @@ def _held(stages):
   return [(variables[key], tuple(p)) for key, p in places.items() if len(p) > 1]
 
 
-def _read_by(node):
+def _read_by(node: Any) -> List[Any]:
   """The weights call `node` reads (`compat.variables_read`); all of its layer's where its call
   cannot be traced apart from the model (then its weights count as shared, as before any
   weight was told apart: trained as one on the synchronous schedules)."""
@@ -96,7 +100,8 @@ def _read_by(node):
     return list(node.operation.weights)
 
 
-def _readers(stages, stage_nodes):
+def _readers(stages: Sequence[Any],
+             stage_nodes: Sequence[Sequence[Any]]) -> List[Tuple[Places, Places]]:
   """Per weight several stages hold: (the places that read it, all its places). A stage
   reads a weight when one of its call nodes (`stage_nodes[k]`) of a layer holding it does
   (one trace of that call, `_read_by`)."""
@@ -116,13 +121,15 @@ def _readers(stages, stage_nodes):
   return out
 
 
-def shared_weights(stages, stage_nodes):
+def shared_weights(stages: Sequence[Any], stage_nodes: Sequence[Sequence[Any]]
+                   ) -> Tuple[Tuple[Places, ...], Tuple[Tuple[int, ...], ...]]:
   """(shared, unread). `shared`: per trainable weight that several stages read, [(stage, index
   in its trainable variables), ...], in stage order. `unread`: per stage, the indices of the
   trainable weights it holds but does not read while another stage reads them.
   `stage_nodes`: each stage's call nodes (of the model cut), to tell a weight a stage reads
   from one it only holds."""
-  shared, unread = [], [[] for _ in stages]
+  shared: List[Places] = []
+  unread: List[List[int]] = [[] for _ in stages]
   for readers, places in _readers(stages, stage_nodes):
     if len(readers) > 1:
       shared.append(readers)
@@ -133,7 +140,8 @@ def shared_weights(stages, stage_nodes):
   return tuple(shared), tuple(tuple(j) for j in unread)
 
 
-def live(inputs, outputs, nodes, cut):
+def live(inputs: Sequence[Any], outputs: Sequence[Any], nodes: Sequence[Any],
+         cut: int) -> List[Any]:
   """Tensors made before position `cut` (or model inputs) needed at or after it."""
   made_before = [t for t in inputs]
   for node in nodes[:cut]:
@@ -143,7 +151,7 @@ def live(inputs, outputs, nodes, cut):
   return [t for t in made_before if id(t) in needed]
 
 
-def split(model, cuts):
+def split(model: Any, cuts: Sequence[int]) -> List[Any]:
   """Builds the K stage sub-models for the given cut positions (see balance.py)."""
   inputs, outputs, nodes = graph_nodes(model)
   n = len(nodes)
@@ -164,7 +172,7 @@ def split(model, cuts):
       result = node.operation(*args, **kwargs)
       for old, new in zip(node.outputs, keras.tree.flatten(result)):
         tensor_map[id(old)] = new
-    stage_outputs = []
+    stage_outputs: List[Any] = []
     for t in live_out:
       out = tensor_map[id(t)]
       if any(out is x for x in stage_inputs):  # pass-through of a skip connection
@@ -180,11 +188,12 @@ def split(model, cuts):
   return stages
 
 
-def _param_costs(nodes):
+def _param_costs(nodes: Sequence[Any]) -> List[float]:
   return [float(sum(math.prod(v.shape) for v in node.operation.weights)) for node in nodes]
 
 
-def partition(model, num_stages, strategy="uniform", profile=None, recompute=False):
+def partition(model: Any, num_stages: int, strategy: Any = "uniform",
+              profile: Optional[Callable[..., Any]] = None, recompute: bool = False) -> Partition:
   """Cuts `model` into `num_stages` stage sub-models.
 
   Args:
@@ -248,7 +257,7 @@ def partition(model, num_stages, strategy="uniform", profile=None, recompute=Fal
   return from_cuts(model, cuts, costs)
 
 
-def from_cuts(model, cuts, costs):
+def from_cuts(model: Any, cuts: Sequence[int], costs: Sequence[float]) -> Partition:
   """The `Partition` of `model` (a `cuttable` one) at node positions `cuts`, whose layer
   costs were `costs`."""
   nodes = graph_nodes(model)[2]
@@ -258,7 +267,8 @@ def from_cuts(model, cuts, costs):
   return Partition(stages, list(cuts), layer_names, costs, *shared_weights(stages, stage_nodes))
 
 
-def _layer_cuts(model, nodes, cuts, num_stages):
+def _layer_cuts(model: Any, nodes: Sequence[Any], cuts: Sequence[int],
+                num_stages: int) -> List[int]:
   """Cut positions among `nodes` from positions among the model's layer calls in the order
   it runs them (a Sequential model's: `model.layers`): cut c starts a stage at layer call c.
   Nodes that are no layer (an operation Keras adds, such as an `Embedding(mask_zero=True)`'s
@@ -275,7 +285,7 @@ def _layer_cuts(model, nodes, cuts, num_stages):
   return [0] + [starts[c] for c in cuts[1:-1]] + [len(nodes)]
 
 
-def _named_cuts(model, nodes, first_layers):
+def _named_cuts(model: Any, nodes: Sequence[Any], first_layers: Sequence[str]) -> List[int]:
   """Cut positions from the names of the layers that start stages 1..K-1 (layers inside a
   nested model, such as a KerasHub backbone's "transformer_layer_3", count as the model's;
   a layer called twice starts a stage at its first call after the stage before's start)."""
@@ -290,7 +300,8 @@ def _named_cuts(model, nodes, first_layers):
   return cuts + [len(nodes)]
 
 
-def check_shared(model, partition, method, synchronous):
+def check_shared(model: Any, partition: Partition, method: str,
+                 synchronous: Sequence[str]) -> None:
   """Refuses, in one line, weights held by several stages under a method whose stages update
   at different times (their copies would part), naming the schedules that train them."""
   if partition.shared and method not in synchronous:

@@ -7,6 +7,7 @@ so current, stashed and predicted weights all run the same compiled code.
 """
 
 import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -75,10 +76,14 @@ class StageProgram(TaskBodies, KeptResiduals):
   indices of trainable weights the stage holds but does not read (`Partition.unread`).
   """
 
-  def __init__(self, index, num_stages, model, device, optimizer, policy, loss=None,
-               metrics=(), loss_tracker=None, jit_compile=None, replica_devices=None,
-               rule=None, reg_trackers=None, optimizer_source=None, grouped=False,
-               cross_device_ops=None, output_structure=None, unread=()):
+  def __init__(self, index: int, num_stages: int, model: Any, device: str, optimizer: Any,
+               policy: policies.WeightPolicy, loss: Any = None, metrics: Sequence[Any] = (),
+               loss_tracker: Any = None, jit_compile: Optional[bool] = None,
+               replica_devices: Optional[Sequence[str]] = None,
+               rule: Optional[mitigations.StageRule] = None,
+               reg_trackers: Optional[Sequence[Any]] = None, optimizer_source: Any = None,
+               grouped: bool = False, cross_device_ops: Any = None,
+               output_structure: Any = None, unread: Iterable[int] = ()) -> None:
     self.index, self.num_stages, self.model, self.device = index, num_stages, model, device
     # Indices of trainable weights the stage holds but another stage reads and steps
     # (`Partition.unread`): the model and checkpoints take that stage's copy.
@@ -144,17 +149,18 @@ class StageProgram(TaskBodies, KeptResiduals):
                                         summing=lambda: self.updates.joint is not None,
                                         first_device=device)
                     if ring else None)
-    if ring:
+    if self.mirrors is not None:   # ring
       self.cross_device_ops = self.updates.mirrors = self.mirrors
       self.mirrors.updates = self.updates
     self.jit_compile = jit_compile
     self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile,
                                            placed=self.remote)
-    self._residual_calls = {}   # concrete forward's name -> its `compat.ResidualCall`
+    # A concrete forward's name -> its `compat.ResidualCall`.
+    self._residual_calls: Dict[str, compat.ResidualCall] = {}
     self._inlined_residuals = False   # `residuals_inlined`
     self._inline = False   # `inlined`: the operations trace their tasks' bodies in place
 
-  def _row_weights(self, synchronous, jit_compile):
+  def _row_weights(self, synchronous: bool, jit_compile: Optional[bool]) -> Tuple[int, ...]:
     """The indices of this stage's weights an `Embedding` reads by rows: with a synchronous
     schedule their micro-batch gradients are kept as rows (`tfpipe.stage.updates`). The
     asynchronous methods' rules are written for dense gradients; XLA wants static shapes."""
@@ -164,7 +170,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     return tuple(j for j, (src, _) in enumerate(self._pairs[:len(self.trainable)])
                  if id(src) in embedded)
 
-  def _has_losses(self):
+  def _has_losses(self) -> bool:
     """Whether the stage's forward adds losses (regularisers, `add_loss`): one probe call."""
     xs = [tf.zeros(compile_utils.example_shape(t.shape), t.dtype) for t in self.model.inputs]
     _, _, losses = self.model.stateless_call(
@@ -173,19 +179,19 @@ class StageProgram(TaskBodies, KeptResiduals):
         training=True, return_losses=True)
     return bool(losses)
 
-  def task(self, name, inline=False):
+  def task(self, name: str, inline: bool = False) -> Callable[..., Any]:
     """Task function `name` (`tfpipe.stage.tracing.TaskFunctions.get`)."""
     return self.functions.get(name, inline)
 
-  def forward_ops(self):
+  def forward_ops(self) -> int:
     """Ops in one traced forward of the stage (`tfpipe.stage.tracing.forward_ops`)."""
     return tracing.forward_ops(self)
 
-  def forward_loops(self):
+  def forward_loops(self) -> bool:
     """Whether the stage's forward runs a while loop (`tfpipe.stage.tracing.forward_loops`)."""
     return tracing.forward_loops(self)
 
-  def _bodies(self):
+  def _bodies(self) -> Dict[str, Callable[..., Any]]:
     """The tasks' Python bodies by name: what `task` traces or inlines."""
     return {"read_weights": self._read_weights, "forward": self._forward,
             "forward_on": self._forward_on, "backward_on": self._backward_on,
@@ -197,7 +203,7 @@ class StageProgram(TaskBodies, KeptResiduals):
   # threaded executor) or while tracing a window (the compiled one, `inlined` or not).
 
   @contextlib.contextmanager
-  def inlined(self, on=True):
+  def inlined(self, on: bool = True) -> Iterator[None]:
     """While on, the operations trace their tasks' bodies into the caller's graph (the
     compiled executor's small stages, and a profile of them) rather than call the stage's
     own traced functions: the tracing mode a window is traced in."""
@@ -207,7 +213,8 @@ class StageProgram(TaskBodies, KeptResiduals):
     finally:
       self._inline = before
 
-  def forward(self, xs, s=0, labels=None, training=True, split=False):
+  def forward(self, xs: Any, s: int = 0, labels: Any = None, training: bool = True,
+            split: bool = False) -> Any:
     """Task F: the forward on the weights it reads (s: its version difference).
 
     Training: returns (outputs, `Kept`: what its backward needs, as the table's `keeps`
@@ -260,7 +267,8 @@ class StageProgram(TaskBodies, KeptResiduals):
       ys, reg, state = self.task("forward_on", inline)(weights, xs)
     return ys, Kept(xs, state, list(weights), tape, ys, reg)
 
-  def backward(self, parts, dys, s, scale, accumulate):
+  def backward(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any,
+             accumulate: bool) -> Backward:
     """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
     mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
     says (`s`: the task's version difference); updates with the weight gradients (adds
@@ -278,11 +286,12 @@ class StageProgram(TaskBodies, KeptResiduals):
     return Backward(self._backward(self._opened(parts), dys, s, scale, accumulate, "both",
                                    inline))
 
-  def backward_input(self, parts, dys, s, scale):
+  def backward_input(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any) -> Backward:
     """The input-gradient half of `backward` (a zero-bubble schedule's B): no update. A kept
-    tape must be persistent (`forward(..., split=True)`) unless traced `inlined`, or the forward kept
-    its residuals: then it takes the weight gradients too, in the same walk (one call of the
-    forward's backward), and `Backward.kept` holds them (`Kept.grads`) for the weight half.
+    tape must be persistent (`forward(..., split=True)`) unless traced `inlined`, or the
+    forward kept its residuals: then it takes the weight gradients too, in the same walk (one
+    call of the forward's backward), and `Backward.kept` holds them (`Kept.grads`) for the
+    weight half.
     At the last stage, `Backward.kept` holds the persistent tape its weight half takes the
     weight gradients from (eagerly), or (in a window's graph) the weight gradients."""
     inline = self._inline
@@ -304,7 +313,8 @@ class StageProgram(TaskBodies, KeptResiduals):
                       kept=kept._replace(tape=None, grads=grads[:n], residuals=None))
     return Backward(self._backward(parts, dys, s, scale, False, "inputs", inline))
 
-  def backward_weights(self, parts, dys, s, scale, accumulate):
+  def backward_weights(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any,
+                     accumulate: bool) -> None:
     """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update (at
     the last stage, `parts` is its input half's `Backward.kept` and `dys` None)."""
     inline = self._inline
@@ -325,11 +335,11 @@ class StageProgram(TaskBodies, KeptResiduals):
       return
     self._backward(self._opened(parts), dys, s, scale, accumulate, "weights", inline)
 
-  def update(self):
+  def update(self) -> Any:
     """Task U: one update with the accumulated gradients, which it clears."""
     return self.task("apply_accumulated", self._inline)()
 
-  def _step_input(self, parts, s, scale, inline):
+  def _step_input(self, parts: Sequence[Kept], s: int, scale: Any, inline: bool) -> Backward:
     """A split step's input half: the last stage's forward, loss, metrics and input
     gradients, no update, under a persistent tape its weight half reads when they run
     eagerly (in a window's graph: the weight gradients taken in the same walk)."""
@@ -356,7 +366,8 @@ class StageProgram(TaskBodies, KeptResiduals):
             Kept(part.xs, None, weights, tape, [target], None))
     return Backward(self._input_grads(grads[n:]), loss, self.reports.completed(logs), kept)
 
-  def _backward(self, parts, dys, s, scale, accumulate, wrt, inline):
+  def _backward(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any, accumulate: bool,
+              wrt: str, inline: bool) -> List[Any]:
     if len(parts) == 1 and (parts[0].tape is not None or self._replays(parts[0], dys)):
       return self._through_tape(parts[0], dys, scale, accumulate, wrt, inline)
     weights = parts[0].weights if parts[0].weights is not None else []
@@ -365,10 +376,11 @@ class StageProgram(TaskBodies, KeptResiduals):
       # a tensor the backward traces once for all of them.
       with tf.device(self.device):
         s = tf.constant(float(s), tf.float64)
-    return self.task("backward_on", inline)(weights, [(p.xs, p.state) for p in parts], dys, s,
-                                            scale, accumulate, wrt, inline)
+    return list(self.task("backward_on", inline)(weights, [(p.xs, p.state) for p in parts],
+                                                 dys, s, scale, accumulate, wrt, inline))
 
-  def _through_tape(self, kept, dys, scale, accumulate, wrt, inline):
+  def _through_tape(self, kept: Kept, dys: Any, scale: Any, accumulate: bool, wrt: str,
+                  inline: bool) -> List[Any]:
     """The gradient through a kept forward's tape (its own weights), then the update."""
     with tf.device(self.device):
       float_xs = self._float_inputs(kept.xs)
@@ -383,7 +395,8 @@ class StageProgram(TaskBodies, KeptResiduals):
         return []
       return self._shaped_input_grads(grads[len(weights):], float_xs)
 
-  def _walk(self, kept, dys, scale, sources, n_weights, inline=False):
+  def _walk(self, kept: Kept, dys: Any, scale: Any, sources: Sequence[Any], n_weights: int,
+          inline: bool = False) -> List[Any]:
     """The gradients of `sources` through a kept forward's tape, given its outputs' `dys`
     (or from its residuals: the same functions TensorFlow's gradient of the call runs; those
     of a forward called `inline`, `residuals_inlined`)."""
@@ -392,7 +405,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     targets, out_grads = self._targets(kept.ys, dys, kept.reg, scale)
     return self._gradient(kept.tape, targets, sources, n_weights, out_grads)
 
-  def _shaped_input_grads(self, grads, float_xs):
+  def _shaped_input_grads(self, grads: Sequence[Any], float_xs: Sequence[Any]) -> List[Any]:
     """The input gradients `grads` of `float_xs`, each given its input's shape: through a
     call of the forward traced for any batch size (`_forward_trace`) TensorFlow does not
     know it, and the backward of the stage before, called with them, would trace again."""
@@ -403,35 +416,35 @@ class StageProgram(TaskBodies, KeptResiduals):
 
   # Moving weights between the stage and the user's model.
 
-  def load_from_model(self):
+  def load_from_model(self) -> None:
     for src, own in self._pairs:
       own.assign(src.numpy())
     self.sources.keep_previous()   # 2BW: no update yet, so the 2nd buffer holds the same weights
     self.sync_replicas()
 
   @property
-  def model_pairs(self):
+  def model_pairs(self) -> List[Tuple[Any, Any]]:
     """[(the user's model variable, this stage's own copy)]: the trainable ones first, in the
     order the stage's optimizer was built over them."""
     return list(self._pairs)
 
-  def sync_replicas(self):
+  def sync_replicas(self) -> None:
     """The other replicas' own copies (`cross_device_ops="ring"`) := this stage's weights and
     optimizer state (after they were loaded or restored)."""
     if self.mirrors is not None:
       self.mirrors.sync()
 
-  def write_to_model(self):
+  def write_to_model(self) -> None:
     for j, (dst, own) in enumerate(self._pairs):
       if j not in self.unread:
         dst.assign(own.numpy())
 
-  def finalize(self):
+  def finalize(self) -> None:
     """The optimizer's end-of-fit step (`finalize_variable_values`: EMA weights swapped in)."""
     with tf.device(self.device):
       self.optimizer.finalize_variable_values(self.trainable)
 
-  def trainable_changed(self):
+  def trainable_changed(self) -> List[str]:
     """Names of this stage's layers whose `trainable` changed since compile."""
     now = set(id(v) for v in self.model.trainable_variables)
     then = set(self._split[0])

@@ -7,11 +7,13 @@ the program's state and task functions and is not built on its own.
 """
 
 import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.stage.kept import Kept
+from tfpipe.stage.tracing import TaskFunctions
 
 __all__ = ["KeptResiduals"]
 
@@ -19,8 +21,20 @@ __all__ = ["KeptResiduals"]
 class KeptResiduals:
   """How a `StageProgram` keeps a called forward's residuals (see the module)."""
 
+  # What it reads of the program it is part of (`StageProgram` sets them).
+  device: str
+  remote: bool
+  jit_compile: Optional[bool]
+  functions: TaskFunctions
+  trainable: List[Any]
+  _float_out: List[bool]
+  _inlined_residuals: bool
+  _residual_calls: Dict[str, compat.ResidualCall]
+  _loss_scaled: Callable[[Any], Any]
+  _connected: Callable[[Sequence[Any], Sequence[Any], int], List[Any]]
+
   @contextlib.contextmanager
-  def residuals_inlined(self, on=True):
+  def residuals_inlined(self, on: bool = True) -> Iterator[None]:
     """While on, a forward traced inline whose backward reads its tape is instead a call of
     the forward traced once per signature (`TaskFunctions.inlined_forward`) that outputs its
     residuals, which TensorFlow inlines when the graph runs, and its backward a call of that
@@ -39,7 +53,8 @@ class KeptResiduals:
     finally:
       self._inlined_residuals = before
 
-  def _residual_call(self, weights, xs, inline=False):
+  def _residual_call(self, weights: Any, xs: Any,
+                   inline: bool = False) -> Optional[compat.ResidualCall]:
     """The forward's `compat.ResidualCall` for these arguments, when a window's graph calls
     the traced forward (not eagerly, not under XLA); else None. `inline`: of the forward
     TensorFlow inlines when the graph runs (`residuals_inlined`), else of the one that stays
@@ -55,7 +70,7 @@ class KeptResiduals:
       self._residual_calls[concrete.name] = compat.ResidualCall(concrete)
     return self._residual_calls[concrete.name]
 
-  def carried(self, kept):
+  def carried(self, kept: Kept) -> Kept:
     """`kept` as a compiled window carries it into the next: without its tape, and its
     residuals (if any) packed with the weights it read into one tensor (its `weights` then
     None, one per weight), which the backward unpacks (`_opened`). A window's carry passes
@@ -72,16 +87,17 @@ class KeptResiduals:
       weights = [None] * len(weights)
     return Kept(kept.xs, kept.state, weights, labels=kept.labels, residuals=residuals)
 
-  def _opened(self, parts):
+  def _opened(self, parts: Sequence[Kept]) -> List[Kept]:
     """`parts` with any residuals a window carried packed (`carried`) unpacked: the weights
     the forward read and its residuals, as tensors again."""
     return [self._opened_one(kept) for kept in parts]
 
-  def _opened_one(self, kept):
+  def _opened_one(self, kept: Kept) -> Kept:
     if not isinstance(kept.residuals, tf.Tensor):
       return kept
     specs = [tf.TensorSpec(v.shape, v.dtype) for v in self.trainable]
     call = self._residual_call(specs, kept.xs)
+    assert call is not None   # residuals come from a window's graph
     with tf.device(self.device):
       values = tf.raw_ops.OptionalGetValue(
           optional=kept.residuals, output_types=[s.dtype for s in specs] + call.residual_types,
@@ -89,15 +105,17 @@ class KeptResiduals:
     n = len(specs)
     return kept._replace(weights=list(values[:n]), residuals=list(values[n:]))
 
-  def _replays(self, kept, dys):
+  def _replays(self, kept: Kept, dys: Sequence[Any]) -> bool:
     """Whether the backward of `kept` takes its gradients from its residuals: it has them
     and every float output has its gradient (else the forward is recomputed)."""
     return kept.residuals is not None and all(
         dy is not None for dy, f in zip(dys, self._float_out) if f)
 
-  def _from_residuals(self, kept, dys, scale, sources, n_weights, inline=False):
+  def _from_residuals(self, kept: Kept, dys: Sequence[Any], scale: Any, sources: Sequence[Any],
+                    n_weights: int, inline: bool = False) -> List[Any]:
     """`_walk` for a forward that kept its residuals (`Kept.residuals`), not a tape."""
     call = self._residual_call(kept.weights, kept.xs, inline)
+    assert call is not None   # residuals come from a window's graph
     residuals = kept.residuals
     _, reg, state = call.outputs
     reg_grad = self._loss_scaled(tf.ones([], reg.dtype) * tf.cast(scale, reg.dtype))

@@ -18,10 +18,17 @@ loss scaling multiply it by a tensor), or the replicas keep their own copies (th
 dense chunks), it stays dense.
 """
 
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Set, Tuple
+
 import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.rules import mitigations
+from tfpipe.stage.weights import WeightSources
+
+if TYPE_CHECKING:
+  from tfpipe.rules.joint import JointDecision
+  from tfpipe.stage.mirrors import Mirrors
 
 __all__ = ["Updates"]
 
@@ -30,16 +37,19 @@ class Updates:
   """Stage `index`'s updates of the variables of `sources` (`tfpipe.stage.weights`) on
   `device` with `optimizer` and `rule`."""
 
-  def __init__(self, index, device, optimizer, rule, sources, rows=()):
+  def __init__(self, index: int, device: str, optimizer: Any, rule: mitigations.StageRule,
+             sources: WeightSources, rows: Sequence[int] = ()) -> None:
     self.index, self.device, self.optimizer, self.rule = index, device, optimizer, rule
     self.sources, self.trainable = sources, sources.trainable
-    self.accumulators = None
+    self.accumulators: Optional[List[Any]] = None   # `build_accumulators`
     self.row_weights = tuple(rows)   # indices of weights whose gradient may come as rows
-    self.joint = None   # a `tfpipe.rules.joint.JointDecision` the stages share, or None
-    self.mirrors = None   # the other replicas' copies (`tfpipe.stage.mirrors`), or None
+    # A whole-model decision the stages share (`tfpipe.rules.joint`), or None.
+    self.joint: Optional["JointDecision"] = None
+    # The other replicas' copies (`tfpipe.stage.mirrors`), or None.
+    self.mirrors: Optional["Mirrors"] = None
     # The weights the loss does not depend on (their gradient unconnected, noted while the
     # backward traces: `StageProgram`): Keras's optimizer steps only the others.
-    self.unused = set()
+    self.unused: Set[int] = set()
     # The optimizer step, traced once per signature wherever an update is traced. Not marked
     # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
     # holds one call op per update rather than a Python trace of the optimizer each time
@@ -47,7 +57,7 @@ class Updates:
     self._apply_step = compat.own_function(self._step, reduce_retracing=True,
                                              autograph=False)
 
-  def build_accumulators(self):
+  def build_accumulators(self) -> None:
     """Creates the gradient accumulators (once) for schedules with micro-batch backwards."""
     if self.accumulators is not None:
       return
@@ -63,7 +73,7 @@ class Updates:
       self.reads = tf.Variable(0.0, trainable=False, name=f"s{index}_reads")
       self.slice_squares = [tf.Variable(0.0, trainable=False, name=f"s{index}_slices{j}")
                             for j in range(len(values))]
-      self.sliced = set()   # the variables whose gradients came as IndexedSlices
+      self.sliced: Set[int] = set()   # the variables whose gradients came as IndexedSlices
       self.joint_updates = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                        name=f"s{index}_joint_updates")
       # The rows (values, indices) of an embedding's micro-batch gradients, empty between
@@ -74,9 +84,20 @@ class Updates:
                        tf.Variable(tf.zeros([0], tf.int64), shape=tf.TensorShape([None]),
                                    trainable=False, name=f"s{index}_row_indices{j}"))
                    for j in self.row_weights}
-      self.seen_rows, self.seen_dense = set(), set()
+      self.seen_rows: Set[int] = set()
+      self.seen_dense: Set[int] = set()
 
-  def state(self):
+  def _accumulated(self) -> List[Any]:
+    """The accumulators (`build_accumulators` made them)."""
+    assert self.accumulators is not None
+    return self.accumulators
+
+  def _joint(self) -> "JointDecision":
+    """The whole-model decision (where the update reads it, there is one)."""
+    assert self.joint is not None
+    return self.joint
+
+  def state(self) -> List[Any]:
     """Every variable of this stage an update changes besides the weights: the optimizer's
     (its step count, its slots), the accumulators and what they keep, the stage's derived
     weights, as of now (the whole-model decision's: `joint.state()`, shared)."""
@@ -87,11 +108,12 @@ class Updates:
     return (list(self.optimizer.variables) + own + self.sources.deltas + self.sources.previous
             + mirrored)
 
-  def read(self, weights):
+  def read(self, weights: Optional[Sequence[Any]]) -> Optional[List[Any]]:
     """The weights a gradient was taken at, where the update needs them (DC-ASGD), else None."""
     return list(weights) if self.rule.delay_compensation and weights is not None else None
 
-  def update(self, grads, accumulate, read=None):
+  def update(self, grads: Sequence[Any], accumulate: bool,
+           read: Optional[Sequence[Any]] = None) -> None:
     """One update with `grads` taken at the weights `read` (DC-ASGD moves them to the
     current ones), or their addition to the accumulators (with `read`, to the mean of the
     reads: the accumulated gradient is compensated from there at the update)."""
@@ -99,7 +121,7 @@ class Updates:
       if not accumulate:
         self._apply_step(list(grads), read)
         return
-      for j, (a, g) in enumerate(zip(self.accumulators, grads)):
+      for j, (a, g) in enumerate(zip(self._accumulated(), grads)):
         if self._keeps_rows(j, g):
           values, indices = self.rows[j]
           values.assign(tf.concat([values, tf.cast(g.values, values.dtype)], 0))
@@ -115,7 +137,8 @@ class Updates:
           r.assign_add(w)
         self.reads.assign_add(1.0)
 
-  def update_after(self, outputs, grads, accumulate, read=None):
+  def update_after(self, outputs: Sequence[Any], grads: Sequence[Any], accumulate: bool,
+                 read: Optional[Sequence[Any]] = None) -> None:
     """The update with `grads`, run only once a task's `outputs` (its input gradients) are
     computed. Without the order TensorFlow may run the update first and the input gradients
     then read the updated weights (measured: 1 whole backward in 12 gave other input
@@ -123,11 +146,11 @@ class Updates:
     with tf.control_dependencies([g for g in outputs if g is not None]):
       self.update([tf.identity(g) for g in grads], accumulate, self.read(read))
 
-  def apply_accumulated(self):
+  def apply_accumulated(self) -> None:
     """One update with the accumulated gradients, which it clears."""
     with tf.device(self.device):
       self.sources.keep_previous()
-      grads = [tf.convert_to_tensor(a) for a in self.accumulators]
+      grads = [tf.convert_to_tensor(a) for a in self._accumulated()]
       if self.joint is not None:   # a whole-model decision
         self._apply_joint(grads)
         return
@@ -145,20 +168,20 @@ class Updates:
                         self.unused)
       self._clear()
 
-  def squared_norms(self, scale):
+  def squared_norms(self, scale: Any) -> List[Any]:
     """The squares of the accumulated gradient divided by `scale` (the loss scale) as
     Keras's `global_clipnorm` counts them: a dense gradient's sum of squares, an
     IndexedSlices gradient's per row."""
     return [self.slice_squares[j] / (scale * scale) if j in self.sliced
             else tf.reduce_sum(tf.square(tf.cast(a, tf.float32) / scale))
-            for j, a in enumerate(self.accumulators)]
+            for j, a in enumerate(self._accumulated())]
 
-  def _rows_kept(self):
+  def _rows_kept(self) -> bool:
     """Whether embeddings' rows are kept: no whole-model decision and no replicas' own
     copies (either makes the gradient dense)."""
     return self.joint is None and self.mirrors is None
 
-  def _keeps_rows(self, j, g):
+  def _keeps_rows(self, j: int, g: Any) -> bool:
     """Whether weight j's gradient `g` joins its rows (`rows`): an embedding's rows, where
     `_rows_kept`."""
     keep = isinstance(g, tf.IndexedSlices) and j in self.rows and self._rows_kept()
@@ -166,7 +189,7 @@ class Updates:
       self.seen_rows.add(j)
     return keep
 
-  def _with_rows(self, grads):
+  def _with_rows(self, grads: Sequence[Any]) -> List[Any]:
     """`grads` (the dense accumulators read) with each embedding's rows as IndexedSlices: its
     rows alone where only rows were traced; followed by the dense accumulator's, one row per
     vocabulary entry, where a dense gradient was seen too or none was traced yet (a zero row
@@ -187,8 +210,8 @@ class Updates:
       grads[j] = rows
     return grads
 
-  def _clear(self):
-    for a in self.accumulators:
+  def _clear(self) -> None:
+    for a in self._accumulated():
       a.assign(tf.zeros_like(a))
     for values, indices in self.rows.values():
       values.assign(values[:0])
@@ -196,15 +219,15 @@ class Updates:
     for j in self.sliced:
       self.slice_squares[j].assign(0.0)
 
-  def _apply_joint(self, grads):
+  def _apply_joint(self, grads: Sequence[Any]) -> None:
     """The update of a whole-model decision: the accumulated gradients times the mini-batch's
     factor (unscaled, clipped), or no step where a gradient was not finite; the accumulators
     cleared either way."""
-    factor, finite = self.joint.decide(self.joint_updates)
+    factor, finite = self._joint().decide(self.joint_updates)
     with tf.control_dependencies([factor, finite]):
       self.joint_updates.assign_add(1)
       # A weight other stages hold too steps with the sum of every copy's gradient.
-      shared = [self.joint.shared_gradient(self.index, j) for j in range(len(grads))]
+      shared = [self._joint().shared_gradient(self.index, j) for j in range(len(grads))]
       if self.mirrors is not None and any(s is not None for s in shared):
         raise ValueError(f"stage {self.index} shares weights with another stage (tied): its "
                          "replicas' own copies (cross_device_ops='ring') cannot take the other "
@@ -213,21 +236,21 @@ class Updates:
     grads = [g * tf.cast(factor, g.dtype) for g in grads]
     # A shared weight this stage does not read still steps with its other copies' sum.
     unused = {j for j in self.unused if shared[j] is None}
-    applied = self._mirrors_applied(factor, None if self.joint.scaling is None else finite)
+    applied = self._mirrors_applied(factor, None if self._joint().scaling is None else finite)
     with tf.control_dependencies(applied):
       self._apply_joint_step(grads, finite, unused)
     self._clear()
 
-  def _apply_joint_step(self, grads, finite, unused):
-    if self.joint.scaling is None:
+  def _apply_joint_step(self, grads: Sequence[Any], finite: Any, unused: Set[int]) -> None:
+    if self._joint().scaling is None:
       self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas, unused)
     else:
-      def step():
+      def step() -> tf.Tensor:
         self.rule.apply(self.optimizer, grads, self.trainable, self.sources.deltas, unused)
         return tf.constant(True)
       tf.cond(finite, step, lambda: tf.constant(False))
 
-  def _replicas_reduced(self, grads):
+  def _replicas_reduced(self, grads: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
     """(this stage's gradients summed over its replicas, what its update waits for): the
     replicas' own updates (`tfpipe.stage.mirrors`) first, with the ring's sums where each
     replica kept its own part; `grads` and [] without replicas of their own."""
@@ -238,12 +261,12 @@ class Updates:
     grads, sums = self.mirrors.reduce(grads)
     return grads, self.mirrors.apply(sums=sums)
 
-  def _mirrors_applied(self, factor=None, finite=None):
+  def _mirrors_applied(self, factor: Any = None, finite: Any = None) -> List[Any]:
     """The other replicas' update (`tfpipe.stage.mirrors`) first: what the stage's own update
     then waits for ([] without replicas of their own)."""
     return [] if self.mirrors is None else self.mirrors.apply(factor, finite)
 
-  def _add_slice_squares(self, grads):
+  def _add_slice_squares(self, grads: Sequence[Any]) -> None:
     """For the global norm: the squares of an embedding's gradient rows as Keras sums them,
     each row of its IndexedSlices apart (a token seen twice counts twice; the dense sum of
     those rows, which the accumulator holds, would count it once, squared). Replicas with
@@ -254,7 +277,7 @@ class Updates:
         self.sliced.add(j)
         self.slice_squares[j].assign_add(tf.reduce_sum(tf.square(tf.cast(g.values, tf.float32))))
 
-  def _step(self, grads, read):
+  def _step(self, grads: Sequence[Any], read: Optional[Sequence[Any]]) -> None:
     """The optimizer's step (with the stage's rule) on gradients taken at `read`."""
     self.sources.keep_previous()
     grads, applied = self._replicas_reduced(grads)
@@ -262,11 +285,11 @@ class Updates:
       self.rule.apply(self.optimizer, self._compensated(grads, read), self.trainable,
                       self.sources.deltas, self.unused)
 
-  def _compensated(self, grads, read):
+  def _compensated(self, grads: Sequence[Any], read: Optional[Sequence[Any]]) -> List[Any]:
     """DC-ASGD: weight gradients taken at `read`, moved to the current weights; as they are
     without `delay_compensation`."""
     if read is None:
-      return grads
+      return list(grads)
     lam = self.rule.delay_compensation
     return [mitigations.compensate(tf.cast(lam, g.dtype), g, tf.convert_to_tensor(v), w)
             for g, v, w in zip(grads, self.trainable, read)]

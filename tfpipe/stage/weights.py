@@ -51,22 +51,23 @@ class WeightSources:
     """What a forward (the last stage: its step) reads."""
     return self.read(s, self.ops["F"].reads or self.ops["B"].reads)
 
-  def backward(self, kept_weights: Sequence[Any], s: Any) -> List[Any]:
+  def backward(self, kept_weights: Optional[Sequence[Any]], s: Any) -> List[Any]:
     """The weights a recomputing backward reads: the forward's `kept_weights`, their blend
     with the current ones (`s`: the updates since the forward), or the policy's source `s`
     updates ahead ("predicted") or back ("corrected")."""
     reads = self.ops["B"].reads
+    if reads not in ("kept", "blend"):
+      return self.read(s, reads)
+    assert kept_weights is not None   # the forward kept them (`tfpipe.plan.tasks`)
     if reads == "kept":
       return list(kept_weights)
-    if reads == "blend":
-      if isinstance(s, (int, float)):
-        sigma = mitigations.blend_factor(s)
-        return [w if not s else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
-                for w, v in zip(kept_weights, self.trainable)]
-      sigma = tf.exp(-tf.cast(s, tf.float64))   # mitigations.blend_factor, as a tensor
-      return [tf.cast(sigma, w.dtype) * w + tf.cast(1.0 - sigma, w.dtype) * tf.convert_to_tensor(v)
+    if isinstance(s, (int, float)):   # "blend"
+      sigma = mitigations.blend_factor(s)
+      return [w if not s else sigma * w + (1.0 - sigma) * tf.convert_to_tensor(v)
               for w, v in zip(kept_weights, self.trainable)]
-    return self.read(s, reads)
+    sigma_t = tf.exp(-tf.cast(s, tf.float64))   # mitigations.blend_factor, as a tensor
+    return [tf.cast(sigma_t, w.dtype) * w + tf.cast(1.0 - sigma_t, w.dtype)
+            * tf.convert_to_tensor(v) for w, v in zip(kept_weights, self.trainable)]
 
   def version(self, updates: int, s: Any) -> int:
     """The update count of the weights a forward (the last stage: its step) reads, `updates`
