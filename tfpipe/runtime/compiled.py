@@ -36,8 +36,8 @@ import tensorflow as tf
 
 from tfpipe import compat
 from tfpipe.plan import records, schedules, tasks as plan_tasks, windows as windows_lib
-from tfpipe.runtime import base, calls, grouped, groups, interpreter, loops, parked, timeline
-from tfpipe.runtime import window_moves
+from tfpipe.runtime import base, calls, grouped, groups, inference, interpreter, loops, parked
+from tfpipe.runtime import timeline, window_moves
 from tfpipe.runtime.base import Executor
 from tfpipe.runtime.calls import StageFailed
 from tfpipe.runtime.protocol import StageProtocol
@@ -109,7 +109,7 @@ class CompiledRuntime(Executor):
     self._train = calls.Relaxed(self._parked_window if self.remote else self._train_window)
     self.grouped = grouped.GroupedWindows(self)   # a plan's windows as one function's branches
     self.loops = loops.LoopWindows(self)   # windows that loop over their mini-batches
-    self._infer = calls.Relaxed(self._infer_window)
+    self.inference = inference.InferenceWindows(self)   # evaluate and predict
     self.traces = 0   # windows traced so far (a new window shape traces once)
     # Grappler's layout optimizer serves GPU stages only (`compat.light_calls`).
     specs = [tf.DeviceSpec.from_string(p.device) for p in programs]
@@ -444,14 +444,14 @@ class CompiledRuntime(Executor):
     # Calls (not XLA's) take a marker that spares TensorFlow a scan of each call's callee
     # when it instantiates the window (`compat.calls_marked`). A kept forward's gradient
     # across a call keeps constant exponents constant (`compat.constant_exponents`).
-    marked = self._marked() if not inline else contextlib.nullcontext()
+    marked = self.marked() if not inline else contextlib.nullcontext()
     with compat.optimised_calls(), compat.calls_inferred_once(), compat.constant_exponents(), \
         marked, contextlib.ExitStack() as stack:
       for program in self.programs:   # the tracing mode: each stage's tasks in place, or calls
         stack.enter_context(program.inlined(inline))
       return self._traced_tasks(key, carry, inputs, labels, M)
 
-  def _marked(self) -> ContextManager[Any]:
+  def marked(self) -> ContextManager[Any]:
     """`compat.calls_marked` for the stages' devices; nothing when a stage runs under XLA."""
     if any(p.jit_compile for p in self.programs):
       return contextlib.nullcontext()
@@ -480,39 +480,10 @@ class CompiledRuntime(Executor):
   # Inference.
 
   def infer_epoch(self, batches: Iterator[Any], num_batches: int, on_result: base.OnResult,
-                with_labels: bool, before: base.Before = None) -> None:
-    """Forward-only pass with current weights (evaluate and predict), a window at a time.
-
-    With labels, the last stage updates the loss and metrics and `on_result`
-    gets (b, running logs); without, it gets (b, outputs). `before(b)` runs
-    for each batch of a window before its results are handed on.
-    """
-    feed = calls.Feed(batches, labelled=with_labels)
-    for first in range(0, num_batches, self.window):
-      count = min(self.window, num_batches - first)
-      items = [feed.get(b) for b in range(first, first + count)]
-      feed.drop_before(first + count)
-      inputs = [xs for xs, _, _ in items]
-      results = self._infer.get(inputs, 0)(
-          inputs, [(y, w) for _, y, w in items] if with_labels else None)
-      for i, result in enumerate(results):
-        if before is not None:
-          before(first + i)
-        on_result(first + i, result)
-
-  def _infer_window(self, inputs: List[Any], labels: Optional[List[Any]]) -> List[Any]:
-    results = []
-    # Each stage's calls alike: their shapes inferred once; marked as a training window's.
-    with compat.calls_inferred_once(), self._marked():
-      for i, xs in enumerate(inputs):
-        for k, program in enumerate(self.programs):
-          if k == self.K - 1 and labels is not None:
-            results.append(program.forward(xs, labels=labels[i], training=False))
-          else:
-            xs = program.forward(xs, training=False)
-        if labels is None:
-          results.append(xs)
-    return results
+                  with_labels: bool, before: base.Before = None) -> None:
+    """Forward-only pass with current weights (evaluate and predict), a window at a time
+    (`tfpipe.runtime.inference`)."""
+    self.inference.run(batches, num_batches, on_result, with_labels, before)
 
 
 class _Numbered(collections.namedtuple("_Numbered", ["key", "inline", "shift"])):

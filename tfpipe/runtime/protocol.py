@@ -2,7 +2,7 @@
 it keeps, and the few read-only properties the executors read.
 
 `tfpipe.stage.program.StageProgram` implements it. The executors (`tfpipe.runtime`) type the
-stages they run as `StageProtocol`, and mypy (`tests/test_types.py`, `--check-untyped-defs`)
+stages they run as `StageProtocol`, and mypy (`tests/test_types.py`, `--strict`)
 refuses a member of a stage the protocol does not state: a new need of an executor is stated
 here first, where a reader of the stage finds it.
 """
