@@ -111,10 +111,9 @@ def _lighten(rewrite, layout=True):
 @contextlib.contextmanager
 def light_calls(layout=True):
   """Function calls made in this context run the lighter Grappler of `_lighten`: what the
-  compiled executor's inlined windows (their tasks' bodies traced into the window) run under.
-  Measured (8 x Dense(32), K=4, window 16, 128 mini-batches, spectrain; layout off):
-  start-up 9.8-10.5 s against 12.7-14.3 s; the ms per mini-batch of
-  `bench/runtime_overhead.py` the same within its noise at K = 1-8."""
+  compiled executor's inlined windows (their tasks' bodies traced into the window) run under:
+  a shorter start-up, the same time per mini-batch
+  (measured: `bench/results/history.md`, "Figures the code cited")."""
   ctx = _tf_context.context()
   before = ctx.function_call_options
   ctx.function_call_options = _derived_options(
@@ -129,9 +128,9 @@ def light_calls(layout=True):
 def _task_options(outer):
   """The call options of a window's task calls: `outer`'s, with one round of Grappler's
   optimizers instead of two. Each new window optimises again every task function it calls
-  (`bench/window_bound.py`); measured on a 12-layer Llama at K=4 (spectrain, 5 epochs, two
-  runs each): first epoch 24.9 / 25.7 s against 27.9 / 28.2 s with two rounds, later epochs
-  no slower (median 1.87 / 1.95 s against 2.58 / 2.58 s). Made once per outer config, so
+  (`bench/window_bound.py`): one round starts a 12-layer Llama sooner and its later epochs run
+  no slower (measured: `bench/results/history.md`, "Figures the code cited"). Made once per
+  outer config, so
   every window's calls of one function carry the same options."""
   def one_round(rewrite):
     rewrite.meta_optimizer_iterations = rewrite.ONE
@@ -196,9 +195,9 @@ def _set_in_thread(local, name, value):
 # TensorFlow's XLA pass `EncapsulateSubgraphsPass` runs on every function it instantiates,
 # XLA or not. To find the nodes related to reference variables it instantiates the callee of
 # every call op afresh (and their callees, ten levels deep), scans its body and releases it,
-# in both directions: each call site costs about its callee's size (measured, a 12-layer
-# Llama at K=4 with 8 micro-batches: 2.4-3.7 s of the first call; 400 calls of an 800-op
-# function: 2.1 s). A node whose input comes from a node with a reference-typed output counts
+# in both directions: each call site costs about its callee's size (seconds of a 12-layer
+# Llama's first call, measured: `bench/results/history.md`, "Figures the code cited"). A node
+# whose input comes from a node with a reference-typed output counts
 # as related without that scan; only XLA's kernels read the answer.
 _MARKER = "tfpipe_call_marker"
 
@@ -239,9 +238,9 @@ def _mark(graph, op):
 # call: `tfpipe.stage.tracing`) gets its gradient as a function of its own, which takes every
 # forward tensor it reads as an input: for Pow(x, 2), the exponent. Its `x ** (2 - 1)` then
 # has an exponent Grappler cannot see, so it runs as Eigen's generic power instead of being
-# rewritten as a multiplication. Measured (12-layer Llama, K=4, spectrain, perf): 7% of the
-# steady state's CPU time (RMSNorm squares its input); with the exponent kept constant, 5%
-# less CPU time per epoch in two alternating pairs.
+# rewritten as a multiplication: a Llama's RMSNorm squares its input, and keeping the exponent
+# constant saves CPU time every epoch (measured: `bench/results/history.md`, "Figures the code
+# cited").
 _POW_GRADIENT = []   # TensorFlow's Pow gradient, once wrapped (`constant_exponents`)
 
 

@@ -1,10 +1,9 @@
 """Dataset iterators deleted off the caller's thread.
 
 Deleting a tf.data iterator joins its autotuning thread, whose sleep the deletion does not
-cut short. Measured (8 x Dense(256), K=4, 8 mini-batches, the first `fit`): in 3 of 5 runs
-deleting the epoch's iterator took 8.3-9.2 s, each ending about 20.6 s after the fit began
-(10 ms + 20 ms + ... + 10.24 s: optimisation periods that double), and `fit` returned that
-much later (20.6 s against 12-13 s); with autotuning off, 0.0 s in 4 of 4. The wait holds no
+cut short: optimisation periods that double (10 ms + 20 ms + ... + 10.24 s), so deleting an
+epoch's iterator could hold `fit` up for seconds (measured: `bench/results/history.md`,
+"Figures the code cited"). The wait holds no
 GIL, so `release` hands an iterator to a thread that deletes it there, once nothing else
 holds it; a user's dataset keeps its options. Python's exit waits for those threads, at most
 EXIT_WAIT seconds (an `atexit` handler): a thread still inside TensorFlow's deletion when

@@ -42,11 +42,9 @@ class KeptResiduals:
     stage's tasks traces the forward and its gradient once, not M times. For the compiled
     executor's loop windows, where each forward's backward is in the same graph (a
     zero-bubble backward's input half takes both gradients from the residuals, as a
-    window of calls does). Measured (`bench/startup.py`, 12-layer Llama, K=4, M=4,
-    first-epoch extra / second epoch, s): 1f1b 16.7 / 1.67 traced inline, 11.3 / 1.67 so;
-    gpipe 18.4 / 1.73, 11.3 / 1.68 (Keras's extra 9.4 s); zb (first epoch, 6 epochs'
-    steady, alternating processes) 19.1, 19.3 / 1.64, 1.84, so 13.1, 12.9 / 1.85, 1.69
-    (each process runs at one of two steady speeds, either way)."""
+    window of calls does). It starts a 12-layer Llama's 1f1b, gpipe and zb about a third
+    sooner than tracing each forward inline, steady epochs unchanged
+    (measured: `bench/results/history.md`, "Figures the code cited")."""
     before, self._inlined_residuals = self._inlined_residuals, on
     try:
       yield
@@ -58,10 +56,9 @@ class KeptResiduals:
     """The forward's `compat.ResidualCall` for these arguments, when a window's graph calls
     the traced forward (not eagerly, not under XLA); else None. `inline`: of the forward
     TensorFlow inlines when the graph runs (`residuals_inlined`), else of the one that stays
-    a call. Under XLA on CPU, measured
-    (`bench/steady_state.py --methods=spectrain --variants=xla`, two runs each): first-epoch
-    extra 15.7-16.7 s against 19.9-20.5 s recomputing, but steady epochs 2.93-3.09 s against
-    2.37-2.40 s (cores busy 1.15 against 1.41): recomputed there."""
+    a call. Under XLA (on CPU) the forward is recomputed instead: residuals started sooner
+    there but made steady epochs a quarter slower
+    (measured: `bench/results/history.md`, "Figures the code cited")."""
     if tf.executing_eagerly() or self.jit_compile:
       return None
     forward = self.functions.inlined_forward if inline else self.functions.traced["forward_on"]

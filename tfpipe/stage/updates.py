@@ -53,7 +53,7 @@ class Updates:
     # The optimizer step, traced once per signature wherever an update is traced. Not marked
     # NOT_INLINED: TensorFlow inlines the call when it runs the graph, so an inlined window
     # holds one call op per update rather than a Python trace of the optimizer each time
-    # (measured, 8 x Dense(32), K=4, 8 mini-batches: first epoch 5.1 s, then 3.5 s).
+    # (a shorter first epoch, measured: `bench/results/history.md`, "Figures the code cited").
     self._apply_step = compat.own_function(self._step, reduce_retracing=True,
                                              autograph=False)
 
