@@ -143,15 +143,7 @@ class StageProgram(TaskBodies, KeptResiduals):
                                                self.ops)
     self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources,
                                        rows=self._row_weights(synchronous, jit_compile))
-    self.mirrors = (mirrors_lib.Mirrors(index, self.trainable, optimizer, self.rule,
-                                        self.replica_devices[1:], optimizer_source,
-                                        self._pairs[:len(self.trainable)],
-                                        summing=lambda: self.updates.joint is not None,
-                                        first_device=device)
-                    if ring else None)
-    if self.mirrors is not None:   # ring
-      self.cross_device_ops = self.updates.mirrors = self.mirrors
-      self.mirrors.updates = self.updates
+    self.mirrors = self._ring_mirrors(optimizer, optimizer_source) if ring else None
     self.jit_compile = jit_compile
     self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile,
                                            placed=self.remote)
@@ -159,6 +151,18 @@ class StageProgram(TaskBodies, KeptResiduals):
     self._residual_calls: Dict[str, compat.ResidualCall] = {}
     self._inlined_residuals = False   # `residuals_inlined`
     self._inline = False   # `inlined`: the operations trace their tasks' bodies in place
+
+  def _ring_mirrors(self, optimizer: Any, optimizer_source: Any) -> mirrors_lib.Mirrors:
+    """With `cross_device_ops="ring"`: the other replicas' own copies (`tfpipe.stage.mirrors`),
+    which both sum the gradients over the replicas and update with the stage."""
+    mirrors = mirrors_lib.Mirrors(self.index, self.trainable, optimizer, self.rule,
+                                  self.replica_devices[1:], optimizer_source,
+                                  self._pairs[:len(self.trainable)],
+                                  summing=lambda: self.updates.joint is not None,
+                                  first_device=self.device)
+    self.cross_device_ops = self.updates.mirrors = mirrors
+    mirrors.updates = self.updates
+    return mirrors
 
   def _row_weights(self, synchronous: bool, jit_compile: Optional[bool]) -> Tuple[int, ...]:
     """The indices of this stage's weights an `Embedding` reads by rows: with a synchronous
