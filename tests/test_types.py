@@ -32,46 +32,42 @@ def test_the_stage_and_runtime_packages_pass_mypy_strict(tmp_path, package):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def _probe_module(tmp_path, name, body):
+def _probe(tmp_path, name, body, extra=_UNTYPED_LIBRARIES):
+  """mypy --strict (with `extra`) on a package `probe` holding module `name` (`body`), which
+  may import tfpipe."""
   package = tmp_path / "probe"
   package.mkdir()
   (package / "__init__.py").write_text("")
   (package / name).write_text(body)
-  return dict(os.environ, MYPYPATH=ROOT)
+  return _mypy(tmp_path, "probe", tmp_path / "cache", extra, dict(os.environ, MYPYPATH=ROOT))
 
 
 def test_mypy_strict_refuses_an_untyped_planning_function(tmp_path):
-  env = _probe_module(tmp_path, "plan.py", "def lead(schedule):\n  return len(schedule)\n")
-  done = _mypy(tmp_path, "probe", tmp_path / "cache", env=env)
+  done = _probe(tmp_path, "plan.py", "def lead(schedule):\n  return len(schedule)\n", ())
   assert done.returncode != 0 and "plan.py:1" in done.stdout
 
 
 def test_mypy_strict_refuses_an_untyped_function_on_tensors(tmp_path):
   # As the stage and runtime packages are checked: TensorFlow untyped, ours still annotated.
-  env = _probe_module(tmp_path, "stage.py", "import tensorflow as tf\n\n\n"
-                                            "def doubled(x):\n  return tf.add(x, x)\n")
-  done = _mypy(tmp_path, "probe", tmp_path / "cache", _UNTYPED_LIBRARIES, env)
+  done = _probe(tmp_path, "stage.py", "import tensorflow as tf\n\n\n"
+                                      "def doubled(x):\n  return tf.add(x, x)\n")
   assert done.returncode != 0 and "stage.py:4" in done.stdout, done.stdout
 
 
 def test_mypy_refuses_an_executor_reading_a_stage_member_the_protocol_does_not_state(tmp_path):
-  env = _probe_module(tmp_path, "executor.py",
-                      "from typing import Any\n\n"
-                      "from tfpipe.runtime.protocol import StageProtocol\n\n\n"
-                      "def run(program: StageProtocol) -> Any:\n"
-                      "  return program.task('forward')\n")
-  done = _mypy(tmp_path, "probe", tmp_path / "cache", _UNTYPED_LIBRARIES, env)
+  done = _probe(tmp_path, "executor.py", "from typing import Any\n\n"
+                                         "from tfpipe.runtime.protocol import StageProtocol\n\n\n"
+                                         "def run(program: StageProtocol) -> Any:\n"
+                                         "  return program.task('forward')\n")
   assert done.returncode != 0 and '"StageProtocol" has no attribute "task"' in done.stdout
 
 
 def test_the_stage_program_implements_the_stage_protocol(tmp_path):
   # Statically (mypy: StageProgram is a StageProtocol) and on a compiled pipeline's stages.
-  env = _probe_module(tmp_path, "executor.py",
-                      "from tfpipe.runtime.protocol import StageProtocol\n"
-                      "from tfpipe.stage.program import StageProgram\n\n\n"
-                      "def stated(program: StageProgram) -> StageProtocol:\n"
-                      "  return program\n")
-  done = _mypy(tmp_path, "probe", tmp_path / "cache", _UNTYPED_LIBRARIES, env)
+  done = _probe(tmp_path, "executor.py", "from tfpipe.runtime.protocol import StageProtocol\n"
+                                         "from tfpipe.stage.program import StageProgram\n\n\n"
+                                         "def stated(program: StageProgram) -> StageProtocol:\n"
+                                         "  return program\n")
   assert done.returncode == 0, done.stdout[-3000:]
   import keras
   import tfpipe
