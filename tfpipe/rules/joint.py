@@ -87,7 +87,7 @@ class JointDecision:
   """
 
   def __init__(self, clip: Optional[float], scaling: Optional[Tuple[float, int]], device: str,
-             shared: Sequence[Sequence[Tuple[int, int]]] = ()) -> None:
+               shared: Sequence[Sequence[Tuple[int, int]]] = ()) -> None:
     self.clip = float(clip) if clip else None
     self.scaling = scaling
     self.shared = tuple(shared)

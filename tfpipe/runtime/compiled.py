@@ -274,7 +274,7 @@ class CompiledRuntime(Executor):
         windows_lib.plan(schedule, diffs, self.window, self.aligned), self.K)
 
   def _loops(self, schedule: schedules.Lists, diffs: windows_lib.Diffs,
-           loops: Optional[bool] = None) -> bool:
+             loops: Optional[bool] = None) -> bool:
     """Whether an epoch of `schedule` runs as a loop window (`loops`: whether it would, if
     known): one that finishes each mini-batch before the next, unless recorded."""
     if loops is None:
@@ -369,7 +369,7 @@ class CompiledRuntime(Executor):
       return function(number, *args)
 
   def _run(self, window: windows_lib.Window, number: int, carry: groups.Carry, feed: calls.Feed,
-         M: int) -> Tuple[groups.Carry, List[Any]]:
+           M: int) -> Tuple[groups.Carry, List[Any]]:
     """Calls the window's function (`number`: `_number(window, inline)`); returns (carry
     rebased to the next window, results)."""
     inputs, labels = self.data(window, feed)
@@ -396,7 +396,7 @@ class CompiledRuntime(Executor):
     return groups.rebase(self.parked.unpark(slot, out), window.last + 1 - window.first), results
 
   def data(self, window: windows_lib.Window,
-         feed: calls.Feed) -> Tuple[Dict[int, Any], Dict[int, Any]]:
+           feed: calls.Feed) -> Tuple[Dict[int, Any], Dict[int, Any]]:
     """(inputs, labels) of `window`: {batch counted from its first: stage 0's inputs} and
     {batch: (labels, sample weights)} of the last stage's forwards."""
     inputs, labels = {}, {}
@@ -420,15 +420,15 @@ class CompiledRuntime(Executor):
         self.count_updates(k, count)
 
   def _train_window(self, number: int, carry: groups.Carry, inputs: Dict[int, Any],
-                  labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
+                    labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
     """Traces the tasks of key `number` (of `windows.Window.key`s, in `self._keys`); returns
     (carry, per-batch results)."""
     key, inline, _ = self.numbered[number]
     return self.trace_tasks(key, inline, carry, inputs, labels, M)
 
   def _parked_window(self, number: int, slot: Tuple[Any, ...], shapes: Any, carry: groups.Carry,
-                   inputs: Dict[int, Any], labels: Dict[int, Any],
-                   M: int) -> Tuple[groups.Carry, List[Any]]:
+                     inputs: Dict[int, Any], labels: Dict[int, Any],
+                     M: int) -> Tuple[groups.Carry, List[Any]]:
     """`_train_window` with stages on TF servers: the carry's tensors made there stay there,
     in the variables of `slot` (`tfpipe.runtime.parked`; `shapes`: those read, as traced)."""
     carry, reads = self.parked.read(carry, shapes)
@@ -436,7 +436,7 @@ class CompiledRuntime(Executor):
     return self.parked.park(slot, out, reads), results
 
   def trace_tasks(self, key: Key, inline: bool, carry: groups.Carry, inputs: Dict[int, Any],
-                labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
+                  labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
     """Traces the tasks of window key `key` (see `_train_window`), their bodies `inline` or as
     calls of the stages' traced functions."""
     # The task calls' options: their functions are optimised. Their outputs' shapes are
@@ -458,7 +458,7 @@ class CompiledRuntime(Executor):
     return compat.calls_marked([p.device for p in self.programs])
 
   def _traced_tasks(self, key: Key, carry: groups.Carry, inputs: Dict[int, Any],
-                  labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
+                    labels: Dict[int, Any], M: int) -> Tuple[groups.Carry, List[Any]]:
     moves = window_moves.WindowMoves(self, carry, inputs, labels, M)
     stages = [interpreter.Stage(k, p, k == self.K - 1) for k, p in enumerate(self.programs)]
     for (k, b, micro), (kept, share) in carry["saved"].items():

@@ -48,7 +48,7 @@ class GroupedWindows:
     return self.groups[distinct]
 
   def run(self, group: "Group", window: windows.Window, number: int, carry: groups.Carry,
-        feed: calls.Feed, M: int) -> Optional[Tuple[groups.Carry, List[Any]]]:
+          feed: calls.Feed, M: int) -> Optional[Tuple[groups.Carry, List[Any]]]:
     """The window through the group's function: (carry, results) as the executor's own call
     gives them; None when the window's batches are shaped unlike the group's (a smaller
     batch: the function would trace again), or when tracing found the plan ungroupable
@@ -80,7 +80,7 @@ class GroupedWindows:
     return out, results[:window.last + 1 - window.first]
 
   def _traced(self, branch: tf.Tensor, numbers: Tuple[int, ...], inputs: Dict[int, Any],
-            labels: Dict[int, Any], M: int, size: int) -> Any:
+              labels: Dict[int, Any], M: int, size: int) -> Any:
     """The group's function: the windows of `numbers` as branches (`branch` chooses), in plan
     order. The first traces on no carry, and what it hands on is the template; the others
     take the carry as placeholders of the template's shapes, fed at each call with the
@@ -121,7 +121,7 @@ class Group:
   the carry the next call's branch takes (None: the template's zeros)."""
 
   def __init__(self, numbers: Tuple[int, ...], inputs: List[int], labels: List[int],
-             size: int) -> None:
+               size: int) -> None:
     self.numbers, self.inputs, self.labels, self.size = numbers, inputs, labels, size
     self.template: Optional[groups.Carry] = None
     self.fillers: Optional[List[Any]] = None

@@ -96,7 +96,7 @@ class Countdown:
   gives up when `stop` is set."""
 
   def __init__(self, schedule: schedules.Lists, stop: threading.Event,
-             poll: float = 0.05) -> None:
+               poll: float = 0.05) -> None:
     self._left = collections.Counter(t.batch for tasks in schedule for t in tasks
                                      if t.kind in ("B", "W"))
     self._stop, self._poll = stop, poll
@@ -133,7 +133,7 @@ class Gate:
   """
 
   def __init__(self, stop: threading.Event, lead: Optional[int] = None,
-             poll: float = 0.05) -> None:
+               poll: float = 0.05) -> None:
     self.lead, self._stop, self._poll = lead, stop, poll
     self.limit: Optional[int] = None
     self._handled = -1
@@ -184,7 +184,7 @@ class Links:
   """
 
   def __init__(self, K: int, poll: float, maxsize: int, micro_batches: int = 1,
-             lead: Optional[int] = None) -> None:
+               lead: Optional[int] = None) -> None:
     self.K, self.stop, self.micro_batches = K, threading.Event(), micro_batches
 
     def pair() -> Tuple[Channel, Channel]:
@@ -203,7 +203,7 @@ class Links:
     return lambda: self.gate.gone(b)
 
   def inputs(self, k: int, batches: Iterator[Any], labelled: bool, b: int,
-           micro: Optional[int] = None) -> Tuple[List[Any], Any, Any]:
+             micro: Optional[int] = None) -> Tuple[List[Any], Any, Any]:
     """Stage k's next inputs, their share of the mini-batch, and at the last stage the
     labels and sample weights (y, sample_weight).
 

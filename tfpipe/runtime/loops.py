@@ -26,7 +26,7 @@ class LoopWindows:
     self.functions = calls.Relaxed(self._traced)   # per batch size; any sequence length
 
   def train(self, flush: windows.Window, number: int, batches: Iterator[Any], num_batches: int,
-          M: int, on_result: OnResult, before: Before) -> int:
+            M: int, on_result: OnResult, before: Before) -> int:
     """Runs a schedule whose mini-batches finish one by one (`windows.flush_window`): each
     window of W mini-batches is one call that loops over them (`tf.while_loop`, one
     iteration at a time), so its graph holds one mini-batch's tasks whatever W is."""
@@ -78,7 +78,7 @@ class LoopWindows:
             for i in range(count)]
 
   def _traced(self, number: int, n: tf.Tensor, xs: Any, y: Any, weights: Any,
-            M: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
+              M: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor]]:
     """The loop of `_train_loops`: one iteration for each of the first `n` mini-batches, each
     the tasks of key `number`; returns (losses, {name: values}), one per mini-batch."""
     key, inline, _ = self.runtime.numbered[number]
@@ -86,7 +86,7 @@ class LoopWindows:
     empty: Carry = {"x": {}, "saved": {}, "g": {}}
 
     def body(i: tf.Tensor, losses: tf.TensorArray,
-         logs: List[tf.TensorArray]) -> Tuple[tf.Tensor, tf.TensorArray, List[tf.TensorArray]]:
+             logs: List[tf.TensorArray]) -> Tuple[tf.Tensor, tf.TensorArray, List[tf.TensorArray]]:
       at = lambda t: tf.gather(t, i)
       inputs = {0: tf.nest.map_structure(at, xs)}
       labels = {0: (tf.nest.map_structure(at, y),

@@ -178,7 +178,7 @@ class _LinkMoves(interpreter.Moves):
   timed (`TaskRecord`s); a mini-batch's result goes to the caller's thread."""
 
   def __init__(self, runtime: Runtime, links: Links, batches: Iterator[Any],
-             diffs: windows.Diffs, countdown: Optional[Countdown]) -> None:
+               diffs: windows.Diffs, countdown: Optional[Countdown]) -> None:
     self.runtime, self.links, self.batches, self.diffs = runtime, links, batches, diffs
     self.countdown = countdown
     self.gradients: Dict[Tuple[int, int, Micro], Any] = {}   # received early (R tasks)

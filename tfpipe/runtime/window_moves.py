@@ -24,7 +24,7 @@ class WindowMoves(interpreter.Moves):
   before (`carry`); shares are float64 tensors; a mini-batch's result is its loss and logs."""
 
   def __init__(self, runtime: "CompiledRuntime", carry: Carry, inputs: Dict[int, Any],
-             labels: Dict[int, Any], M: int) -> None:
+               labels: Dict[int, Any], M: int) -> None:
     self.runtime, self.inputs, self.labels, self.M = runtime, inputs, labels, M
     self.outputs, self.gradients = dict(carry["x"]), dict(carry["g"])
     self.pieces: Dict[Tuple[str, int], List[Any]] = {}

@@ -65,8 +65,8 @@ class TaskBodies:
   # Weights and the stage call.
 
   def _call(self, weights: Sequence[Any], xs: Sequence[Any], training: bool,
-          update_state: bool = True,
-          state: Optional[Sequence[Any]] = None) -> Called:
+            update_state: bool = True,
+            state: Optional[Sequence[Any]] = None) -> Called:
     """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
 
     `state`: the non-trainable values to read (None: the variables'). Random
@@ -108,7 +108,7 @@ class TaskBodies:
             [id(v) for v in self.model.non_trainable_variables])
 
   def _as_model_split(self, weights: Sequence[Any],
-                    state: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
+                      state: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
     """`weights` and `state` (the compile-time split) as Keras's lists are after a layer's
     `trainable` changed: predict and evaluate still read every variable's own value
     (`Pipeline.fit` asks for a new compile)."""
@@ -126,7 +126,7 @@ class TaskBodies:
     return [] if self.is_first else [x for x, f in zip(xs, self._float_in) if f]
 
   def _gradient(self, tape: tf.GradientTape, targets: Any, sources: Sequence[Any], n_weights: int,
-              output_gradients: Any = None) -> List[Any]:
+                output_gradients: Any = None) -> List[Any]:
     """`tape.gradient(targets, sources)`, where the first `n_weights` sources are the stage's
     weights (`_connected`)."""
     grads = tape.gradient(targets, sources, output_gradients=output_gradients,
@@ -155,7 +155,7 @@ class TaskBodies:
     return [next(taken) if f else None for f in self._float_in]
 
   def _targets(self, ys: Sequence[Any], dys: Sequence[Any], reg: Any,
-             scale: Any) -> Tuple[List[Any], List[Any]]:
+               scale: Any) -> Tuple[List[Any], List[Any]]:
     pairs = [(y, dy if dy is not None else tf.zeros_like(y))
              for y, dy, f in zip(ys, dys, self._float_out) if f]
     # The regularisation's gradient weighs as the loss's: the micro-batch's share, and the
@@ -177,14 +177,14 @@ class TaskBodies:
       return self._call(self.sources.read(s, self.ops["F"].reads), xs, training=True)
 
   def _forward_on(self, weights: Sequence[Any],
-                xs: Sequence[Any]) -> Called:
+                  xs: Sequence[Any]) -> Called:
     """The training forward on `weights` (tensors): (outputs, regularisation, state read)."""
     with tf.device(self.device):
       return self._call(weights, xs, training=True)
 
   def _backward_on(self, kept_weights: Optional[Sequence[Any]], parts: Sequence[Part],
-                 dys: Sequence[Any], s: Any, scale: Any, accumulate: bool, wrt: str,
-                 inline: bool = False) -> List[Any]:
+                   dys: Sequence[Any], s: Any, scale: Any, accumulate: bool, wrt: str,
+                   inline: bool = False) -> List[Any]:
     """Recomputes the forwards of `parts` [(inputs, state read)] on the backward's weights
     (`_backward_read`) and takes their gradients `wrt` ("both", "inputs", "weights"); the
     weight gradients update (or accumulate); returns the input gradients ([] for "weights").
@@ -209,7 +209,7 @@ class TaskBodies:
       return self._input_grads(input_grads)
 
   def _joined_grads(self, weights: Sequence[Any], parts: Sequence[Part], dys: Sequence[Any],
-                  scale: Any, wrt: str) -> Tuple[List[Any], List[Any]]:
+                    scale: Any, wrt: str) -> Tuple[List[Any], List[Any]]:
     """(weight gradients, input gradients) of the parts' forwards traced side by side, their
     outputs joined along the batch axis."""
     float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
@@ -232,7 +232,7 @@ class TaskBodies:
     return grads[:n_weights], joined
 
   def _summed_grads(self, weights: Sequence[Any], parts: Sequence[Part], dys: Sequence[Any],
-                  scale: Any, wrt: str, inline: bool) -> Tuple[List[Any], List[Any]]:
+                    scale: Any, wrt: str, inline: bool) -> Tuple[List[Any], List[Any]]:
     """(weight gradients, input gradients) of the parts' forwards, one `part_grads` call
     each: the weight gradients summed, the input gradients joined along the batch axis."""
     sizes = [tf.shape(xs[0])[0] for xs, _ in parts]
@@ -247,7 +247,7 @@ class TaskBodies:
     return weight_grads, input_grads
 
   def _part_grads(self, weights: Sequence[Any], xs: Sequence[Any], state: Sequence[Any],
-                dys: Sequence[Any], reg_scale: Any, wrt: str) -> Tuple[List[Any], List[Any]]:
+                  dys: Sequence[Any], reg_scale: Any, wrt: str) -> Tuple[List[Any], List[Any]]:
     """One part of a recomputing backward (`_joined_grads` of that part alone): its forward
     on `weights` replaying `state`, then (weight gradients, input gradients) `wrt`, its
     regularisation weighted by `reg_scale` (0: a later part's, counted by the first)."""
@@ -255,7 +255,7 @@ class TaskBodies:
       return self._joined_grads(weights, [(xs, state)], dys, reg_scale, wrt)
 
   def _last_step(self, xs: Sequence[Any], y: Any, sample_weight: Any, s: Any, scale: Any,
-               accumulate: bool) -> Tuple[Any, List[Any], Dict[str, Any]]:
+                 accumulate: bool) -> Tuple[Any, List[Any], Dict[str, Any]]:
     """The last stage's forward, loss, backward and update: returns (loss, input gradients,
     the epoch's running loss and metrics after this batch, as Keras's batch logs)."""
     with tf.device(self.device):
@@ -278,7 +278,7 @@ class TaskBodies:
       return total, self._input_grads(grads[len(weights):]), self.reports.results(in_task=True)
 
   def _step_on(self, weights: Sequence[Any], xs: Sequence[Any], y: Any, sample_weight: Any,
-             scale: Any) -> Tuple[Any, Any, Dict[str, Any]]:
+               scale: Any) -> Tuple[Any, Any, Dict[str, Any]]:
     """The last stage's forward, loss and metrics on `weights` (tensors), for a split step
     (`last_step_input`): (the target of its gradients, the loss, the running logs)."""
     with tf.device(self.device):

@@ -48,7 +48,7 @@ class KerasStep:
   """
 
   def __init__(self, model: Any, loss: Any, metrics: Any, weighted_metrics: Any,
-             loss_weights: Any, device: str) -> None:
+               loss_weights: Any, device: str) -> None:
     if loss is None:
       raise ValueError("`loss` is required")
     self.model, self.device = model, device

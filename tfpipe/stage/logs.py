@@ -19,7 +19,7 @@ class Logs:
   `in_xla`: its tasks run under XLA, which reads no variable of another device."""
 
   def __init__(self, loss: Any, metrics: Sequence[Any], loss_tracker: Any,
-             reg_trackers: Optional[Sequence[Any]], output_structure: Any, in_xla: bool) -> None:
+               reg_trackers: Optional[Sequence[Any]], output_structure: Any, in_xla: bool) -> None:
     self.loss, self.metrics, self.loss_tracker = loss, list(metrics), loss_tracker
     self.reg_trackers, self.output_structure = list(reg_trackers or []), output_structure
     self.in_xla = in_xla

@@ -129,7 +129,7 @@ class Mirrors:
     return out
 
   def gradients(self, r: int, grads: Sequence[Any],
-              squares: Optional[Sequence[Any]] = None) -> Tuple[Sequence[Any], List[Any]]:
+                squares: Optional[Sequence[Any]] = None) -> Tuple[Sequence[Any], List[Any]]:
     """What replica r's copy returns for the gradient `grads` of its weights, as (gradient of
     its inputs, what its anchor's gradient waits for). Replica 0's runs last. `summing()`
     (a whole-model decision reads the gradients' norms before any update): replica 0 sums
@@ -173,7 +173,7 @@ class Mirrors:
     return sums[0], sums[1:]
 
   def accumulate(self, sums: Sequence[Sequence[Any]],
-               replicas: Optional[Iterable[int]] = None) -> List[Any]:
+                 replicas: Optional[Iterable[int]] = None) -> List[Any]:
     """Adds `sums[r-1]` (replica r's all-reduced gradients, on its device) to its
     accumulator; returns the additions (what the stage's own gradient must wait for: a task
     whose graph is pruned to its outputs keeps them so)."""
@@ -198,7 +198,7 @@ class Mirrors:
       self._scale = None
 
   def apply(self, factor: Any = None, finite: Any = None,
-          sums: Optional[Sequence[Sequence[Any]]] = None) -> List[tf.Tensor]:
+            sums: Optional[Sequence[Sequence[Any]]] = None) -> List[tf.Tensor]:
     """Each replica's update with its accumulated gradients (or `sums`, one list per replica:
     `reduce`'s) times `factor` (none where `finite` is False), its accumulator cleared: the
     primary's update, on the same values. Returns the updated weights read back: the stage's
@@ -216,7 +216,7 @@ class Mirrors:
           self.rule.apply(optimizer, grads, weights, [], self._stage().unused)
         else:
           def step(optimizer: Any = optimizer, grads: List[Any] = grads,
-         weights: List[Any] = weights) -> tf.Tensor:
+                   weights: List[Any] = weights) -> tf.Tensor:
             self.rule.apply(optimizer, grads, weights, [], self._stage().unused)
             return tf.constant(True)
           tf.cond(finite, step, lambda: tf.constant(False))

@@ -218,7 +218,7 @@ class StageProgram(TaskBodies, KeptResiduals):
       self._inline = before
 
   def forward(self, xs: Any, s: int = 0, labels: Any = None, training: bool = True,
-            split: bool = False) -> Any:
+              split: bool = False) -> Any:
     """Task F: the forward on the weights it reads (s: its version difference).
 
     Training: returns (outputs, `Kept`: what its backward needs, as the table's `keeps`
@@ -272,7 +272,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     return ys, Kept(xs, state, list(weights), tape, ys, reg)
 
   def backward(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any,
-             accumulate: bool) -> Backward:
+               accumulate: bool) -> Backward:
     """Task B: the gradients of the forwards `parts` (`Kept`s; several for a TiMePReSt
     mini-batch) given their outputs' gradients `dys`, on the weights the table's `reads`
     says (`s`: the task's version difference); updates with the weight gradients (adds
@@ -318,7 +318,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     return Backward(self._backward(parts, dys, s, scale, False, "inputs", inline))
 
   def backward_weights(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any,
-                     accumulate: bool) -> None:
+                       accumulate: bool) -> None:
     """The weight-gradient half of `backward` (a zero-bubble schedule's W): the update (at
     the last stage, `parts` is its input half's `Backward.kept` and `dys` None)."""
     inline = self._inline
@@ -371,7 +371,7 @@ class StageProgram(TaskBodies, KeptResiduals):
     return Backward(self._input_grads(grads[n:]), loss, self.reports.completed(logs), kept)
 
   def _backward(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any, accumulate: bool,
-              wrt: str, inline: bool) -> List[Any]:
+                wrt: str, inline: bool) -> List[Any]:
     if len(parts) == 1 and (parts[0].tape is not None or self._replays(parts[0], dys)):
       return self._through_tape(parts[0], dys, scale, accumulate, wrt, inline)
     weights = parts[0].weights if parts[0].weights is not None else []
@@ -384,7 +384,7 @@ class StageProgram(TaskBodies, KeptResiduals):
                                                  dys, s, scale, accumulate, wrt, inline))
 
   def _through_tape(self, kept: Kept, dys: Any, scale: Any, accumulate: bool, wrt: str,
-                  inline: bool) -> List[Any]:
+                    inline: bool) -> List[Any]:
     """The gradient through a kept forward's tape (its own weights), then the update."""
     with tf.device(self.device):
       float_xs = self._float_inputs(kept.xs)
@@ -400,7 +400,7 @@ class StageProgram(TaskBodies, KeptResiduals):
       return self._shaped_input_grads(grads[len(weights):], float_xs)
 
   def _walk(self, kept: Kept, dys: Any, scale: Any, sources: Sequence[Any], n_weights: int,
-          inline: bool = False) -> List[Any]:
+            inline: bool = False) -> List[Any]:
     """The gradients of `sources` through a kept forward's tape, given its outputs' `dys`
     (or from its residuals: the same functions TensorFlow's gradient of the call runs; those
     of a forward called `inline`, `residuals_inlined`)."""

@@ -52,7 +52,7 @@ class KeptResiduals:
       self._inlined_residuals = before
 
   def _residual_call(self, weights: Any, xs: Any,
-                   inline: bool = False) -> Optional[compat.ResidualCall]:
+                     inline: bool = False) -> Optional[compat.ResidualCall]:
     """The forward's `compat.ResidualCall` for these arguments, when a window's graph calls
     the traced forward (not eagerly, not under XLA); else None. `inline`: of the forward
     TensorFlow inlines when the graph runs (`residuals_inlined`), else of the one that stays
@@ -109,7 +109,7 @@ class KeptResiduals:
         dy is not None for dy, f in zip(dys, self._float_out) if f)
 
   def _from_residuals(self, kept: Kept, dys: Sequence[Any], scale: Any, sources: Sequence[Any],
-                    n_weights: int, inline: bool = False) -> List[Any]:
+                      n_weights: int, inline: bool = False) -> List[Any]:
     """`_walk` for a forward that kept its residuals (`Kept.residuals`), not a tape."""
     call = self._residual_call(kept.weights, kept.xs, inline)
     assert call is not None   # residuals come from a window's graph

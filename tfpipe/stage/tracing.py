@@ -25,8 +25,8 @@ class TaskFunctions:
   timeprest, 8 x Dense(32), K=4, 64 mini-batches, first epoch 23.5 s traced per part, 18 s so)."""
 
   def __init__(self, bodies: Dict[str, Callable[..., Any]], device: str,
-             jit_compile: Optional[bool], inlinable: Sequence[str] = ("part_grads",),
-             placed: bool = False) -> None:
+               jit_compile: Optional[bool], inlinable: Sequence[str] = ("part_grads",),
+               placed: bool = False) -> None:
     self.bodies, self.device, self.jit_compile = bodies, device, jit_compile
     self.placed = placed or jit_compile   # each call from within the device's scope
     self.inlinable = {name: compat.own_function(bodies[name], reduce_retracing=True,

@@ -38,7 +38,7 @@ class Updates:
   `device` with `optimizer` and `rule`."""
 
   def __init__(self, index: int, device: str, optimizer: Any, rule: mitigations.StageRule,
-             sources: WeightSources, rows: Sequence[int] = ()) -> None:
+               sources: WeightSources, rows: Sequence[int] = ()) -> None:
     self.index, self.device, self.optimizer, self.rule = index, device, optimizer, rule
     self.sources, self.trainable = sources, sources.trainable
     self.accumulators: Optional[List[Any]] = None   # `build_accumulators`
@@ -113,7 +113,7 @@ class Updates:
     return list(weights) if self.rule.delay_compensation and weights is not None else None
 
   def update(self, grads: Sequence[Any], accumulate: bool,
-           read: Optional[Sequence[Any]] = None) -> None:
+             read: Optional[Sequence[Any]] = None) -> None:
     """One update with `grads` taken at the weights `read` (DC-ASGD moves them to the
     current ones), or their addition to the accumulators (with `read`, to the mean of the
     reads: the accumulated gradient is compensated from there at the update)."""
@@ -138,7 +138,7 @@ class Updates:
         self.reads.assign_add(1.0)
 
   def update_after(self, outputs: Sequence[Any], grads: Sequence[Any], accumulate: bool,
-                 read: Optional[Sequence[Any]] = None) -> None:
+                   read: Optional[Sequence[Any]] = None) -> None:
     """The update with `grads`, run only once a task's `outputs` (its input gradients) are
     computed. Without the order TensorFlow may run the update first and the input gradients
     then read the updated weights (measured: 1 whole backward in 12 gave other input

@@ -22,7 +22,7 @@ class WeightSources:
   `previous` are created (on the caller's device scope) where the stage's policy reads them."""
 
   def __init__(self, index: int, trainable: List[Any], optimizer: Any,
-             policy: policies.WeightPolicy, ops: Mapping[str, tasks.StageOp]) -> None:
+               policy: policies.WeightPolicy, ops: Mapping[str, tasks.StageOp]) -> None:
     self.trainable, self.optimizer, self.ops = trainable, optimizer, ops
     self.deltas = ([tf.Variable(tf.zeros_like(v), trainable=False, name=f"s{index}_delta{j}")
                     for j, v in enumerate(trainable)] if ops["B"].reads == "corrected" else [])
