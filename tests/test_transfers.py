@@ -67,3 +67,30 @@ def test_describe_gives_each_hosts_shares():
   assert line.startswith("time on each host, traced over 2 s")
   assert line.index("ps/0 computing 100%, waiting on transfers 0.1%, idle 0%") < line.index(
       "worker/1 computing 25%, waiting on transfers 50%, idle 25%")
+
+
+def test_a_worker_that_traces_nothing_waits_for_the_first_workers_word_before_any_op(
+    tmp_path, monkeypatch):
+  # --transfer_share with data parallelism: the other workers run no op (a collective) until
+  # the first worker's trace has ended, which it says by making a file.
+  import threading
+  import time
+  import types
+  from trainers import instruments
+  done = tmp_path / "trace_done"
+  monkeypatch.setenv(instruments.TRACE_DONE_VARIABLE, str(done))
+  waiter = types.SimpleNamespace(WAIT_MARGIN=0.0)
+  threading.Timer(0.3, done.touch).start()
+  instruments.Instruments._wait_for_trace(waiter, time.monotonic())   # the trace's end passed
+  assert done.exists()   # it waited for the word, past the trace's own end
+
+
+def test_without_a_word_a_worker_waits_past_the_traces_end(monkeypatch):
+  import time
+  import types
+  from trainers import instruments
+  monkeypatch.delenv(instruments.TRACE_DONE_VARIABLE, raising=False)
+  waiter = types.SimpleNamespace(WAIT_MARGIN=0.2)
+  ends = time.monotonic() + 0.1
+  instruments.Instruments._wait_for_trace(waiter, ends)
+  assert time.monotonic() >= ends + waiter.WAIT_MARGIN

@@ -98,6 +98,7 @@ def run_workers(config, flag_values):
   import sys
   import tempfile
   from tfpipe.cluster import emulation, links
+  from trainers.instruments import TRACE_DONE_VARIABLE
   replicas, stages, link = parse(config.cluster)
   if stages != 1:
     raise ValueError(f"--method={config.method} --cluster=emulated:R,1,LINK runs R workers of "
@@ -105,7 +106,8 @@ def run_workers(config, flag_values):
   lines = [line for line in flag_values.flags_into_string().splitlines()
            if not line.startswith(("--cluster=", "--flagfile="))]
   with emulation.Network(replicas, link=link) as network, \
-       tempfile.NamedTemporaryFile("w", suffix=".cfg") as flagfile:
+       tempfile.NamedTemporaryFile("w", suffix=".cfg") as flagfile, \
+       tempfile.TemporaryDirectory(prefix="tfpipe_workers_") as shared:
     flagfile.write("\n".join(lines + ["--cluster=tf_config"]) + "\n")
     flagfile.flush()
     addresses = [f"{host.address}:2222" for host in network.hosts]
@@ -116,6 +118,8 @@ def run_workers(config, flag_values):
     for index, host in enumerate(network.hosts):
       env = dict(os.environ, TF_CONFIG=json.dumps(
           {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}))
+      # --transfer_share: worker 0 says here when its trace of every host has ended.
+      env[TRACE_DONE_VARIABLE] = os.path.join(shared, "trace_done")
       if index == 0:   # it counts the bytes on the links (`counting`)
         env[HUB_VARIABLE], env[RATE_VARIABLE] = network.hub, str(links.parse(link).rate)
       errors.append(tempfile.TemporaryFile("w+"))

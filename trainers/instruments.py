@@ -8,7 +8,11 @@ writes their TensorBoard scalars and plots and returns the text to print.
 import os
 import time
 
-__all__ = ["Instruments"]
+__all__ = ["Instruments", "TRACE_DONE_VARIABLE"]
+
+# A file the first worker makes once its host trace has ended (`run_workers` names one in a
+# folder every emulated host shares): the other workers wait for it before anything else runs.
+TRACE_DONE_VARIABLE = "TFPIPE_TRACE_DONE"
 
 class Instruments:
   TRACE_EPOCHS = 1.5   # --transfer_share traces this many of the last epoch's seconds
@@ -41,23 +45,43 @@ class Instruments:
     """--transfer_share: `fit(callbacks)` trains one more epoch while every host's server is
     traced over it (`transfers.HostTrace`, for `TRACE_EPOCHS` times the last epoch's seconds;
     `self.transfers`). A worker that traces nothing (`hosts` None: not the first of several)
-    trains the epoch, then keeps its server up until the first worker's trace has ended (a
-    server gone before it ends fails the trace, and a server shut down while its profiler
-    sends its trace crashed): `barrier()`, which every worker calls once its part is done
-    (data parallelism's workers), else for as long as the trace lasts."""
+    trains the epoch, then keeps its server up and runs no op until the first worker's trace
+    has ended (`_wait_for_trace`): a server gone before it ends fails the trace, and a worker
+    whose profiler ended its trace while the worker ran an op (a collective waiting for the
+    others) or shut down crashed (SIGSEGV, measured). Then every worker meets the others,
+    `barrier()` (data parallelism's workers), so that none ends before the first is done."""
+    import keras
     from tfpipe.instruments import transfers
     seconds = self.TRACE_EPOCHS * self._epoch_seconds
     if self.hosts is None:
-      fit([])
-      if barrier is None:
-        time.sleep(transfers.HostTrace.LEAD + seconds)
+      began = []
+      fit([keras.callbacks.LambdaCallback(
+          on_epoch_begin=lambda epoch, logs: began.append(time.monotonic()))])
+      start = began[0] if began else time.monotonic()
+      self._wait_for_trace(start + transfers.HostTrace.LEAD + seconds)
     else:
       tracer = transfers.HostTrace(self.hosts, seconds)
       fit([tracer])
       self.transfers = tracer.result
       self._trace_error = tracer.error
+      done = os.environ.get(TRACE_DONE_VARIABLE)
+      if done:
+        with open(done, "w"):
+          pass
     if barrier is not None:
       barrier()
+
+  WAIT_MARGIN = 5.0   # seconds past a trace's own end, where no word of its end comes
+
+  def _wait_for_trace(self, ends):
+    """Returns once the first worker's trace has ended: its word (a file, where
+    `TRACE_DONE_VARIABLE` names one), or else `WAIT_MARGIN` seconds past the trace's end as
+    this worker reckons it (`ends`, on `time.monotonic`'s clock; its epoch began within a
+    step of the first worker's, whose trace began before its first step)."""
+    done = os.environ.get(TRACE_DONE_VARIABLE)
+    deadline = ends + self.WAIT_MARGIN + (120.0 if done else 0.0)
+    while time.monotonic() < deadline and not (done and os.path.exists(done)):
+      time.sleep(0.05)
 
   @property
   def trace_dir(self):
