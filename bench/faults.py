@@ -4,18 +4,18 @@ Runs the trainer as a user starts it (`python -m trainers.main`, a process of
 its own) on emulated hosts (`--cluster=emulated:1,2,LINK`: each TF server in a
 network namespace of its own, root only) with `--max_restarts` and
 `--checkpoint_dir`, waits for an epoch to end, and injects one fault into the
-host of stage 1 (h1): its server killed (kill -9), frozen (SIGSTOP), or its
+host of stage 1 (h1): its server killed (kill -9), frozen (SIGSTOP), its
 link down for some seconds (`ip link set down` on the bridge's end, through
-pyroute2). It reads from the trainer's stderr when the fault was named (the
+pyroute2), or 1% of the packets on its link dropped or 100 ms added to each
+way for `--impair_seconds` (`tfpipe.cluster.impairment`: packet programs and a
+delay line, no `netem` needed). It reads from the trainer's stderr when the fault was named (the
 watchdog's or the error's line) and how the run ended: ridden out (no restart),
 recovered by a restart, or ended with an error. Every run is compared with the
 same run without a fault: for a synchronous method its last epoch's loss must be
 the same. `--soak_minutes` instead trains one long run with a random fault
-every `--soak_every` seconds and checks the same, and that no process,
-namespace or temporary file is left behind.
-
-Packet loss and added delay need the kernel's `netem` (or `act_gact` for
-random drops); where the kernel lacks them, their rows say so.
+every `--soak_every` seconds and checks that its final weights equal the
+uninterrupted run's (each run writes them, `--save_weights`), and that no
+process, namespace or temporary file is left behind.
 
   python bench/faults.py [--faults=kill,stop,down5,down60,loss1,delay100 --link=1gbit]
   python bench/faults.py --soak_minutes=30
@@ -51,6 +51,7 @@ flags.DEFINE_integer("steps", 30, "mini-batches per epoch")
 flags.DEFINE_integer("max_restarts", 3, "the trainer's --max_restarts")
 flags.DEFINE_float("soak_minutes", 0.0, "minutes of one long run with random faults (0: off)")
 flags.DEFINE_float("soak_every", 120.0, "seconds between the soak's faults (on average)")
+flags.DEFINE_float("impair_seconds", 60.0, "how long loss1 and delay100 last")
 flags.DEFINE_string("results_dir", results_io.RESULTS, "where the table goes")
 FLAGS = flags.FLAGS
 
@@ -104,12 +105,12 @@ class Run:
     return "\n".join(line for _, n, line in self.lines if name in (None, n))
 
 
-def _argv(checkpoints, epochs):
+def _argv(checkpoints, epochs, weights=None):
   return [sys.executable, "-m", "trainers.main", "--flagfile=configs/quickstart.cfg",
           f"--method={FLAGS.method}", f"--cluster=emulated:1,2,{FLAGS.link}",
           f"--epochs={epochs}", f"--steps={FLAGS.steps}", "--logdir=", "--verbose=2",
           f"--max_restarts={FLAGS.max_restarts}", f"--checkpoint_dir={checkpoints}",
-          "--throughput_window="]
+          "--throughput_window="] + ([f"--save_weights={weights}"] if weights else [])
 
 
 def _trainers(pid):
@@ -151,17 +152,6 @@ def _link(hub, port, up):
     ipr.link("set", index=ipr.link_lookup(ifname=port)[0], state="up" if up else "down")
 
 
-def _netem_missing():
-  """Why packet loss and delay cannot be injected here (a one-host network with a delayed
-  link refused), or None."""
-  from tfpipe.cluster import emulation
-  try:
-    emulation.Network(1, link="1gbit,100ms,1%").close()
-  except (RuntimeError, ValueError) as e:
-    return str(e).splitlines()[0]
-  return None
-
-
 def inject(fault, pid):
   """Injects `fault` into host h1 of the trainer `pid`; returns when it is in place (a link
   brought down comes back up on its own, in a thread)."""
@@ -172,17 +162,26 @@ def inject(fault, pid):
     for server in servers:
       os.kill(server, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     return
-  seconds = int(fault[len("down"):])
   hub = _netns_of(pid, "hub")
-  _link(hub, "h1", up=False)
+  if fault in ("loss1", "delay100"):
+    from tfpipe.cluster import impairment
+    shape = dict(loss=0.01) if fault == "loss1" else dict(delay=0.1)
+    # As `emulation.Network.impaired_ends`: the host's end delays, the bridge's delays and drops.
+    impaired = impairment.Impairment([
+        impairment.End(_netns_of(pid, "h1"), "eth0", delay=shape.get("delay", 0.0)),
+        impairment.End(hub, "h1", loss_in=shape.get("loss", 0.0), **shape)])
+    seconds, lift = FLAGS.impair_seconds, impaired.remove
+  else:
+    _link(hub, "h1", up=False)
+    seconds, lift = int(fault[len("down"):]), lambda: _link(hub, "h1", up=True)
 
-  def bring_up():
+  def lifted():
     time.sleep(seconds)
     try:
-      _link(hub, "h1", up=True)
+      lift()
     except Exception:  # noqa: BLE001 -- the run (and its namespaces) may have ended
       pass
-  threading.Thread(target=bring_up, daemon=True).start()
+  threading.Thread(target=lifted, daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -203,9 +202,6 @@ def one(fault, reference):
   """Injects `fault` after the first epoch; its row."""
   checkpoints = tempfile.mkdtemp(prefix="tfpipe-faults-")
   try:
-    missing = _netem_missing() if fault in ("loss1", "delay100") else None
-    if missing:
-      return [fault, "not injected", missing, "", ""]
     run = Run(_argv(checkpoints, FLAGS.epochs))
     if run.wait_for(r"^epoch 1/", 600) is None:
       run.finish(5)
@@ -213,7 +209,8 @@ def one(fault, reference):
               "", ""]
     start = time.monotonic()
     inject(fault, run.process.pid)
-    named = run.wait_for(r"^tfpipe: (lost|restart|process restart)|^error|lost /job:", 120)
+    named = run.wait_for(r"^tfpipe: (lost|restart|process restart)|^error|lost /job:|"
+                         r"answers slowly|connections retransmit", 120)
     code = run.finish(900)
     restarts = re.findall(RESTART, run.text("err"), re.M)
     losses = _losses(run.text("out"))
@@ -259,12 +256,12 @@ def soak(reference_epochs):
     time.sleep(rng.uniform(0.5, 1.5) * FLAGS.soak_every)
     if run.process.poll() is not None:
       break
-    fault = rng.choice(["kill", "stop", "down5", "down60"])
+    fault = rng.choice(FAULTS)
     try:
       inject(fault, run.process.pid)
       injected.append((round(time.monotonic() - start), fault))
       print(f"soak: {fault} at {injected[-1][0]} s", flush=True)
-    except (OSError, IndexError, TypeError) as e:   # the run ended meanwhile
+    except (OSError, IndexError, TypeError, ValueError) as e:   # ended meanwhile, or impaired
       print(f"soak: {fault} not injected ({e})", flush=True)
   code = run.finish(600)
   shutil.rmtree(checkpoints, ignore_errors=True)

@@ -196,19 +196,6 @@ def test_a_host_over_its_memory_cap_is_killed_and_its_peak_and_usage_are_read():
     assert big.wait(timeout=60) == -9   # the kernel's OOM killer, as on a host that ran out
 
 
-@needs_hosts
-def test_delay_and_loss_need_netem_and_say_so_where_the_kernel_lacks_it():
-  try:
-    network = emulation.Network(1, link="1gbit,1ms,1%")
-  except emulation.EmulationUnavailable as e:
-    assert "netem" in str(e) and "give a rate alone" in str(e)
-    return
-  with network:
-    qdiscs = subprocess.run(["tc", "-n", network.hub, "qdisc", "show"], capture_output=True,
-                            text=True, check=True).stdout
-    assert "netem" in qdiscs and "delay 1ms" in qdiscs and "loss 1%" in qdiscs
-
-
 def _trainer(*args):
   env = dict(os.environ, TFDS_DATA_DIR=os.path.join(zygote.ROOT, "tests", "no_such_data_dir"))
   return zygote.run(["-m", "trainers.main", "--snn_width=16", "--snn_depth=3",

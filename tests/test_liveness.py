@@ -30,10 +30,11 @@ def test_this_files_tests_run_on_one_worker_beside_no_other_multi_process_test(r
 
 
 class StandIn:
-  """A listening socket on 127.0.0.1 that answers like a gRPC server while `answering`."""
+  """A listening socket on 127.0.0.1 that answers like a gRPC server while `answering`, `lag`
+  seconds after a connection comes."""
 
   def __init__(self, answering=True):
-    self.answering = answering
+    self.answering, self.lag = answering, 0.0
     self.sock = socket.socket()
     self.sock.bind(("127.0.0.1", 0))
     self.sock.listen(16)
@@ -48,6 +49,7 @@ class StandIn:
       except OSError:
         return
       if self.answering:
+        time.sleep(self.lag)
         conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")   # an empty SETTINGS frame
         conn.close()
       else:
@@ -130,6 +132,31 @@ def test_the_watchdog_names_a_task_that_stops_answering_within_seconds(servers):
   assert seen == [[("worker", 1, going.address, "silent")]]
   assert time.monotonic() - stopped < 3   # interval + misses x timeout, with slack
   assert dog.lost == seen[0]
+
+
+def _until(condition, seconds=10):
+  deadline = time.monotonic() + seconds
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
+def test_the_watchdog_names_a_task_that_answers_slowly_and_again_once_it_answers_as_usual(
+    servers):
+  quick, lagging = servers(), servers()
+  slow, lost = [], []
+  tasks = [("worker", 0, quick.address), ("worker", 1, lagging.address)]
+  with liveness.Watchdog(tasks, lost.append, interval=0.1, timeout=2.0, misses=2,
+                         on_slow=lambda *a: slow.append(a)):
+    time.sleep(0.5)
+    assert slow == []
+    lagging.lag = liveness.SLOW_FLOOR + 0.15
+    _until(lambda: slow)
+    lagging.lag = 0.0
+    _until(lambda: len(slow) > 1)
+  assert [(job, task, address) for job, task, address, _, _ in slow] == [tasks[1]] * 2
+  assert slow[0][3] >= liveness.SLOW_FLOOR + 0.15 and slow[1][3] is None
+  assert 0 < slow[0][4] < liveness.SLOW_FLOOR   # the usual answer, the fastest seen
+  assert lost == []
 
 
 def test_a_stopped_watchdog_gives_no_verdict_on_a_task_that_ends_after_it(servers):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from unittest import mock
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -109,6 +110,7 @@ def test_help_lists_the_trainer_flags():
     (["--steps_per_execution=0"], "--steps_per_execution must be 'auto' or a positive integer"),
     (["--executor=fast"], "value should be one of <auto|compiled|threaded>"),
     (["--global_clipnorm=0"], "--global_clipnorm must be > 0"),
+    (["--save_weights=trained.h5"], "--save_weights must end in .weights.h5"),
     (["--precision=half"], "value should be one of <float32|mixed_bfloat16|mixed_float16>"),
     (["--model=llama", "--dataset=digits"], "--model=llama predicts the next token and "
                                             "--dataset=digits is labelled examples"),
@@ -313,6 +315,18 @@ def test_trainer_stops_and_resumes_exactly(tmp_path, method):
   assert len(history["loss"]) == 1
   for a, b in zip(resumed.model.get_weights(), whole.model.get_weights()):
     helpers.assert_close(a, b, rtol=1e-6)
+
+
+def test_the_trained_weights_are_saved_where_asked_as_keras_saves_them(tmp_path):
+  path = str(tmp_path / "trained.weights.h5")
+  _, trainer, lines = main.run(config_lib.TrainConfig(
+      method="1f1b", snn_width=16, snn_depth=3, batch_size=64, steps=3, epochs=1, verbose=0,
+      logdir=None, throughput_window=None, save_weights=path))
+  assert f"weights saved to {path}" in lines
+  copy = keras.models.clone_model(trainer.model)
+  copy.load_weights(path)
+  trained = trainer.model.get_weights()
+  assert all(np.array_equal(a, b) for a, b in zip(copy.get_weights(), trained, strict=True))
 
 
 def test_hybrid_from_the_command_line():

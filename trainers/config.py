@@ -65,6 +65,7 @@ class TrainConfig:
   prediction_error: bool = False
   checkpoint_dir: Optional[str] = None
   checkpoint_every: int = 1
+  save_weights: Optional[str] = None
   max_restarts: int = 0
   stop_on_nan: bool = True
   intra_op_threads: int = 1

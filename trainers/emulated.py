@@ -81,10 +81,11 @@ def cluster(config, tools):
       print(f"started {sum(jobs.values())} emulated hosts joined by {link} links: "
             f"{', '.join(a for addresses in emulated.spec.values() for a in addresses)}; "
             f"this program at {emulated.client.address}", flush=True)
-    if kind.parameter_servers:
-      yield emulated.spec
-    else:
-      yield config.devices or tfpipe.cluster.connect(emulated.spec)
+    with emulated.watch_links():
+      if kind.parameter_servers:
+        yield emulated.spec
+      else:
+        yield config.devices or tfpipe.cluster.connect(emulated.spec)
 
 
 def run_workers(config, flag_values):

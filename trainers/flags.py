@@ -173,6 +173,9 @@ def _run_flags():
                       "save every --checkpoint_every epochs here, and resume from the latest "
                       "checkpoint found here")
   flags.DEFINE_integer("checkpoint_every", 1, "epochs between checkpoints")
+  flags.DEFINE_string("save_weights", None,
+                      "after training, write the trained model's weights here (Keras's "
+                      "`model.save_weights`: a path ending in .weights.h5)")
   flags.DEFINE_integer("max_restarts", 0,
                        "pipelines on TF servers: bring a lost task back (its server started "
                        "again when this trainer started it, else waited for up to "
@@ -198,6 +201,8 @@ def _validators():
   flags.register_validator("micro_batches", lambda v: v is None or v >= 1,
                            "--micro_batches must be >= 1")
   flags.register_validator("epochs", lambda v: v >= 1, "--epochs must be >= 1")
+  flags.register_validator("save_weights", lambda v: v is None or v.endswith(".weights.h5"),
+                           "--save_weights must end in .weights.h5 (as Keras's save_weights)")
   flags.register_validator("steps_per_execution", lambda v: v == "auto" or (v.isdigit() and int(v) >= 1),
                            "--steps_per_execution must be 'auto' or a positive integer")
   flags.register_validator("checkpoint_every", lambda v: v >= 1, "--checkpoint_every must be >= 1")

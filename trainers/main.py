@@ -224,6 +224,9 @@ def _train(config, tools, spec=None):
                      f"--method={config.method} is not a pipeline")
   if config.max_restarts and not config.checkpoint_dir:
     raise ValueError("--max_restarts resumes from the newest checkpoint: give --checkpoint_dir")
+  if config.save_weights and (_multi_worker(config) or getattr(trainer, "model", None) is None):
+    raise ValueError(f"--save_weights is not supported with --method={config.method}"
+                     + (" on several workers" if _multi_worker(config) else "") + " yet")
   window = {}
   if isinstance(trainer, tfpipe.Pipeline):
     window = dict(steps_per_execution=config.steps_per_execution if
@@ -264,6 +267,9 @@ def _train(config, tools, spec=None):
     raise Diverged(f"the loss became {loss} in epoch {epoch}: training stopped before saving "
                    f"it{kept}. Lower --learning_rate, or pass --nostop_on_nan to train on")
   lines = tools.finish(trainer)
+  if config.save_weights:
+    trainer.model.save_weights(config.save_weights)
+    lines.append(f"weights saved to {config.save_weights}")
   if getattr(saver, "restored_epoch", None):
     lines.insert(0, f"resumed after epoch {saver.restored_epoch} from {saver.restored_path}")
   if config.max_restarts:

@@ -5,6 +5,8 @@
     devices = tfpipe.cluster.connect(cluster.spec)
     ...
     cluster.counters()         # bytes each host sent and received over its link
+    with cluster.watch_links():   # names a host whose connections lose packets
+      ...
 
 Each task of `jobs` gets a host of its own (`tfpipe.cluster.emulation.Network`:
 a network namespace, a link of shape `link`, a memory cap and a CPU set), its
@@ -15,7 +17,9 @@ started there). Leaving the `with` block stops the servers and removes every
 namespace, link and control group.
 """
 
-from tfpipe.cluster import allocator, emulation, local
+import sys
+
+from tfpipe.cluster import allocator, emulation, link_watch, local
 
 __all__ = ["EmulatedCluster"]
 
@@ -65,6 +69,14 @@ class EmulatedCluster:
     out["client"] = raw["client"]
     return out
 
+  def watch_links(self, on_lossy=None, **options):
+    """A `link_watch.LinkWatch` over the hosts (a context manager): by default it names, on
+    stderr, a host whose TCP connections retransmit (a lossy link), and again once they
+    stop."""
+    names = {f"/job:{job}/task:{task} (emulated host {host.name})": host.netns
+             for (job, task), host in self.hosts.items()}
+    return link_watch.LinkWatch(names, on_lossy or _say_lossy, **options)
+
   def kill(self, job, task):
     self.servers.kill(job, task)
 
@@ -79,3 +91,11 @@ class EmulatedCluster:
       self.servers.stop()
     finally:
       self.network.close()
+
+
+def _say_lossy(name, share):
+  if share is None:
+    print(f"tfpipe: {name}: its connections no longer retransmit", file=sys.stderr, flush=True)
+  else:
+    print(f"tfpipe: {name}: its connections retransmit {share:.1%} of their TCP segments (a "
+          "lossy link); training goes on", file=sys.stderr, flush=True)

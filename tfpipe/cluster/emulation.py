@@ -6,8 +6,9 @@
                of a veth pair; the other end (`hN`) is a port of the bridge;
   ...-client   the client, the program that drives a run (198.18.0.254).
 Each link's rate is capped in both directions by a token bucket (tc `tbf`)
-on both of its ends, its delay and loss set by `netem` where the kernel has
-it; each host may have a memory cap and a CPU set (a control group,
+on both of its ends, its delay and loss (each way) added by packet programs
+and a delay line (`tfpipe.cluster.impairment`, which needs no `netem`); each
+host may have a memory cap and a CPU set (a control group,
 `tfpipe.cluster.cgroups`). The namespaces have their loopback and their one
 link, no default route: nothing reaches past the emulation, whose addresses
 (198.18.0.0/15, reserved for network benchmarks) exist only on its own links.
@@ -29,7 +30,7 @@ import re
 import signal
 import subprocess
 
-from tfpipe.cluster import cgroups, exits, links, liveness
+from tfpipe.cluster import bpf, cgroups, exits, impairment, links, liveness
 
 __all__ = ["Network", "Host", "EmulationUnavailable", "enter", "remove_leftovers", "hub_counters",
            "SUBNET", "PREFIX"]
@@ -135,9 +136,11 @@ class Network:
     self.run = f"{PREFIX}{os.getpid()}-{next(_SEQUENCE)}"
     self.hub = f"{self.run}-hub"
     self.hosts, self.client, self._made = [], None, []
+    self._impairment = None
     exits.register(self.close)   # also when the process must leave at once
     try:
       self._build(hosts, memory, cpus)
+      self._impair()
     except BaseException:
       self.close()
       raise
@@ -181,6 +184,27 @@ class Network:
         else:
           self.hosts.append(host)
 
+  def impaired_ends(self, host, delay=0.0, loss=0.0):
+    """`host`'s link with `delay` seconds added each way and a share `loss` of the packets
+    dropped each way, as `impairment.End`s: its own `eth0` delays what it sends; the bridge's
+    port delays what it sends to the host and drops both ways (where the host's TCP sees
+    a drop as a network's)."""
+    return [impairment.End(host.netns, "eth0", delay=delay),
+            impairment.End(self.hub, host.port, delay=delay, loss=loss, loss_in=loss)]
+
+  def _impair(self):
+    """The links' delay and loss."""
+    ends = []
+    for host in self.hosts + [self.client]:
+      link = self.client_link if host is self.client else self.link
+      ends += self.impaired_ends(host, link.delay, link.loss)
+    if any(end.delay or end.loss for end in ends):
+      try:
+        self._impairment = impairment.Impairment(ends)
+      except bpf.BpfUnavailable as e:
+        raise EmulationUnavailable(f"link {self.link}: this kernel cannot add delay or loss "
+                                   f"({e}); give a rate alone") from None
+
   def counters(self):
     """{host name: (bytes it sent, bytes it received)} over its link since it was made, the
     client's included; read from the bridge's end of each link."""
@@ -209,6 +233,9 @@ class Network:
     """Removes every namespace (their links go with them) and control group; kills what runs
     in a host's control group first."""
     _, netns = _pyroute2()
+    if self._impairment is not None:
+      self._impairment.remove()
+      self._impairment = None
     for host in self.hosts:
       if host.group is not None:
         with contextlib.suppress(OSError):
@@ -252,20 +279,8 @@ def _kill_inside(space):
 
 
 def _shape(ipr, index, link):
-  """The rate (tbf), and the delay and loss (netem, where the kernel has it) of one end of a
-  link: what leaves through it."""
+  """The rate of one end of a link (what leaves through it): a token bucket (tc `tbf`)."""
   rate = link.rate / 8                         # bytes/s
   burst = int(max(rate * 2e-3, 128 * 1024))    # 2 ms at the rate, at least two GSO packets
-  if link.delay or link.loss:
-    try:
-      ipr.tc("add", "netem", index, handle="1:", delay=int(link.delay * 1e6),
-             loss=link.loss * 100)
-    except Exception as e:   # noqa: BLE001 -- netlink's answer, named in the message
-      raise EmulationUnavailable(
-          f"link {link}: this kernel cannot add delay or loss (the netem queueing discipline, "
-          f"CONFIG_NET_SCH_NETEM: {e}); give a rate alone") from None
-    ipr.tc("add", "tbf", index, parent="1:", handle="2:", rate=f"{int(link.rate)}bit",
-           burst=burst, latency="50ms")
-  else:
-    ipr.tc("add", "tbf", index, handle="1:", rate=f"{int(link.rate)}bit", burst=burst,
-           latency="50ms")
+  ipr.tc("add", "tbf", index, handle="1:", rate=f"{int(link.rate)}bit", burst=burst,
+         latency="50ms")

@@ -12,7 +12,11 @@ frame, which only the running server process writes. States:
 
 `Watchdog` probes the tasks a run uses every `interval` seconds from a
 daemon thread; after `misses` probes in a row without an answer it calls
-`on_lost(lost)` with [(job, task, address, state)]. A remote call to a
+`on_lost(lost)` with [(job, task, address, state)]. A task that answers, but
+`misses` times in a row slower than `SLOW_FACTOR` times its usual answer
+(the fastest it gave) and than `SLOW_FLOOR` seconds (a delayed or lossy link,
+a host swapping), is handed to `on_slow(job, task, address, seconds, usual)`
+once, and to `on_slow(..., None, usual)` once it answers as usual again. A remote call to a
 hung server never returns, so the caller decides what unblocks it (see
 `tfpipe.cluster.guard`).
 """
@@ -26,9 +30,12 @@ import sys
 import threading
 import time
 
-__all__ = ["probe", "probe_all", "Watchdog", "STATES", "describe_state", "await_tasks"]
+__all__ = ["probe", "probe_all", "Watchdog", "STATES", "describe_state", "await_tasks",
+           "SLOW_FACTOR", "SLOW_FLOOR"]
 
 STATES = ("ok", "refused", "silent", "closed")
+SLOW_FACTOR = 5.0
+SLOW_FLOOR = 0.25     # seconds: a probe is a TCP connect and two small writes
 
 # The HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113 section 3.4).
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -70,23 +77,30 @@ def describe_state(state):
           "ok": "it answers"}[state]
 
 
-def probe_all(tasks, timeout=2.0):
-  """{(job, task): state} of `tasks` [(job, task, address)], probed in parallel."""
+def _timed(address, timeout):
+  start = time.monotonic()
+  return probe(address, timeout), time.monotonic() - start
+
+
+def probe_all(tasks, timeout=2.0, timed=False):
+  """{(job, task): state} of `tasks` [(job, task, address)], probed in parallel; `timed`:
+  {(job, task): (state, seconds the probe took)}."""
   if not tasks:
     return {}
   with concurrent.futures.ThreadPoolExecutor(min(16, len(tasks))) as pool:
-    states = pool.map(lambda t: probe(t[2], timeout), tasks)
-    return {(job, task): state for (job, task, _), state in zip(tasks, states)}
+    answers = pool.map(lambda t: _timed(t[2], timeout), tasks)
+    return {(job, task): answer if timed else answer[0]
+            for (job, task, _), answer in zip(tasks, answers)}
 
 
 class Watchdog:
   """Probes `tasks` [(job, task, address)] every `interval` seconds while running (a context
   manager); `on_lost([(job, task, address, state)])` once, after `misses` probes in a row
   without an answer from any of them (each probe waits `timeout` seconds), unless `stop` came
-  first."""
+  first; `on_slow` (see the module docstring) for a task that answers slowly."""
 
-  def __init__(self, tasks, on_lost, interval=1.0, timeout=2.0, misses=2):
-    self.tasks, self.on_lost = list(tasks), on_lost
+  def __init__(self, tasks, on_lost, interval=1.0, timeout=2.0, misses=2, on_slow=None):
+    self.tasks, self.on_lost, self.on_slow = list(tasks), on_lost, on_slow
     self.interval, self.timeout, self.misses = interval, timeout, misses
     self.lost = None
     self._stop = threading.Event()
@@ -111,13 +125,28 @@ class Watchdog:
       self._stop.set()
 
   def _run(self):
-    missed = {}
+    missed, usual, slow, named = {}, {}, {}, set()
     while not self._stop.wait(self.interval):
-      states = probe_all(self.tasks, self.timeout)
+      answers = probe_all(self.tasks, self.timeout, timed=True)
       if self._stop.is_set():
         return
+      states = {key: state for key, (state, _) in answers.items()}
       for key, state in states.items():
         missed[key] = missed.get(key, 0) + 1 if state != "ok" else 0
+      for job, task, address in self.tasks if self.on_slow is not None else ():
+        state, seconds = answers[(job, task)]
+        if state != "ok":
+          continue
+        fastest = usual.get((job, task), seconds)
+        usual[(job, task)] = min(fastest, seconds)
+        late = seconds > max(SLOW_FACTOR * fastest, SLOW_FLOOR)
+        slow[(job, task)] = slow.get((job, task), 0) + 1 if late else 0
+        if slow[(job, task)] >= self.misses and (job, task) not in named:
+          named.add((job, task))
+          self.on_slow(job, task, address, seconds, fastest)
+        elif not late and (job, task) in named:
+          named.discard((job, task))
+          self.on_slow(job, task, address, None, fastest)
       lost = [(job, task, address, states[(job, task)]) for job, task, address in self.tasks
               if missed[(job, task)] >= self.misses]
       if lost:

@@ -279,8 +279,10 @@ def guard(devices, interval=None, timeout=None, misses=None):
   server this process started (`LocalCluster`) is killed, which fails the
   waiting call (`describe_lost` then names the task in a `WorkerLost`), and
   for any other server the process exits with status `EXIT_LOST` (3): its
-  TensorFlow runtime cannot take back the call. No devices on a cluster:
-  nothing is watched.
+  TensorFlow runtime cannot take back the call. A task that answers, but
+  slowly (`liveness.SLOW_FACTOR`), is named on stderr, and named again once
+  it answers as usual; training goes on. No devices on a cluster: nothing is
+  watched.
   """
   chosen = {"interval": interval, "timeout": timeout, "misses": misses}
   settings = {k: LIVENESS[k] if v is None else v for k, v in chosen.items()}
@@ -305,5 +307,14 @@ def watch(tasks, interval=1.0, timeout=2.0, misses=2):
     exits.exit_now(EXIT_LOST, "tfpipe: a remote call waits on it and cannot be cancelled: "
                    f"exiting with status {EXIT_LOST}")
 
-  with liveness.Watchdog(tasks, on_lost, interval, timeout, misses) as watchdog:
+  def on_slow(job, task, address, seconds, usual):
+    if seconds is None:
+      print(f"tfpipe: /job:{job}/task:{task} ({address}) answers as usual again",
+            file=sys.stderr, flush=True)
+    else:
+      print(f"tfpipe: /job:{job}/task:{task} ({address}) answers slowly: {seconds:.2f} s "
+            f"against {usual * 1e3:.1f} ms at best (a slow or lossy link, or a busy host); "
+            "training goes on", file=sys.stderr, flush=True)
+
+  with liveness.Watchdog(tasks, on_lost, interval, timeout, misses, on_slow) as watchdog:
     yield watchdog
