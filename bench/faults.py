@@ -245,11 +245,40 @@ def leftovers(before):
   return left
 
 
-def soak(reference_epochs):
+def _arrays(path):
+  """{name: array} of a Keras .weights.h5 file ({} where there is none)."""
+  import h5py
+  import numpy as np
+  found = {}
+  if not os.path.exists(path):
+    return found
+  with h5py.File(path, "r") as f:
+    f.visititems(lambda name, item: found.__setitem__(name, np.asarray(item))
+                 if isinstance(item, h5py.Dataset) else None)
+  return found
+
+
+def compare_weights(path, reference):
+  """How the weights in `path` compare with `reference`'s (both Keras .weights.h5 files): a
+  line."""
+  import numpy as np
+  got, expected = _arrays(path), _arrays(reference)
+  if not got or sorted(got) != sorted(expected):
+    return (f"DIFFERENT: {len(got)} arrays written against {len(expected)}"
+            if expected else "no uninterrupted weights to compare")
+  differ = [name for name in expected if not np.array_equal(got[name], expected[name])]
+  largest = max(float(np.max(np.abs(got[n] - expected[n]), initial=0.0)) for n in expected)
+  count = sum(a.size for a in expected.values())
+  return (f"equal, bit for bit ({len(expected)} arrays, {count} values)" if not differ else
+          f"DIFFERENT in {len(differ)} of {len(expected)} arrays (largest difference "
+          f"{largest:.3g})")
+
+
+def soak(reference_epochs, weights):
   """One run of about --soak_minutes with a random fault every ~--soak_every s."""
   checkpoints = tempfile.mkdtemp(prefix="tfpipe-soak-")
   rng = random.Random(0)
-  run = Run(_argv(checkpoints, reference_epochs))
+  run = Run(_argv(checkpoints, reference_epochs, weights))
   start, injected = time.monotonic(), []
   run.wait_for(r"^epoch 1/", 600)
   while run.process.poll() is None:
@@ -279,11 +308,13 @@ def main(argv):
     epochs = max(2, int(FLAGS.soak_minutes * 60 / max(t2 - t1, 1e-3)))
     print(f"soak: {epochs} epochs of {t2 - t1:.1f} s", flush=True)
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tfpipe-*")))
-    with _scratch() as checkpoints:
+    with _scratch() as checkpoints, _scratch() as weights:
       # The uninterrupted run beside the soak (each emulated cluster has its own namespaces).
-      reference = Run(_argv(checkpoints, epochs))
-      code, injected, run, seconds = soak(epochs)
+      expected_weights = os.path.join(weights, "uninterrupted.weights.h5")
+      reference = Run(_argv(checkpoints, epochs, expected_weights))
+      code, injected, run, seconds = soak(epochs, os.path.join(weights, "soak.weights.h5"))
       reference.finish(7200)
+      same = compare_weights(os.path.join(weights, "soak.weights.h5"), expected_weights)
     left = leftovers(before)
     expected, losses = _losses(reference.text("out")), _losses(run.text("out"))
     restarts = [m.group(0) for m in re.finditer(RESTART, run.text("err"), re.M)]
@@ -295,7 +326,9 @@ def main(argv):
              f"- faults injected: {', '.join(f'{f} at {t} s' for t, f in injected) or 'none'}",
              f"- restarts: {len(restarts)}", *[f"  - {r}" for r in restarts],
              f"- last epoch's loss {losses[-1:]} against the uninterrupted run's "
-             f"{expected[-1:]}: {'equal' if losses and losses[-1:] == expected[-1:] else 'DIFFERENT'}",
+             f"{expected[-1:]}: "
+             f"{'equal' if losses and losses[-1:] == expected[-1:] else 'DIFFERENT'}",
+             f"- final weights against the uninterrupted run's: {same}",
              f"- left behind: {'; '.join(left) or 'nothing'}"]
     if code != 0:
       tail = [line for line in run.text("err").splitlines() if line.strip()][-6:]

@@ -360,3 +360,41 @@ def test_links_reads_bytes_and_the_busiest_links_share_of_a_step():
   assert not parsed["whole_fit"] and "waiting" not in parsed   # a run without the trace
   assert math.isclose(waiting, 0.81)   # the busiest host's share, from the trace's line
   assert (vgg16, fcn) == (64, 256)   # from the config's flag file, from the workload's flags
+
+
+# The soak's weight comparison (bench/faults.py) on Keras .weights.h5 files made here: the same
+# weights, one value off by one ulp, and a file with a layer fewer.
+_WEIGHTS = """
+import importlib.util, json, os, sys, tempfile
+import keras, numpy as np
+spec = importlib.util.spec_from_file_location("faults", "bench/faults.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+folder = tempfile.mkdtemp()
+def saved(name, change=None, depth=2):
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((3,))] + [keras.layers.Dense(4) for _ in range(depth)])
+  if change:
+    weights = model.get_weights()
+    weights[0][1, 2] = np.nextafter(weights[0][1, 2], np.float32(np.inf))
+    model.set_weights(weights)
+  path = os.path.join(folder, name + ".weights.h5")
+  model.save_weights(path)
+  return path
+reference = saved("reference")
+print(json.dumps([bench.compare_weights(saved("same"), reference),
+                  bench.compare_weights(saved("ulp", change=True), reference),
+                  bench.compare_weights(saved("short", depth=1), reference),
+                  bench.compare_weights(os.path.join(folder, "none.weights.h5"), reference)]))
+"""
+
+
+def test_the_soak_compares_final_weights_bit_for_bit():
+  import json
+  result = zygote.run(["-c", _WEIGHTS])
+  assert result.returncode == 0, result.stderr[-2000:]
+  same, ulp, short, none = json.loads(result.stdout.strip().splitlines()[-1])
+  assert same == "equal, bit for bit (4 arrays, 36 values)"
+  assert ulp.startswith("DIFFERENT in 1 of 4 arrays (largest difference ")
+  assert short == "DIFFERENT: 2 arrays written against 4"
+  assert none == "DIFFERENT: 0 arrays written against 4"
