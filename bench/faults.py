@@ -63,6 +63,7 @@ class Run:
   """A trainer process whose stdout and stderr lines are kept with the time they came."""
 
   def __init__(self, argv):
+    self.started, self.seconds = time.monotonic(), None
     self.lines, self.process = [], subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     self._readers = [threading.Thread(target=self._read, args=(stream, name), daemon=True)
@@ -99,6 +100,7 @@ class Run:
         self.process.wait()
     for reader in self._readers:
       reader.join(5)
+    self.seconds = time.monotonic() - self.started
     return self.process.returncode
 
   def text(self, name=None):
@@ -164,12 +166,10 @@ def inject(fault, pid):
     return
   hub = _netns_of(pid, "hub")
   if fault in ("loss1", "delay100"):
-    from tfpipe.cluster import impairment
+    from tfpipe.cluster import emulation, impairment
     shape = dict(loss=0.01) if fault == "loss1" else dict(delay=0.1)
-    # As `emulation.Network.impaired_ends`: the host's end delays, the bridge's delays and drops.
-    impaired = impairment.Impairment([
-        impairment.End(_netns_of(pid, "h1"), "eth0", delay=shape.get("delay", 0.0)),
-        impairment.End(hub, "h1", loss_in=shape.get("loss", 0.0), **shape)])
+    impaired = impairment.Impairment(emulation.link_ends(_netns_of(pid, "h1"), hub, "h1",
+                                                         **shape))
     seconds, lift = FLAGS.impair_seconds, impaired.remove
   else:
     _link(hub, "h1", up=False)
@@ -198,32 +198,36 @@ def _losses(text):
   return [float(m) for m in re.findall(r"^epoch \d+/\d+:.*? loss=([\d.]+)", text, re.M)]
 
 
-def one(fault, reference):
-  """Injects `fault` after the first epoch; its row."""
+def one(fault, reference, weights):
+  """Injects `fault` after the first epoch; its row. `reference`: the uninterrupted Run,
+  `weights`: the folder where it wrote its final weights."""
   checkpoints = tempfile.mkdtemp(prefix="tfpipe-faults-")
   try:
-    run = Run(_argv(checkpoints, FLAGS.epochs))
+    written = os.path.join(weights, f"{fault}.weights.h5")
+    run = Run(_argv(checkpoints, FLAGS.epochs, written))
     if run.wait_for(r"^epoch 1/", 600) is None:
       run.finish(5)
       return [fault, "", "the run ended before its first epoch: " + run.text("err")[-200:],
-              "", ""]
+              "", "", "", ""]
     start = time.monotonic()
     inject(fault, run.process.pid)
     named = run.wait_for(r"^tfpipe: (lost|restart|process restart)|^error|lost /job:|"
                          r"answers slowly|connections retransmit", 120)
     code = run.finish(900)
     restarts = re.findall(RESTART, run.text("err"), re.M)
-    losses = _losses(run.text("out"))
+    losses, expected = _losses(run.text("out")), _losses(reference.text("out"))
     if code != 0:
       outcome = f"ended with an error (exit {code}): " + run.text("err").splitlines()[-1][:160]
     elif restarts:
       outcome = f"recovered by {len(restarts)} restart(s)"
     else:
       outcome = "ridden out"
-    same = ("yes" if losses and losses[-1] == reference[-1] else
-            f"no: {losses[-1:]} vs {reference[-1:]}") if code == 0 else ""
+    same = ("yes" if losses and losses[-1] == expected[-1] else
+            f"no: {losses[-1:]} vs {expected[-1:]}") if code == 0 else ""
+    final = compare_weights(written, os.path.join(weights, "uninterrupted.weights.h5"))
     return [fault, f"{named - start:.1f} s" if named else "not named", outcome,
-            str(len(restarts)), same]
+            str(len(restarts)), f"{run.seconds - reference.seconds:+.0f}", same,
+            final if code == 0 else ""]
   finally:
     shutil.rmtree(checkpoints, ignore_errors=True)
 
@@ -336,11 +340,11 @@ def main(argv):
     results_io.report(FLAGS.results_dir, "soak.md", "# Soak: training with random faults",
                       "\n".join(lines))
     return
-  with _scratch() as checkpoints:
-    reference = Run(_argv(checkpoints, FLAGS.epochs))
+  with _scratch() as checkpoints, _scratch() as weights:
+    reference = Run(_argv(checkpoints, FLAGS.epochs,
+                          os.path.join(weights, "uninterrupted.weights.h5")))
     reference.finish(900)
-  expected = _losses(reference.text("out"))
-  rows = [one(fault, expected) for fault in FLAGS.faults]
+    rows = [one(fault, reference, weights) for fault in FLAGS.faults]
   for row in rows:
     print(row, flush=True)
   title = ("# Faults on emulated hosts\n\n"
@@ -349,10 +353,11 @@ def main(argv):
            "quickstart config on 2 emulated hosts, `--max_restarts="
            f"{FLAGS.max_restarts}`; each fault injected into stage 1's host once its first "
            "epoch has ended; named: seconds from the fault to the trainer's first line naming "
-           "it; the last column compares the run's last epoch loss with the same run's "
-           "without a fault)")
+           "it; seconds lost: the run's time less the same run's without a fault; the last "
+           "columns compare its last epoch's loss and its final weights with that run's)")
   table = results_io.markdown_table(
-      ["fault", "named after", "outcome", "restarts", "last loss as uninterrupted"], rows)
+      ["fault", "named after", "outcome", "restarts", "seconds lost",
+       "last loss as uninterrupted", "final weights as uninterrupted"], rows)
   results_io.report(FLAGS.results_dir, "faults.md", title, table)
 
 

@@ -7,7 +7,9 @@
   bind:     servers that listen only on the address their spec names;
   liveness: an RPC-level probe of a server, and a watchdog;
   emulated: TF servers on emulated hosts (`EmulatedCluster`), built by
-  emulation (network namespaces, shaped links: `links`) and cgroups (memory, CPUs).
+  emulation (network namespaces, shaped links: `links`) and cgroups (memory, CPUs);
+  impairment: a link's delay and loss (packet programs, `bpf`, and a `delay_line`);
+  link_watch: names an emulated host whose connections retransmit.
 """
 
 from tfpipe.cluster.local import LocalCluster, free_port, remove_leftover_files

@@ -33,7 +33,7 @@ import subprocess
 from tfpipe.cluster import bpf, cgroups, exits, impairment, links, liveness
 
 __all__ = ["Network", "Host", "EmulationUnavailable", "enter", "remove_leftovers", "hub_counters",
-           "SUBNET", "PREFIX"]
+           "link_ends", "SUBNET", "PREFIX"]
 
 PREFIX = "tfpipe-"
 SUBNET = "198.18.0"           # /24 inside 198.18.0.0/15; every run's namespaces are its own
@@ -185,12 +185,8 @@ class Network:
           self.hosts.append(host)
 
   def impaired_ends(self, host, delay=0.0, loss=0.0):
-    """`host`'s link with `delay` seconds added each way and a share `loss` of the packets
-    dropped each way, as `impairment.End`s: its own `eth0` delays what it sends; the bridge's
-    port delays what it sends to the host and drops both ways (where the host's TCP sees
-    a drop as a network's)."""
-    return [impairment.End(host.netns, "eth0", delay=delay),
-            impairment.End(self.hub, host.port, delay=delay, loss=loss, loss_in=loss)]
+    """`link_ends` of `host` (a Host)."""
+    return link_ends(host.netns, self.hub, host.port, delay, loss)
 
   def _impair(self):
     """The links' delay and loss."""
@@ -246,6 +242,16 @@ class Network:
         netns.remove(space)
     self._made = []
     exits.unregister(self.close)
+
+
+def link_ends(netns, hub, port, delay=0.0, loss=0.0):
+  """The link of the host in namespace `netns` (its bridge port `port` in namespace `hub`)
+  with `delay` seconds added each way and a share `loss` of its packets dropped each way, as
+  `impairment.End`s: the host's `eth0` delays what it sends; the bridge's port delays what it
+  sends to the host and drops both ways (where the host's TCP sees a drop as a network's).
+  From any process of this machine."""
+  return [impairment.End(netns, "eth0", delay=delay),
+          impairment.End(hub, port, delay=delay, loss=loss, loss_in=loss)]
 
 
 def hub_counters(hub):
