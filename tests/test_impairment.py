@@ -5,6 +5,7 @@ links). Sockets are opened by threads that enter a host's namespace (setns
 moves only the calling thread), so the test process stays where it is.
 """
 
+import contextlib
 import os
 import socket
 import struct
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from tfpipe.cluster import bpf, emulation, impairment, link_watch
+from tfpipe.cluster import bpf, delay_line, emulation, impairment, link_watch
 
 
 def _unavailable():
@@ -171,6 +172,36 @@ def test_the_egress_program_checks_the_mark_only_with_a_detour_and_draws_only_wi
   assert any((code, imm) == threshold for code, _, _, imm in codes) == bool(loss)
   assert any((code, imm) == (0x55, bpf.MARK) for code, _, _, imm in codes) == bool(detour)
   assert any((code, imm) == (0xb7, detour) for code, _, _, imm in codes) == bool(detour)
+
+
+@pytest.mark.parametrize("held", [1 << 20, 250])
+def test_the_delay_line_writes_each_frame_back_after_its_delay_in_order_and_drops_past_its_hold(
+    monkeypatch, held):
+  monkeypatch.setattr(delay_line, "HELD", held)
+  line, far = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)   # a tap's two sides
+  line.setblocking(False)
+  control, stop = os.pipe()
+  server = threading.Thread(target=delay_line.serve, args=([(line.fileno(), 7, 0.2)], control))
+  server.start()
+  start = time.monotonic()
+  for i in range(3):
+    far.send(bytes([i]) * 100)
+  far.settimeout(10)
+  got = [far.recv(1000)]
+  took = time.monotonic() - start
+  far.settimeout(0.5)
+  with contextlib.suppress(socket.timeout):
+    while True:
+      got.append(far.recv(1000))
+  os.close(stop)
+  server.join(10)
+  assert not server.is_alive()   # ends when its control closes
+  assert took >= 0.2
+  # 250 bytes held at most: the third frame of 100 found 200 held and was dropped.
+  assert got == [bytes([i]) * 100 for i in range(3 if held > 300 else 2)]
+  for fd in (line, far):
+    fd.close()
+  os.close(control)
 
 
 @pytest.mark.parametrize("loss", [-0.1, 1.0, 2])

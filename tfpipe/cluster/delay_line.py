@@ -11,7 +11,9 @@ For each entry it makes a tap device named TAP in network namespace NETNS
 where it was started), with segmentation offload on (virtio-net headers: a
 TCP stream comes in segments of up to 64 KiB, not packets), brings it up,
 and prints the taps' interface indices as one JSON line. From then on every
-frame read from a tap is written back to it DELAY_SECONDS later, in order.
+frame read from a tap is written back to it DELAY_SECONDS later, in order (a
+frame that finds `HELD` bytes held on its tap is dropped, as a full queue
+drops it: 2 s at 1 Gbit/s).
 The caller's packet programs (`tfpipe.cluster.bpf`) send a link end's
 packets into the tap and the written-back ones out of the end. It ends when
 its standard input closes, so also when the process that started it dies;
@@ -35,6 +37,7 @@ _TUN_F_CSUM, _TUN_F_TSO4, _TUN_F_TSO6, _TUN_F_TSO_ECN = 0x1, 0x2, 0x4, 0x8
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _CLONE_NEWNET = 0x40000000
 _FRAME = 1 << 17          # larger than any frame a tap hands out (64 KiB and headers)
+HELD = 256 << 20          # bytes a tap's line holds at most; more is dropped, as a full queue
 
 
 def _setns(fd):
@@ -85,6 +88,7 @@ def serve(taps, control):
   descriptor) reaches its end."""
   held = {fd: collections.deque() for fd, _, _ in taps}
   delays = {fd: delay for fd, _, delay in taps}
+  sizes = dict.fromkeys(held, 0)
   live = set(held)
   while True:
     due = min((queue[0][0] for queue in held.values() if queue), default=None)
@@ -104,13 +108,18 @@ def serve(taps, control):
         except OSError:      # the device went with its namespace
           live.discard(fd)
           held[fd].clear()
+          sizes[fd] = 0
           break
-        held[fd].append((now + delays[fd], frame))
+        if sizes[fd] + len(frame) <= HELD:
+          held[fd].append((now + delays[fd], frame))
+          sizes[fd] += len(frame)
     now = time.monotonic()
     for fd, queue in held.items():
       while queue and queue[0][0] <= now:
+        frame = queue.popleft()[1]
+        sizes[fd] -= len(frame)
         try:
-          os.write(fd, queue.popleft()[1])
+          os.write(fd, frame)
         except OSError:      # dropped, as a full link would
           pass
 
