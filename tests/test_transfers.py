@@ -79,10 +79,12 @@ def test_a_worker_that_traces_nothing_waits_for_the_first_workers_word_before_an
   from trainers import instruments
   done = tmp_path / "trace_done"
   monkeypatch.setenv(instruments.TRACE_DONE_VARIABLE, str(done))
-  waiter = types.SimpleNamespace(WAIT_MARGIN=0.0)
+  waiter = types.SimpleNamespace(WAIT_MARGIN=0.0, WORD_WAIT=30.0)
   threading.Timer(0.3, done.touch).start()
-  instruments.Instruments._wait_for_trace(waiter, time.monotonic())   # the trace's end passed
+  start = time.monotonic()
+  instruments.Instruments._wait_for_trace(waiter, start)   # the trace's end passed
   assert done.exists()   # it waited for the word, past the trace's own end
+  assert time.monotonic() - start < waiter.WORD_WAIT   # and went on at the word
 
 
 def test_without_a_word_a_worker_waits_past_the_traces_end(monkeypatch):

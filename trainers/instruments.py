@@ -72,6 +72,7 @@ class Instruments:
       barrier()
 
   WAIT_MARGIN = 5.0   # seconds past a trace's own end, where no word of its end comes
+  WORD_WAIT = 120.0   # seconds past that, at most, where a word is to come
 
   def _wait_for_trace(self, ends):
     """Returns once the first worker's trace has ended: its word (a file, where
@@ -79,7 +80,7 @@ class Instruments:
     this worker reckons it (`ends`, on `time.monotonic`'s clock; its epoch began within a
     step of the first worker's, whose trace began before its first step)."""
     done = os.environ.get(TRACE_DONE_VARIABLE)
-    deadline = ends + self.WAIT_MARGIN + (120.0 if done else 0.0)
+    deadline = ends + self.WAIT_MARGIN + (self.WORD_WAIT if done else 0.0)
     while time.monotonic() < deadline and not (done and os.path.exists(done)):
       time.sleep(0.05)
 
