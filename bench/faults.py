@@ -57,6 +57,9 @@ FLAGS = flags.FLAGS
 
 # A restart inside the training process, or one of the whole process by the trainer's agent.
 RESTART = r"^tfpipe: (?:process )?restart .*$"
+# A line that names a fault: a lost task, a restart, an error, a slow task, retransmissions.
+NAMED = (r"^(?:tfpipe: (?:lost|restart|process restart)|error|.*lost /job:|.*answers slowly"
+         r"|.*connections retransmit).*$")
 
 
 class Run:
@@ -211,8 +214,7 @@ def one(fault, reference, weights):
               "", "", "", ""]
     start = time.monotonic()
     inject(fault, run.process.pid)
-    named = run.wait_for(r"^tfpipe: (lost|restart|process restart)|^error|lost /job:|"
-                         r"answers slowly|connections retransmit", 120)
+    named = run.wait_for(NAMED, 120)
     code = run.finish(900)
     restarts = re.findall(RESTART, run.text("err"), re.M)
     losses, expected = _losses(run.text("out")), _losses(reference.text("out"))
@@ -333,6 +335,8 @@ def main(argv):
              f"{expected[-1:]}: "
              f"{'equal' if losses and losses[-1:] == expected[-1:] else 'DIFFERENT'}",
              f"- final weights against the uninterrupted run's: {same}",
+             f"- lines naming a fault in the uninterrupted run: "
+             f"{len(re.findall(NAMED, reference.text('err'), re.M))}",
              f"- left behind: {'; '.join(left) or 'nothing'}"]
     if code != 0:
       tail = [line for line in run.text("err").splitlines() if line.strip()][-6:]
@@ -358,6 +362,10 @@ def main(argv):
   table = results_io.markdown_table(
       ["fault", "named after", "outcome", "restarts", "seconds lost",
        "last loss as uninterrupted", "final weights as uninterrupted"], rows)
+  false = re.findall(NAMED, reference.text("err"), re.M)
+  table += (f"\n\nThe uninterrupted run ({reference.seconds:.0f} s) named "
+            f"{len(false)} fault{'s' if len(false) != 1 else ''} that was not there"
+            + "".join(f"\n- `{line}`" for line in false[:5]))
   results_io.report(FLAGS.results_dir, "faults.md", title, table)
 
 
