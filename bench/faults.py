@@ -364,7 +364,8 @@ def main(argv):
        "last loss as uninterrupted", "final weights as uninterrupted"], rows)
   false = re.findall(NAMED, reference.text("err"), re.M)
   table += (f"\n\nThe uninterrupted run ({reference.seconds:.0f} s) named "
-            f"{len(false)} fault{'s' if len(false) != 1 else ''} that was not there"
+            + (f"{len(false)} faults that were not there:" if false else
+               "no fault (no line naming one)")
             + "".join(f"\n- `{line}`" for line in false[:5]))
   results_io.report(FLAGS.results_dir, "faults.md", title, table)
 
