@@ -60,6 +60,17 @@ def test_a_ring_moves_at_the_duplex_rate_and_a_pipelines_transfer_at_the_one_way
     network.Link(1.0, 0.0, 0.0)
 
 
+def test_a_ring_moves_at_its_measured_ring_rate_where_the_probe_took_one():
+  link = network.Link(rate=1e6, latency=0.001, duplex_rate=5e5, ring_rate=2.5e5)
+  # 4 hosts summing 1 MB: 6 chunks of 250 kB each, at the ring's rate.
+  assert network.ring_seconds(1e6, 4, link) == pytest.approx(6 * (0.001 + 1.0))
+  assert network.transfer_seconds(5e5, link) == pytest.approx(0.501)   # a pipeline's: one way
+  assert "2 Mbit/s in a ring all-reduce" in link.describe()
+  assert network.slowest([link, network.Link(2e6, 0.0, 1e6, 1e6)]).ring_rate == 2.5e5
+  with pytest.raises(ValueError, match="ring rate must be > 0"):
+    network.Link(1.0, 0.0, None, -1.0)
+
+
 def test_layouts_are_every_r_by_k_the_batch_and_the_layers_allow():
   found = layouts.layouts(4, 256, 10)
   assert [(l.data_parallel, l.num_stages, l.micro_batches) for l in found] == [
@@ -180,6 +191,9 @@ def test_a_probe_between_two_devices_gives_a_rate_a_latency_and_a_duplex_rate(tw
   link = probe.probe(two_devices[0], two_devices[1], seconds=0.01, max_bytes=4 << 20,
                      repeats=1)
   assert link.rate > 0 and link.latency >= 0 and 0 < link.duplex_rate <= link.rate
+  assert link.ring_rate > 0   # the ring all-reduce itself, timed
+  assert probe.probe(two_devices[0], two_devices[1], seconds=0.01, max_bytes=4 << 20,
+                     repeats=1, ring=False).ring_rate is None
   one_way = probe.client_links(two_devices[1:], client=two_devices[0], seconds=0.01,
                                max_bytes=4 << 20, repeats=1)[0]
   assert one_way.rate > 0 and one_way.duplex_rate is None   # what feeds a host: one way

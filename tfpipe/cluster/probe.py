@@ -9,8 +9,10 @@ activations move). The same call with the tensor already on the target times eve
 the move (the call, the sum); the difference is the move. The latency is a 4-byte move's;
 the rate is a large move's bytes over its seconds less the latency, the size grown until a
 move takes `seconds` (or reaches `max_bytes`). The duplex rate is the same size moved both
-ways in one call (each end sends while it receives, as in a ring all-reduce). Each time is
-the median of `repeats`.
+ways in one call (each end sends while it receives, as in a ring all-reduce). The ring rate
+is that size summed by the ring all-reduce data-parallel replicas run, whose chunks,
+concatenations and sums cost the hosts' processors beside the moves (less the same call on
+8 bytes). Each time is the median of `repeats`.
 """
 
 import statistics
@@ -20,6 +22,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from tfpipe.plan import network
+from tfpipe.stage import mirrors
 
 __all__ = ["probe", "ring_links", "client_links", "CLIENT_DEVICE"]
 
@@ -76,10 +79,30 @@ def _duplex_seconds(source: str, target: str, nbytes: int, repeats: int) -> floa
   return max(moved - local, 0.0)
 
 
+def _ring_seconds(source: str, target: str, nbytes: int, repeats: int) -> float:
+  """Seconds a ring all-reduce (`tfpipe.stage.mirrors.ring_all_reduce`, as data-parallel
+  replicas sum their gradients) of `nbytes` on each of the two devices takes, less the same
+  of 8 bytes (the call)."""
+  @tf.function(autograph=False)   # the ring splits by static shapes: traced per size
+  def reduce(x, y):
+    sums = mirrors.ring_all_reduce([[x], [y]], [source, target])
+    with tf.device(source):
+      a = sums[0][0][0]
+    with tf.device(target):
+      b = sums[1][0][0]
+    return a, b
+
+  def took(n: int) -> float:
+    pair = (_on(source, n), _on(target, n))
+    return _median_seconds(lambda: [t.numpy() for t in reduce(*pair)], repeats)
+  return max(took(nbytes) - took(8), 0.0)
+
+
 def probe(source: str, target: str, seconds: float = 0.05, max_bytes: int = 64 << 20,
-          repeats: int = 3, duplex: bool = True) -> network.Link:
+          repeats: int = 3, duplex: bool = True, ring: bool = True) -> network.Link:
   """The link from `source` to `target` (device strings), measured; with `duplex`, its rate
-  each way while both ends send too."""
+  each way while both ends send too; with `ring` (and `duplex`) the rate of a ring
+  all-reduce's traffic between the two."""
   if source == target:
     raise ValueError(f"a link needs two devices; both are {source!r}")
   if not seconds > 0 or max_bytes < START_BYTES:
@@ -96,8 +119,13 @@ def probe(source: str, target: str, seconds: float = 0.05, max_bytes: int = 64 <
   rate = _rate(nbytes, took, latency)
   if not duplex:
     return network.Link(rate, latency)
-  both = _rate(nbytes, _duplex_seconds(source, target, nbytes, repeats), latency)
-  return network.Link(rate, latency, min(both, rate))
+  both = min(_rate(nbytes, _duplex_seconds(source, target, nbytes, repeats), latency), rate)
+  if not ring:
+    return network.Link(rate, latency, both)
+  # Two hosts summing n bytes each send n (two chunks of n / 2); the latencies are in the
+  # 8-byte call taken off.
+  summed = _rate(nbytes, _ring_seconds(source, target, nbytes, repeats), 0.0)
+  return network.Link(rate, latency, both, summed)
 
 
 def _rate(nbytes: int, took: float, latency: float) -> float:

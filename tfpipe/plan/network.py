@@ -9,7 +9,9 @@ takes `latency + n / rate`. Gradient sums:
 
 - a ring all-reduce of n bytes over R hosts (each replica keeps its own weights) sends
   2 (R-1) chunks of n / R per host, each a transfer of its own, every host at once (each
-  sends to one neighbour while it receives from the other: at the duplex rate);
+  sends to one neighbour while it receives from the other: at the duplex rate, or at the
+  ring rate a probe measured of the ring itself, whose concatenations, splits and sums cost
+  the hosts' processors too);
 - a reduction to one device (the variables on replica 0's host) sends the weights out to
   the R - 1 other replicas before their forward and takes their R - 1 gradients in after
   their backward, all over replica 0's link: 2 (R-1) n bytes through one host, one way at a
@@ -29,10 +31,14 @@ REDUCE_TO_ONE = "reduce_to_one_device"
 @dataclasses.dataclass(frozen=True)
 class Link:
   """rate: bytes per second one way; latency: seconds a transfer costs whatever its size;
-  duplex_rate: bytes per second each way while both ends send at once (None: `rate`)."""
+  duplex_rate: bytes per second each way while both ends send at once (None: `rate`);
+  ring_rate: bytes per second of each host's traffic in a ring all-reduce as measured (two
+  hosts summing n bytes: n / the seconds it took, the ring's own concatenations, splits and
+  sums included; None: `duplex_rate`)."""
   rate: float
   latency: float = 0.0
   duplex_rate: Optional[float] = None
+  ring_rate: Optional[float] = None
 
   def __post_init__(self) -> None:
     if not self.rate > 0:
@@ -42,6 +48,9 @@ class Link:
     if self.duplex_rate is not None and not self.duplex_rate > 0:
       raise ValueError(f"a link's duplex rate must be > 0 bytes/s. Received: "
                        f"{self.duplex_rate!r}")
+    if self.ring_rate is not None and not self.ring_rate > 0:
+      raise ValueError(f"a link's ring rate must be > 0 bytes/s. Received: "
+                       f"{self.ring_rate!r}")
 
   @property
   def both_ways(self) -> "Link":
@@ -51,7 +60,9 @@ class Link:
   def describe(self) -> str:
     both = (f", {self.duplex_rate * 8 / 1e6:.0f} Mbit/s each way both at once"
             if self.duplex_rate is not None else "")
-    return f"{self.rate * 8 / 1e6:.0f} Mbit/s, {self.latency * 1e3:.2f} ms{both}"
+    ring = (f", {self.ring_rate * 8 / 1e6:.0f} Mbit/s in a ring all-reduce"
+            if self.ring_rate is not None else "")
+    return f"{self.rate * 8 / 1e6:.0f} Mbit/s, {self.latency * 1e3:.2f} ms{both}{ring}"
 
 
 def slowest(links: Sequence[Link]) -> Link:
@@ -60,8 +71,9 @@ def slowest(links: Sequence[Link]) -> Link:
   if not links:
     raise ValueError("no links to take the slowest of")
   duplex = [l.duplex_rate for l in links if l.duplex_rate is not None]
+  ring = [l.ring_rate for l in links if l.ring_rate is not None]
   return Link(min(l.rate for l in links), max(l.latency for l in links),
-              min(duplex) if duplex else None)
+              min(duplex) if duplex else None, min(ring) if ring else None)
 
 
 def transfer_seconds(nbytes: float, link: Link) -> float:
@@ -72,9 +84,11 @@ def transfer_seconds(nbytes: float, link: Link) -> float:
 
 
 def ring_seconds(nbytes: float, replicas: int, link: Link) -> float:
-  """Seconds a ring all-reduce of `nbytes` takes over `replicas` hosts joined by `link`."""
+  """Seconds a ring all-reduce of `nbytes` takes over `replicas` hosts joined by `link` (at
+  its ring rate where it was measured)."""
   R = _replicas(replicas)
-  return 2 * (R - 1) * transfer_seconds(nbytes / R, link.both_ways) if R > 1 else 0.0
+  ring = link.both_ways if link.ring_rate is None else Link(link.ring_rate, link.latency)
+  return 2 * (R - 1) * transfer_seconds(nbytes / R, ring) if R > 1 else 0.0
 
 
 def reduce_to_one_seconds(nbytes: float, replicas: int, link: Link) -> float:
