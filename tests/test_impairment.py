@@ -270,13 +270,13 @@ def test_the_link_watch_names_the_host_whose_connections_retransmit_and_when_the
   seen = []
   hosts = {"h0": h0.netns, "h1": h1.netns}
   with link_watch.LinkWatch(hosts, lambda *a: seen.append(a), interval=0.2, window=3):
-    _stream(network, 1.0)
+    _stream(network, 0.8)
     assert seen == []                      # a shaped link without loss: nothing named
     with impairment.Impairment(network.impaired_ends(h0, loss=0.05)):
-      _stream(network, 2.0)
+      _stream(network, 1.5)
     # h0 sends, and sends again what its link dropped; h1 sends acknowledgements only.
     assert [name for name, _ in seen] == ["h0"] and seen[0][1] > 0.002, seen
-    _stream(network, 2.0)
+    _stream(network, 1.5)
   assert seen[1:] == [("h0", None)], seen
   sent, again = link_watch.tcp_counters(h0.netns)
   assert sent > again > 0
