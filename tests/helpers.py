@@ -1,4 +1,5 @@
-"""Small models and batches shared by the tests."""
+"""Small models and batches shared by the tests, and the mark of tests that need emulated
+hosts."""
 
 import copy
 import hashlib
@@ -7,6 +8,8 @@ import json
 import keras
 import numpy as np
 import pytest
+
+from tfpipe.cluster import emulation
 
 
 def mlp(width=16, depth=4, inputs=8, classes=3, seed=0):
@@ -272,3 +275,17 @@ def keras_fit_weights(model, optimizer, loss, x, y, **fit_kwargs):
     model.fit(x, y, **fit_kwargs)
     return model.get_weights()
   return _cached(["keras fit", model, optimizer, loss, x, y, fit_kwargs], fit)
+
+
+def hosts_unavailable():
+  """Why emulated hosts cannot be made here (`tfpipe.cluster.emulation`: not root, no
+  namespaces, no pyroute2), or None."""
+  try:
+    emulation.check_available()
+  except emulation.EmulationUnavailable as e:
+    return str(e)
+  return None
+
+
+# Tests that make emulated hosts skip, saying why, where they cannot be made.
+needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))

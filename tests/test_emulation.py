@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from tests import zygote
+from tests import helpers, zygote
 from tfpipe.cluster import cgroups, emulation, links
 from tfpipe.cluster import servers as cluster
 import tfpipe
@@ -23,15 +23,7 @@ import tfpipe
 # worker makes its own hosts; their names carry its PID).
 
 
-def _unavailable():
-  try:
-    emulation.check_available()
-  except emulation.EmulationUnavailable as e:
-    return str(e)
-  return None
-
-
-needs_hosts = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+needs_hosts = helpers.needs_hosts
 
 
 @pytest.mark.parametrize("text,rate,delay,loss", [

@@ -15,18 +15,11 @@ import time
 
 import pytest
 
+from tests import helpers
 from tfpipe.cluster import bpf, delay_line, emulation, impairment, link_watch
 
 
-def _unavailable():
-  try:
-    emulation.check_available()
-  except emulation.EmulationUnavailable as e:
-    return str(e)
-  return None
-
-
-needs_hosts = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+needs_hosts = helpers.needs_hosts
 
 
 @pytest.fixture(scope="module")
