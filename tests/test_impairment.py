@@ -84,7 +84,7 @@ def _datagrams_through(network, count=3000):
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind((h1.address, 0))
-    sock.settimeout(1.0)
+    sock.settimeout(0.4)
     return sock
   sock = _in(h1.netns, receiver)
   got = [0]
