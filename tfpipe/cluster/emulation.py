@@ -194,12 +194,12 @@ class Network:
     for host in self.hosts + [self.client]:
       link = self.client_link if host is self.client else self.link
       ends += self.impaired_ends(host, link.delay, link.loss)
-    if any(end.delay or end.loss for end in ends):
-      try:
-        self._impairment = impairment.Impairment(ends)
-      except bpf.BpfUnavailable as e:
-        raise EmulationUnavailable(f"link {self.link}: this kernel cannot add delay or loss "
-                                   f"({e}); give a rate alone") from None
+    try:
+      made = impairment.Impairment(ends)   # takes the ends with delay or loss only
+    except bpf.BpfUnavailable as e:
+      raise EmulationUnavailable(f"link {self.link}: this kernel cannot add delay or loss "
+                                 f"({e}); give a rate alone") from None
+    self._impairment = made if made.ends else None
 
   def counters(self):
     """{host name: (bytes it sent, bytes it received)} over its link since it was made, the

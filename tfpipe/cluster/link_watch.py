@@ -7,8 +7,8 @@ share of segments sent again over the last seconds names the host.
 
 `LinkWatch(hosts, on_lossy)` reads, every `interval` seconds from a daemon
 thread, each host's TCP counters (segments sent, segments retransmitted:
-`/proc/net/snmp` as seen from inside its network namespace, which the thread
-enters for the read) and calls `on_lossy(name, share)` once when over the
+`/proc/net/snmp` as seen from inside its network namespace, which the watch's
+own thread enters for the read) and calls `on_lossy(name, share)` once when over the
 last `window` readings at least `least` segments were sent and more than
 `share` of them were retransmissions; `on_lossy(name, None)` once the share
 has fallen under half that again. A context manager, as `liveness.Watchdog`.
@@ -74,7 +74,8 @@ class LinkWatch:
     while not self._stop.wait(self.interval):
       for name, netns in self.hosts.items():
         try:
-          seen[name].append(tcp_counters(netns))
+          emulation.enter(netns)   # this thread only, its own
+          seen[name].append(_read_snmp())
         except OSError:      # the namespace is gone: the run is ending
           continue
         (sent0, again0), (sent1, again1) = seen[name][0], seen[name][-1]
