@@ -36,10 +36,11 @@ flags.DEFINE_integer("hosts", 2, "emulated hosts (interleaved and zbv: two stage
 common.define(micro_batches=4, batch_size=8, results_dir=results_io.RESULTS)
 flags.DEFINE_integer("steps", 6, "mini-batches per epoch (two epochs)")
 flags.DEFINE_enum("optimizer", "momentum", ["sgd", "momentum", "adam"], "each stage's optimizer")
-flags.DEFINE_list("mmap_thresholds", ["-1", "0"], "the servers' malloc mmap thresholds, "
-                  "each run under each side by side (bytes; -1: tfpipe's default, 0: the C "
-                  "library's adaptive one); the prediction is checked under the first")
-flags.DEFINE_string("role", "main", "internal: `main`, or `model,method,threshold` for one run")
+flags.DEFINE_list("allocators", ["bfc", "malloc"], "the servers' CPU allocators, each run "
+                  "under each side by side: bfc (TensorFlow's, tfpipe's default), malloc (the "
+                  "C library's adaptive mmap threshold), malloc:BYTES (a fixed one); the "
+                  "prediction is checked under the first")
+flags.DEFINE_string("role", "main", "internal: `main`, or `model,method,allocator` for one run")
 flags.DEFINE_string("out", "", "internal: where a run writes its result")
 FLAGS = flags.FLAGS
 
@@ -100,17 +101,25 @@ class _EpochTimes:
     self.callback = Callback()
 
 
-def _run(model_name, method, threshold, out):
+def _allocator(text):
+  """(CPU allocator, mmap threshold) of an --allocators entry; a UsageError names a bad one."""
+  name, _, threshold = text.partition(":")
+  if name not in ("bfc", "malloc") or (
+      threshold and (name != "malloc" or not threshold.isdigit())):
+    raise app.UsageError(f"--allocators takes bfc, malloc or malloc:BYTES. Received: {text!r}")
+  return name, int(threshold or 0)
+
+
+def _run(model_name, method, allocator_text, out):
   """One pipeline on emulated hosts; writes the prediction, each host's measured peak and
   each epoch's seconds."""
   import keras
   import tensorflow as tf
   import tfpipe
-  from tfpipe.cluster import allocator
   from tfpipe.training import footprint
-  threshold = allocator.MMAP_THRESHOLD if threshold < 0 else threshold
+  name, threshold = _allocator(allocator_text)
   with tfpipe.cluster.EmulatedCluster({"worker": FLAGS.hosts}, link="10gbit", memory=64 << 30,
-                                      mmap_threshold=threshold) as hosts:
+                                      mmap_threshold=threshold, cpu_allocator=name) as hosts:
     hosts.enter_client()
     devices = tfpipe.cluster.connect(hosts.spec)
     groups = [hosts.hosts[("worker", k)].group for k in range(FLAGS.hosts)]
@@ -133,10 +142,10 @@ def _run(model_name, method, threshold, out):
   os._exit(0)   # TensorFlow's teardown would try to reach the stopped servers
 
 
-def _one(model_name, method, threshold, folder):
-  out = os.path.join(folder, f"{model_name}-{method}-{threshold}.json")
+def _one(model_name, method, allocator_text, folder):
+  out = os.path.join(folder, f"{model_name}-{method}-{allocator_text.replace(':', '-')}.json")
   argv = [sys.executable, os.path.abspath(__file__),
-          f"--role={model_name},{method},{threshold}", f"--out={out}"] + [
+          f"--role={model_name},{method},{allocator_text}", f"--out={out}"] + [
               f"--{name}={FLAGS[name].value}" for name in
               ("hosts", "micro_batches", "batch_size", "steps", "optimizer")]
   code = subprocess.run(argv).returncode
@@ -150,52 +159,64 @@ def _mib(n):
   return f"{n / 2 ** 20:.0f}"
 
 
-def compare(result, buffers=None):
-  """Per host: (predicted bytes of its stages, measured peak - idle, relative error), the
-  prediction's buffers taken as `buffers` times the trainable bytes where given."""
+def _host_parts(result, host):
+  return [row for row, h in zip(result["predicted"], result["host_of_stage"]) if h == host]
+
+
+def _dense(row):
+  """A row's bytes of weights with dense gradients (its temporaries' base)."""
+  from tfpipe.training import footprint
+  return row["temporaries"] / footprint.TEMPORARIES
+
+
+def compare(result, fit=None):
+  """Per host: (predicted bytes of its stages, measured peak - idle, relative error); with
+  `fit` = (temporaries factor, runtime bytes), the prediction's two fitted terms taken at
+  those values."""
   rows = []
   for host, (peak, idle) in enumerate(zip(result["peaks"], result["idle"])):
-    parts = [row for row, h in zip(result["predicted"], result["host_of_stage"]) if h == host]
+    parts = _host_parts(result, host)
     predicted = sum(row["total"] for row in parts)
-    if buffers is not None:
-      predicted += sum(buffers * row["gradients"] - row["buffers"] for row in parts)
+    if fit is not None:
+      predicted += sum(fit[0] * _dense(row) - row["temporaries"] - row["runtime"]
+                       for row in parts) + fit[1]
     measured = peak - idle
     rows.append((predicted, measured, (predicted - measured) / measured))
   return rows
 
 
-def exact_factors(results):
-  """Per host of `results`, the buffers factor (times its trainable bytes) that would make
-  its prediction equal its measured peak."""
-  factors = []
+def best_fit(results):
+  """(temporaries factor, runtime bytes) that fit every host of `results` best (least
+  squares): measured peak = the other fields + factor x dense weight bytes + runtime."""
+  import numpy as np
+  lhs, rhs = [], []
   for result in results:
     for host, (peak, idle) in enumerate(zip(result["peaks"], result["idle"])):
-      parts = [row for row, h in zip(result["predicted"], result["host_of_stage"]) if h == host]
-      trainable = sum(row["gradients"] for row in parts)
-      rest = sum(row["total"] - row["buffers"] for row in parts)
-      if trainable:
-        factors.append((peak - idle - rest) / trainable)
-  return factors
+      parts = _host_parts(result, host)
+      rest = sum(row["total"] - row["temporaries"] - row["runtime"] for row in parts)
+      lhs.append([sum(_dense(row) for row in parts), 1.0])
+      rhs.append(peak - idle - rest)
+  factor, runtime = np.linalg.lstsq(np.array(lhs), np.array(rhs), rcond=None)[0]
+  return float(factor), float(runtime)
 
 
-def _threshold_words(threshold):
-  return ("tfpipe's default" if threshold < 0 else "the C library's adaptive one"
-          if threshold == 0 else f"{threshold} bytes")
+def _allocator_words(text):
+  name, threshold = _allocator(text)
+  return ("TensorFlow's BFC" if name == "bfc" else "malloc, adaptive mmap threshold"
+          if not threshold else f"malloc, mmap threshold {threshold} bytes")
 
 
 def main(argv):
   del argv
   if FLAGS.role != "main":
-    model_name, method, threshold = FLAGS.role.split(",")
-    return _run(model_name, method, int(threshold), FLAGS.out)
+    model_name, method, allocator_text = FLAGS.role.split(",")
+    return _run(model_name, method, allocator_text, FLAGS.out)
   unknown = [m for m in FLAGS.models if m not in MODELS]
   if unknown:
     raise app.UsageError(f"--models takes {', '.join(MODELS)}. Received: {unknown}")
-  try:
-    thresholds = [int(t) for t in FLAGS.mmap_thresholds]
-  except ValueError:
-    raise app.UsageError(f"--mmap_thresholds takes integers. Received: "
-                         f"{FLAGS.mmap_thresholds}") from None
+  for text in FLAGS.allocators:
+    _allocator(text)
+  allocators = FLAGS.allocators
   from tfpipe.training import footprint
   folder = tempfile.mkdtemp(prefix="tfpipe-memory-predicted-")
   table, side, results = [], [], []
@@ -204,7 +225,7 @@ def main(argv):
       for method in FLAGS.methods:
         if model_name == "llama" and method not in SYNCHRONOUS:
           continue   # its tied embedding sits on the first and last stages
-        runs = [_one(model_name, method, t, folder) for t in thresholds]
+        runs = [_one(model_name, method, a, folder) for a in allocators]
         result, why = runs[0]
         if result is None:
           print(f"{model_name} {method}: failed ({why})", flush=True)
@@ -234,31 +255,32 @@ def main(argv):
       f"--methods={','.join(FLAGS.methods)} --hosts={FLAGS.hosts} "
       f"--micro_batches={FLAGS.micro_batches} --batch_size={FLAGS.batch_size} "
       f"--steps={FLAGS.steps} --optimizer={FLAGS.optimizer} "
-      f"--mmap_thresholds={','.join(FLAGS.mmap_thresholds)}`. MiB per host: predicted before "
-      "training (the sum of its stages' `tfpipe.training.footprint.predict` totals, buffers "
-      f"{footprint.BUFFERS} x trainable bytes), measured as the control group's peak less the "
-      f"idle server's usage, the servers' malloc mmap threshold "
-      f"{_threshold_words(thresholds[0])}.", ""]
+      f"--allocators={','.join(allocators)}`. MiB per host: predicted before "
+      "training (the sum of its stages' `tfpipe.training.footprint.predict` totals: "
+      f"temporaries {footprint.TEMPORARIES} x the bytes of weights with dense gradients, "
+      f"runtime {footprint.RUNTIME / 2 ** 20:.0f} MiB a host), measured as the control "
+      "group's peak less the "
+      f"idle server's usage, the servers' CPU allocator "
+      f"{_allocator_words(allocators[0])}.", ""]
   if results:
     errors = [abs(e) for r in results for _, _, e in compare(r)]
-    factors = sorted(exact_factors(results))
-    median = factors[len(factors) // 2]
-    at_median = [abs(e) for r in results for _, _, e in compare(r, median)]
+    fit = best_fit(results)
+    at_fit = [abs(e) for r in results for _, _, e in compare(r, fit)]
     lines += [f"Largest error: {100 * max(errors):.0f}%; within 20%: "
-              f"{sum(e <= 0.2 for e in errors)} of {len(errors)} hosts. The buffers factor "
-              f"that would make each host's prediction exact: median {median:.1f}, from "
-              f"{factors[0]:.1f} to {factors[-1]:.1f}; at the median, within 20%: "
-              f"{sum(e <= 0.2 for e in at_median)} of {len(at_median)} hosts (largest error "
-              f"{100 * max(at_median):.0f}%).", ""]
+              f"{sum(e <= 0.2 for e in errors)} of {len(errors)} hosts. The two fitted terms "
+              f"that fit these hosts best (least squares): temporaries {fit[0]:.2f} x the dense "
+              f"weight bytes, runtime {fit[1] / 2 ** 20:.0f} MiB; at them, within 20%: "
+              f"{sum(e <= 0.2 for e in at_fit)} of {len(at_fit)} hosts (largest error "
+              f"{100 * max(at_fit):.0f}%).", ""]
   text = "\n".join(lines) + "\n" + results_io.markdown_table(
       ["model", "method", "host", "predicted MiB", "measured MiB", "error",
        "predicted parts (MiB)"], table)
   if side:
-    text += ("\n\nEach run under each threshold, side by side: the largest host's peak above "
-             "idle (MiB), and the second epoch's speed relative to the first threshold's "
+    text += ("\n\nEach run under each allocator, side by side: the largest host's peak above "
+             "idle (MiB), and the second epoch's speed relative to the first allocator's "
              "(its seconds over theirs).\n\n" + results_io.markdown_table(
-                 ["model", "method"] + [f"peak MiB, {_threshold_words(t)}" for t in thresholds]
-                 + [f"speed, {_threshold_words(t)}" for t in thresholds[1:]], side))
+                 ["model", "method"] + [f"peak MiB, {_allocator_words(a)}" for a in allocators]
+                 + [f"speed, {_allocator_words(a)}" for a in allocators[1:]], side))
   results_io.report(FLAGS.results_dir, "memory_predicted.md",
                     "# Per-stage memory, predicted before training and measured on hosts", text)
 

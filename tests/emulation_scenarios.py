@@ -102,6 +102,22 @@ def replicas(devices, hub):
   return result
 
 
+def allocate(devices, mib):
+  """A tensor of `mib` MiB made on the first server, then a small one: each one's error class
+  and first line (None where it was made)."""
+  import tensorflow as tf
+
+  def made(size):
+    try:
+      with tf.device(devices[0]):
+        return None, float(tf.reduce_sum(tf.ones([size << 18], tf.float32)))
+    except tf.errors.OpError as e:
+      tf.experimental.async_clear_error()   # remote ops run asynchronously: the error stays
+      return type(e).__name__, str(e).splitlines()[0]
+
+  return {"big": made(int(mib)), "small": made(1)}
+
+
 def main(name, netns, spec, *args):
   emulation.enter(netns)   # this process is single-threaded here (a fork, or a fresh start)
   import tfpipe

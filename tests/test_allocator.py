@@ -62,3 +62,69 @@ def test_a_cluster_refuses_a_bad_threshold_before_starting_servers():
   from tfpipe.cluster import local as local_cluster
   with pytest.raises(ValueError, match=r"`mmap_threshold` must be a number of bytes"):
     local_cluster.LocalCluster({"worker": 1}, mmap_threshold=-1)
+
+
+@pytest.mark.parametrize("asked,expected", [
+    (None, "bfc"), ("true", "bfc"), ("1", "bfc"), ("false", "malloc"), ("0", "malloc")])
+def test_the_cpu_allocator_is_tensorflows_environment_choice_else_bfc(monkeypatch, asked,
+                                                                      expected):
+  monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
+  if asked is not None:
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", asked)
+  assert allocator.cpu_allocator() == expected
+  assert allocator.cpu_allocator("malloc") == "malloc"   # asked by name: as asked
+
+
+@pytest.mark.parametrize("name,limit,use_bfc,limit_mib", [
+    ("bfc", 256 << 20, "true", "256"), ("bfc", None, "true", None), ("malloc", None, "false", "")])
+def test_choosing_the_cpu_allocator_sets_what_tensorflow_reads(monkeypatch, name, limit,
+                                                                use_bfc, limit_mib):
+  monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "")
+  monkeypatch.setenv("TF_CPU_BFC_MEM_LIMIT_IN_MB", "")
+  assert allocator.use_cpu_allocator(name, limit) == name
+  assert os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == use_bfc
+  host = str(allocator.host_memory() >> 20)   # TensorFlow's own default, 64 GiB, is not kept
+  assert os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] == (host if limit_mib is None else limit_mib)
+
+
+@pytest.mark.parametrize("name,limit,message", [
+    ("tcmalloc", None, r"CPU allocator must be one of bfc, malloc. Received: 'tcmalloc'"),
+    ("bfc", 1000, r"limit must be a number of bytes >= 1 MiB. Received: 1000"),
+    ("bfc", 2.5e9, r"limit must be a number of bytes >= 1 MiB. Received: 2500000000.0")])
+def test_a_bad_cpu_allocator_or_limit_is_refused_by_value(monkeypatch, name, limit, message):
+  monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
+  with pytest.raises(ValueError, match=message):
+    allocator.use_cpu_allocator(name, limit)
+  assert os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "false"   # nothing changed
+
+
+# Chooses BFC with a 64 MiB limit after TensorFlow is imported (a server's order), then reads
+# the allocator's statistics (malloc keeps none) and asks for a tensor past the limit.
+_BFC_PROBE = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+from tfpipe.cluster import allocator
+allocator.use_cpu_allocator("bfc", limit=64 << 20)
+small = tf.ones([1 << 20])
+print(tf.config.experimental.get_memory_info("CPU:0")["current"] >= 4 << 20)
+try:
+  tf.ones([32 << 20])
+except tf.errors.ResourceExhaustedError as e:
+  print(str(e).splitlines()[0])
+"""
+
+
+def test_tensorflow_allocates_with_bfc_within_its_limit_when_chosen_after_its_import():
+  from tests import zygote   # a fork of a process that imported TensorFlow and ran no op
+  done = zygote.run(["-c", _BFC_PROBE], timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  stats, refused = done.stdout.strip().splitlines()
+  assert stats == "True"
+  assert "OOM when allocating tensor with shape[33554432]" in refused and "bfc" in refused
+
+
+def test_a_cluster_refuses_a_bad_cpu_allocator_before_starting_servers():
+  from tfpipe.cluster import local as local_cluster
+  with pytest.raises(ValueError, match=r"CPU allocator must be one of bfc, malloc"):
+    local_cluster.LocalCluster({"worker": 1}, cpu_allocator="jemalloc")

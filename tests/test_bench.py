@@ -302,29 +302,32 @@ def test_memory_fit_refuses_a_cap_it_cannot_read():
 
 # Loads the bench script as a module (in a process of its own: its absl flags would clash with
 # the trainer's, which tests parse in this process) and prints its comparisons of one result:
-# two stages on host 0 (interleaved), one on host 1; peaks above idle 1200 and 700.
+# two stages on host 0 (interleaved: the runtime on its first), one on host 1; peaks above
+# idle 750 and 450, as 2 x the dense bytes and a runtime of 150 would have them.
 _COMPARE = """
 import importlib.util, json
 spec = importlib.util.spec_from_file_location("memory_predicted", "bench/memory_predicted.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-row = {"total": 500, "buffers": 100, "gradients": 100}
-result = {"predicted": [row, row, row], "host_of_stage": [0, 1, 0],
-          "peaks": [1300, 750], "idle": [100, 50]}
-print(json.dumps([bench.compare(result), bench.compare(result, buffers=3.0),
-                  bench.exact_factors([result])]))
+first = {"total": 500, "temporaries": 300, "runtime": 100}   # 100 dense bytes at 3.0
+second = {"total": 400, "temporaries": 300, "runtime": 0}
+result = {"predicted": [first, first, second], "host_of_stage": [0, 1, 0],
+          "peaks": [850, 500], "idle": [100, 50]}
+print(json.dumps([bench.compare(result), bench.compare(result, (2.0, 150.0)),
+                  bench.best_fit([result])]))
 """
 
 
-def test_memory_predicted_sets_predictions_beside_peaks_and_fits_the_buffers_factor():
+def test_memory_predicted_sets_predictions_beside_peaks_and_fits_its_two_terms():
   import json
+  from tfpipe.training import footprint
+  assert footprint.TEMPORARIES == 3.0   # the rows above are written at it
   result = zygote.run(["-c", _COMPARE])
   assert result.returncode == 0, result.stderr[-2000:]
-  plain, at_three, factors = json.loads(result.stdout.strip().splitlines()[-1])
-  assert plain == [[1000, 1200, -200 / 1200], [500, 700, -200 / 700]]
-  assert at_three[1] == [700, 700, 0.0]
-  # Host 0: 1200 measured = 2 x 400 besides buffers + c x 200 trainable: c = 2; host 1: 3.
-  assert factors == [2.0, 3.0]
+  plain, at_fit, fit = json.loads(result.stdout.strip().splitlines()[-1])
+  assert plain == [[900, 750, 150 / 750], [500, 450, 50 / 450]]
+  assert at_fit == [[750, 750, 0.0], [450, 450, 0.0]]
+  assert [round(v, 6) for v in fit] == [2.0, 150.0]
 
 
 def test_memory_predicted_refuses_an_unknown_model():

@@ -188,6 +188,21 @@ def test_a_host_over_its_memory_cap_is_killed_and_its_peak_and_usage_are_read():
     assert big.wait(timeout=60) == -9   # the kernel's OOM killer, as on a host that ran out
 
 
+@needs_hosts
+def test_a_capped_hosts_server_refuses_a_tensor_past_its_cap_by_name_and_serves_on():
+  # Its BFC allocator takes the host's cap as its limit: TensorFlow's out-of-memory error
+  # naming the op and the allocator, where the host would kill the server.
+  with tfpipe.cluster.EmulatedCluster({"worker": 1}, link="1gbit", memory=384 << 20) as capped:
+    assert capped.servers.cpu_allocator == "bfc"
+    result = _scenario(capped, "allocate", "512")
+    assert capped.processes[("worker", 0)].poll() is None
+  kind, message = result["big"]
+  assert kind == "ResourceExhaustedError", result
+  assert "OOM when allocating tensor with shape[134217728]" in message
+  assert "bfc" in message
+  assert result["small"] == [None, 262144.0], result
+
+
 def _trainer(*args):
   env = dict(os.environ, TFDS_DATA_DIR=os.path.join(zygote.ROOT, "tests", "no_such_data_dir"))
   return zygote.run(["-m", "trainers.main", "--snn_width=16", "--snn_depth=3",

@@ -366,10 +366,14 @@ def test_trainer_exits_naming_a_dead_worker():
   import json
   import time
   from tfpipe.cluster import allocator, local as local_cluster
-  # Servers only: this process stays local. Their malloc mmap threshold fixed where asked.
-  with local_cluster.LocalCluster({"worker": 2}, mmap_threshold=allocator.MEMORY_FIRST) as local:
+  # Servers only: this process stays local. Their malloc mmap threshold fixed where asked,
+  # on the CPU allocator asked.
+  with local_cluster.LocalCluster({"worker": 2}, mmap_threshold=allocator.MEMORY_FIRST,
+                                  cpu_allocator="malloc") as local:
     with open(f"/proc/{local.processes[('worker', 1)].pid}/cmdline") as f:   # a fork's
-      assert f"--mmap_threshold={allocator.MEMORY_FIRST}" in f.read().split("\0")
+      argv = f.read().split("\0")
+      assert f"--mmap_threshold={allocator.MEMORY_FIRST}" in argv
+      assert "--cpu_allocator=malloc" in argv
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": local.spec}))
     trainer = zygote.start(
         ["-m", "trainers.main", "--method=pipedream", "--cluster=tf_config",

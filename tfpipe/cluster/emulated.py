@@ -27,12 +27,13 @@ __all__ = ["EmulatedCluster"]
 class EmulatedCluster:
   """TF servers for `jobs` ({job: task count}) on hosts of their own joined by links of shape
   `link` ("RATE[,DELAY[,LOSS%]]"); `memory` (bytes) and `cpus` (cpuset strings, one per task
-  in `jobs` order, or one for all) cap each host; `mmap_threshold`: the servers' malloc mmap
-  threshold (`local.LocalCluster`). `spec` is the cluster spec, `hosts` maps
-  (job, task) to its `emulation.Host`, `network` is the `emulation.Network`."""
+  in `jobs` order, or one for all) cap each host (and its server's BFC allocator);
+  `mmap_threshold`, `cpu_allocator`: the servers' (`local.LocalCluster`). `spec` is the
+  cluster spec, `hosts` maps (job, task) to its `emulation.Host`, `network` is the
+  `emulation.Network`."""
 
   def __init__(self, jobs, link="10gbit", client_link=None, memory=None, cpus=None,
-               timeout=60.0, mmap_threshold=allocator.MMAP_THRESHOLD):
+               timeout=60.0, mmap_threshold=allocator.MMAP_THRESHOLD, cpu_allocator=None):
     if not isinstance(jobs, dict) or not jobs or any(
         isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in jobs.values()):
       raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
@@ -42,7 +43,8 @@ class EmulatedCluster:
       hosts = iter(self.network.hosts)
       self.hosts = {(job, task): next(hosts) for job, n in jobs.items() for task in range(n)}
       self.servers = local.LocalCluster(jobs, timeout=timeout, places=self.hosts,
-                                          mmap_threshold=mmap_threshold)
+                                          mmap_threshold=mmap_threshold,
+                                          cpu_allocator=cpu_allocator)
     except BaseException:
       self.network.close()
       raise

@@ -41,13 +41,15 @@ class LocalCluster:
   `places` maps each (job, task) to an emulated host (`tfpipe.cluster.emulation.Host`):
   its server runs there, at the host's address (`tfpipe.cluster.emulated`).
   `mmap_threshold`: the servers' fixed malloc mmap threshold in bytes (0: the C library's
-  adaptive one; `tfpipe.cluster.allocator`).
+  adaptive one; `tfpipe.cluster.allocator`); `cpu_allocator`: TensorFlow's allocator for
+  their CPU tensors, "bfc" or "malloc" (None: `allocator.cpu_allocator()`, "bfc" unless
+  TF_CPU_ALLOCATOR_USE_BFC says otherwise).
   """
 
   PORT = 2222   # the port of a task on a host of its own (`places`)
 
   def __init__(self, jobs, timeout=60.0, attempts=3, places=None,
-               mmap_threshold=allocator.MMAP_THRESHOLD):
+               mmap_threshold=allocator.MMAP_THRESHOLD, cpu_allocator=None):
     if not jobs or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
                        for n in jobs.values()):
       raise ValueError(f"jobs must map job names to task counts >= 1. Received: {jobs!r}")
@@ -58,6 +60,7 @@ class LocalCluster:
       raise ValueError(f"`mmap_threshold` must be a number of bytes from 0 to "
                        f"{allocator.LIMIT}. Received: {mmap_threshold!r}")
     self.mmap_threshold = mmap_threshold
+    self.cpu_allocator = allocator.cpu_allocator(cpu_allocator)
     remove_leftover_files()   # of runs that were killed
     self.processes, self._errors, self._places = {}, {}, places
     if places is not None:   # a host each (`tfpipe.cluster.emulated`): every port is free there
@@ -97,7 +100,7 @@ class LocalCluster:
     self._launcher = subprocess.Popen(
         [sys.executable, "-m", "tfpipe.cluster", f"--spec={json.dumps(self.spec)}",
          f"--tasks={','.join(f'{j}:{t}' for j, t in tasks)}", f"--parent={os.getpid()}",
-         f"--mmap_threshold={self.mmap_threshold}",
+         f"--mmap_threshold={self.mmap_threshold}", f"--cpu_allocator={self.cpu_allocator}",
          f"--errors={json.dumps([self._errors[key].name for key in tasks])}"]
         + ([f"--places={json.dumps([_place(self._places[key]) for key in tasks])}"]
            if self._places else []),
@@ -275,7 +278,8 @@ def remove_leftover_files():
 
 def _place(host):
   """What a server on emulated `host` needs to go there (`_launch`)."""
-  return {"netns": host.netns, "address": host.address, "procs": host.procs_files()}
+  return {"netns": host.netns, "address": host.address, "procs": host.procs_files(),
+          "memory": host.group.memory if host.group is not None else None}
 
 
 class _Server:

@@ -58,6 +58,10 @@ def serve(argv):
                            "go back to the host (a lower peak, slower steps; 4194304 where "
                            "memory binds); 0 (default): the C library's adaptive one "
                            "(tfpipe.cluster.allocator)")
+  parser.add_argument("--cpu_allocator", choices=allocator.CPU_ALLOCATORS, default=None,
+                      help="TensorFlow's allocator for CPU tensors: bfc (TensorFlow's best-fit "
+                           "allocator, at most the host's memory) or malloc; default: what "
+                           "TF_CPU_ALLOCATOR_USE_BFC says, else bfc (tfpipe.cluster.allocator)")
   parser.add_argument("--every_interface", action="store_true",
                       help="listen on every interface (TensorFlow's default), not only on the "
                            "address the spec gives this task")
@@ -66,6 +70,7 @@ def serve(argv):
     parser.error("give --job and --task (one server), or --tasks (servers forked here)")
   try:
     allocator.fix_mmap_threshold(args.mmap_threshold)   # before TensorFlow allocates
+    allocator.use_cpu_allocator(args.cpu_allocator)
   except ValueError as e:
     parser.error(str(e))
   if args.parent is not None and args.tasks is None:   # a launcher watches after its forks
@@ -103,12 +108,15 @@ def _run_server(spec, job, task, ready):
 
 def _go_to(place):
   """Moves this (single-threaded, just forked) server onto its emulated host: its network
-  namespace, its control groups, and its address for the bind shim."""
+  namespace, its control groups, its address for the bind shim, and its memory cap as its
+  CPU allocator's limit."""
   emulation.enter(place["netns"])
   for path in place["procs"]:
     with open(path, "w") as f:
       f.write(str(os.getpid()))
   os.environ["TFPIPE_BIND_HOST"] = place["address"]
+  if place.get("memory") and allocator.cpu_allocator() == "bfc":   # the host's cap binds
+    allocator.use_cpu_allocator("bfc", limit=int(place["memory"]))
 
 
 def _launch(tasks, spec, errors, parent, places=None):

@@ -16,11 +16,16 @@ k: stage index, M: micro-batches, W: the bytes of a stage's trainable weights. P
                 size of the predictions (a cross-entropy's softmax, a squared error's
                 difference);
   gradients:    one gradient per trainable weight while the backward and update run (W);
-  buffers:      what TensorFlow's runtime holds beyond the tensors above (received weights,
-                the update's temporaries, copies of variables updated while read):
-                BUFFERS x W, the median measured on emulated hosts across models and
-                schedules (`bench/memory_predicted.py`, which gives the spread).
-"total" is their sum: the stage's predicted peak above what its process held before.
+  temporaries:  the step's tensors beside those: weight-gradient products, the update's and
+                the accumulation's intermediates, TEMPORARIES x the bytes of the weights
+                whose gradients are dense (an embedding's table, read by a gather, gets rows);
+  runtime:      what a TF process holds beside tensors while it trains (its functions'
+                graphs and kernels, transfers in flight): RUNTIME bytes, once per device
+                (on its first stage).
+TEMPORARIES and RUNTIME are fitted to the peaks measured on emulated hosts (TF servers with
+their BFC allocator) across models and schedules (`bench/memory_predicted.py`, which gives
+the spread and the best fit). "total" is the fields' sum: the stage's predicted peak above
+what its process held before.
 """
 
 import math
@@ -33,13 +38,13 @@ from tfpipe.instruments.memory import variable_bytes
 from tfpipe.plan import policies, records, tasks as task_table
 from tfpipe.stage import partition as partition_lib
 
-__all__ = ["FIELDS", "BUFFERS", "kept_per_unit", "predict", "unit_shapes"]
+__all__ = ["FIELDS", "TEMPORARIES", "RUNTIME", "kept_per_unit", "sparse_bytes", "predict",
+           "unit_shapes"]
 
 FIELDS = ("weights", "optimizer", "accumulators", "versions", "activations", "gradients",
-          "buffers")
-# The runtime's buffers, in trainable-weight bytes: measured on emulated hosts (TF servers
-# with tfpipe's malloc mmap threshold, `tfpipe.cluster.allocator`).
-BUFFERS = 11.0
+          "temporaries", "runtime")
+TEMPORARIES = 3.0        # x the bytes of weights with dense gradients
+RUNTIME = 105 << 20      # bytes per device
 # Ops whose output is a view of their first input: the same buffer, counted once.
 _VIEWS = {"Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient",
           "Snapshot", "EnsureShape", "PreventGradient", "Bitcast"}
@@ -84,9 +89,14 @@ def kept_per_unit(model, specs):
   """(bytes of the inputs, bytes of the tensors the backward reads) of one forward of
   `model` on inputs of `specs`: traced once with a gradient tape, the forward's tensors the
   gradient's ops read, each buffer counted once (a reshape is a view), weights left out."""
+  return _stage_trace(model, specs)[:2]
+
+
+def _stage_trace(model, specs):
+  """(`kept_per_unit`'s two, `sparse_bytes`) from one trace."""
   inputs = sum(s.shape.num_elements() * s.dtype.size for s in specs)
   call = lambda xs: model(list(xs) if len(xs) > 1 else xs[0], training=True)
-  return inputs, _kept(call, model.trainable_variables, specs, read_inputs=False)
+  return (inputs,) + _traced(call, model.trainable_variables, specs, read_inputs=False)
 
 
 def node_kept(node, shapes):
@@ -94,16 +104,22 @@ def node_kept(node, shapes):
   of `shapes` (TensorSpecs, in `node.input_tensors` order), its inputs included where its
   backward reads them (they may be another node's kept outputs too: summed over a stage's
   nodes, an upper bound)."""
+  return node_traced(node, shapes)[0]
+
+
+def node_traced(node, shapes):
+  """(`node_kept`, the bytes of the node's weights whose gradients come as rows)."""
   tensors = list(node.input_tensors)
 
   def call(xs):
     args, kwargs = node.arguments.fill_in({id(t): x for t, x in zip(tensors, xs)})
     return node.operation(*args, **kwargs)
 
-  return _kept(call, node.operation.trainable_variables, shapes, read_inputs=True)
+  return _traced(call, node.operation.trainable_variables, shapes, read_inputs=True)
 
 
-def _kept(call, variables, specs, read_inputs):
+def _traced(call, variables, specs, read_inputs):
+  """(bytes the backward reads, bytes of `variables` whose gradients are IndexedSlices)."""
   floats = [s.dtype.is_floating for s in specs]
 
   @tf.function(autograph=False)
@@ -115,7 +131,11 @@ def _kept(call, variables, specs, read_inputs):
       total = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys]) if ys else 0.0
     return tape.gradient(total, list(variables) + watched)
 
-  graph = step.get_concrete_function(*specs).graph
+  function = step.get_concrete_function(*specs)
+  graph = function.graph
+  gradients = tf.nest.flatten(function.structured_outputs, expand_composites=False)
+  sparse = sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size
+               for v, g in zip(variables, gradients) if isinstance(g, tf.IndexedSlices))
   ops = graph.get_operations()
   backward = {op.name for op in ops if op.name.startswith("gradient_tape/")}
   not_held = _NOT_HELD - ({"Placeholder"} if read_inputs else set())
@@ -137,7 +157,7 @@ def _kept(call, variables, specs, read_inputs):
           or source.dtype == tf.resource):
         continue
       held[source.ref()] = source.shape.num_elements() * source.dtype.size
-  return sum(held.values())
+  return sum(held.values()), sparse
 
 
 def _outputs_per_unit(model, specs):
@@ -186,7 +206,7 @@ def predict(pipeline, batch_size, input_shapes=None):
   rows = []
   for k, program in enumerate(pipeline.programs):
     specs = unit_shapes(program.model, unit, input_shapes, first=k == 0)
-    inputs, kept = kept_per_unit(program.model, specs)
+    inputs, kept, sparse = _stage_trace(program.model, specs)
     trainable = variable_bytes(program.trainable)
     if program.is_last:
       kept += _outputs_per_unit(program.model, specs)
@@ -204,7 +224,8 @@ def predict(pipeline, batch_size, input_shapes=None):
         "versions": max(0, versions[k] - current) * trainable,
         "activations": activations,
         "gradients": trainable,
-        "buffers": int(BUFFERS * trainable),
+        "temporaries": int(TEMPORARIES * (trainable - sparse)),
+        "runtime": RUNTIME if pipeline.devices.index(pipeline.devices[k]) == k else 0,
     }
     row["total"] = sum(row.values())
     rows.append(row)
@@ -229,14 +250,15 @@ def _per_unit(tensors, unit, given):
 class LayerCosts:
   """Per graph node of `model` (the partitioner's, `tfpipe.stage.partition.graph_nodes`), the
   bytes a stage holding it pays, for units of `unit` samples: `trainable` and `fixed`
-  (non-trainable) weight bytes, `kept` (what its backward reads, `node_kept`); per cut
+  (non-trainable) weight bytes, `dense` (trainable bytes whose gradients are dense), `kept`
+  (what its backward reads, `node_kept`); per cut
   position the bytes of the tensors crossing it (`inputs`, the stage's inputs), and the
   model outputs' (`outputs`, what the last stage's loss keeps)."""
 
   def __init__(self, model, unit, input_shapes=None):
     model_inputs, outputs, nodes = partition_lib.graph_nodes(model)
     seen = set()
-    self.trainable, self.fixed, self.kept = [], [], []
+    self.trainable, self.fixed, self.kept, self.dense = [], [], [], []
     for node in nodes:
       fresh = [v for v in node.operation.trainable_variables if id(v) not in seen]
       frozen = [v for v in node.operation.non_trainable_variables if id(v) not in seen]
@@ -244,19 +266,22 @@ class LayerCosts:
       self.trainable.append(variable_bytes(fresh))
       self.fixed.append(variable_bytes(frozen))
       specs = [_spec(t, unit, input_shapes) for t in node.input_tensors]
-      self.kept.append(node_kept(node, specs))
+      kept, sparse = node_traced(node, specs)
+      self.kept.append(kept)
+      self.dense.append(max(0, self.trainable[-1] - sparse))
     self.inputs = [_per_unit(partition_lib.live(model_inputs, outputs, nodes, a), unit,
                              input_shapes) for a in range(len(nodes))]
     self.outputs = sum(_per_unit([t], unit, input_shapes) for t in outputs
                        if tf.as_dtype(t.dtype).is_floating)
 
   def stage(self, k, a, b, states, versions, slots, accumulating, recompute):
-    """Predicted bytes of stage k holding nodes a..b-1 (`predict`'s fields summed):
-    `states`/`versions` its plan counts, `slots` optimizer bytes per trainable byte."""
+    """Predicted bytes of stage k holding nodes a..b-1 (`predict`'s fields summed, but for
+    the device's `RUNTIME`): `states`/`versions` its plan counts, `slots` optimizer bytes per
+    trainable byte."""
     trainable = sum(self.trainable[a:b])
     last = b == len(self.kept)
     kept = sum(self.kept[a:b]) + (self.outputs if last else 0)
     activations = (states * self.inputs[a] + kept if recompute and not last
                    else states * (self.inputs[a] + kept))
-    return int(trainable * (1 + slots + (1 if accumulating else 0) + max(0, versions) + 1
-                            + BUFFERS) + sum(self.fixed[a:b]) + activations)
+    return int(trainable * (1 + slots + (1 if accumulating else 0) + max(0, versions) + 1)
+               + TEMPORARIES * sum(self.dense[a:b]) + sum(self.fixed[a:b]) + activations)

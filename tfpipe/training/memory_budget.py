@@ -89,7 +89,8 @@ def plan(pipe, batch_size, input_shapes, kept=None):
   current = 0 if task_table.ops(pipe.policy)["F"].reads == "predicted" else 1
   trainable = sum(r["gradients"] for r in rows)
   slots = sum(r["optimizer"] for r in rows) / trainable if trainable else 0.0
-  share = budget / (K // len(set(pipe.devices)))   # interleaved, V: V stages per device
+  # Interleaved, V: V stages per device, and its runtime once.
+  share = (budget - footprint.RUNTIME) / (K // len(set(pipe.devices)))
 
   def fits(j, a, b, recompute=pipe.policy.recompute):
     return costs.stage(j, a, b, states[j], versions[j] - current, slots, accumulating,
