@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
+from tfpipe.stage import partition as partition_lib
 from tfpipe.training import footprint, memory_budget
 from tests import helpers
 
@@ -28,6 +29,27 @@ def test_a_forward_keeps_what_its_backward_reads_each_buffer_once():
   inputs, kept = footprint.kept_per_unit(_relu_stack(), [tf.TensorSpec((5, 8), tf.float32)])
   assert inputs == 5 * 8 * 4
   assert kept == 5 * (16 + 16) * 4
+
+
+def test_an_embeddings_table_gets_rows_so_only_dense_weights_count_toward_temporaries():
+  tokens = keras.Input((6,), dtype="int32")
+  h = keras.layers.Embedding(50, 4, name="table")(tokens)
+  model = keras.Model(tokens, keras.layers.Dense(3, name="head")(h))
+  specs = [tf.TensorSpec((2, 6), tf.int32)]
+  assert footprint.sparse_bytes(model, specs) == 50 * 4 * 4
+  nodes = partition_lib.graph_nodes(model)[2]
+  kept = [footprint.node_traced(node, [tf.TensorSpec((2, 6), tf.int32)] if i == 0 else
+                                [tf.TensorSpec((2, 6, 4), tf.float32)])
+          for i, node in enumerate(nodes)]
+  assert [sparse for _, sparse in kept] == [50 * 4 * 4, 0]
+  pipe = tfpipe.Pipeline(model, num_stages=2, method="1f1b", micro_batches=2,
+                         partition=["head"])
+  pipe.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True))
+  rows = pipe.memory(4)
+  head = (4 * 3 + 3) * 4   # the dense head's weight bytes
+  assert [row["temporaries"] for row in rows] == [0, int(footprint.TEMPORARIES * head)]
+  assert [row["runtime"] for row in rows] == [footprint.RUNTIME] * 2   # a device each
 
 
 def test_unknown_dimensions_come_from_the_given_shapes_or_are_refused_by_name():

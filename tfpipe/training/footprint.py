@@ -99,6 +99,12 @@ def _stage_trace(model, specs):
   return (inputs,) + _traced(call, model.trainable_variables, specs, read_inputs=False)
 
 
+def sparse_bytes(model, specs):
+  """Bytes of `model`'s trainable weights whose gradient comes as rows (IndexedSlices: an
+  embedding's table read by a gather), on inputs of `specs`."""
+  return _stage_trace(model, specs)[2]
+
+
 def node_kept(node, shapes):
   """Bytes one call of a layer (a graph node of the model) keeps for its backward on inputs
   of `shapes` (TensorSpecs, in `node.input_tensors` order), its inputs included where its

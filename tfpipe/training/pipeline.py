@@ -291,8 +291,9 @@ class Pipeline:
     """Each stage's memory predicted before training at `batch_size` (default: the last
     fit's), as a list of {field: bytes} with its "total" (`tfpipe.training.footprint.predict`:
     weights, optimizer slots, gradient accumulators, kept weight versions, kept activations,
-    a step's gradients and buffers). `input_shapes`: the inputs' shapes, batch axis first,
-    where the model leaves a dimension unknown (default: the last fit's). Needs `compile`."""
+    a step's gradients and temporaries, the runtime). `input_shapes`: the inputs' shapes,
+    batch axis first, where the model leaves a dimension unknown (default: the last fit's).
+    Needs `compile`."""
     batch_size = self.batch_size if batch_size is None else batch_size
     return footprint.predict(self, batch_size, input_shapes or self.input_shapes)
 
