@@ -278,7 +278,7 @@ def main(argv):
   if side:
     text += ("\n\nEach run under each allocator, side by side: the largest host's peak above "
              "idle (MiB), and the second epoch's speed relative to the first allocator's "
-             "(its seconds over theirs).\n\n" + results_io.markdown_table(
+             "(the first's seconds over its own).\n\n" + results_io.markdown_table(
                  ["model", "method"] + [f"peak MiB, {_allocator_words(a)}" for a in allocators]
                  + [f"speed, {_allocator_words(a)}" for a in allocators[1:]], side))
   results_io.report(FLAGS.results_dir, "memory_predicted.md",
