@@ -5,18 +5,19 @@ TensorFlow's servers that tfpipe starts use its BFC allocator on the CPU (`CPU_A
 `use_cpu_allocator`), as TensorFlow does on GPUs: a best-fit allocator that coalesces freed
 blocks and keeps them for the next step's tensors, so a server's peak follows its tensors'
 peak; an allocation that would take its tensors past `limit` bytes fails with TensorFlow's
-out-of-memory error naming the op (a server on a capped host takes the cap as its limit). Lower peaks and faster steps than malloc, measured side by
-side with `bench/memory_predicted.py --allocators=bfc,malloc`.
+out-of-memory error naming the op (a server on a capped host takes the cap as its limit).
+Lower peaks than malloc at about the same speed, measured side by side with
+`bench/memory_predicted.py --allocators=bfc,malloc`.
 
 With "malloc" (TensorFlow's own default on the CPU) tensors come from the C library's
 malloc: glibc serves a large block with mmap and unmaps it when freed, but it raises that
 threshold to the size of each mapped block freed (up to 32 MiB), so after the first step a
 weight-sized tensor comes from a heap arena and its pages stay with the process when freed:
-a server's peak then holds every step's temporaries side by side. A fixed threshold (mallopt M_MMAP_THRESHOLD) keeps blocks of
-at least that size mapped and returned: a lower peak, but every such block is mapped and
-zero-filled afresh, which costs speed. The servers keep glibc's adaptive threshold unless
-asked (`MMAP_THRESHOLD`, 0); `MEMORY_FIRST` is the fixed one to ask for where memory binds
-(`bench/results/memory_predicted.md`).
+a server's peak then holds every step's temporaries side by side. A fixed threshold
+(mallopt M_MMAP_THRESHOLD) keeps blocks of at least that size mapped and returned: a lower
+peak, but every such block is mapped and zero-filled afresh, which costs speed. Servers on
+malloc keep glibc's adaptive threshold unless asked (`MMAP_THRESHOLD`, 0); `MEMORY_FIRST` is
+the fixed one to ask for where memory binds.
 """
 
 import ctypes
