@@ -335,6 +335,13 @@ def test_memory_predicted_refuses_an_unknown_model():
   assert result.returncode != 0 and "--models takes llama, transformer, vgg16" in result.stderr
 
 
+def test_memory_predicted_refuses_an_allocator_it_does_not_know():
+  result = zygote.run([os.path.join("bench", "memory_predicted.py"),
+                       "--allocators=bfc,bfc:4096"])
+  assert result.returncode != 0
+  assert "--allocators takes bfc, malloc or malloc:BYTES. Received: 'bfc:4096'" in result.stderr
+
+
 _LINKS = """
 import importlib.util, json
 spec = importlib.util.spec_from_file_location("links", "bench/links.py")

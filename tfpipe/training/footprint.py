@@ -230,7 +230,7 @@ def predict(pipeline, batch_size, input_shapes=None):
         "versions": max(0, versions[k] - current) * trainable,
         "activations": activations,
         "gradients": trainable,
-        "temporaries": int(TEMPORARIES * (trainable - sparse)),
+        "temporaries": int(TEMPORARIES * max(0, trainable - sparse)),
         "runtime": RUNTIME if pipeline.devices.index(pipeline.devices[k]) == k else 0,
     }
     row["total"] = sum(row.values())
@@ -257,9 +257,9 @@ class LayerCosts:
   """Per graph node of `model` (the partitioner's, `tfpipe.stage.partition.graph_nodes`), the
   bytes a stage holding it pays, for units of `unit` samples: `trainable` and `fixed`
   (non-trainable) weight bytes, `dense` (trainable bytes whose gradients are dense), `kept`
-  (what its backward reads, `node_kept`); per cut
-  position the bytes of the tensors crossing it (`inputs`, the stage's inputs), and the
-  model outputs' (`outputs`, what the last stage's loss keeps)."""
+  (what its backward reads, `node_kept`); per cut position the bytes of the tensors crossing
+  it (`inputs`, the stage's inputs), and the model outputs' (`outputs`, what the last stage's
+  loss keeps)."""
 
   def __init__(self, model, unit, input_shapes=None):
     model_inputs, outputs, nodes = partition_lib.graph_nodes(model)
