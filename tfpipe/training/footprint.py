@@ -105,16 +105,11 @@ def sparse_bytes(model, specs):
   return _stage_trace(model, specs)[2]
 
 
-def node_kept(node, shapes):
-  """Bytes one call of a layer (a graph node of the model) keeps for its backward on inputs
+def node_traced(node, shapes):
+  """(bytes one call of a layer (a graph node of the model) keeps for its backward on inputs
   of `shapes` (TensorSpecs, in `node.input_tensors` order), its inputs included where its
   backward reads them (they may be another node's kept outputs too: summed over a stage's
-  nodes, an upper bound)."""
-  return node_traced(node, shapes)[0]
-
-
-def node_traced(node, shapes):
-  """(`node_kept`, the bytes of the node's weights whose gradients come as rows)."""
+  nodes, an upper bound); the bytes of the node's weights whose gradients come as rows)."""
   tensors = list(node.input_tensors)
 
   def call(xs):
@@ -257,7 +252,7 @@ class LayerCosts:
   """Per graph node of `model` (the partitioner's, `tfpipe.stage.partition.graph_nodes`), the
   bytes a stage holding it pays, for units of `unit` samples: `trainable` and `fixed`
   (non-trainable) weight bytes, `dense` (trainable bytes whose gradients are dense), `kept`
-  (what its backward reads, `node_kept`); per cut position the bytes of the tensors crossing
+  (what its backward reads, `node_traced`); per cut position the bytes of the tensors crossing
   it (`inputs`, the stage's inputs), and the model outputs' (`outputs`, what the last stage's
   loss keeps)."""
 
