@@ -171,6 +171,43 @@ def test_replicate_sums_the_copies_gradients_with_an_unused_copy_as_zeros():
     np.testing.assert_allclose(grads().numpy(), [3 + 2 + 2, 3 + 4 + 2])
 
 
+def _loops(graph_def):
+  """(device, name) of every while loop in a GraphDef and the functions it holds."""
+  nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+  return [(n.device, n.name) for n in nodes if n.op in ("While", "StatelessWhile")]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_replicas_recurrent_loop_and_its_gradient_are_placed_on_its_device(persistent):
+  # Where TensorFlow sees higher-order gradients possible (two tapes watching, or a
+  # persistent one), it wraps a while loop in a function whose gradient's loop has no
+  # device, and the loop ran on the caller's default device (on TF servers: the client).
+  inputs = keras.Input((6,), dtype="int32")
+  model = keras.Model(inputs, keras.layers.LSTM(5)(keras.layers.Embedding(30, 4)(inputs)))
+  weights = [tf.convert_to_tensor(v) for v in model.trainable_variables]
+  devices = DEVICES[1:3]
+
+  @tf.function
+  def step(x):
+    with tf.device(devices[0]), tf.GradientTape() as tape:
+      tape.watch(weights)
+      state = [tf.convert_to_tensor(v) for v in model.non_trainable_variables]
+      ys, _, _ = reduction.replicated_call(model, weights, state, [x], True, devices,
+                                           reduction.choose(devices), persistent=persistent)
+      loss = tf.reduce_sum(ys[0])
+    with tf.device(devices[0]):   # as a stage takes it
+      return tape.gradient(loss, weights)
+
+  graph = step.get_concrete_function(tf.TensorSpec((4, 6), tf.int32)).graph.as_graph_def()
+  loops = _loops(graph)
+  assert len(loops) == 4   # each replica's forward and gradient
+  placed = [tf.DeviceSpec.from_string(d).device_index if d else None for d, _ in loops]
+  if persistent:   # a split backward's halves taken apart: TensorFlow wraps the loops
+    assert None in placed
+  else:
+    assert placed.count(1) == placed.count(2) == 2, loops
+
+
 def test_cross_device_ops_default_to_mirrored_strategys_choice_and_refuse_bad_values():
   assert isinstance(reduction.choose(DEVICES[:2]), tf.distribute.ReductionToOneDevice)
   assert isinstance(reduction.choose(["/gpu:0", "/gpu:1"]), tf.distribute.NcclAllReduce)

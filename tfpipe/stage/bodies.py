@@ -57,6 +57,7 @@ class TaskBodies:
   mirrors: Optional["Mirrors"]
   _pairs: List[Tuple[Any, Any]]
   _split: Tuple[List[int], List[int]]
+  _inline: bool
   _float_in: List[bool]
   _float_out: List[bool]
   _outputs_dtype: Any
@@ -81,7 +82,9 @@ class TaskBodies:
     if len(self.replica_devices) > 1:
       ys, new_state, losses = reduction.replicated_call(
           self.model, call_weights, call_state, xs, training, self.replica_devices,
-          self.cross_device_ops, self.groups_in, self.groups_out)
+          self.cross_device_ops, self.groups_in, self.groups_out,
+          # A split backward's halves take the gradient apart, but inlined in one walk.
+          persistent=self.ops["B"].op == "backward_input" and not self._inline)
     else:
       inputs = xs[0] if len(xs) == 1 else list(xs)
       ys, new_state, losses = self.model.stateless_call(

@@ -192,25 +192,33 @@ def _tap(tensors: Sequence[Any], on_gradient: OnGradient, anchor: Any = None,
 
 
 def _backward_here(device: str, call: Call, weights: Sequence[Any], xs: Sequence[Any],
-                   state: Sequence[Any],
-                   unused: Optional[Set[int]] = None) -> Tuple[List[Any], List[Any], List[Any]]:
+                   state: Sequence[Any], unused: Optional[Set[int]] = None,
+                   persistent: bool = True) -> Tuple[List[Any], List[Any], List[Any]]:
   """`call(weights, xs, state)` -> (ys, new_state, losses), its gradient taken on `device`.
 
   A tape's gradient ops go where the code taking the gradient places them (the stage's
   first device), not where their forward ran: replica r's backward would read its
   activations and weights from its host and send its gradients back. Here each replica's
   backward is its own (a tape of its own, its gradient taken under its device). The indices
-  of `weights` the loss does not depend on are added to `unused` (a set) where given."""
+  of `weights` the loss does not depend on are added to `unused` (a set) where given.
+
+  That tape is the only one watching the replica's tensors (the inputs are cut from the
+  caller's tapes, whose gradient this function gives), and `persistent` only where the
+  caller's gradient is taken twice (a split backward's halves, B's and W's, apart): where
+  TensorFlow sees higher-order gradients possible, it wraps each while loop (a recurrent
+  layer) in a function whose gradient's loop carries no device, and the loop then ran on
+  the caller's default device (the client: a residual LSTM's second replica exchanged 1.5
+  GB a step with it)."""
   weights, xs, state = list(weights), list(xs), list(state)
   n_w, n_x = len(weights), len(xs)
   structure = []
 
   @tf.custom_gradient  # type: ignore[untyped-decorator]  # TensorFlow is untyped
   def placed(*flat: Any) -> Tuple[List[Any], Callable[..., List[Any]]]:
-    w, x, st = list(flat[:n_w]), list(flat[n_w:n_w + n_x]), list(flat[n_w + n_x:])
+    w, x, st = [[tf.stop_gradient(t) if t.dtype.is_floating else t for t in part]
+                for part in (flat[:n_w], flat[n_w:n_w + n_x], flat[n_w + n_x:])]
     watched = [t for t in w + x if t.dtype.is_floating]
-    # Persistent: a split backward (zb) takes the gradient twice, B's and W's.
-    with tf.GradientTape(watch_accessed_variables=False, persistent=True) as tape:
+    with tf.GradientTape(watch_accessed_variables=False, persistent=persistent) as tape:
       tape.watch(watched)
       ys, new_state, losses = call(w, x, st)
     ys, losses = tf.nest.flatten(ys), list(losses)
@@ -238,13 +246,15 @@ def _backward_here(device: str, call: Call, weights: Sequence[Any], xs: Sequence
 
 def replicated_call(model: Any, weights: Sequence[Any], state: Sequence[Any], xs: Sequence[Any],
                     training: bool, devices: Sequence[str], ops: Any, groups_in: int = 1,
-                    groups_out: int = 1) -> Tuple[List[Any], List[Any], Any]:
+                    groups_out: int = 1,
+                    persistent: bool = True) -> Tuple[List[Any], List[Any], Any]:
   """`model` (a stage) on each of `devices`: each replica on its share of the batch `xs` (the
   first n % R get one more), or with `groups_in` > 1 on its own inputs (a data-parallel
   pipeline's replicas travel apart); weights copied to each replica, their gradients summed
   with `ops` (`replicate`). Returns (outputs: joined along the batch axis, or the replicas'
   one after another with `groups_out` > 1; the non-trainable state, the replicas' mean; the
-  first replica's losses: weight penalties count once)."""
+  first replica's losses: weight penalties count once). `persistent`: the caller may take
+  the gradient twice (`_backward_here`)."""
   R = len(devices)
   if groups_in > 1:
     size = len(xs) // R
@@ -268,7 +278,8 @@ def replicated_call(model: Any, weights: Sequence[Any], state: Sequence[Any], xs
       if r == 0:
         ys, new_state, losses = call(copies[r], inputs, state)
       else:
-        ys, new_state, losses = _backward_here(device, call, copies[r], inputs, state, unused)
+        ys, new_state, losses = _backward_here(device, call, copies[r], inputs, state, unused,
+                                                 persistent)
     outputs.append(tf.nest.flatten(ys))
     states.append(new_state)
     first_losses = losses if first_losses is None else first_losses
