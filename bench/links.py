@@ -108,7 +108,11 @@ def run(workload, method, hosts, link):
           "--logdir=", "--verbose=2", *(["--transfer_share"] if FLAGS.transfer_share else []),
           *[f for f in cluster_flags(method, hosts, link) if not f.startswith("--method=")]]
   start = time.monotonic()
-  result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout, cwd=ROOT)
+  try:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout,
+                            cwd=ROOT)
+  except subprocess.TimeoutExpired:   # killed; its hosts are removed at the next start
+    return {"error": f"timed out after {FLAGS.timeout} s (--timeout)"}
   if result.returncode != 0:
     lines = result.stderr.strip().splitlines() or ["?"]
     said = [line for line in lines if line.startswith("error:")]   # the trainer's own line

@@ -353,16 +353,21 @@ out = ("samples/s, whole last epoch  100.0\\n"
 traced = ("time on each host, traced over 2.8 s of one more epoch (waiting on transfers: a "
           "receive or all-reduce pending, nothing to compute): worker/0 computing 3%, waiting on "
           "transfers 81%, idle 16%; worker/1 computing 9.5%, waiting on transfers 0.5%, idle 90%\\n")
+def timed_out(argv, **kwargs):
+  raise bench.subprocess.TimeoutExpired(argv, kwargs["timeout"])
+bench.FLAGS(["links", "--timeout=7"])
+bench.subprocess.run = timed_out
 print(json.dumps([bench.parse(out, 50, 1e8), bench.batch_size("vgg16"), bench.batch_size("fcn"),
-                  bench.parse(out + traced, 50, 1e8)["waiting"]]))
+                  bench.parse(out + traced, 50, 1e8)["waiting"],
+                  bench.run("fcn", "1f1b", 2, "10gbit")]))
 """
 
 
-def test_links_reads_bytes_and_the_busiest_links_share_of_a_step():
+def test_links_reads_bytes_and_the_busiest_links_share_of_a_step_and_records_a_timeout():
   import json
   result = zygote.run(["-c", _LINKS])
   assert result.returncode == 0, result.stderr[-2000:]
-  parsed, vgg16, fcn, waiting = json.loads(result.stdout.strip().splitlines()[-1])
+  parsed, vgg16, fcn, waiting, timed_out = json.loads(result.stdout.strip().splitlines()[-1])
   # Hosts sent 2.5 + 7.5 MB (the client's link left out); worker/0 received the most, 10 MB:
   # 0.8 s at 100 Mbit/s of a 0.5 s step (50 samples at 100/s).
   assert parsed["sent"] == 10.0 and parsed["max_host"] == 7.5
@@ -370,6 +375,8 @@ def test_links_reads_bytes_and_the_busiest_links_share_of_a_step():
   assert not parsed["whole_fit"] and "waiting" not in parsed   # a run without the trace
   assert math.isclose(waiting, 0.81)   # the busiest host's share, from the trace's line
   assert (vgg16, fcn) == (64, 256)   # from the config's flag file, from the workload's flags
+  # A run past --timeout is a cell's error, and the table goes on.
+  assert timed_out == {"error": "timed out after 7 s (--timeout)"}
 
 
 # The soak's weight comparison (bench/faults.py) on Keras .weights.h5 files made here: the same

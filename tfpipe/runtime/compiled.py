@@ -338,8 +338,11 @@ class CompiledRuntime(Executor):
     windows call them, placed on their devices, rather than inline them. Inlined, the
     residual LSTM's stages on 2 loopback servers moved 3.1 GB a step through the loopback
     under spectrain (5.3 MB as calls) and held 11-13 and 7.5 GB under 1f1b (2.2 and 0.9 GB
-    as calls; 3.9 GB for the whole run in one process). Measured; the loop's inlined body
-    likely runs off its stage's device."""
+    as calls; 3.9 GB for the whole run in one process). Why: a loop window's backward from
+    a forward's residuals is TensorFlow's gradient function of it, whose ops TensorFlow
+    builds with no device; inlined into the window, its loop's control nodes (Enter, Merge,
+    Switch) keep none and the placer puts them on the window's device, the client's, so
+    every iteration crosses the client's link (seen in the placed graph on logical CPUs)."""
     return self.remote and any(p.forward_loops() for p in self.programs)
 
   def _replicas_on_servers(self) -> bool:
