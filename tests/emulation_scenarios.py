@@ -102,6 +102,40 @@ def replicas(devices, hub):
   return result
 
 
+def recurrent_replicas(devices, hub):
+  """3 replicas of a 2-stage 1F1B pipeline whose first stage runs an LSTM (a while loop over
+  24 time steps), one stage per host: the gap to Keras at the global batch (float64), each
+  host's bytes sent per step, and each stage's weight bytes."""
+  import keras
+  import numpy as np
+  import tfpipe
+  from tfpipe.instruments import traffic
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(48, 24, 16)), rng.integers(0, 3, (48,))
+
+  def make():
+    keras.utils.set_random_seed(1)
+    series = keras.Input((24, 16), dtype="float64")
+    h = keras.layers.LSTM(48, dtype="float64", name="recurrent")(series)
+    return keras.Model(series, keras.layers.Dense(3, dtype="float64", name="logits")(h))
+
+  loss = lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64")
+  expected = make()
+  expected.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss())
+  expected.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+  pipe = tfpipe.Pipeline(make(), devices=devices, method="1f1b", micro_batches=2,
+                         data_parallel=3, partition=["logits"])
+  pipe.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss(), steps_per_execution=1)
+  counter = traffic.LinkTraffic(lambda: emulation.hub_counters(hub))
+  pipe.fit(x, y, batch_size=12, shuffle=False, verbose=0, callbacks=[counter])
+  return {"gap": max(float(np.max(np.abs(a - b)))
+                     for a, b in zip(pipe.model.get_weights(), expected.get_weights())),
+          "sent": {name: sent for name, (sent, _) in counter.per_step().items()},
+          "stage_bytes": [sum(int(np.prod(v.shape)) * 8 for v in p.trainable)
+                          for p in pipe.programs],
+          "stage_layers": [[l.name for l in p.model.layers] for p in pipe.programs]}
+
+
 def allocate(devices, mib):
   """A tensor of `mib` MiB made on the first server, then a small one: each one's error class
   and first line (None where it was made)."""

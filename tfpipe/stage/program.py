@@ -257,7 +257,7 @@ class StageProgram(TaskBodies, KeptResiduals):
       ys, _, state = self.task("forward", inline)(xs, s)
       return ys, Kept(xs, state)
     weights = self.task("read_weights", inline)(s)
-    if keeps == "weights":
+    if keeps == "weights" or (not inline and self._replicated_loops()):
       ys, _, state = self.task("forward_on", inline)(weights, xs)
       return ys, Kept(xs, state, weights)
     called = not inline or self._inlined_residuals   # a call that outputs its residuals
@@ -270,6 +270,17 @@ class StageProgram(TaskBodies, KeptResiduals):
       tape.watch(list(weights) + self._float_inputs(xs))
       ys, reg, state = self.task("forward_on", inline)(weights, xs)
     return ys, Kept(xs, state, list(weights), tape, ys, reg)
+
+  def _replicated_loops(self) -> bool:
+    """Whether this stage's replicas are on TF servers and its forward runs a while loop: a
+    called forward then keeps the weights it read, not its tape or residuals, and its backward
+    recomputes it on them. The gradient from a called forward's residuals is TensorFlow's
+    gradient function of the call, whose ops have no device: a replica's loop control nodes
+    landed on the call's device, the first replica's, and every time step crossed between the
+    hosts (a residual LSTM at a quarter of its width, 2 replicas of 2 stages: 1.2 GB a step
+    each way between stage 0's hosts). The recompute builds each replica's gradient on its
+    own device (`tfpipe.stage.reduction`)."""
+    return self.remote and len(self.replica_devices) > 1 and self.forward_loops()
 
   def backward(self, parts: Sequence[Kept], dys: Any, s: int, scale: Any,
                accumulate: bool) -> Backward:
