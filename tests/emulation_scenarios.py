@@ -103,9 +103,9 @@ def replicas(devices, hub):
 
 
 def recurrent_replicas(devices, hub):
-  """3 replicas of a 2-stage 1F1B pipeline whose first stage runs an LSTM (a while loop over
-  24 time steps), one stage per host: the gap to Keras at the global batch (float64), each
-  host's bytes sent per step, and each stage's weight bytes."""
+  """3 replicas of a 2-stage 1F1B (and zero-bubble) pipeline whose first stage runs an LSTM (a
+  while loop over 24 time steps), one stage per host: per method, the gap to Keras at the
+  global batch (float64), each host's bytes sent per step, and each stage's weight bytes."""
   import keras
   import numpy as np
   import tfpipe
@@ -123,17 +123,21 @@ def recurrent_replicas(devices, hub):
   expected = make()
   expected.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss())
   expected.fit(x, y, batch_size=12, shuffle=False, verbose=0)
-  pipe = tfpipe.Pipeline(make(), devices=devices, method="1f1b", micro_batches=2,
-                         data_parallel=3, partition=["logits"])
-  pipe.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss(), steps_per_execution=1)
-  counter = traffic.LinkTraffic(lambda: emulation.hub_counters(hub))
-  pipe.fit(x, y, batch_size=12, shuffle=False, verbose=0, callbacks=[counter])
-  return {"gap": max(float(np.max(np.abs(a - b)))
-                     for a, b in zip(pipe.model.get_weights(), expected.get_weights())),
-          "sent": {name: sent for name, (sent, _) in counter.per_step().items()},
-          "stage_bytes": [sum(int(np.prod(v.shape)) * 8 for v in p.trainable)
-                          for p in pipe.programs],
-          "stage_layers": [[l.name for l in p.model.layers] for p in pipe.programs]}
+  result = {}
+  for method in ("1f1b", "zb"):   # zb: a backward in two halves
+    pipe = tfpipe.Pipeline(make(), devices=devices, method=method, micro_batches=2,
+                           data_parallel=3, partition=["logits"])
+    pipe.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss(), steps_per_execution=1)
+    counter = traffic.LinkTraffic(lambda: emulation.hub_counters(hub))
+    pipe.fit(x, y, batch_size=12, shuffle=False, verbose=0, callbacks=[counter])
+    result[method] = {
+        "gap": max(float(np.max(np.abs(a - b)))
+                   for a, b in zip(pipe.model.get_weights(), expected.get_weights())),
+        "sent": {name: sent for name, (sent, _) in counter.per_step().items()},
+        "stage_bytes": [sum(int(np.prod(v.shape)) * 8 for v in p.trainable)
+                        for p in pipe.programs],
+        "stage_layers": [[l.name for l in p.model.layers] for p in pipe.programs]}
+  return result
 
 
 def allocate(devices, mib):

@@ -242,6 +242,14 @@ def test_replicas_with_their_own_weights_and_a_ring_all_reduce_equal_keras(metho
         assert (where.device_type, where.device_index) == (wanted.device_type, wanted.device_index)
 
 
+def test_ring_replicas_of_a_recomputed_zero_bubble_backward_equal_keras():
+  # Its input half recomputes the forward for the input gradients alone: a tape that saw the
+  # weights there ran the replicas' own updates too, and they stepped twice.
+  _assert_equals_keras(functools.partial(helpers.skip_model, dtype="float64"), 2, "zb",
+                       loss_dtype="float64", micro_batches=2, batch_size=18, data_parallel=2,
+                       cross_device_ops="ring", recompute=True)
+
+
 @pytest.mark.parametrize("replicas", [2, 3, 4])
 def test_the_ring_all_reduce_sums_every_replicas_tensors_on_every_replica(replicas):
   devices = [DEVICES[r % len(DEVICES)] for r in range(replicas)]

@@ -66,9 +66,10 @@ class TaskBodies:
   # Weights and the stage call.
 
   def _call(self, weights: Sequence[Any], xs: Sequence[Any], training: bool,
-            update_state: bool = True,
-            state: Optional[Sequence[Any]] = None) -> Called:
+            update_state: bool = True, state: Optional[Sequence[Any]] = None,
+            recomputed: bool = False) -> Called:
     """The stage on `xs` with `weights`; returns (outputs, regularisation, state read).
+    `recomputed`: a backward's recompute, whose gradient is taken once.
 
     `state`: the non-trainable values to read (None: the variables'). Random
     layers draw from their seed generators' state, which is part of it: a
@@ -83,8 +84,10 @@ class TaskBodies:
       ys, new_state, losses = reduction.replicated_call(
           self.model, call_weights, call_state, xs, training, self.replica_devices,
           self.cross_device_ops, self.groups_in, self.groups_out,
-          # A split backward's halves take the gradient apart, but inlined in one walk.
-          persistent=self.ops["B"].op == "backward_input" and not self._inline)
+          # A kept forward of a split backward, whose halves take the gradient apart (but
+          # inlined in one walk).
+          persistent=(self.ops["B"].op == "backward_input" and not self._inline
+                      and not recomputed))
     else:
       inputs = xs[0] if len(xs) == 1 else list(xs)
       ys, new_state, losses = self.model.stateless_call(
@@ -216,9 +219,12 @@ class TaskBodies:
     """(weight gradients, input gradients) of the parts' forwards traced side by side, their
     outputs joined along the batch axis."""
     float_xs = [x for xs, _ in parts for x in self._float_inputs(xs)]
-    with tf.GradientTape() as tape:
-      tape.watch(list(weights) + float_xs)
-      outs = [self._call(weights, xs, training=True, update_state=False, state=state)
+    # Only what the gradient is taken of: an input half's tape that saw the weights would run
+    # the replicas' own updates (`cross_device_ops="ring"`, their copies' gradient) as well.
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+      tape.watch((list(weights) if wrt != "inputs" else []) + float_xs)
+      outs = [self._call(weights, xs, training=True, update_state=False, state=state,
+                         recomputed=True)
               for xs, state in parts]
       ys = outs[0][0] if len(outs) == 1 else [tf.concat(list(y), 0)
                                               for y in zip(*[o[0] for o in outs])]
