@@ -177,8 +177,7 @@ def _loops(graph_def):
   return [(n.device, n.name) for n in nodes if n.op in ("While", "StatelessWhile")]
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_a_replicas_recurrent_loop_and_its_gradient_are_placed_on_its_device(persistent):
+def test_a_replicas_recurrent_loop_and_its_gradient_are_placed_on_its_device():
   # Where TensorFlow sees higher-order gradients possible (two tapes watching, or a
   # persistent one), it wraps a while loop in a function whose gradient's loop has no
   # device, and the loop ran on the caller's default device (on TF servers: the client).
@@ -193,7 +192,7 @@ def test_a_replicas_recurrent_loop_and_its_gradient_are_placed_on_its_device(per
       tape.watch(weights)
       state = [tf.convert_to_tensor(v) for v in model.non_trainable_variables]
       ys, _, _ = reduction.replicated_call(model, weights, state, [x], True, devices,
-                                           reduction.choose(devices), persistent=persistent)
+                                           reduction.choose(devices), persistent=False)
       loss = tf.reduce_sum(ys[0])
     with tf.device(devices[0]):   # as a stage takes it
       return tape.gradient(loss, weights)
@@ -202,10 +201,7 @@ def test_a_replicas_recurrent_loop_and_its_gradient_are_placed_on_its_device(per
   loops = _loops(graph)
   assert len(loops) == 4   # each replica's forward and gradient
   placed = [tf.DeviceSpec.from_string(d).device_index if d else None for d, _ in loops]
-  if persistent:   # a split backward's halves taken apart: TensorFlow wraps the loops
-    assert None in placed
-  else:
-    assert placed.count(1) == placed.count(2) == 2, loops
+  assert placed.count(1) == placed.count(2) == 2, loops
 
 
 def test_cross_device_ops_default_to_mirrored_strategys_choice_and_refuse_bad_values():

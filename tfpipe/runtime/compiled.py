@@ -342,7 +342,9 @@ class CompiledRuntime(Executor):
     a forward's residuals is TensorFlow's gradient function of it, whose ops TensorFlow
     builds with no device; inlined into the window, its loop's control nodes (Enter, Merge,
     Switch) keep none and the placer puts them on the window's device, the client's, so
-    every iteration crosses the client's link (seen in the placed graph on logical CPUs)."""
+    every iteration crosses the client's link; in a window of inlined tasks, a weight read
+    with no device of its own, which the loop reads at every step, takes its Enter node
+    there too (seen in the placed graphs on logical CPUs)."""
     return self.remote and any(p.forward_loops() for p in self.programs)
 
   def _replicas_on_servers(self) -> bool:
