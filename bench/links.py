@@ -21,6 +21,7 @@ set beside the SpecTrain paper's 13.4x (its figure 3).
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -109,8 +110,7 @@ def run(workload, method, hosts, link):
           *[f for f in cluster_flags(method, hosts, link) if not f.startswith("--method=")]]
   start = time.monotonic()
   try:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.timeout,
-                            cwd=ROOT)
+    result = run_child(argv, FLAGS.timeout)
   except subprocess.TimeoutExpired:   # killed; its hosts are removed at the next start
     return {"error": f"timed out after {FLAGS.timeout} s (--timeout)"}
   if result.returncode != 0:
@@ -119,6 +119,34 @@ def run(workload, method, hosts, link):
     return {"error": (said or lines)[-1][:200]}
   return dict(parse(result.stdout, batch_size(workload), _rate(link)),
               seconds=time.monotonic() - start)
+
+
+def run_child(argv, timeout):
+  """`subprocess.run(argv, capture_output=True, text=True, timeout=timeout)` in the
+  repository, save that a SIGTERM to this process goes to the child too: the trainer then
+  removes its emulated hosts and exits, and this process exits (143) once it has, so that
+  stopping the benchmark leaves no trainer running. Past `timeout` the child is killed
+  (SIGKILL) and TimeoutExpired raised."""
+  child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=ROOT)
+  stopped = []
+
+  def stop(signum, _):
+    stopped.append(signum)
+    child.send_signal(signum)
+
+  previous = signal.signal(signal.SIGTERM, stop)
+  try:
+    out, err = child.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    child.kill()
+    child.communicate()
+    raise
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  if stopped:
+    sys.exit(128 + stopped[0])
+  return subprocess.CompletedProcess(argv, child.returncode, out, err)
 
 
 def parse(out, batch, rate):
@@ -136,9 +164,11 @@ def parse(out, batch, rate):
   waiting = ([float(w) / 100 for w in re.findall(r"waiting on transfers ([\d.e+-]+)%",
                                                  traced.group(0).split("):", 1)[-1])]
              if traced else [])
+  untraced = re.search(r"^time on each host: not traced \((.*)\)$", out, re.M)
   return {"samples/s": samples, "busy": busy, "sent": sum(hosts_sent), "max_host": max(hosts_sent),
           "whole_fit": "over the whole fit" in line.group(0),
-          **({"waiting": max(waiting)} if waiting else {})}
+          **({"waiting": max(waiting)} if waiting else {}),
+          **({"untraced": untraced.group(1)} if untraced else {})}
 
 
 def main(argv):
@@ -181,7 +211,8 @@ def _cell(r):
     return "error: " + r["error"]
   return (f"{r['samples/s']:.3g} /s, {r['sent']:.3g} MB" + ("*" if r["whole_fit"] else "")
           + f", link {100 * r['busy']:.0f}%"
-          + (f", waiting {100 * r['waiting']:.2g}%" if "waiting" in r else ""))
+          + (f", waiting {100 * r['waiting']:.2g}%" if "waiting" in r else "")
+          + (", waiting not traced†" if "untraced" in r else ""))
 
 
 def write_table(done):
@@ -218,7 +249,8 @@ def write_table(done):
            "a peer still computing too; runs before the trace have none). * the "
            "run's epochs were one window of steps each, so its bytes are the whole fit's per "
            "step: the weights sent out at the start and written back to the client at its end "
-           "included")
+           "included. † the trainer's trace of the hosts failed (why: `untraced` in "
+           f"{FLAGS.runs})")
   rows.sort(key=lambda r: (r[1], r[2], -_rate(r[0])))
   results_io.report(FLAGS.results_dir, FLAGS.output, title, results_io.markdown_table(head, rows))
 

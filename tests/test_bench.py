@@ -2,6 +2,8 @@
 
 import math
 import os
+import signal
+import time
 
 from tests import zygote
 
@@ -353,13 +355,15 @@ out = ("samples/s, whole last epoch  100.0\\n"
 traced = ("time on each host, traced over 2.8 s of one more epoch (waiting on transfers: a "
           "receive or all-reduce pending, nothing to compute): worker/0 computing 3%, waiting on "
           "transfers 81%, idle 16%; worker/1 computing 9.5%, waiting on transfers 0.5%, idle 90%\\n")
-def timed_out(argv, **kwargs):
-  raise bench.subprocess.TimeoutExpired(argv, kwargs["timeout"])
+untraced = "time on each host: not traced (the trace of 198.18.0.3:4 holds no op)\\n"
+def timed_out(argv, timeout):
+  raise bench.subprocess.TimeoutExpired(argv, timeout)
 bench.FLAGS(["links", "--timeout=7"])
-bench.subprocess.run = timed_out
+bench.run_child = timed_out
 print(json.dumps([bench.parse(out, 50, 1e8), bench.batch_size("vgg16"), bench.batch_size("fcn"),
                   bench.parse(out + traced, 50, 1e8)["waiting"],
-                  bench.run("fcn", "1f1b", 2, "10gbit")]))
+                  bench.parse(out + untraced, 50, 1e8), bench._cell(bench.parse(out + untraced, 50,
+                  1e8)), bench.run("fcn", "1f1b", 2, "10gbit")]))
 """
 
 
@@ -367,16 +371,54 @@ def test_links_reads_bytes_and_the_busiest_links_share_of_a_step_and_records_a_t
   import json
   result = zygote.run(["-c", _LINKS])
   assert result.returncode == 0, result.stderr[-2000:]
-  parsed, vgg16, fcn, waiting, timed_out = json.loads(result.stdout.strip().splitlines()[-1])
+  parsed, vgg16, fcn, waiting, untraced, cell, timed_out = json.loads(
+      result.stdout.strip().splitlines()[-1])
   # Hosts sent 2.5 + 7.5 MB (the client's link left out); worker/0 received the most, 10 MB:
   # 0.8 s at 100 Mbit/s of a 0.5 s step (50 samples at 100/s).
   assert parsed["sent"] == 10.0 and parsed["max_host"] == 7.5
   assert math.isclose(parsed["busy"], 1.6)
   assert not parsed["whole_fit"] and "waiting" not in parsed   # a run without the trace
   assert math.isclose(waiting, 0.81)   # the busiest host's share, from the trace's line
+  # A trace that failed: the trainer's reason kept, and the cell says so.
+  assert untraced["untraced"] == "the trace of 198.18.0.3:4 holds no op"
+  assert "waiting" not in untraced and cell.endswith(", waiting not traced\u2020")
   assert (vgg16, fcn) == (64, 256)   # from the config's flag file, from the workload's flags
   # A run past --timeout is a cell's error, and the table goes on.
   assert timed_out == {"error": "timed out after 7 s (--timeout)"}
+
+
+_LINKS_STOPPED = """
+import importlib.util, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("links", "bench/links.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+start = time.monotonic()
+try:
+  bench.run_child([sys.executable, "-c", "import time; time.sleep(60)"], 1)
+except subprocess.TimeoutExpired:
+  print("timed out in", round(time.monotonic() - start), "s", flush=True)
+mark = sys.argv[1]
+child = ("import signal, sys, time\\n"
+         "def stop(*_):\\n  open(%r, 'w').write('stopped')\\n  sys.exit(7)\\n"
+         "signal.signal(signal.SIGTERM, stop)\\nopen(%r, 'w').write('ready')\\n"
+         "time.sleep(60)\\n") % (mark, mark)
+bench.run_child([sys.executable, "-c", child], 60)
+print("not stopped", flush=True)
+"""
+
+
+def test_links_kills_a_run_past_its_timeout_and_a_sigterm_stops_its_run_too(tmp_path):
+  mark = tmp_path / "child"
+  started = zygote.start(["-c", _LINKS_STOPPED, str(mark)])
+  deadline = time.monotonic() + 60
+  while not (mark.exists() and mark.read_text() == "ready") and time.monotonic() < deadline:
+    time.sleep(0.05)
+  os.kill(started.pid, signal.SIGTERM)   # the benchmark's process alone, as `kill PID` does
+  out, err = started.communicate(timeout=60)
+  assert out.splitlines()[0] == "timed out in 1 s", err[-2000:]
+  # The child was told (its handler ran) and the benchmark exited as SIGTERM asks, after it.
+  assert mark.read_text() == "stopped"
+  assert started.returncode == 128 + signal.SIGTERM and "not stopped" not in out
 
 
 # The soak's weight comparison (bench/faults.py) on Keras .weights.h5 files made here: the same

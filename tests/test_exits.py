@@ -38,15 +38,21 @@ def test_a_deadline_met_changes_nothing_and_an_unregistered_cleanup_does_not_run
   assert (code, cleaned) == (5, False)
 
 
-def test_the_error_files_of_a_killed_runs_servers_are_removed(tmp_path, monkeypatch):
+def test_the_temporary_files_of_a_killed_run_are_removed(tmp_path, monkeypatch):
   import tempfile
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                         capture_output=True, text=True).stdout.strip()
   (tmp_path / f"tfpipe-server-{gone}-abc").write_text("")
+  traced = tmp_path / f"tfpipe-hosts-{gone}-xyz"   # a trace's folder, with what it wrote
+  (traced / "plugins").mkdir(parents=True)
+  (traced / "plugins" / "trace.pb").write_text("")
   (tmp_path / f"tfpipe-server-{os.getpid()}-def").write_text("")   # this run's: kept
-  assert local_cluster.remove_leftover_files() == [str(tmp_path / f"tfpipe-server-{gone}-abc")]
-  assert sorted(p.name for p in tmp_path.iterdir()) == [f"tfpipe-server-{os.getpid()}-def"]
+  (tmp_path / f"tfpipe-hosts-{os.getpid()}-uvw").mkdir()
+  assert local_cluster.remove_leftover_files() == [
+      str(tmp_path / f"tfpipe-hosts-{gone}-xyz"), str(tmp_path / f"tfpipe-server-{gone}-abc")]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      f"tfpipe-hosts-{os.getpid()}-uvw", f"tfpipe-server-{os.getpid()}-def"]
 
 
 def _program(tmp_path, codes):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -263,16 +264,21 @@ def _files_prefix(pid=None):
 
 
 def remove_leftover_files():
-  """Removes the servers' error files of processes that are gone (a killed run); returns
-  their paths."""
-  removed, pattern = [], re.compile(r"^tfpipe-server-(\d+)-")
+  """Removes the temporary files of processes that are gone (a killed run): the servers'
+  error files, and the folders a trace of the hosts writes to
+  (`tfpipe.instruments.transfers`); returns their paths."""
+  removed, pattern = [], re.compile(r"^tfpipe-(?:server|hosts)-(\d+)-")
   folder = tempfile.gettempdir()
   for name in sorted(os.listdir(folder)):
     match = pattern.match(name)
     if match and not liveness.process_alive(int(match.group(1))):
+      path = os.path.join(folder, name)
       with contextlib.suppress(OSError):
-        os.remove(os.path.join(folder, name))
-        removed.append(os.path.join(folder, name))
+        if os.path.isdir(path) and not os.path.islink(path):
+          shutil.rmtree(path)
+        else:
+          os.remove(path)
+        removed.append(path)
   return removed
 
 

@@ -136,7 +136,9 @@ def trace_hosts(addresses: Dict[object, str], seconds: float, logdir=None) -> Di
   folder by default, removed after)."""
   if not seconds > 0:
     raise ValueError(f"a trace needs seconds > 0. Received: {seconds!r}")
-  with tempfile.TemporaryDirectory(prefix="tfpipe_hosts_") as scratch:
+  # Named by this process, so that the next run removes it if this one is killed
+  # (`tfpipe.cluster.remove_leftover_files`).
+  with tempfile.TemporaryDirectory(prefix=f"tfpipe-hosts-{os.getpid()}-") as scratch:
     folder = logdir or scratch
     tf.profiler.experimental.client.trace(
         ",".join(f"grpc://{a}" for a in addresses.values()), folder,
