@@ -52,10 +52,29 @@ def equal(local):
   return result
 
 
+class _ParkedHeld(keras.callbacks.Callback):
+  """After each mini-batch: how many window functions' parked variables (`slot`s) hold a
+  float tensor of any element (`tfpipe.runtime.parked`)."""
+
+  def __init__(self, pipe):
+    super().__init__()
+    self.pipe, self.held = pipe, []
+
+  def on_train_batch_end(self, batch, logs=None):
+    slots = set()
+    for (slot, _), variable in self.pipe.runtime.parked.variables.items():
+      if variable.dtype.is_floating:
+        with tf.device(variable.device):
+          if int(tf.size(variable.read_value())):
+            slots.add(slot)
+    self.held.append(len(slots))
+
+
 def recurrent(local):
   """SpecTrain over an LSTM stage on the servers, in windows of one mini-batch: its kept
   forwards (with the lists of the LSTM's loop) carried between windows in variables on the
-  servers; and the same on this process's CPUs."""
+  servers; and the same on this process's CPUs. `held`: after each mini-batch on the servers,
+  how many window functions' variables hold a carry."""
   x = np.random.default_rng(0).standard_normal((48, 6, 4)).astype("float32")
   y = np.arange(48) % 3
   weights = []
@@ -68,13 +87,18 @@ def recurrent(local):
     pipe = tfpipe.Pipeline(model, devices=devices, method="spectrain", partition=["lstm2"])
     pipe.compile(optimizers.SpecTrain(0.05, 0.9), keras.losses.SparseCategoricalCrossentropy(
         from_logits=True), steps_per_execution=1)
-    pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=2)
+    remote = devices[0].startswith("/job:worker")
+    if remote:
+      held = _ParkedHeld(pipe)
+    pipe.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=2,
+             callbacks=[held] if remote else [])
     weights.append(pipe.model.get_weights())
-    if devices[0].startswith("/job:worker"):
+    if remote:
       inlined = [n.inline for n in pipe.runtime.numbered]
       parked = sorted({v.dtype.name for v in pipe.runtime.parked.variables.values()})
+      slots = len({slot for slot, _ in pipe.runtime.parked.variables})
   return {"gap": max(float(np.max(np.abs(a - b))) for a, b in zip(*weights)),
-          "inlined": inlined, "parked": parked}
+          "inlined": inlined, "parked": parked, "held": held.held, "slots": slots}
 
 
 class _WeightsAtEpochEnds(keras.callbacks.Callback):

@@ -55,6 +55,10 @@ def test_a_recurrent_stage_on_servers_carries_its_kept_forwards_there_and_equals
   # LSTM loop's lists (variants) among it.
   assert result["inlined"] and not any(result["inlined"])
   assert {"float32", "variant"} <= set(result["parked"])
+  # Several window functions park a carry, but a carry lives only until the next window has
+  # read it: after each mini-batch one function's variables at most hold one.
+  assert result["slots"] > 1 and len(result["held"]) == 12
+  assert max(result["held"]) == 1
 
 
 def test_pipeline_replicas_on_server_processes_equal_keras():
