@@ -52,6 +52,35 @@ def test_an_embeddings_table_gets_rows_so_only_dense_weights_count_toward_tempor
   assert [row["runtime"] for row in rows] == [footprint.RUNTIME] * 2   # a device each
 
 
+@pytest.mark.parametrize("method, micro_batches, clipped, as_rows", [
+    ("1f1b", 2, False, True),        # a synchronous schedule keeps the micro-batches' rows
+    ("pipedream", 1, False, True),   # applied at once: the optimizer takes the rows
+    ("pipedream", 2, False, False),  # accumulated dense: the asynchronous rules' sum
+    ("1f1b", 2, True, False),        # global-norm clipping makes it dense
+])
+def test_an_embeddings_table_counts_as_dense_where_its_gradient_reaches_the_optimizer_dense(
+    method, micro_batches, clipped, as_rows):
+  keras.utils.set_random_seed(0)
+  tokens = keras.Input((6,), dtype="int32")
+  h = keras.layers.Embedding(50, 4, name="table")(tokens)
+  model = keras.Model(tokens, keras.layers.Dense(3, name="head")(keras.layers.Flatten(name="flat")(h)))
+  pipe = tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=micro_batches,
+                         partition=["flat"])
+  optimizer = (keras.optimizers.SGD(0.1, global_clipnorm=1.0) if clipped
+               else keras.optimizers.SGD(0.1))
+  pipe.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  accumulating = footprint.counts(pipe)[2]
+  assert accumulating == (micro_batches > 1)
+  assert footprint.rows_reach_optimizer(pipe, accumulating) == as_rows
+  table = 50 * 4 * 4
+  assert pipe.memory(4)[0]["temporaries"] == (0 if as_rows else int(footprint.TEMPORARIES * table))
+  # As the stage runs it: the micro-batches' rows kept, or added to the dense accumulator.
+  x = np.random.default_rng(0).integers(0, 50, (8, 6)).astype("int32")
+  pipe.fit(x, np.arange(8) % 3, batch_size=4, epochs=1, verbose=0, shuffle=False)
+  if accumulating:
+    assert bool(pipe.programs[0].updates.seen_rows) == as_rows
+
+
 def test_unknown_dimensions_come_from_the_given_shapes_or_are_refused_by_name():
   tokens = keras.Input((None,), dtype="int32", name="tokens")
   model = keras.Model(tokens, keras.layers.Embedding(50, 4)(tokens), name="lm")

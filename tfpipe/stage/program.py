@@ -141,8 +141,10 @@ class StageProgram(TaskBodies, KeptResiduals):
                           if not self.is_last and self._has_losses() else None)
       self.sources = weights_lib.WeightSources(index, self.trainable, optimizer, policy,
                                                self.ops)
+    # Whether an embedding's micro-batch gradients may be kept as rows (`_row_weights`).
+    self.embedding_rows = bool(synchronous and not jit_compile)
     self.updates = updates_lib.Updates(index, device, optimizer, self.rule, self.sources,
-                                       rows=self._row_weights(synchronous, jit_compile))
+                                       rows=self._row_weights())
     self.mirrors = self._ring_mirrors(optimizer, optimizer_source) if ring else None
     self.jit_compile = jit_compile
     self.functions = tracing.TaskFunctions(self._bodies(), device, jit_compile,
@@ -164,11 +166,11 @@ class StageProgram(TaskBodies, KeptResiduals):
     mirrors.updates = self.updates
     return mirrors
 
-  def _row_weights(self, synchronous: bool, jit_compile: Optional[bool]) -> Tuple[int, ...]:
+  def _row_weights(self) -> Tuple[int, ...]:
     """The indices of this stage's weights an `Embedding` reads by rows: with a synchronous
     schedule their micro-batch gradients are kept as rows (`tfpipe.stage.updates`). The
     asynchronous methods' rules are written for dense gradients; XLA wants static shapes."""
-    if not synchronous or jit_compile:
+    if not self.embedding_rows:
       return ()
     embedded = {id(layer.embeddings) for layer in embedding_layers(self.model)}
     return tuple(j for j, (src, _) in enumerate(self._pairs[:len(self.trainable)])

@@ -176,15 +176,16 @@ class Updates:
             else tf.reduce_sum(tf.square(tf.cast(a, tf.float32) / scale))
             for j, a in enumerate(self._accumulated())]
 
-  def _rows_kept(self) -> bool:
+  def rows_kept(self) -> bool:
     """Whether embeddings' rows are kept: no whole-model decision and no replicas' own
-    copies (either makes the gradient dense)."""
+    copies (either makes the gradient dense). Where the stage keeps rows at all, see
+    `row_weights` (a synchronous schedule's: `tfpipe.stage.program`)."""
     return self.joint is None and self.mirrors is None
 
   def _keeps_rows(self, j: int, g: Any) -> bool:
     """Whether weight j's gradient `g` joins its rows (`rows`): an embedding's rows, where
-    `_rows_kept`."""
-    keep = isinstance(g, tf.IndexedSlices) and j in self.rows and self._rows_kept()
+    `rows_kept`."""
+    keep = isinstance(g, tf.IndexedSlices) and j in self.rows and self.rows_kept()
     if keep:
       self.seen_rows.add(j)
     return keep
@@ -195,7 +196,7 @@ class Updates:
     vocabulary entry, where a dense gradient was seen too or none was traced yet (a zero row
     adds nothing to any optimizer's sums of squares, signs or rows)."""
     grads = list(grads)
-    if not self._rows_kept():
+    if not self.rows_kept():
       return grads
     for j, (values, indices) in self.rows.items():
       if j in self.seen_dense and j not in self.seen_rows:

@@ -18,7 +18,8 @@ k: stage index, M: micro-batches, W: the bytes of a stage's trainable weights. P
   gradients:    one gradient per trainable weight while the backward and update run (W);
   temporaries:  the step's tensors beside those: weight-gradient products, the update's and
                 the accumulation's intermediates, TEMPORARIES x the bytes of the weights
-                whose gradients are dense (an embedding's table, read by a gather, gets rows);
+                whose gradients are dense (an embedding's table, read by a gather, gets rows
+                where they reach the optimizer as rows: `rows_reach_optimizer`);
   runtime:      what a TF process holds beside tensors while it trains (its functions'
                 graphs and kernels, transfers in flight): RUNTIME bytes, once per device
                 (on its first stage).
@@ -39,7 +40,7 @@ from tfpipe.plan import policies, records, tasks as task_table
 from tfpipe.stage import partition as partition_lib
 
 __all__ = ["FIELDS", "TEMPORARIES", "RUNTIME", "kept_per_unit", "sparse_bytes", "predict",
-           "unit_shapes"]
+           "unit_shapes", "rows_reach_optimizer"]
 
 FIELDS = ("weights", "optimizer", "accumulators", "versions", "activations", "gradients",
           "temporaries", "runtime")
@@ -188,6 +189,17 @@ def counts(pipeline, num_batches=None):
   return [p[0] for p in peaks], [p[1] for p in peaks], accumulating
 
 
+def rows_reach_optimizer(pipeline, accumulating):
+  """Whether an embedding's gradient reaches its stage's optimizer as rows (IndexedSlices),
+  `accumulating` the schedule's micro-batches (`counts`): applied at once, or kept as rows
+  by a synchronous schedule (`tfpipe.stage.updates`); never with a whole-model decision
+  (clipping, loss scaling) or the replicas' own copies, which make it dense. Otherwise each
+  micro-batch's is made dense and added to a dense accumulator (the asynchronous methods'
+  rules are written for dense gradients), so the table counts among the dense weights."""
+  program = pipeline.programs[0]
+  return program.updates.rows_kept() and (not accumulating or program.embedding_rows)
+
+
 def predict(pipeline, batch_size, input_shapes=None):
   """Per stage, {field: bytes} (`FIELDS`) and "total", predicted before training at
   `batch_size` (after `compile`). `input_shapes`: the model inputs' shapes where the model
@@ -202,6 +214,7 @@ def predict(pipeline, batch_size, input_shapes=None):
   M = pipeline.micro_batches or 1
   unit = -(-batch_size // M)
   states, versions, accumulating = counts(pipeline)
+  as_rows = rows_reach_optimizer(pipeline, accumulating)
   ops = task_table.ops(pipeline.policy)
   current = 0 if ops["F"].reads == "predicted" else 1
   rows = []
@@ -225,7 +238,7 @@ def predict(pipeline, batch_size, input_shapes=None):
         "versions": max(0, versions[k] - current) * trainable,
         "activations": activations,
         "gradients": trainable,
-        "temporaries": int(TEMPORARIES * max(0, trainable - sparse)),
+        "temporaries": int(TEMPORARIES * max(0, trainable - (sparse if as_rows else 0))),
         "runtime": RUNTIME if pipeline.devices.index(pipeline.devices[k]) == k else 0,
     }
     row["total"] = sum(row.values())
@@ -275,14 +288,15 @@ class LayerCosts:
     self.outputs = sum(_per_unit([t], unit, input_shapes) for t in outputs
                        if tf.as_dtype(t.dtype).is_floating)
 
-  def stage(self, k, a, b, states, versions, slots, accumulating, recompute):
+  def stage(self, k, a, b, states, versions, slots, accumulating, recompute, as_rows=True):
     """Predicted bytes of stage k holding nodes a..b-1 (`predict`'s fields summed, but for
     the device's `RUNTIME`): `states`/`versions` its plan counts, `slots` optimizer bytes per
-    trainable byte."""
+    trainable byte, `as_rows` `rows_reach_optimizer`'s."""
     trainable = sum(self.trainable[a:b])
+    dense = sum(self.dense[a:b]) if as_rows else trainable
     last = b == len(self.kept)
     kept = sum(self.kept[a:b]) + (self.outputs if last else 0)
     activations = (states * self.inputs[a] + kept if recompute and not last
                    else states * (self.inputs[a] + kept))
     return int(trainable * (1 + slots + (1 if accumulating else 0) + max(0, versions) + 1)
-               + TEMPORARIES * sum(self.dense[a:b]) + sum(self.fixed[a:b]) + activations)
+               + TEMPORARIES * dense + sum(self.fixed[a:b]) + activations)

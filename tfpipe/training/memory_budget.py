@@ -86,6 +86,7 @@ def plan(pipe, batch_size, input_shapes, kept=None):
   unit = -(-batch_size // (pipe.micro_batches or 1))
   costs = footprint.LayerCosts(model, unit, input_shapes)
   states, versions, accumulating = footprint.counts(pipe)
+  as_rows = footprint.rows_reach_optimizer(pipe, accumulating)
   current = 0 if task_table.ops(pipe.policy)["F"].reads == "predicted" else 1
   trainable = sum(r["gradients"] for r in rows)
   slots = sum(r["optimizer"] for r in rows) / trainable if trainable else 0.0
@@ -94,7 +95,7 @@ def plan(pipe, batch_size, input_shapes, kept=None):
 
   def fits(j, a, b, recompute=pipe.policy.recompute):
     return costs.stage(j, a, b, states[j], versions[j] - current, slots, accumulating,
-                       recompute) <= share
+                       recompute, as_rows) <= share
 
   try:
     return balance.min_max(pipe.partition.costs, K, fits=fits)
