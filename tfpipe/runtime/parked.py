@@ -91,9 +91,8 @@ class Parked:
     shape `shapes` gives it (`shapes_of`), the ops that follow the reads). Each variable is
     emptied once read: the read holds the buffer for as long as the window uses it, and the
     variable no longer does, so a carried tensor lives until the window that reads it is
-    done with it. Each window function has variables of its own (its `slot`), and kept, each
-    slot's held its last carry until the epoch's end: a carry per window function, weights
-    included (a transformer's PipeDream stage 0 on a TF server: ~100 MiB above its 1f1b's)."""
+    done with it. Each window function has variables of its own (its `slot`): kept, each
+    slot's held its last carry, weights included, until the epoch's end (`release`)."""
     static = iter(shapes)
     leaves, reads = [], []
     for leaf in tf.nest.flatten(carry):
