@@ -360,10 +360,10 @@ def timed_out(argv, timeout):
   raise bench.subprocess.TimeoutExpired(argv, timeout)
 bench.FLAGS(["links", "--timeout=7"])
 bench.run_child = timed_out
+failed = bench.parse(out + untraced, 50, 1e8)
 print(json.dumps([bench.parse(out, 50, 1e8), bench.batch_size("vgg16"), bench.batch_size("fcn"),
-                  bench.parse(out + traced, 50, 1e8)["waiting"],
-                  bench.parse(out + untraced, 50, 1e8), bench._cell(bench.parse(out + untraced, 50,
-                  1e8)), bench.run("fcn", "1f1b", 2, "10gbit")]))
+                  bench.parse(out + traced, 50, 1e8)["waiting"], failed, bench._cell(failed),
+                  bench.run("fcn", "1f1b", 2, "10gbit")]))
 """
 
 

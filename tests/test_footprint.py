@@ -63,7 +63,8 @@ def test_an_embeddings_table_counts_as_dense_where_its_gradient_reaches_the_opti
   keras.utils.set_random_seed(0)
   tokens = keras.Input((6,), dtype="int32")
   h = keras.layers.Embedding(50, 4, name="table")(tokens)
-  model = keras.Model(tokens, keras.layers.Dense(3, name="head")(keras.layers.Flatten(name="flat")(h)))
+  h = keras.layers.Flatten(name="flat")(h)
+  model = keras.Model(tokens, keras.layers.Dense(3, name="head")(h))
   pipe = tfpipe.Pipeline(model, num_stages=2, method=method, micro_batches=micro_batches,
                          partition=["flat"])
   optimizer = (keras.optimizers.SGD(0.1, global_clipnorm=1.0) if clipped
